@@ -1,0 +1,145 @@
+"""The `launch` console script: a Hydra app over conf/, with one-line errors for bad input.
+
+This module imports only Hydra and OmegaConf, so `launch --help` and `launch --cfg job`
+never pay for torch, deepspeed or wandb; the run itself is imported when a job starts.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from launcher import schema
+
+CONFIG_MODULE = "launcher.conf"
+CONFIG_NAME = "config"
+EXIT_BAD_INPUT = 2
+
+schema.register()
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    """Print a one-line error and exit non-zero."""
+    print(f"launch: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)
+def _app(cfg: DictConfig) -> None:
+    from launcher.launch import run_job  # imports torch: only once a job really starts
+
+    code = run_job(cfg)
+    if code:
+        raise SystemExit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    error = precheck(argv)
+    if error:
+        fail(error)
+    sys.argv = [sys.argv[0], *argv]
+    _app()
+
+
+# --------------------------------------------------------------------------------------------
+# Precheck: compose once with the compose API, so that a bad override becomes one clear line
+# instead of Hydra's multi-line report. Sweeps are checked value by value for group choices.
+# --------------------------------------------------------------------------------------------
+
+
+def precheck(argv: Sequence[str]) -> str | None:
+    """Return a one-line error for overrides that cannot compose, or None."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args = get_args_parser().parse_args(list(argv))
+    except SystemExit:
+        return None  # argparse already printed its own usage error; let Hydra handle the rest
+    if (
+        args.help
+        or args.hydra_help
+        or args.shell_completion
+        or args.info
+        or args.experimental_rerun
+        or args.config_dir
+        or args.config_path
+        or args.config_name
+    ):
+        return None
+    return check_overrides(args.overrides)
+
+
+def check_overrides(overrides: Sequence[str]) -> str | None:
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    user = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(user)
+    except HydraException as e:
+        return _one_line(e)
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        groups = set(loader.get_group_options("", results_filter=None))
+        first: list[str] = []
+        for o in parsed:
+            group = o.key_or_group
+            candidates = _candidates(o)
+            if group in groups and not o.is_delete():
+                options = [n for n in loader.get_group_options(group) if not n.startswith("base_")]
+                for value in candidates:
+                    if value not in options:
+                        return f"unknown {group} '{value}'; valid: {', '.join(options)} (e.g. {group}={options[0]})"
+            if o.is_sweep_override() and not candidates:
+                continue  # a sweep we cannot expand here (interval, glob): Hydra checks it per job
+            value = candidates[0] if o.is_sweep_override() else o.get_value_element_as_str()
+            first.append(f"{o.get_key_element()}={value}" if not o.is_delete() else o.input_line)
+        try:
+            compose(CONFIG_NAME, overrides=first)
+        except (HydraException, OmegaConfBaseException) as e:
+            return _unknown_key(e, first) or _one_line(e)
+    return None
+
+
+def _candidates(o) -> list[str]:
+    if not o.is_sweep_override():
+        return [o.get_value_element_as_str()]
+    try:
+        return [str(v) for v in o.sweep_string_iterator()]
+    except Exception:  # interval and glob sweeps have no finite list without the options
+        return []
+
+
+def _unknown_key(e: Exception, overrides: list[str]) -> str | None:
+    from hydra import compose
+
+    match = re.search(r"Could not override '([^']+)'", str(e))
+    if not match:
+        return None
+    key = match.group(1)
+    parent, _, leaf = key.rpartition(".")
+    base = compose(CONFIG_NAME, overrides=[o for o in overrides if not o.startswith(f"{key}=")])
+    node = OmegaConf.select(base, parent) if parent else base
+    valid = ", ".join(sorted(node.keys())) if isinstance(node, DictConfig) else "?"
+    where = parent or "the top level"
+    return f"unknown key '{key}'; {where} has: {valid} (to add a new key use +{key}=...)"
+
+
+def _one_line(e: BaseException) -> str:
+    parts: list[str] = []
+    while e is not None:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        for line in lines:
+            if line.startswith(("object_type", "reference_type")) or line in parts:
+                continue
+            parts.append(line)
+        e = e.__cause__  # type: ignore[assignment]
+    return "; ".join(parts[:3]) or "invalid configuration"

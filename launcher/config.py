@@ -1,0 +1,111 @@
+"""Validate a composed config and derive the values every rank shares, once, in the parent.
+
+Everything here is plain Python over an OmegaConf node: no torch import, so that config-only
+commands stay fast. The caller passes what it detected about the machine (visible GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+CPU_DEFAULT_GPUS = 2
+"""Workers per node on CPU when `gpus` is unset: enough to exercise real collectives."""
+
+
+class ConfigError(ValueError):
+    """A bad value in the user's config; its message is one line naming the value and the fix."""
+
+
+@dataclass(frozen=True)
+class Derived:
+    device: str
+    """cpu or cuda."""
+    gpus: int
+    """Worker processes per node."""
+    nodes: int
+    world_size: int
+    accumulation: int
+    """Micro-steps per optimizer step: global / (micro x world size)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _positive(name: str, value: Any, minimum: float = 1) -> None:
+    if value is None or value < minimum:
+        rule = "a positive integer" if minimum == 1 else f">= {minimum}"
+        raise ConfigError(f"{name}={value} is invalid: it must be {rule}")
+
+
+def _nearest_multiples(value: int, unit: int) -> str:
+    below = (value // unit) * unit
+    above = below + unit
+    return f"{below} or {above}" if below > 0 else f"{above}"
+
+
+def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
+    """Check the config against the rules of a run and return the derived values.
+
+    Raises ConfigError with a one-line message naming the bad value and the fix.
+    """
+    batch, trainer = cfg.batch, cfg.trainer
+    _positive("batch.global_size", batch.global_size)
+    _positive("batch.micro_size", batch.micro_size)
+    _positive("trainer.max_steps", trainer.max_steps)
+    _positive("trainer.log_every", trainer.log_every)
+    _positive("trainer.eval_batches", trainer.eval_batches)
+    _positive("nodes", cfg.nodes)
+    for name in ("eval_every", "warmup_steps", "max_restarts"):
+        _positive(f"trainer.{name}", trainer[name], minimum=0)
+    _positive("trainer.grad_clip", trainer.grad_clip, minimum=0)
+    if trainer.collective_timeout <= 0:
+        raise ConfigError(f"trainer.collective_timeout={trainer.collective_timeout} must be > 0 seconds")
+    if cfg.gpus is not None:
+        _positive("gpus", cfg.gpus)
+
+    device = str(OmegaConf.select(cfg, "device", default="auto"))
+    device = device.split(".")[-1]  # Enum nodes print as Device.cpu
+    if device == "auto":
+        device = "cuda" if cuda_devices > 0 else "cpu"
+    if device == "cuda" and cuda_devices == 0:
+        raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu or device=auto")
+    if device == "cuda":
+        gpus = cfg.gpus if cfg.gpus is not None else cuda_devices
+        if gpus > cuda_devices:
+            raise ConfigError(
+                f"gpus={gpus} but only {cuda_devices} CUDA device(s) are visible on this node; "
+                f"use gpus={cuda_devices} or fewer"
+            )
+    else:
+        gpus = cfg.gpus if cfg.gpus is not None else CPU_DEFAULT_GPUS
+
+    world_size = gpus * cfg.nodes
+    per_step = batch.micro_size * world_size
+    if batch.global_size % per_step:
+        raise ConfigError(
+            f"batch.global_size={batch.global_size} is not divisible by batch.micro_size={batch.micro_size} "
+            f"x world size {world_size} (= {per_step}); use batch.global_size="
+            f"{_nearest_multiples(batch.global_size, per_step)}, or change batch.micro_size or gpus"
+        )
+    _check_data(cfg)
+    return Derived(device, gpus, cfg.nodes, world_size, batch.global_size // per_step)
+
+
+def _check_data(cfg: DictConfig) -> None:
+    data, model = cfg.data, cfg.model
+    path = OmegaConf.select(data, "path", default=None)
+    if path is not None and not Path(os.path.expanduser(str(path))).is_file():
+        raise ConfigError(f"data.path={path} does not exist or is not a file; point data.path at a token file")
+    seq_len = OmegaConf.select(data, "seq_len", default=None)
+    block_size = OmegaConf.select(model, "block_size", default=None)
+    if seq_len is not None:
+        _positive("data.seq_len", seq_len)
+    if seq_len is not None and block_size is not None and seq_len > block_size:
+        raise ConfigError(
+            f"data.seq_len={seq_len} exceeds model.block_size={block_size}; lower data.seq_len or raise model.block_size"
+        )

@@ -1,0 +1,88 @@
+"""Metric loggers. Only rank 0 gets a real one; other ranks get NullLogger.
+
+A logger is any `_target_` with `log(metrics, step)` and `finish()`; it is constructed with its
+own config keys plus `run_config` (the resolved run config as a dict) and `run_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+class NullLogger:
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class JsonlLogger:
+    """metrics.jsonl in the run directory: always written by rank 0, read by tests and sweep reports."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "a", buffering=1)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def finish(self) -> None:
+        self.file.close()
+
+
+def _has_api_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+class WandbLogger:
+    """Weights & Biases. Without an API key (and no explicit mode) it logs offline, never blocking on the network."""
+
+    def __init__(
+        self,
+        run_config: dict[str, Any],
+        run_dir: str,
+        project: str = "launch",
+        entity: str | None = None,
+        group: str | None = None,
+        name: str | None = None,
+        mode: str | None = None,
+        tags: list[str] | None = None,
+    ) -> None:
+        import wandb  # heavy: only rank 0 of a run that asked for wandb pays for it
+
+        mode = mode or os.environ.get("WANDB_MODE") or ("online" if _has_api_key() else "offline")
+        self.run = wandb.init(
+            project=project,
+            entity=entity,
+            group=group,
+            name=name or Path(run_dir).name,
+            tags=list(tags or []),
+            mode=mode,
+            dir=run_dir,
+            config=run_config,
+            settings=wandb.Settings(silent=True),
+        )
+        self.offline = mode == "offline"
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        run_dir = getattr(self.run, "dir", None)
+        self.run.finish()
+        if self.offline and run_dir:
+            folder = Path(run_dir).parent
+            print(f"wandb: logged offline to {folder}; upload with: wandb sync {folder}", file=sys.stderr)

@@ -1,0 +1,194 @@
+"""The common runner: one training loop for every strategy.
+
+It never asks which strategy it drives; everything layout-specific is behind the Strategy
+protocol. Logged figures are reduced over all ranks: the loss is the mean over the whole global
+batch, memory figures are the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.data import GlobalBatches, collate, rank_micro_batches
+from launcher.logs import JsonlLogger, NullLogger
+from strategies import RunContext, Strategy
+
+
+def lr_at(step: int, base: float, warmup: int, max_steps: int, schedule: str, min_ratio: float) -> float:
+    """Learning rate for 0-based optimizer step `step`: linear warmup, then the chosen decay."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    if schedule == "constant":
+        return base
+    progress = (step - warmup) / max(1, max_steps - warmup - 1)
+    progress = min(1.0, progress)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+    return base * (min_ratio + (1 - min_ratio) * shape)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _tokens(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values())) if isinstance(batch, dict) else batch
+    return int(first.numel()) if isinstance(first, torch.Tensor) else 0
+
+
+@dataclass
+class Loggers:
+    """Rank 0 writes metrics.jsonl and the configured logger; the other ranks write nothing."""
+
+    rank: int
+    jsonl: Any
+    external: Any
+
+    @classmethod
+    def create(cls, cfg: DictConfig, rank: int, run_dir: Path) -> Loggers:
+        if rank != 0:
+            return cls(rank, NullLogger(), NullLogger())
+        config = OmegaConf.to_container(cfg, resolve=True)
+        return cls(rank, JsonlLogger(run_dir / "metrics.jsonl"), instantiate(cfg.logger, run_config=config, run_dir=str(run_dir), _recursive_=False))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.jsonl.log(metrics, step)
+        self.external.log(metrics, step)
+
+    def finish(self) -> None:
+        self.jsonl.finish()
+        self.external.finish()
+
+
+class Progress:
+    """A progress bar on rank 0 when it writes to a terminal, plain log lines otherwise."""
+
+    def __init__(self, rank: int, total: int, enabled: bool) -> None:
+        self.rank = rank
+        self.bar = None
+        if rank == 0 and enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, metrics: dict[str, float] | None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if metrics:
+                self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+        elif self.rank == 0 and metrics:
+            extra = f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
+            print(
+                f"step {step} | loss {metrics['loss']:.4f}{extra} | lr {metrics['lr']:.2e} | "
+                f"{metrics['step_time_s']:.3f} s/step | {metrics['tokens_per_s']:.0f} tok/s",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def evaluate(strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, global_size: int) -> float:
+    """Mean loss over `batches` fixed global batches of the validation split."""
+    device = torch.device(ctx.device)
+    strategy.train(False)
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    with torch.no_grad():
+        for b in range(batches):
+            indices = np.arange(b * global_size, (b + 1) * global_size) % len(val_set)
+            for micro in rank_micro_batches(indices, ctx.rank, ctx.world_size, ctx.accumulation):
+                total += strategy.forward(collate(val_set, micro, device)).double()
+                count += 1
+    strategy.train(True)
+    (mean,) = _reduce([total.item() / count], dist.ReduceOp.SUM, device)
+    return mean / ctx.world_size
+
+
+def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -> dict[str, float]:
+    """Run the whole loop; return rank 0's last logged metrics (every rank returns the same reduced values)."""
+    device = torch.device(ctx.device)
+    trainer, K = cfg.trainer, ctx.accumulation
+    train_set = instantiate(cfg.data, split="train")
+    val_set = instantiate(cfg.data, split="val")
+    batches = GlobalBatches(len(train_set), cfg.batch.global_size, cfg.seed)
+
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank and in a one-process run
+    strategy.setup(ctx, lambda: instantiate(cfg.model), instantiate(cfg.optim, _partial_=True, _convert_="all"))
+    loggers = Loggers.create(cfg, ctx.rank, run_dir)
+    progress = Progress(ctx.rank, trainer.max_steps, trainer.progress)
+    schedule = str(trainer.schedule).split(".")[-1]
+
+    metrics: dict[str, float] = {}
+    window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+    for step in range(1, trainer.max_steps + 1):
+        lr = lr_at(step - 1, cfg.optim.lr, trainer.warmup_steps, trainer.max_steps, schedule, trainer.min_lr_ratio)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        micro_batches = rank_micro_batches(batches.indices(step - 1), ctx.rank, ctx.world_size, K)
+        for k, indices in enumerate(micro_batches):
+            batch = collate(train_set, indices, device)
+            # Gradients are synchronised once per optimizer step: on the last micro-step only.
+            with strategy.sync(k == K - 1):
+                loss = strategy.forward(batch) / K
+                strategy.backward(loss)
+            loss_sum += loss.detach().double()
+            window_tokens += _tokens(batch)
+        grad_norm = strategy.step(lr)
+        window_steps += 1
+
+        last = step == trainer.max_steps
+        evaluate_now = trainer.eval_every > 0 and (step % trainer.eval_every == 0 or last)
+        if step % trainer.log_every == 0 or last or evaluate_now:
+            metrics = _step_metrics(ctx, strategy, loss_sum, grad_norm, lr, device)
+            elapsed = time.perf_counter() - window_start
+            (tokens,) = _reduce([window_tokens], dist.ReduceOp.SUM, device)
+            metrics |= {
+                "step_time_s": elapsed / window_steps,
+                "samples_per_s": cfg.batch.global_size * window_steps / elapsed,
+                "tokens_per_s": tokens / elapsed,
+            }
+            if evaluate_now:
+                metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, cfg.batch.global_size)
+            loggers.log(metrics, step)
+            window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+        progress.update(step, metrics if step % trainer.log_every == 0 or last else None)
+
+    progress.close()
+    loggers.finish()
+    return metrics
+
+
+def _step_metrics(
+    ctx: RunContext, strategy: Strategy, loss_sum: torch.Tensor, grad_norm: float, lr: float, device: torch.device
+) -> dict[str, float]:
+    (loss,) = _reduce([loss_sum.item()], dist.ReduceOp.SUM, device)
+    extra = strategy.metrics()
+    names = ["peak_memory_bytes", *extra]
+    maxima = _reduce([peak_memory_bytes(device), *extra.values()], dist.ReduceOp.MAX, device)
+    return {
+        "loss": loss / ctx.world_size,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "accumulation": ctx.accumulation,
+        "world_size": ctx.world_size,
+        **dict(zip(names, maxima)),
+    }

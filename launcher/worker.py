@@ -1,0 +1,68 @@
+"""Entry point of one rank, started by the elastic agent: `python -m launcher.worker <resolved.yaml>`.
+
+A worker reads the frozen config the launcher wrote; it never re-runs Hydra.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from launcher.runner import train
+from strategies import RunContext
+
+
+def context(cfg: DictConfig, rank: int, local_rank: int, world_size: int) -> RunContext:
+    """The strategy's view of this rank; the launcher builds the same one (rank 0) for its checks."""
+    derived = cfg.derived
+    return RunContext(
+        device=f"cuda:{local_rank}" if derived.device == "cuda" else "cpu",
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        precision=str(cfg.precision),
+        grad_clip=float(cfg.trainer.grad_clip),
+        accumulation=int(derived.accumulation),
+        micro_size=int(cfg.batch.micro_size),
+    )
+
+
+@record
+def main(path: str) -> None:
+    cfg = OmegaConf.load(path)
+    assert isinstance(cfg, DictConfig)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != cfg.derived.world_size:
+        raise RuntimeError(f"the agent started {world_size} workers but the launcher planned {cfg.derived.world_size}")
+    ctx = context(cfg, rank, local_rank, world_size)
+    if ctx.device_type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    dist.init_process_group(
+        backend="nccl" if ctx.device_type == "cuda" else "gloo",
+        timeout=timedelta(seconds=cfg.trainer.collective_timeout),
+    )
+    strategy = instantiate(cfg.strategy)
+    try:
+        train(cfg, ctx, strategy, Path(path).parent)
+    finally:
+        # Release everything that holds the process group before destroying it: a gloo thread
+        # that frees a tensor during interpreter shutdown aborts the process otherwise.
+        strategy.teardown()
+        del strategy
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

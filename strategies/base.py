@@ -1,0 +1,125 @@
+"""The strategy protocol and the free helpers that strategies share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+ModelFactory = Callable[[], nn.Module]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a strategy may know about the run: plain values, no config objects."""
+
+    device: str
+    """torch device of this rank: "cpu" or "cuda:<local rank>"."""
+    rank: int
+    local_rank: int
+    world_size: int
+    precision: str
+    """fp32 | bf16 | fp16"""
+    grad_clip: float
+    """Global gradient-norm limit; 0 disables clipping."""
+    accumulation: int
+    """Micro-steps per optimizer step."""
+    micro_size: int
+    """Samples per rank per forward pass."""
+
+    @property
+    def device_type(self) -> str:
+        return torch.device(self.device).type
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """How the common runner drives any data-parallel layout.
+
+    Order of calls: check (in the launcher, before workers start) -> setup -> for each optimizer
+    step: K x [sync(k == K-1) around forward and backward], then step -> teardown.
+    """
+
+    def check(self, ctx: RunContext, model_config: dict[str, Any]) -> None:
+        """Raise ValueError (one line: the bad value and the fix) for settings this strategy cannot run."""
+
+    def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
+        """Build the model (where the layout needs it), wrap it, and create the optimizer over the wrapped parameters."""
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        """Run the model on one micro-batch under the strategy's precision; return the scalar loss."""
+
+    def sync(self, enabled: bool) -> AbstractContextManager[None]:
+        """Context around one micro-step's forward and backward; enabled=False skips gradient synchronisation."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of `loss` (already divided by the accumulation steps)."""
+
+    def step(self, lr: float) -> float:
+        """Clip, apply the optimizer at learning rate `lr`, zero the gradients; return the pre-clip global grad norm."""
+
+    def train(self, mode: bool) -> None:
+        """Switch the wrapped model between training and evaluation."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state for a checkpoint."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+    def metrics(self) -> dict[str, float]:
+        """Per-rank figures for the logs: at least `model_state_bytes` (parameters + gradients + optimizer state held by this rank)."""
+
+    def teardown(self) -> None:
+        """Release the model and optimizer so the process group can be destroyed cleanly."""
+
+
+def call_model(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The model contract: a tuple/list batch is passed as positional arguments, a dict as keywords."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    if hasattr(t, "to_local"):  # DTensor: count only this rank's shard
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def model_state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state that this rank holds (local shards only)."""
+    total = 0
+    for p in params:
+        total += _local_bytes(p)
+        if p.grad is not None:
+            total += _local_bytes(p.grad)
+    total += sum(_local_bytes(t) for t in _tensors(list(optimizer.state.values())) if t.dim() > 0)
+    return total
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
