@@ -4,6 +4,6 @@ A strategy knows nothing of Hydra, logging or the command line: it receives plai
 Every strategy implements the `Strategy` protocol in `strategies.base`; none inherits from another.
 """
 
-from strategies.base import RunContext, Strategy
+from strategies.base import Layout, Placement, RunContext, Strategy
 
-__all__ = ["RunContext", "Strategy"]
+__all__ = ["Layout", "Placement", "RunContext", "Strategy"]

@@ -37,6 +37,25 @@ class RunContext:
         return torch.device(self.device).type
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one kind of model state lives, and whether each rank holds all of it or 1/G."""
+
+    sharded: bool
+    where: str = "device"
+    """device | cpu | nvme"""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A strategy's memory rule: the planner and the conformance suite both read it."""
+
+    params: Placement
+    grads: Placement
+    optimizer: Placement
+    """Optimizer moments, and fp32 master weights where the strategy keeps them."""
+
+
 @runtime_checkable
 class Strategy(Protocol):
     """How the common runner drives any data-parallel layout.
@@ -44,6 +63,9 @@ class Strategy(Protocol):
     Order of calls: check (in the launcher, before workers start) -> setup -> for each optimizer
     step: K x [sync(k == K-1) around forward and backward], then step -> teardown.
     """
+
+    def layout(self) -> Layout:
+        """Which model state this strategy shards or offloads."""
 
     def check(self, ctx: RunContext, model_config: dict[str, Any]) -> None:
         """Raise ValueError (one line: the bad value and the fix) for settings this strategy cannot run."""
@@ -73,7 +95,9 @@ class Strategy(Protocol):
         """Restore what `state_dict` returned."""
 
     def metrics(self) -> dict[str, float]:
-        """Per-rank figures for the logs: at least `model_state_bytes` (parameters + gradients + optimizer state held by this rank)."""
+        """Per-rank figures of the last optimizer step, for the logs. Every strategy reports:
+        `model_state_bytes`: parameters + gradients + optimizer state this rank holds on its device;
+        `comm_calls`, `comm_bytes`: gradient-synchronisation collectives issued, and their payload."""
 
     def teardown(self) -> None:
         """Release the model and optimizer so the process group can be destroyed cleanly."""

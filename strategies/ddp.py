@@ -10,6 +10,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from strategies.base import (
+    Layout,
+    Placement,
     ModelFactory,
     OptimizerFactory,
     RunContext,
@@ -49,6 +51,10 @@ class DDP:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._counter = _CommCounter()
         self._last_step: dict[str, float] = {}
+
+    def layout(self) -> Layout:
+        replicated = Placement(sharded=False)
+        return Layout(params=replicated, grads=replicated, optimizer=replicated)
 
     def check(self, ctx: RunContext, model_config: dict[str, Any]) -> None:
         if self.bucket_cap_mb <= 0:

@@ -1,0 +1,77 @@
+"""Shared helpers: run the real `launch` console script in a subprocess and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+LAUNCH = str(Path(sys.executable).parent / "launch")
+
+# Small and fast: the tiny GPT on short sequences, every step logged.
+TINY = [
+    "model=gpt_tiny",
+    "data=synthetic",
+    "data.seq_len=32",
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "logger=none",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.warmup_steps=2",
+    "trainer.progress=false",
+    "device=cpu",
+]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def metrics(self) -> list[dict[str, float]]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def losses(self) -> list[float]:
+        return [m["loss"] for m in self.metrics]
+
+    def check(self) -> Run:
+        assert self.returncode == 0, f"launch exited {self.returncode}\n{self.stdout}\n{self.stderr}"
+        return self
+
+
+def clean_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TORCHELASTIC_", "OMP_"))}
+    env |= {"WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": "ignore"}
+    return env
+
+
+def launch(tmp_path: Path, *overrides: str, name: str = "run", env: dict[str, str] | None = None, timeout: float = 300) -> Run:
+    """Run `launch` with the given overrides; its run directory is tmp_path/name."""
+    run_dir = tmp_path / name
+    proc = subprocess.run(
+        [LAUNCH, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=env or clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+@pytest.fixture
+def run_launch(tmp_path: Path):
+    def _run(*overrides: str, name: str = "run", **kw) -> Run:
+        return launch(tmp_path, *overrides, name=name, **kw)
+
+    return _run

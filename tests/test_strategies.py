@@ -1,0 +1,118 @@
+"""The strategy conformance suite: every file in conf/strategy/ passes the same checks.
+
+Real gloo ranks on CPU. A new strategy is tested by adding its config file; a strategy whose
+numerics legitimately differ (DeepSpeed's own Adam kernels) names its tolerance below.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from conftest import TINY, Run, launch
+
+STRATEGIES = sorted(p.name.removesuffix(".yaml") for p in (resources.files("launcher.conf") / "strategy").iterdir()
+                    if p.name.endswith(".yaml"))
+PARITY_TOLERANCE: dict[str, float] = {}  # strategy -> max abs loss difference; default 1e-6 (fp32, torch optimizer)
+
+STEPS = 10
+BATCH = ["batch.global_size=16", "batch.micro_size=4", f"trainer.max_steps={STEPS}", "optim.lr=3e-3"]
+DATA = ["data=pysource", "data.seq_len=32"]
+
+
+@functools.cache
+def _run(tmp: Path, *overrides: str) -> Run:
+    name = "-".join(o.replace("/", "_").replace("=", "_") for o in overrides) or "default"
+    return launch(tmp, *TINY, *DATA, *BATCH, *overrides, name=name).check()
+
+
+@pytest.fixture(scope="session")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("conformance")
+
+
+def reference(tmp: Path) -> Run:
+    """One process, plain DDP, the same global batch: K = 4."""
+    return _run(tmp, "strategy=ddp", "gpus=1")
+
+
+def two_ranks(tmp: Path, strategy: str) -> Run:
+    return _run(tmp, f"strategy={strategy}", "gpus=2")
+
+
+def _leftover_processes(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return [p for p in pids if p != os.getpid()]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_trains_and_exits_clean(tmp: Path, strategy: str) -> None:
+    run = two_ranks(tmp, strategy)
+    losses = run.losses()
+    assert len(losses) == STEPS
+    assert run.metrics[-1]["world_size"] == 2 and run.metrics[-1]["accumulation"] == 2
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert _leftover_processes(str(run.run_dir)) == []
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parity_with_one_process(tmp: Path, strategy: str) -> None:
+    ref, run = reference(tmp).losses(), two_ranks(tmp, strategy).losses()
+    diff = max(abs(a - b) for a, b in zip(ref, run, strict=True))
+    assert diff <= PARITY_TOLERANCE.get(strategy, 1e-6), (diff, ref, run)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str) -> None:
+    accumulating = two_ranks(tmp, strategy).metrics  # K = 2
+    single = _run(tmp, f"strategy={strategy}", "gpus=2", "batch.global_size=8").metrics  # K = 1
+    assert accumulating[-1]["accumulation"] == 2 and single[-1]["accumulation"] == 1
+    for key in ("comm_calls", "comm_bytes"):
+        assert accumulating[-1][key] > 0
+        assert accumulating[-1][key] == single[-1][key], (key, accumulating[-1], single[-1])
+
+
+def _layout(strategy: str):
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+
+    from launcher import schema
+
+    schema.register()
+    with initialize_config_module("launcher.conf", version_base="1.3"):
+        return instantiate(compose("config", overrides=[f"strategy={strategy}"]).strategy).layout()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_model_state_bytes_follow_the_sharding_rule(tmp: Path, strategy: str) -> None:
+    full = reference(tmp).metrics[-1]["model_state_bytes"]  # fp32 AdamW: 4 (param) + 4 (grad) + 8 (moments) per parameter
+    kinds = {"params": full / 4, "grads": full / 4, "optimizer": full / 2}
+    layout, world = _layout(strategy), 2
+    expected = sum(
+        size * (0 if getattr(layout, kind).where != "device" else 1 / world if getattr(layout, kind).sharded else 1)
+        for kind, size in kinds.items()
+    )
+    measured = two_ranks(tmp, strategy).metrics[-1]["model_state_bytes"]
+    assert abs(measured - expected) <= 0.05 * full, (measured, expected, full, layout)
+
+
+def test_reference_counts_every_parameter(tmp: Path) -> None:
+    """The world-1 figure the rule is checked against is itself 16 bytes per parameter."""
+    from launcher.models.gpt import GPT
+
+    import torch
+
+    with torch.device("meta"):
+        model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
+    n = sum(p.numel() for p in model.parameters())
+    assert reference(tmp).metrics[-1]["model_state_bytes"] == 16 * n
