@@ -53,6 +53,9 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
 
     Raises ConfigError with a one-line message naming the bad value and the fix.
     """
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]} has no value; set it on the command line: {missing[0]}=...")
     batch, trainer = cfg.batch, cfg.trainer
     _positive("batch.global_size", batch.global_size)
     _positive("batch.micro_size", batch.micro_size)
@@ -93,6 +96,7 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
             f"{_nearest_multiples(batch.global_size, per_step)}, or change batch.micro_size or gpus"
         )
     _check_data(cfg)
+    _check_targets(cfg)
     return Derived(device, gpus, cfg.nodes, world_size, batch.global_size // per_step)
 
 
@@ -109,3 +113,19 @@ def _check_data(cfg: DictConfig) -> None:
         raise ConfigError(
             f"data.seq_len={seq_len} exceeds model.block_size={block_size}; lower data.seq_len or raise model.block_size"
         )
+
+
+def _check_targets(cfg: DictConfig) -> None:
+    """Every `_target_` must import here, in the launcher, rather than in every worker."""
+    from hydra._internal.utils import _locate
+
+    for group in ("strategy", "model", "data", "optim", "logger"):
+        target = OmegaConf.select(cfg, f"{group}._target_", default=None)
+        if target is None:
+            raise ConfigError(f"{group} has no _target_; name the class or function to build it with {group}._target_=...")
+        try:
+            _locate(str(target))
+        except ImportError as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            reason = lines[-1] if lines else type(e).__name__
+            raise ConfigError(f"{group}._target_={target} cannot be imported ({reason}); fix the path or install its package") from e

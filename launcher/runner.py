@@ -62,7 +62,8 @@ class Loggers:
         if rank != 0:
             return cls(rank, NullLogger(), NullLogger())
         config = OmegaConf.to_container(cfg, resolve=True)
-        return cls(rank, JsonlLogger(run_dir / "metrics.jsonl"), instantiate(cfg.logger, run_config=config, run_dir=str(run_dir), _recursive_=False))
+        external = instantiate(cfg.logger, _partial_=True, _convert_="all")(run_config=config, run_dir=str(run_dir))
+        return cls(rank, JsonlLogger(run_dir / "metrics.jsonl"), external)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.jsonl.log(metrics, step)

@@ -1,0 +1,133 @@
+"""Tier (a): every config composes and instantiates; bad input fails in one line before any worker starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from conftest import LAUNCH, TINY, clean_env, launch
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from launcher import schema
+from launcher.config import ConfigError, derive
+
+schema.register()
+CONF = resources.files("launcher.conf")
+GROUPS = {g: sorted(p.name[:-5] for p in (CONF / g).iterdir() if p.name.endswith(".yaml"))
+          for g in ("strategy", "model", "data", "optim", "logger")}
+
+
+def _compose(*overrides: str):
+    with initialize_config_module("launcher.conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_option_composes_and_instantiates(group: str, option: str, tmp_path: Path) -> None:
+    overrides = [f"{group}={option}"] + ([f"data.path={tmp_path / 't.bin'}"] if option == "tokens" else [])
+    cfg = _compose(*overrides)
+    node = cfg[group]
+    assert OmegaConf.select(node, "_target_"), f"{group}/{option} has no _target_"
+    if group == "strategy":
+        instantiate(node)  # constructors take plain values and import nothing heavy
+    if group == "model" and option == "gpt_tiny":
+        import torch
+
+        with torch.device("meta"):
+            n = sum(p.numel() for p in instantiate(node).parameters())
+        assert 0.5e6 < n < 2e6, n  # "about 1M parameters"
+
+
+def test_model_presets_have_their_advertised_size() -> None:
+    import torch
+
+    sizes = {"gpt_124m": 124e6, "gpt_1b": 1.1e9, "gpt_7b": 6.7e9}
+    for name, target in sizes.items():
+        node = _compose(f"model={name}", "data.seq_len=1024").model
+        with torch.device("meta"):
+            n = sum(p.numel() for p in instantiate(node).parameters())
+        assert abs(n - target) / target < 0.1, (name, n)
+
+
+def _cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([LAUNCH, *args], cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=120)
+
+
+def test_help_and_cfg_import_no_heavy_module(tmp_path: Path) -> None:
+    probe = (
+        "import sys; from launcher import cli\n"
+        "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'deepspeed', 'wandb') if m in sys.modules]\n"
+        "print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    for args in (["--help"], ["--cfg", "job"], ["strategy=ddp", "--cfg", "job"]):
+        proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True)
+        assert "HEAVY []" in proc.stderr, (args, proc.stderr)
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
+    proc = _cli("batch.global_size=64", "--cfg", "job", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.batch.global_size == 64 and cfg.strategy._target_ == "strategies.ddp.DDP"
+    assert not (tmp_path / "outputs").exists()  # nothing started, nothing written
+
+
+BAD = {
+    "unknown strategy": (["strategy=nope"], "unknown strategy 'nope'; valid: ddp"),
+    "unknown model": (["model=gpt_huge"], "unknown model 'gpt_huge'; valid: gpt_124m"),
+    "unknown data": (["data=imagenet"], "unknown data 'imagenet'; valid: pysource"),
+    "unknown key": (["trainer.max_stpes=5"], "unknown key 'trainer.max_stpes'"),
+    "unknown top-level key": (["gpu=2"], "unknown key 'gpu'"),
+    "wrong type": (["batch.global_size=lots"], "batch.global_size"),
+    "bad enum": (["device=tpu"], "device"),
+    "zero global batch": (["batch.global_size=0"], "batch.global_size=0"),
+    "negative micro batch": (["batch.micro_size=-4"], "batch.micro_size=-4"),
+    "zero steps": (["trainer.max_steps=0"], "trainer.max_steps=0"),
+    "negative steps": (["trainer.max_steps=-3"], "trainer.max_steps=-3"),
+    "not divisible": (["batch.global_size=30", "batch.micro_size=4", "gpus=2"], "use batch.global_size=24 or 32"),
+    "cuda without cuda": (["device=cuda"], "device=cuda but no CUDA device"),
+    "missing token file": (["data=tokens", "data.path=/nonexistent/train.bin"], "data.path=/nonexistent/train.bin"),
+    "zero gpus": (["gpus=0"], "gpus=0"),
+    "token file not given": (["data=tokens"], "data.path has no value"),
+    "model target not importable": (["model._target_=nowhere.Model"], "model._target_=nowhere.Model cannot be imported"),
+    "seq longer than model": (["data.seq_len=64", "model.block_size=32"], "data.seq_len=64 exceeds model.block_size=32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_before_any_worker(case: str, tmp_path: Path) -> None:
+    overrides, expected = BAD[case]
+    if "cuda" in case:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    run = launch(tmp_path, *TINY, *overrides)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch: error: "), run.stderr
+    assert expected in lines[0], lines[0]
+    assert not (run.run_dir / "resolved.yaml").exists() and not (run.run_dir / "logs").exists()
+
+
+def test_bad_input_in_a_sweep_is_caught_before_the_first_job(tmp_path: Path) -> None:
+    run = launch(tmp_path, "-m", *TINY, "model=gpt_tiny,gpt_nope")
+    assert run.returncode == 2 and "unknown model 'gpt_nope'" in run.stderr, run.stderr
+    assert not (tmp_path / "multirun").exists()
+
+
+def test_derive_rules() -> None:
+    cfg = _compose("batch.global_size=64", "batch.micro_size=8", "gpus=2")
+    d = derive(cfg, cuda_devices=0)
+    assert (d.device, d.gpus, d.world_size, d.accumulation) == ("cpu", 2, 2, 4)
+    d = derive(_compose("batch.global_size=512", "batch.micro_size=4", "gpus=8", "nodes=2"), cuda_devices=8)
+    assert (d.device, d.world_size, d.accumulation) == ("cuda", 16, 8)  # the lesson's exercise 3: 4 x 8 x 16 = 512
+    assert derive(_compose("batch.global_size=64"), cuda_devices=4).gpus == 4  # unset gpus: every visible GPU
+    with pytest.raises(ConfigError, match=r"gpus=8 but only 2 CUDA device"):
+        derive(_compose("gpus=8", "batch.global_size=64"), cuda_devices=2)

@@ -1,0 +1,64 @@
+"""The batch contract and the built-in data: which samples a step sees depends on seed and global batch only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from launcher.data import GlobalBatches, PySource, Synthetic, Tokens, rank_micro_batches
+from launcher.runner import lr_at
+
+
+@pytest.mark.parametrize("world_size,accumulation", [(1, 1), (1, 4), (2, 2), (4, 1), (2, 4)])
+def test_every_step_sees_the_same_samples_whatever_g_and_k(world_size: int, accumulation: int) -> None:
+    batches = GlobalBatches(num_samples=1000, global_size=32, seed=7)
+    for step in (0, 1, 30, 31, 32):  # 31 * 32 crosses an epoch boundary
+        indices = batches.indices(step)
+        parts = [m for r in range(world_size) for m in rank_micro_batches(indices, r, world_size, accumulation)]
+        assert len(parts) == world_size * accumulation
+        assert {len(p) for p in parts} == {32 // (world_size * accumulation)}
+        assert np.array_equal(np.concatenate(parts), indices)
+    assert np.array_equal(GlobalBatches(1000, 32, 7).indices(5), batches.indices(5))
+    assert not np.array_equal(GlobalBatches(1000, 32, 8).indices(5), batches.indices(5))
+
+
+def test_an_epoch_visits_every_sample_once() -> None:
+    batches = GlobalBatches(num_samples=96, global_size=32, seed=1)
+    epoch = np.concatenate([batches.indices(s) for s in range(3)])
+    assert sorted(epoch.tolist()) == list(range(96))
+    assert not np.array_equal(np.concatenate([batches.indices(s) for s in range(3, 6)]), epoch)  # reshuffled
+
+
+def test_pysource_is_the_standard_library_split_without_overlap() -> None:
+    train, val = PySource("train", seq_len=64), PySource("val", seq_len=64)
+    assert len(train) > 10 * len(val) > 0  # about 5% of the files, by hash of their path
+    x, y = train[3]
+    assert x.dtype == torch.int64 and x.shape == (64,) and torch.equal(x[1:], y[:-1])
+    text = bytes(train.tokens[:100_000]).decode("utf-8", errors="replace")
+    assert "def " in text and "import " in text
+    assert bytes(train.tokens[:4096]) not in bytes(val.tokens)
+
+
+def test_tokens_reads_a_memory_mapped_file(tmp_path) -> None:
+    ids = np.arange(10_000, dtype=np.uint32) * 7 % 70_000
+    ids.tofile(tmp_path / "t.bin")
+    train = Tokens("train", str(tmp_path / "t.bin"), dtype="uint32", seq_len=100, val_fraction=0.1)
+    val = Tokens("val", str(tmp_path / "t.bin"), dtype="uint32", seq_len=100, val_fraction=0.1)
+    x, y = train[0]
+    assert x.tolist() == ids[:100].tolist() and y.tolist() == ids[1:101].tolist()
+    assert val[0][0].tolist() == ids[9000:9100].tolist()
+
+
+def test_synthetic_is_fixed_and_in_range() -> None:
+    a, b = Synthetic("train", seq_len=16, vocab_size=50, num_samples=64), Synthetic("train", seq_len=16, vocab_size=50, num_samples=64)
+    assert torch.equal(a[5][0], b[5][0]) and int(a[5][0].max()) < 50
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
+    lrs = [lr_at(s, 1.0, warmup=10, max_steps=100, schedule="cosine", min_ratio=0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(0.1)
+    assert lr_at(50, 1.0, 10, 100, "constant", 0.1) == 1.0
+    assert lr_at(99, 1.0, 10, 100, "linear", 0.0) == pytest.approx(0.0)
