@@ -10,6 +10,7 @@ import json
 import netrc
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ class JsonlLogger:
         self.file = open(path, "a", buffering=1)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
 
     def finish(self) -> None:
         self.file.close()

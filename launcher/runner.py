@@ -158,7 +158,8 @@ def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -
 
         last = step == trainer.max_steps
         evaluate_now = trainer.eval_every > 0 and (step % trainer.eval_every == 0 or last)
-        if step % trainer.log_every == 0 or last or evaluate_now:
+        log_now = step == 1 or step % trainer.log_every == 0 or last  # step 1: see the loss at once
+        if log_now or evaluate_now:
             metrics = _step_metrics(ctx, strategy, loss_sum, grad_norm, lr, device)
             elapsed = time.perf_counter() - window_start
             (tokens,) = _reduce([window_tokens], dist.ReduceOp.SUM, device)
@@ -171,7 +172,7 @@ def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -
                 metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, cfg.batch.global_size)
             loggers.log(metrics, step)
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-        progress.update(step, metrics if step % trainer.log_every == 0 or last else None)
+        progress.update(step, metrics if log_now else None)
 
     progress.close()
     loggers.finish()
