@@ -39,11 +39,82 @@ def _app(cfg: DictConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["convert"]:
+        return convert(argv[1:])
+    if argv[:1] == ["plan"]:
+        raise SystemExit(plan(argv[1:]))
     error = precheck(argv)
     if error:
         fail(error)
+    try:
+        argv += submitit_overrides(argv)
+    except ValueError as e:
+        fail(str(e))
     sys.argv = [sys.argv[0], *argv]
     _app()
+
+
+def plan(overrides: list[str]) -> int:
+    """`launch plan [overrides]`: memory and communication per rank, for the run these overrides describe.
+
+    Composes with the compose API, never through the Hydra app: nothing runs, no output directory is made.
+    """
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:
+        fail(f"launch plan takes overrides only, not {flags[0]}; e.g. launch plan model=gpt_7b gpus=8")
+    from hydra import initialize_config_module
+
+    from launcher import plan as planner  # imports torch (never deepspeed or wandb): only `launch plan` pays for it
+    from launcher.config import ConfigError
+
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return planner.main(overrides)
+    except ConfigError as e:
+        # Overrides that do not compose get the launcher's usual one-line report (checked only now: it composes too).
+        fail(check_overrides(overrides) or str(e))
+    return 0
+
+
+def convert(args: Sequence[str]) -> None:
+    """launch convert CHECKPOINT out=FILE.safetensors: consolidated model weights from any checkpoint."""
+    paths = [a for a in args if not a.startswith("out=")]
+    outs = [a.split("=", 1)[1] for a in args if a.startswith("out=")]
+    if len(paths) != 1 or len(outs) != 1:
+        fail("usage: launch convert CHECKPOINT out=FILE.safetensors")
+    from pathlib import Path
+
+    from launcher.checkpoint import CheckpointError
+    from launcher.checkpoint import convert as write
+
+    try:
+        n = write(Path(paths[0]), Path(outs[0]))
+    except (CheckpointError, FileNotFoundError) as e:
+        fail(str(e).splitlines()[0])
+    print(f"launch: wrote {n:,} parameters to {outs[0]}")
+
+
+# One elastic agent per node starts the node's workers, so a submitit job has one task per node
+# and asks SLURM for `gpus` GPUs per node: its shape follows `nodes` and `gpus`, set in one place.
+SUBMITIT_SHAPE = {"nodes": "nodes", "gpus_per_node": "gpus", "tasks_per_node": None}
+
+
+def submitit_overrides(argv: Sequence[str]) -> list[str]:
+    """Extra overrides that give a submitit job the run's shape; ValueError if the user set a contradicting one."""
+    launcher = [a.split("=", 1)[1] for a in argv if a.startswith("hydra/launcher=")]
+    if not launcher or not launcher[-1].startswith("submitit"):
+        return []
+    given = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith(("-", "+", "~")))
+    extra = []
+    for key, source in SUBMITIT_SHAPE.items():
+        want = "1" if source is None else given.get(source, "${%s}" % source)
+        have = given.get(f"hydra.launcher.{key}")
+        if have is None:
+            extra.append(f"hydra.launcher.{key}={want}")
+        elif have != want:
+            fix = "1: one launcher per node starts the workers" if source is None else f"{want}, or set {source}= instead"
+            raise ValueError(f"hydra.launcher.{key}={have} contradicts the run's shape; use hydra.launcher.{key}={fix}")
+    return extra
 
 
 # --------------------------------------------------------------------------------------------

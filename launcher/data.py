@@ -5,8 +5,9 @@ config keys) and returns a map-style dataset whose items collate with `torch.sta
 tensors here: inputs and next-token targets).
 
 Which samples an optimizer step sees depends only on the seed and the global batch size, never
-on the world size or the accumulation steps: step s takes global sample positions
-[s*B, (s+1)*B) of a seeded permutation, and every (rank, micro-step) takes a fixed slice of them.
+on the world size or the accumulation steps: the step that starts at global sample index p
+takes positions [p, p+B) of a seeded permutation per epoch, and every (rank, micro-step) takes
+a fixed slice of them. A resumed run continues from the sample index its checkpoint recorded.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ class GlobalBatches:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
         return self._perm
 
-    def indices(self, step: int) -> np.ndarray:
-        positions = np.arange(step * self.global_size, (step + 1) * self.global_size)
+    def at(self, position: int) -> np.ndarray:
+        """The global batch that starts at global sample index `position`."""
+        positions = np.arange(position, position + self.global_size)
         out = np.empty(self.global_size, dtype=np.int64)
         for epoch in np.unique(positions // self.n):
             mask = positions // self.n == epoch

@@ -8,6 +8,7 @@ batch, memory figures are the maximum over ranks.
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
 import time
@@ -21,7 +22,10 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from launcher import checkpoint
+from launcher.checkpoint import Position
 from launcher.data import GlobalBatches, collate, rank_micro_batches
+from launcher.lifecycle import Phase, StopRequest
 from launcher.logs import JsonlLogger, NullLogger
 from strategies import RunContext, Strategy
 
@@ -125,27 +129,44 @@ def evaluate(strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, gl
     return mean / ctx.world_size
 
 
-def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -> dict[str, float]:
-    """Run the whole loop; return rank 0's last logged metrics (every rank returns the same reduced values)."""
+def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, stop: StopRequest | None = None) -> bool:
+    """Run the loop to `trainer.max_steps`; return False if a stop signal ended it early (after a checkpoint)."""
+    phase = Phase(run_dir, ctx.rank)
+    try:
+        return _train(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase)
+    except Exception as e:
+        if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
+            # Say who is stuck and where, not only that a collective gave up.
+            raise RuntimeError(
+                f"rank {ctx.rank} waited {cfg.trainer.collective_timeout:g} s in a collective while {phase.now}, "
+                f"then gave up; {phase.others()}"
+            ) from e
+        raise
+
+
+def _train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, stop: StopRequest, phase: Phase) -> bool:
     device = torch.device(ctx.device)
-    trainer, K = cfg.trainer, ctx.accumulation
+    trainer, K, B = cfg.trainer, ctx.accumulation, cfg.batch.global_size
     train_set = instantiate(cfg.data, split="train")
     val_set = instantiate(cfg.data, split="val")
-    batches = GlobalBatches(len(train_set), cfg.batch.global_size, cfg.seed)
+    batches = GlobalBatches(len(train_set), B, cfg.seed)
 
+    phase("building the model")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and in a one-process run
     strategy.setup(ctx, lambda: instantiate(cfg.model), instantiate(cfg.optim, _partial_=True, _convert_="all"))
+    position = resume(cfg, ctx, strategy, run_dir)
     loggers = Loggers.create(cfg, ctx.rank, run_dir)
-    progress = Progress(ctx.rank, trainer.max_steps, trainer.progress)
+    progress = Progress(ctx.rank, trainer.max_steps - position.step, trainer.progress)
     schedule = str(trainer.schedule).split(".")[-1]
 
     metrics: dict[str, float] = {}
     window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-    for step in range(1, trainer.max_steps + 1):
+    for step in range(position.step + 1, trainer.max_steps + 1):
         lr = lr_at(step - 1, cfg.optim.lr, trainer.warmup_steps, trainer.max_steps, schedule, trainer.min_lr_ratio)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        micro_batches = rank_micro_batches(batches.indices(step - 1), ctx.rank, ctx.world_size, K)
+        micro_batches = rank_micro_batches(batches.at(position.samples), ctx.rank, ctx.world_size, K)
         for k, indices in enumerate(micro_batches):
+            phase(f"in forward/backward of step {step}, micro-step {k + 1}/{K}")
             batch = collate(train_set, indices, device)
             # Gradients are synchronised once per optimizer step: on the last micro-step only.
             with strategy.sync(k == K - 1):
@@ -153,30 +174,71 @@ def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -
                 strategy.backward(loss)
             loss_sum += loss.detach().double()
             window_tokens += _tokens(batch)
+        phase(f"in the optimizer step {step}")
         grad_norm = strategy.step(lr)
+        position = Position(step, position.samples + B)
         window_steps += 1
 
         last = step == trainer.max_steps
         evaluate_now = trainer.eval_every > 0 and (step % trainer.eval_every == 0 or last)
-        log_now = step == 1 or step % trainer.log_every == 0 or last  # step 1: see the loss at once
+        log_now = step % trainer.log_every == 0 or last or not metrics  # the first step: see the loss at once
         if log_now or evaluate_now:
+            phase(f"logging step {step}")
             metrics = _step_metrics(ctx, strategy, loss_sum, grad_norm, lr, device)
             elapsed = time.perf_counter() - window_start
             (tokens,) = _reduce([window_tokens], dist.ReduceOp.SUM, device)
             metrics |= {
                 "step_time_s": elapsed / window_steps,
-                "samples_per_s": cfg.batch.global_size * window_steps / elapsed,
+                "samples_per_s": B * window_steps / elapsed,
                 "tokens_per_s": tokens / elapsed,
             }
             if evaluate_now:
-                metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, cfg.batch.global_size)
+                metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, B)
             loggers.log(metrics, step)
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
         progress.update(step, metrics if log_now else None)
+        phase(f"agreeing whether to stop after step {step}")
+        # Every rank learns of a stop signal any rank got, so all save the same step together.
+        (stopping,) = _reduce([float(stop.signal is not None)], dist.ReduceOp.MAX, device)
+        if last or stopping or (trainer.checkpoint_every > 0 and step % trainer.checkpoint_every == 0):
+            phase(f"saving the checkpoint of step {step}")
+            saved = save_checkpoint(cfg, ctx, strategy, run_dir, position)
+            if stopping and not last:
+                if ctx.rank == 0:
+                    print(f"launch: stopped on a signal after step {step}; checkpoint {saved}", flush=True)
+                break
+    else:
+        stopping = False
 
+    phase("finishing")
     progress.close()
     loggers.finish()
-    return metrics
+    return not stopping or position.step == trainer.max_steps
+
+
+def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -> Position:
+    """Continue from this run's own newest checkpoint (an elastic restart, a requeue), else from `resume=`."""
+    given = OmegaConf.select(cfg, "job.resume_from", default=None)
+    found = checkpoint.latest(run_dir / "checkpoints") or (Path(given) if given else None)
+    if found is None:
+        return Position(step=0, samples=0)
+    position = checkpoint.load(found, strategy, ctx.rank, ctx.world_size)
+    if ctx.rank == 0:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        why = f"restart {attempt} of the worker group: " if attempt else ""
+        print(f"launch: {why}resuming from {found} (step {position.step}, sample {position.samples})", flush=True)
+    return position
+
+
+def save_checkpoint(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, position: Position) -> Path:
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    manifest = {
+        "strategy": OmegaConf.select(cfg, "job.choices.strategy", default=None) or cfg.strategy._target_,
+        "world_size": ctx.world_size,
+        "precision": ctx.precision,
+        "config_hash": checkpoint.config_hash(resolved),  # type: ignore[arg-type]
+    }
+    return checkpoint.save(run_dir / "checkpoints", position, strategy, manifest, ctx.rank, cfg.trainer.keep_last)
 
 
 def _step_metrics(

@@ -65,6 +65,12 @@ class TrainerConfig:
     """Seconds a collective may wait before the process group gives up."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N optimizer steps (0: only at the end)."""
+    stop_timeout: int = 120
+    """Seconds workers get, after a stop signal, to finish the step and save before they are killed."""
+    keep_last: int = 2
+    """Complete checkpoints kept in the run directory; older ones are deleted (0 keeps all)."""
 
 
 @dataclass
@@ -132,6 +138,53 @@ class DDPStrategyConfig:
     gradient_as_bucket_view: bool = True
 
 
+class FSDPOffload(Enum):
+    none = "none"
+    cpu = "cpu"
+
+
+@dataclass
+class FSDPStrategyConfig:
+    _target_: str = "strategies.fsdp.FSDP"
+    shard_units: list[str] = field(default_factory=lambda: ["Block"])
+    """Class names of the modules sharded as one unit each, before the root (default: the GPT's blocks)."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (gather again for backward); false keeps them."""
+    offload: FSDPOffload = FSDPOffload.none
+    """cpu: keep sharded parameters, gradients and optimizer state in host memory."""
+    reduce_dtype: Precision = Precision.fp32
+    """Dtype of the gradient reduce-scatter (and of accumulation between syncs) under mixed precision."""
+    activation_checkpointing: bool = False
+    """Recompute each shard unit's activations in backward instead of storing them."""
+    sync_each_microbatch: bool = False
+    """Reduce-scatter on every micro-step: K x the communication, but no unsharded gradients kept between."""
+
+
+class ZeroOffload(Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+@dataclass
+class DeepSpeedStrategyConfig:
+    _target_: str = "strategies.deepspeed.DeepSpeed"
+    stage: int = 2
+    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    offload_optimizer: ZeroOffload = ZeroOffload.none
+    """Optimizer state and fp32 master weights: none (on the device) | cpu | nvme (stage 3); runs DeepSpeed's CPU Adam."""
+    offload_params: ZeroOffload = ZeroOffload.none
+    """Parameters between uses: none | cpu | nvme (stage 3 only)."""
+    nvme_path: Optional[str] = None
+    """Folder on a local NVMe disk for offload=nvme; each rank swaps into its own subfolder, removed at the end."""
+    sync_each_microbatch: bool = False
+    """ZeRO-2/3: reduce-scatter on every micro-step: K x the communication, but no unsharded gradients kept between."""
+    ds_config: dict[str, Any] = field(default_factory=dict)
+    """Extra DeepSpeed config keys; one that contradicts a derived value (batch, precision, clipping, optimizer) is an error."""
+    optimizer: str = "${optim._target_}"
+    """The optimizer class, read from optim (the checks need it before workers start); do not set."""
+
+
 @dataclass
 class WandbConfig:
     _target_: str = "launcher.logs.WandbLogger"
@@ -147,6 +200,55 @@ class WandbConfig:
 @dataclass
 class NoLoggerConfig:
     _target_: str = "launcher.logs.NullLogger"
+
+
+@dataclass
+class RdzvConfig:
+    endpoint: Optional[str] = None
+    """HOST:PORT of the rendezvous, the same on every node; unset: 127.0.0.1 on one node, the first SLURM host in an allocation."""
+    id: Optional[str] = None
+    """Run id shared by the nodes of one job; unset: derived from the SLURM job id, or random on one node."""
+    backend: str = "c10d"
+    """torch elastic rendezvous backend: c10d, or static (node ranks from rdzv.node_rank / SLURM_NODEID)."""
+    port: Optional[int] = None
+    """Port on the first host when the endpoint is derived from a SLURM allocation; unset: 20000 + job id mod 20000,
+    so that concurrent jobs whose first host is the same do not meet."""
+    join_timeout: float = 600.0
+    """Seconds to wait for every node to join before giving up."""
+    node_rank: Optional[int] = None
+    """This node's rank for the static backend; unset: SLURM_NODEID."""
+
+
+class PlanFormat(Enum):
+    table = "table"
+    json = "json"
+
+
+@dataclass
+class PlanConfig:
+    """`launch plan` and `strategy=auto`: the machine the plan is for (memory per device, links)."""
+
+    link_gbps: float = 600.0
+    """Bandwidth of the link between GPUs of one node, in GB/s (gigaBYTES, 1e9 bytes/s) per GPU; 600: NVLink (A100)."""
+    internode_gbps: float = 50.0
+    """Bandwidth between nodes, in GB/s per GPU (gigaBYTES); 50: one 400 Gb/s InfiniBand NIC per GPU. Bounds a run when nodes > 1."""
+    device_memory_gb: Optional[float] = None
+    """Memory per device in GB (1e9 bytes); unset: the free memory of cuda:0 when a GPU is visible, else 80."""
+    headroom: float = 0.1
+    """Fraction of device memory kept free (allocator fragmentation, CUDA context, buffers); 0 <= headroom < 1."""
+    format: PlanFormat = PlanFormat.table
+    """table: for people; json: for scripts."""
+    chart: Optional[str] = None
+    """Also write a PNG chart of per-rank memory by kind for each strategy to this path."""
+
+
+@dataclass
+class AutoStrategyConfig:
+    """strategy=auto: a marker, not a strategy; the launcher replaces it with the planner's choice before anything runs."""
+
+    _target_: str = "launcher.plan.Auto"
+    candidates: list[str] = field(default_factory=list)
+    """Presets to choose from (names in conf/strategy); empty: all of them."""
 
 
 @dataclass
@@ -166,10 +268,14 @@ class LaunchConfig:
     seed: int = 1337
     batch: BatchConfig = field(default_factory=BatchConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resume: Optional[str] = None
+    """Continue from a checkpoint: auto (the newest among earlier runs), a run directory or a checkpoint folder."""
+    rdzv: RdzvConfig = field(default_factory=RdzvConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "strategy": {"base_ddp": DDPStrategyConfig},
+    "strategy": {"base_ddp": DDPStrategyConfig, "base_fsdp": FSDPStrategyConfig, "base_deepspeed": DeepSpeedStrategyConfig},
     "model": {"base_gpt": GPTConfig},
     "data": {
         "base_pysource": PySourceDataConfig,
@@ -179,6 +285,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "optim": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig},
     "logger": {"base_wandb": WandbConfig, "base_none": NoLoggerConfig},
 }
+
+SCHEMAS["strategy"]["base_auto"] = AutoStrategyConfig  # conf/strategy/auto.yaml: resolved by launch.prepare()
 
 
 def register() -> None:

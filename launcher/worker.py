@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from launcher.lifecycle import EXIT_STOPPED, StopRequest, watch_parent
 from launcher.runner import train
 from strategies import RunContext
 
@@ -45,6 +46,8 @@ def main(path: str) -> None:
     if world_size != cfg.derived.world_size:
         raise RuntimeError(f"the agent started {world_size} workers but the launcher planned {cfg.derived.world_size}")
     ctx = context(cfg, rank, local_rank, world_size)
+    stop = StopRequest().install()
+    watch_parent()
     if ctx.device_type == "cuda":
         torch.cuda.set_device(ctx.device)
     dist.init_process_group(
@@ -53,7 +56,7 @@ def main(path: str) -> None:
     )
     strategy = instantiate(cfg.strategy)
     try:
-        train(cfg, ctx, strategy, Path(path).parent)
+        finished = train(cfg, ctx, strategy, Path(path).parent, stop)
     finally:
         # Release everything that holds the process group before destroying it: a gloo thread
         # that frees a tensor during interpreter shutdown aborts the process otherwise.
@@ -62,6 +65,8 @@ def main(path: str) -> None:
         gc.collect()
         dist.destroy_process_group()
         gc.collect()
+    if not finished:
+        sys.exit(EXIT_STOPPED)  # saved and stopped early: not a finished run
 
 
 if __name__ == "__main__":

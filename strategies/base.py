@@ -54,6 +54,8 @@ class Layout:
     grads: Placement
     optimizer: Placement
     """Optimizer moments, and fp32 master weights where the strategy keeps them."""
+    master_weights: bool = False
+    """The optimizer keeps its own fp32 copy of the parameters (placed like its state), even in fp32 training."""
 
 
 @runtime_checkable

@@ -79,7 +79,7 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
 
 
 BAD = {
-    "unknown strategy": (["strategy=nope"], "unknown strategy 'nope'; valid: ddp"),
+    "unknown strategy": (["strategy=nope"], "unknown strategy 'nope'; valid: auto, ddp"),
     "unknown model": (["model=gpt_huge"], "unknown model 'gpt_huge'; valid: gpt_124m"),
     "unknown data": (["data=imagenet"], "unknown data 'imagenet'; valid: pysource"),
     "unknown key": (["trainer.max_stpes=5"], "unknown key 'trainer.max_stpes'"),

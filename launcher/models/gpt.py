@@ -68,13 +68,28 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation; output projections scaled by depth."""
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-            else:
-                std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
+        """GPT-2 initialisation; output projections scaled by depth.
+
+        Through `Module.apply`, one module at a time: under DeepSpeed's `zero.Init` each layer is
+        partitioned as soon as it is built, and `apply` is where it gathers them to let a parent
+        initialise them. Same order, values and random draws as a plain loop over named_parameters.
+        """
+        names = {id(p): name for name, p in self.named_parameters()}
+        done: set[int] = set()
+
+        def init(module: nn.Module) -> None:
+            for p in module.parameters(recurse=False):
+                if id(p) in done:  # the tied head weight is the embedding: initialised once
+                    continue
+                done.add(id(p))
+                name = names[id(p)]
+                if p.dim() < 2:
+                    nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+                else:
+                    std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                    nn.init.normal_(p, mean=0.0, std=std)
+
+        self.apply(init)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

@@ -1,0 +1,209 @@
+"""Native FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded 1/G per rank.
+
+Each sharding unit (by default each GPT `Block`) is sharded on its own, then the root takes
+what is left (embeddings, final norm). A unit's parameters are all-gathered just before its
+forward and backward, and its gradients reduce-scattered right after its backward.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+from strategies.base import (
+    Layout,
+    ModelFactory,
+    OptimizerFactory,
+    Placement,
+    RunContext,
+    autocast_dtype,
+    call_model,
+    model_state_bytes,
+    set_lr,
+)
+from strategies.comm import CommCounter
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _plain(value: Any) -> str:
+    """Config values arrive as strings from the frozen YAML, as Enum members from a direct compose."""
+    return value.name if isinstance(value, Enum) else str(value)
+
+
+class _CountingReduceScatter(ReduceScatter):
+    """FSDP2's default reduce-scatter, counted: installed through the public `set_custom_reduce_scatter`."""
+
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+        self.inner = DefaultReduceScatter()
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        self.counter.record(input_tensor)  # the unit's whole (padded) gradient, in reduce_dtype
+        return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+
+def unit_modules(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """Submodules (not the root) whose class name is listed, in pre-order (parents before children)."""
+    return [m for m in model.modules() if m is not model and type(m).__name__ in class_names]
+
+
+class FSDP:
+    def __init__(
+        self,
+        shard_units: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        offload: Any = "none",
+        reduce_dtype: Any = "fp32",
+        activation_checkpointing: bool = False,
+        sync_each_microbatch: bool = False,
+    ) -> None:
+        self.shard_units = [str(name) for name in (["Block"] if shard_units is None else shard_units)]
+        self.reshard_after_forward = reshard_after_forward
+        self.offload = _plain(offload)
+        self.reduce_dtype = _plain(reduce_dtype)
+        self.activation_checkpointing = activation_checkpointing
+        self.sync_each_microbatch = sync_each_microbatch
+        self._counter = CommCounter()
+        self._last_step: dict[str, float] = {}
+
+    def layout(self) -> Layout:
+        # With CPU offload the optimizer steps on the host copies too: all three live there.
+        placed = Placement(sharded=True, where="cpu" if self.offload == "cpu" else "device")
+        return Layout(params=placed, grads=placed, optimizer=placed)
+
+    def check(self, ctx: RunContext, model_config: dict[str, Any]) -> None:
+        # Values outside offload's and reduce_dtype's choices already fail at composition (typed schema).
+        if self.reduce_dtype == "fp16" and ctx.precision != "fp16":
+            # Only precision=fp16 runs the loss scaler; unscaled fp16 gradients underflow to 0 or overflow to inf.
+            raise ValueError(f"strategy.reduce_dtype=fp16 with precision={ctx.precision} reduces unscaled gradients "
+                             "in fp16; use strategy.reduce_dtype=fp32 or bf16, or precision=fp16 (loss-scaled)")
+        if self.activation_checkpointing and not self.shard_units:
+            raise ValueError("strategy.activation_checkpointing=true checkpoints each shard unit, but "
+                             "strategy.shard_units is empty; name the unit classes, e.g. strategy.shard_units=[Block]")
+        present = sorted(_module_classes(model_config))
+        for name in self.shard_units:
+            if name not in present:
+                guess = (difflib.get_close_matches(name, present, n=1) or present[:1] or ["<class name>"])[0]
+                raise ValueError(
+                    f"strategy.shard_units: no module of class '{name}' in {model_config.get('_target_')} "
+                    f"(its classes: {', '.join(present)}); e.g. strategy.shard_units=[{guess}]"
+                )
+
+    def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
+        from torch.distributed._composable import checkpoint
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        self.ctx = ctx
+        # Built whole, then sharded: the same random draws as DDP, hence the same initial weights.
+        model = build_model().to(ctx.device)
+        units = unit_modules(model, self.shard_units)
+        if self.activation_checkpointing:
+            # Before sharding (torchtitan's order): FSDP's hooks then surround the checkpointed unit, so its
+            # parameters are gathered again when backward recomputes it. The composable form keeps
+            # parameter names and classes, so checkpoints load with or without it.
+            for unit in units:
+                checkpoint(unit)
+        precision = MixedPrecisionPolicy(param_dtype=autocast_dtype(ctx.precision), reduce_dtype=DTYPES[self.reduce_dtype])
+        # Pinned host memory needs CUDA; without it, pinning fails ("Cannot access accelerator device").
+        offload = CPUOffloadPolicy(pin_memory=ctx.device_type == "cuda") if self.offload == "cpu" else OffloadPolicy()
+        mesh = init_device_mesh(ctx.device_type, (ctx.world_size,))
+        # Innermost first: a unit nested in another must be sharded before its parent claims its parameters.
+        for module in [*reversed(units), model]:
+            fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                        mp_policy=precision, offload_policy=offload)
+        counting = _CountingReduceScatter(self._counter)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(counting)
+        self.model = model
+        self.optimizer = build_optimizer(model.parameters())
+        # fp16 needs loss scaling; the sharded scaler agrees on inf/NaN across ranks, since each sees only its shard.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        self.scaler = ShardedGradScaler(ctx.device_type, enabled=ctx.precision == "fp16")
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        # No autocast: MixedPrecisionPolicy already runs each unit in the parameter dtype.
+        return call_model(self.model, batch)
+
+    def sync(self, enabled: bool) -> AbstractContextManager[None]:
+        return self._sync(enabled or self.sync_each_microbatch)
+
+    @contextmanager
+    def _sync(self, enabled: bool) -> Iterator[None]:
+        # The reduce-scatters are issued during backward, inside this context; restore the default after.
+        self.model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def step(self, lr: float) -> float:
+        set_lr(self.optimizer, lr)
+        self.scaler.unscale_(self.optimizer)
+        limit = self.ctx.grad_clip if self.ctx.grad_clip > 0 else float("inf")
+        # On DTensor gradients the norm is reduced over all shards: the global norm, as DDP's.
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        # Measured before the gradients are released: this is the peak the step holds.
+        # Offloaded state is in host memory, not on the device: reported apart, as the layout says.
+        state = model_state_bytes(self.model.parameters(), self.optimizer)
+        on_device = 0 if self.offload == "cpu" else state
+        self._last_step = {"model_state_bytes": on_device, "offloaded_state_bytes": state - on_device,
+                           **self._counter.take()}
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def train(self, mode: bool) -> None:
+        self.model.train(mode)
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._last_step)
+
+    def teardown(self) -> None:
+        # The sharded parameters hold the device mesh, which holds the process group.
+        self.model = self.optimizer = self.scaler = None  # type: ignore[assignment]
+
+
+def _module_classes(model_config: dict[str, Any]) -> set[str]:
+    """Class names of the model's submodules, from a build on the meta device (no memory, no init cost)."""
+    from hydra.utils import instantiate
+
+    try:
+        with torch.device("meta"):
+            model = instantiate(model_config)
+    except Exception as e:  # the model's own one-line complaint, not Hydra's wrapper
+        cause = e.__cause__ or e
+        raise ValueError(f"model {model_config.get('_target_')} could not be built: {cause}") from e
+    return {type(m).__name__ for m in model.modules() if m is not model}

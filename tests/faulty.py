@@ -1,0 +1,36 @@
+"""Models that misbehave on purpose, for fault tests: `model._target_=faulty.RaisingGPT` (tests/ is on PYTHONPATH)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from launcher.models.gpt import GPT
+
+
+class _Faulty(GPT):
+    def __init__(self, *args, bad_rank: int = 1, at_call: int = 3, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.bad = int(os.environ.get("RANK", "0")) == bad_rank
+        self.at_call, self.calls = at_call, 0
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.bad and self.calls == self.at_call:
+            self.fail()
+        return super().forward(idx, targets)
+
+    def fail(self) -> None:
+        raise NotImplementedError
+
+
+class RaisingGPT(_Faulty):
+    def fail(self) -> None:
+        raise RuntimeError(f"rank {os.environ['RANK']} broke on purpose")
+
+
+class HangingGPT(_Faulty):
+    def fail(self) -> None:
+        time.sleep(3600)  # alive but stuck: only the collective timeout can end the job

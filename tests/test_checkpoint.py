@@ -1,0 +1,203 @@
+"""Checkpoints: exact resume, any strategy and world size, restarts, kills during saves, bad checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LAUNCH, TINY, Run, clean_env, launch
+from test_strategies import STRATEGIES
+
+JOB = [*TINY, "data=pysource", "batch.global_size=16", "batch.micro_size=4", "optim.lr=3e-3", "trainer.max_steps=12",
+       "trainer.warmup_steps=4", "trainer.keep_last=0"]
+
+
+def _ckpt(run: Run, step: int) -> Path:
+    return run.run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def _max_diff(a: Run, b: Run, steps: range) -> float:
+    full = {m["step"]: m["loss"] for m in a.metrics}
+    resumed = {m["step"]: m["loss"] for m in b.metrics}
+    assert sorted(resumed) == list(steps), sorted(resumed)
+    return max(abs(full[s] - resumed[s]) for s in steps)
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Run]:
+    """Uninterrupted 12-step runs, saving at step 6, computed on first use per (strategy, gpus)."""
+    tmp, cache = tmp_path_factory.mktemp("full"), {}
+
+    class Runs(dict):
+        def __missing__(self, key: tuple[str, int]) -> Run:
+            strategy, gpus = key
+            self[key] = launch(tmp, *JOB, f"strategy={strategy}", f"gpus={gpus}", "trainer.checkpoint_every=6",
+                               name=f"{strategy}-{gpus}").check()
+            return self[key]
+
+    return Runs(cache)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resume_is_exact(strategy: str, full_runs, tmp_path: Path) -> None:
+    full = full_runs[(strategy, 2)]
+    resumed = launch(tmp_path, *JOB, f"strategy={strategy}", "gpus=2", f"resume={_ckpt(full, 6)}").check()
+    assert f"resuming from {_ckpt(full, 6)} (step 6, sample 96)" in resumed.stdout
+    assert _max_diff(full, resumed, range(7, 13)) <= 1e-6
+
+
+CROSSINGS = [("ddp", 2, "fsdp", 1), ("fsdp", 2, "zero3", 2), ("zero2", 2, "ddp", 1), ("zero3", 2, "ddp", 1),
+             ("ddp", 2, "zero1", 2), ("fsdp", 1, "ddp", 2)]
+
+
+@pytest.mark.parametrize("src,src_gpus,dst,dst_gpus", [c for c in CROSSINGS if c[0] in STRATEGIES and c[2] in STRATEGIES])
+def test_resume_across_strategies_and_world_sizes(src: str, src_gpus: int, dst: str, dst_gpus: int, full_runs, tmp_path: Path) -> None:
+    full = full_runs[(src, src_gpus)]
+    resumed = launch(tmp_path, *JOB, f"strategy={dst}", f"gpus={dst_gpus}", f"resume={_ckpt(full, 6)}").check()
+    assert _max_diff(full, resumed, range(7, 13)) <= 1e-5
+
+
+def test_keep_last_and_latest_pointer(tmp_path: Path) -> None:
+    run = launch(tmp_path, *JOB, "gpus=2", "trainer.checkpoint_every=3", "trainer.keep_last=2").check()
+    checkpoints = run.run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000009", "step_00000012"]
+    assert (checkpoints / "latest").read_text() == "step_00000012"
+    manifest = json.loads((checkpoints / "step_00000012" / "manifest.json").read_text())
+    assert manifest["step"] == 12 and manifest["samples"] == 12 * 16 and manifest["world_size"] == 2
+    assert manifest["strategy"] == "ddp" and manifest["precision"] == "fp32" and len(manifest["config_hash"]) == 16
+    assert sorted(p.name for p in (checkpoints / "step_00000012").glob("rng_*.pt")) == ["rng_0.pt", "rng_1.pt"]
+
+
+def test_resume_auto_continues_the_newest_earlier_run(tmp_path: Path) -> None:
+    runs = tmp_path / "outputs"
+    runs.mkdir()
+    launch(runs, *JOB, "gpus=1", "trainer.max_steps=4", name="2026-01-01/a").check()
+    time.sleep(0.01)
+    launch(runs, *JOB, "gpus=1", "trainer.max_steps=6", name="2026-01-02/b").check()
+    resumed = launch(runs, *JOB, "gpus=1", "trainer.max_steps=8", "resume=auto", name="2026-01-03/c").check()
+    assert "step_00000006" in resumed.stdout and [m["step"] for m in resumed.metrics] == [7, 8]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file())).hexdigest()
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_workers_start(full_runs, tmp_path: Path) -> None:
+    full = full_runs[("ddp", 2)]
+    before = _digest(full.run_dir / "checkpoints")
+    run = launch(tmp_path, *JOB, "gpus=2", "model.n_embd=32", f"resume={_ckpt(full, 6)}")
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "does not fit the model: tok_emb.weight is [256, 64] there, [256, 32] here" in run.stderr
+    assert not (run.run_dir / "resolved.yaml").exists()
+    assert _digest(full.run_dir / "checkpoints") == before
+
+
+def test_a_corrupted_checkpoint_is_a_one_line_error(full_runs, tmp_path: Path) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(_ckpt(full_runs[("ddp", 2)], 6), broken)
+    (broken / ".metadata").write_bytes(b"not a checkpoint")
+    run = launch(tmp_path, *JOB, "gpus=2", f"resume={broken}")
+    assert run.returncode == 2 and "is unreadable" in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    missing = launch(tmp_path, *JOB, "gpus=2", f"resume={tmp_path / 'nowhere'}", name="missing")
+    assert missing.returncode == 2 and "no complete checkpoint there" in missing.stderr
+
+
+def test_convert_writes_weights_the_plain_model_loads(full_runs, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from launcher.models.gpt import GPT
+
+    out = tmp_path / "model.safetensors"
+    proc = subprocess.run([LAUNCH, "convert", str(_ckpt(full_runs[("ddp", 2)], 12)), f"out={out}"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
+    model.load_state_dict(load_file(str(out)), strict=True)
+    x = torch.randint(0, 256, (2, 32))
+    assert torch.isfinite(model(x, x))
+
+
+def _worker_pids(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the live workers of a run."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and "launcher.worker" in (cmd := (proc / "cmdline").read_bytes().decode()) and str(run_dir) in cmd:
+                env = dict(e.split("=", 1) for e in (proc / "environ").read_bytes().decode().split("\0") if "=" in e)
+                found[int(env["RANK"])] = int(proc.name)
+        except (OSError, KeyError, ValueError):
+            pass
+    return found
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run never reached step {step}")
+
+
+def test_a_killed_worker_is_restarted_and_the_run_matches(full_runs, tmp_path: Path) -> None:
+    full = full_runs[("ddp", 2)]
+    run_dir = tmp_path / "restarted"
+    proc = subprocess.Popen([LAUNCH, *JOB, "gpus=2", "trainer.checkpoint_every=3", "trainer.max_restarts=1",
+                             f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=clean_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(run_dir, 4, proc)
+    os.kill(_worker_pids(run_dir)[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "restart 1 of the worker group: resuming from" in out, out
+    final = {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    reference = {m["step"]: m["loss"] for m in full.metrics}
+    assert abs(final[12] - reference[12]) <= 1e-6 and abs(final[10] - reference[10]) <= 1e-6
+
+
+def test_kills_during_saves_never_leave_a_broken_latest_checkpoint(tmp_path: Path) -> None:
+    """Save every step and kill a worker at arbitrary moments: every visible checkpoint stays complete and loads."""
+    big = [o for o in JOB if not o.startswith(("model.n_embd", "trainer.keep_last"))] + ["model.n_embd=256", "trainer.keep_last=3"]
+    run_dir = tmp_path / "killed"
+    for delay in (0.4, 0.9):
+        proc = subprocess.Popen([LAUNCH, *big, "gpus=2", "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"],
+                                cwd=tmp_path, env=clean_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _wait_for_step(run_dir, 2, proc)
+        time.sleep(delay)
+        os.kill(_worker_pids(run_dir).get(0, proc.pid), signal.SIGKILL)
+        proc.communicate(timeout=120)
+        checkpoints = run_dir / "checkpoints"
+        visible = sorted(checkpoints.glob("step_*"))
+        assert visible and all((p / "manifest.json").exists() and (p / ".metadata").exists() for p in visible)
+        assert (checkpoints / (checkpoints / "latest").read_text()).exists()
+    # The run directory's own newest checkpoint is where the next attempt continues.
+    logged_before = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    done = launch(tmp_path, *big, "gpus=2", name="killed").check()
+    assert "resuming from" in done.stdout
+    this_attempt = done.metrics[logged_before:]
+    assert this_attempt[0]["step"] > 1 and this_attempt[-1]["step"] == 12
+
+
+def test_a_raising_rank_ends_the_job_with_its_own_error_first(tmp_path: Path) -> None:
+    started = time.monotonic()
+    run = launch(tmp_path, *JOB, "gpus=2", "model._target_=faulty.RaisingGPT")
+    assert run.returncode == 1 and time.monotonic() - started < 120
+    assert "launch: error: rank 1 failed: RuntimeError: rank 1 broke on purpose" in run.stderr, run.stderr
+    assert _worker_pids(run.run_dir) == {}
+
+
+def test_a_hanging_rank_ends_within_the_collective_timeout(tmp_path: Path) -> None:
+    started = time.monotonic()
+    run = launch(tmp_path, *JOB, "gpus=2", "model._target_=faulty.HangingGPT", "trainer.collective_timeout=5")
+    assert run.returncode == 1 and time.monotonic() - started < 90, run.stderr
+    assert "launch: error: rank" in run.stderr
+    assert _worker_pids(run.run_dir) == {}

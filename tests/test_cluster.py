@@ -1,0 +1,167 @@
+"""Beyond one machine and one run: rendezvous across nodes, SLURM through submitit, sweeps and their report."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import LAUNCH, TINY, clean_env, launch
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from launcher import schema
+from launcher.cli import submitit_overrides
+from launcher.config import ConfigError, derive
+from launcher.launch import expand_hostlist, rendezvous
+
+schema.register()
+JOB = [*TINY, "batch.global_size=16", "trainer.max_steps=5"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _compose(*overrides: str, hydra: bool = False):
+    with initialize_config_module("launcher.conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def test_expand_hostlist() -> None:
+    assert expand_hostlist("gpu[01-03,07],cpu1") == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]
+    assert expand_hostlist("node7") == ["node7"]
+    assert expand_hostlist("a[9-11]") == ["a9", "a10", "a11"]
+
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
+         "SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "8", "SLURM_RESTART_COUNT": "3"}
+
+
+def test_rendezvous_inside_a_slurm_allocation() -> None:
+    cfg = _compose("nodes=2", "gpus=8", "batch.global_size=64", "batch.micro_size=4")
+    derived = derive(cfg, cuda_devices=8)
+    r = rendezvous(cfg, derived, SLURM)
+    assert r.endpoint == "gpu07:24242" and r.run_id == "slurm-4242-3" and r.backend == "c10d"
+    assert rendezvous(cfg, derived, SLURM | {"SLURM_RESTART_COUNT": "4"}).run_id != r.run_id  # a requeue meets anew
+    static = rendezvous(_compose("nodes=2", "gpus=8", "batch.global_size=64", "rdzv.backend=static"), derived, SLURM)
+    assert static.configs["rank"] == 1
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"SLURM_NNODES": "4"}, "nodes=2 but this SLURM allocation has 4 node(s); use nodes=4"),
+    ({"SLURM_NTASKS_PER_NODE": "8"}, "set hydra.launcher.tasks_per_node=1"),
+    ({"SLURM_GPUS_ON_NODE": "4"}, "gpus=8 but SLURM gave this node 4 GPU(s)"),
+])
+def test_slurm_mismatches_are_one_line_errors(env: dict[str, str], message: str) -> None:
+    cfg = _compose("nodes=2", "gpus=8", "batch.global_size=64")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        rendezvous(cfg, derive(cfg, cuda_devices=8), SLURM | env)
+
+
+def test_several_nodes_need_an_endpoint(tmp_path: Path) -> None:
+    run = launch(tmp_path, *JOB, "nodes=2", "gpus=1")
+    assert run.returncode == 2 and "nodes=2 needs rdzv.endpoint=HOST:PORT and rdzv.id=NAME" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
+def _two_nodes(tmp_path: Path, env_for_node, *overrides: str) -> list[float]:
+    procs = [
+        subprocess.Popen([LAUNCH, *JOB, "nodes=2", "gpus=1", *overrides, f"hydra.run.dir={tmp_path / f'node{n}'}"],
+                         cwd=tmp_path, env=env_for_node(n), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for n in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    (metrics,) = [p for n in range(2) if (p := tmp_path / f"node{n}" / "metrics.jsonl").exists()]  # global rank 0's
+    return [float(line.split('"loss": ')[1].split(",")[0]) for line in metrics.read_text().splitlines()]
+
+
+def test_two_nodes_on_loopback_match_one_node(tmp_path: Path) -> None:
+    one_node = launch(tmp_path, *JOB, "gpus=2", name="one").check().losses()
+    port = _free_port()
+    two = _two_nodes(tmp_path, lambda n: clean_env(tmp_path), f"rdzv.endpoint=127.0.0.1:{port}", "rdzv.id=loopback")
+    assert max(abs(a - b) for a, b in zip(one_node, two, strict=True)) <= 1e-6, (one_node, two)
+
+
+def test_a_slurm_allocation_needs_no_rendezvous_settings(tmp_path: Path) -> None:
+    """Two launchers with the environment SLURM gives each node's task; nothing set by hand."""
+    one_node = launch(tmp_path, *JOB, "gpus=2", name="one").check().losses()
+    port = _free_port()
+    env = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NTASKS_PER_NODE": "1"}
+    two = _two_nodes(tmp_path, lambda n: clean_env(tmp_path) | env | {"SLURM_NODEID": str(n)}, f"rdzv.port={port}")
+    assert max(abs(a - b) for a, b in zip(one_node, two, strict=True)) <= 1e-6, (one_node, two)
+
+
+def test_a_node_that_never_arrives_ends_the_job_with_a_clear_error(tmp_path: Path) -> None:
+    started = time.monotonic()
+    run = launch(tmp_path, *JOB, "nodes=2", "gpus=1", f"rdzv.endpoint=127.0.0.1:{_free_port()}", "rdzv.id=alone",
+                 "rdzv.join_timeout=5")
+    assert run.returncode == 1 and "did not all join rendezvous" in run.stderr, run.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script Hydra's submitit_slurm launcher would submit, built by submitit itself from our config."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+    # submitit only looks for srun on PATH to believe it is on a cluster; nothing is run or submitted.
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+
+    argv = ["hydra/launcher=submitit_slurm", "nodes=2", "gpus=8", "batch.global_size=64", "hydra.launcher.partition=gpu"]
+    cfg = _compose(*argv, *submitit_overrides(argv), f"hydra.sweep.dir={tmp_path}", hydra=True)
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    # The plugin's own mapping of its config onto the executor (hydra_submitit_launcher.submitit_launcher.launch).
+    executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
+                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    params.pop("_target_")
+    executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    text = executor._executor._make_submission_file_text("python -m launcher", "uid")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu"):
+        assert line in text, text
+
+
+@pytest.mark.parametrize("override,message", [
+    ("hydra.launcher.tasks_per_node=8", "hydra.launcher.tasks_per_node=8 contradicts the run's shape"),
+    ("hydra.launcher.nodes=3", "hydra.launcher.nodes=3 contradicts the run's shape; use hydra.launcher.nodes=2"),
+])
+def test_a_contradicting_submitit_shape_is_refused(tmp_path: Path, override: str, message: str) -> None:
+    run = launch(tmp_path, "-m", "hydra/launcher=submitit_local", *JOB, "nodes=2", override)
+    assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    run = launch(tmp_path, "-m", "hydra/launcher=submitit_local", *[o for o in JOB if not o.startswith("logger")],
+                 "logger=wandb", "logger.mode=disabled", "gpus=2", "batch.micro_size=2,4", f"hydra.sweep.dir={sweep}")
+    assert run.returncode == 0, run.stderr
+    resolved = [OmegaConf.load(sweep / str(n) / "resolved.yaml") for n in (0, 1)]
+    assert [r.derived.accumulation for r in resolved] == [4, 2]
+    assert resolved[0].logger.group == resolved[1].logger.group == sweep.name  # one wandb group per sweep
+    assert resolved[0].logger.name != resolved[1].logger.name  # one run per job
+    table = (sweep / "summary.md").read_text().splitlines()
+    assert len(table) == 4 and "| 0: batch.micro_size=2 | ddp | 2 | 4 |" in table[2], table
+    assert (sweep / "summary.png").stat().st_size > 10_000
+
+
+def test_sweep_configs_name_only_existing_choices() -> None:
+    from importlib import resources
+
+    conf = resources.files("launcher.conf")
+    strategies = {p.name[:-5] for p in (conf / "strategy").iterdir() if p.name.endswith(".yaml")}
+    for name in ("strategies", "batch_scaling"):
+        cfg = _compose(f"+sweep={name}", hydra=True)
+        params = cfg.hydra.sweeper.params
+        assert params, name
+        if "strategy" in params:
+            assert set(params.strategy.split(",")) <= strategies

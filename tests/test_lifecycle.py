@@ -1,0 +1,107 @@
+"""Preemption and process hygiene: graceful stops, no orphans, restarts that always recover, hangs that end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import LAUNCH, TINY, Run, clean_env, launch
+from test_checkpoint import _wait_for_step, _worker_pids
+from test_cluster import _free_port
+
+JOB = [*TINY, "data=pysource", "gpus=2", "batch.global_size=16", "batch.micro_size=4", "optim.lr=3e-3",
+       "trainer.max_steps=30", "trainer.warmup_steps=4"]
+
+
+def _start(tmp_path: Path, run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([LAUNCH, *JOB, *extra, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env or clean_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    tmp = tmp_path_factory.mktemp("reference")
+    return launch(tmp, *JOB).check()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
+def test_a_signal_stops_gracefully_and_resume_auto_continues_exactly(sig: signal.Signals, reference: Run, tmp_path: Path) -> None:
+    runs = tmp_path / "outputs"
+    runs.mkdir()
+    proc = _start(runs, runs / "stopped")
+    _wait_for_step(runs / "stopped", 5, proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert f"launch: stopped by {sig.name}: checkpoint" in err and "resume=" in err, err
+    stopped_at = max(_losses(runs / "stopped"))
+    assert 5 <= stopped_at < 30 and (runs / "stopped" / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
+    assert _worker_pids(runs / "stopped") == {}
+    resumed = launch(runs, *JOB, "resume=auto", name="resumed").check()
+    assert resumed.metrics[0]["step"] == stopped_at + 1
+    full = {m["step"]: m["loss"] for m in reference.metrics}
+    assert max(abs(full[m["step"]] - m["loss"]) for m in resumed.metrics) <= 1e-6
+
+
+def test_killing_the_launcher_leaves_no_worker_behind(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(tmp_path, run_dir, "trainer.max_steps=400")
+    _wait_for_step(run_dir, 3, proc)
+    assert len(_worker_pids(run_dir)) == 2
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 5
+    while _worker_pids(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _worker_pids(run_dir) == {}
+
+
+def test_every_restart_recovers(reference: Run, tmp_path: Path) -> None:
+    """Six kills in one run: a 40% chance of a failed restart would slip through 0.6^6 = 5% of the time."""
+    kills, run_dir = 6, tmp_path / "run"
+    proc = _start(tmp_path, run_dir, "trainer.checkpoint_every=2", f"trainer.max_restarts={kills}")
+    for n in range(kills):
+        _wait_for_step(run_dir, 4 * n + 3, proc)
+        pids = _worker_pids(run_dir)
+        os.kill(pids[n % 2], signal.SIGKILL)
+        while _worker_pids(run_dir).get(n % 2) == pids[n % 2]:
+            time.sleep(0.05)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert all(f"restart {n} of the worker group: resuming from" in out for n in range(1, kills + 1)), out
+    final = _losses(run_dir)
+    assert abs(final[30] - reference.metrics[-1]["loss"]) <= 1e-6
+
+
+def test_a_hang_names_the_stuck_rank(tmp_path: Path) -> None:
+    started = time.monotonic()
+    run = launch(tmp_path, *JOB, "model._target_=faulty.HangingGPT", "trainer.collective_timeout=5")
+    assert run.returncode == 1 and time.monotonic() - started < 90
+    assert "rank 0 waited 5 s in a collective" in run.stderr, run.stderr
+    assert "rank 1 was last in forward/backward of step 2, micro-step 1/2" in run.stderr, run.stderr
+
+
+def test_a_requeued_slurm_job_resumes_by_itself(reference: Run, tmp_path: Path) -> None:
+    """What SLURM does on preemption: SIGTERM to the job, then the same job again with SLURM_RESTART_COUNT + 1."""
+    run_dir, port = tmp_path / "job", _free_port()
+    slurm = {"SLURM_JOB_ID": "31337", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "127.0.0.1",
+             "SLURM_NTASKS_PER_NODE": "1"}
+    first = _start(tmp_path, run_dir, f"rdzv.port={port}", env=clean_env(tmp_path) | slurm | {"SLURM_RESTART_COUNT": "0"})
+    _wait_for_step(run_dir, 5, first)
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM
+    again = _start(tmp_path, run_dir, f"rdzv.port={port}", env=clean_env(tmp_path) | slurm | {"SLURM_RESTART_COUNT": "1"})
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert f"resuming from {run_dir / 'checkpoints'}" in out, out
+    assert abs(_losses(run_dir)[30] - reference.metrics[-1]["loss"]) <= 1e-6
