@@ -1,0 +1,243 @@
+"""DeepSpeed-specific behaviour; training, parity and memory rules are in the conformance suite.
+
+Real processes through the `launch` console script, real DeepSpeed engines on gloo ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import LAUNCH, TINY, clean_env, launch
+
+from strategies import RunContext
+from strategies.deepspeed import build_ds_config
+
+CTX = RunContext(device="cpu", rank=0, local_rank=0, world_size=4, precision="bf16", grad_clip=0.5, accumulation=8,
+                 micro_size=2)
+FEW_STEPS = ["batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=3"]
+
+
+# ------------------------------------------------------------------ the generated config
+
+
+def test_config_is_derived_from_the_run() -> None:
+    config = build_ds_config(CTX, stage=3, offload_optimizer="cpu", offload_params="nvme", swap_path="/swap")
+    assert config["train_micro_batch_size_per_gpu"] == 2
+    assert config["gradient_accumulation_steps"] == 8
+    assert config["train_batch_size"] == 2 * 8 * 4
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["gradient_clipping"] == 0.5
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert zero["offload_param"] == {"device": "nvme", "pin_memory": False, "nvme_path": "/swap"}
+    assert "optimizer" not in config and "scheduler" not in config  # the client optimizer and our LR schedule
+
+
+def test_clipping_is_always_written() -> None:
+    """DeepSpeed clips at 1.0 when the key is absent: grad_clip=0 must reach it as 0."""
+    from dataclasses import replace
+
+    assert build_ds_config(replace(CTX, grad_clip=0.0), stage=1)["gradient_clipping"] == 0.0
+
+
+def test_extra_keys_are_merged_and_equal_values_accepted() -> None:
+    extra = {"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_accumulation_steps": 8, "wall_clock_breakdown": True}
+    config = build_ds_config(CTX, stage=2, extra=extra)
+    assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
+    assert config["wall_clock_breakdown"] is True and config["gradient_accumulation_steps"] == 8
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"gradient_accumulation_steps": 4}, ["gradient_accumulation_steps=4", "gradient_accumulation_steps=8"]),
+        ({"train_batch_size": 32}, ["train_batch_size=32", "train_batch_size=64"]),
+        ({"fp16": {"enabled": True}}, ["fp16.enabled=True", "fp16.enabled=False", "precision"]),
+        ({"gradient_clipping": 1.0}, ["gradient_clipping=1.0", "gradient_clipping=0.5", "trainer.grad_clip"]),
+        ({"optimizer": {"type": "Adam"}}, ["optimizer=", "optim"]),
+        ({"zero_optimization": {"stage": 1}}, ["zero_optimization.stage=1", "zero_optimization.stage=2"]),
+    ],
+)
+def test_conflicting_keys_are_rejected_naming_both_values(extra: dict, named: list[str]) -> None:
+    with pytest.raises(ValueError) as error:
+        build_ds_config(CTX, stage=2, extra=extra)
+    message = str(error.value)
+    assert "\n" not in message and all(text in message for text in named), message
+
+
+# ------------------------------------------------------------------ errors before workers start
+
+
+def _rejected(tmp_path: Path, *overrides: str) -> str:
+    run = launch(tmp_path, *TINY, *overrides, timeout=120)  # rejected in the parent: seconds, not a training run
+    assert run.returncode == 2, (run.returncode, run.stdout, run.stderr)
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch: error:"), run.stderr
+    assert not (run.run_dir / "resolved.yaml").exists()  # nothing started
+    return lines[0]
+
+
+@pytest.mark.parametrize("key, given, derived", [
+    ("gradient_accumulation_steps", 8, 2),  # global 16 = micro 4 x world 2 x accumulation 2
+    ("zero_optimization.stage", 1, 2),  # nested: the config arrives as OmegaConf nodes
+])
+def test_conflicting_ds_config_rejected_by_launch(tmp_path: Path, key: str, given: int, derived: int) -> None:
+    line = _rejected(tmp_path, "strategy=zero2", "batch.global_size=16", "batch.micro_size=4",
+                     f"+strategy.ds_config.{key}={given}")
+    assert f"{key}={given}" in line and f"{key}={derived}" in line, line
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["strategy=zero2", "strategy.offload_params=cpu"], "needs strategy.stage=3"),
+        (["strategy=zero2", "strategy.offload_optimizer=nvme", "strategy.nvme_path=/tmp"], "needs strategy.stage=3"),
+        (["strategy=zero2_offload", "optim=sgd"], "optim=adamw"),
+        (["strategy=zero_infinity"], "strategy.nvme_path is unset"),
+        (["strategy=zero2", "trainer.compile=true"], "trainer.compile=true is not supported"),
+    ],
+)
+def test_impossible_combinations_rejected(tmp_path: Path, overrides: list[str], expected: str) -> None:
+    assert expected in _rejected(tmp_path, *overrides)
+
+
+def test_nvme_path_must_exist(tmp_path: Path) -> None:
+    line = _rejected(tmp_path, "strategy=zero_infinity", f"strategy.nvme_path={tmp_path / 'absent'}")
+    assert "does not exist" in line
+
+
+def test_nvme_path_must_be_writable(tmp_path: Path) -> None:
+    if not os.access("/proc/sys", os.W_OK):  # read-only even for root (tests often run as root)
+        path = "/proc/sys"
+    elif os.geteuid() != 0:
+        path = str(tmp_path / "locked")
+        os.mkdir(path, 0o500)
+    else:
+        pytest.skip("running as root with no read-only folder to point at")
+    assert "is not writable" in _rejected(tmp_path, "strategy=zero_infinity", f"strategy.nvme_path={path}")
+
+
+def test_nvme_path_must_have_room_for_the_model(tmp_path: Path) -> None:
+    # 4096-wide GPT layers hold about 201M parameters; NVMe offload writes 16 bytes per parameter.
+    layers = math.ceil(shutil.disk_usage(tmp_path).free / (16 * 201e6)) + 2
+    line = _rejected(tmp_path, "strategy=zero_infinity", f"strategy.nvme_path={tmp_path}", f"model.n_layer={layers}",
+                     "model.n_embd=4096", "model.n_head=32", "trainer.max_steps=1")
+    assert "GiB free but NVMe offload needs about" in line
+
+
+# ------------------------------------------------------------------ ZeRO-Infinity pages to NVMe
+
+
+def test_zero_infinity_pages_to_nvme_and_cleans_up(tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for root, _, files in os.walk(nvme):
+                seen.update(os.path.relpath(os.path.join(root, f), nvme) for f in files)
+            done.wait(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        # 512-wide layers: the larger tensors' 1/2 partitions are over the 1 MiB DeepSpeed swaps at least.
+        run = launch(tmp_path, *TINY, *FEW_STEPS, "strategy=zero_infinity", f"strategy.nvme_path={nvme}",
+                     "model.n_embd=512", "model.n_head=8")
+    finally:
+        done.set()
+        watcher.join()
+    run.check()
+    swapped = [f for f in seen if f.endswith(".swp")]
+    assert any("optimizer" in f for f in swapped), sorted(seen)  # fp32 master and Adam moments
+    assert any("params" in f for f in swapped), sorted(seen)  # fp32 parameters
+    assert list(nvme.iterdir()) == []  # each rank's swap folder is removed at the end: nothing piles up
+
+
+# ------------------------------------------------------------------ accumulation
+
+
+def test_sync_each_microbatch_reduces_every_micro_step(tmp_path: Path) -> None:
+    """The opt-in DeepSpeed path: ZeRO-2 reduces on each of the K=2 micro-steps (the default: once).
+
+    Also an extra nested ds_config key reaching the engine: 10k-element buckets make many reductions.
+    """
+    import torch
+
+    from launcher.models.gpt import GPT
+
+    run = launch(tmp_path, *TINY, "strategy=zero2", "strategy.sync_each_microbatch=true", "batch.global_size=16",
+                 "batch.micro_size=4", "trainer.max_steps=2",
+                 "+strategy.ds_config.zero_optimization.reduce_bucket_size=10000").check()
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32).parameters())
+    last = run.metrics[-1]
+    assert last["accumulation"] == 2 and last["comm_bytes"] == 2 * 4 * n, (last, n)
+    assert last["comm_calls"] >= 2 * n / 10000, last  # one per bucket: the key reached DeepSpeed
+
+
+# ------------------------------------------------------------------ the import stays lazy
+
+
+@pytest.fixture
+def no_deepspeed(tmp_path: Path) -> dict[str, str]:
+    """An environment in which `import deepspeed` fails, in the launcher and in every worker."""
+    guard = tmp_path / "guard" / "deepspeed"
+    guard.mkdir(parents=True)
+    (guard / "__init__.py").write_text("raise ImportError('deepspeed was imported')\n")
+    env = clean_env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(guard.parent), env.get("PYTHONPATH", "")])
+    probe = subprocess.run([sys.executable, "-c", "import deepspeed"], env=env, capture_output=True, text=True)
+    assert "deepspeed was imported" in probe.stderr  # the guard itself works
+    return env
+
+
+def test_modules_do_not_import_deepspeed(no_deepspeed: dict[str, str]) -> None:
+    code = "import launcher.cli, launcher.launch, launcher.runner, launcher.worker, strategies.deepspeed"
+    proc = subprocess.run([sys.executable, "-c", code], env=no_deepspeed, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_help_does_not_import_deepspeed(no_deepspeed: dict[str, str]) -> None:
+    proc = subprocess.run([LAUNCH, "--help"], env=no_deepspeed, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_other_strategies_never_import_deepspeed(tmp_path: Path, no_deepspeed: dict[str, str], strategy: str) -> None:
+    if not (Path(__file__).parents[1] / "conf" / "strategy" / f"{strategy}.yaml").exists():
+        pytest.skip(f"no {strategy} strategy in this tree")
+    launch(tmp_path, *TINY, f"strategy={strategy}", "trainer.max_steps=2", env=no_deepspeed).check()
+
+
+# ------------------------------------------------------------------ the strategy-neutral export
+
+
+@pytest.mark.parametrize("preset", [{"stage": 1}, {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}],
+                         ids=["zero1", "zero3_offload"])
+def test_state_dict_is_the_full_torch_state_and_loads(tmp_path: Path, preset: dict) -> None:
+    """Full fp32 weights and Adam moments under torch's full state-dict keys, as one torch process has
+    them; loaded into a fresh engine, training continues exactly."""
+    import json
+
+    env = clean_env(tmp_path) | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(Path(__file__).parent / "ds_state_dict_worker.py"), json.dumps(preset)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["same_keys"], result
+    assert result["diff"]["weights"] <= 1e-5 and result["diff"]["exp_avg"] <= 1e-6 and result["diff"]["exp_avg_sq"] <= 1e-6, result
+    assert result["resume_diff"] == 0.0, result  # loaded into a fresh engine: the next step is bit-identical
