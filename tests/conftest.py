@@ -52,7 +52,8 @@ class Run:
 def clean_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TORCHELASTIC_", "OMP_"))}
     env |= {"WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": "ignore",
-            "PYTHONPATH": str(Path(__file__).parent)}  # workers can import the test models in faulty.py
+            # workers can import the test models in faulty.py
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     return env
 
 
