@@ -114,9 +114,18 @@ def gathered_bytes(largest_layer: int, weight_bytes: int, params_sharded: bool) 
     return 2 * weight_bytes * largest_layer if params_sharded else 0.0
 
 
+RING_PASSES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+"""Ring passes per collective: an all-reduce is a reduce-scatter then an all-gather."""
+
+
+def ring_sent_elements(elements: float, world_size: int, collective: str = "all_reduce") -> float:
+    """Elements each rank sends in a ring collective over a buffer of `elements`: (G-1)/G of it per pass."""
+    return RING_PASSES[collective] * (world_size - 1) / world_size * elements
+
+
 def ring_allreduce_elements(params: float, world_size: int) -> float:
     """Elements each rank sends in a ring all-reduce: a reduce-scatter then an all-gather, (G-1)/G of the buffer each."""
-    return 2 * (world_size - 1) / world_size * params
+    return ring_sent_elements(params, world_size, "all_reduce")
 
 
 def step_comm_elements(params: float, world_size: int, params_sharded: bool, accumulation: int = 1) -> float:
@@ -127,8 +136,36 @@ def step_comm_elements(params: float, world_size: int, params_sharded: bool, acc
     Sharded parameters (FSDP, ZeRO-3): one gradient reduce-scatter, plus a parameter all-gather before each
     micro-step's forward and again before its backward: (1 + 2K)(G-1)/G x P — 1.5 x DDP's volume at K = 1.
     """
-    one_pass = (world_size - 1) / world_size * params
+    one_pass = ring_sent_elements(params, world_size, "reduce_scatter")
     return one_pass * (1 + 2 * accumulation) if params_sharded else ring_allreduce_elements(params, world_size)
+
+
+def step_comm_bytes(params: float, world_size: int, layout: Layout, precision: str, accumulation: int = 1) -> float:
+    """Bytes each rank sends per optimizer step: `step_comm_elements` in the compute dtype (the lesson's exercise 2:
+    bf16, 2 bytes). Strategies that reduce fp32 gradients under bf16 (DDP under autocast, FSDP's default
+    reduce_dtype) send twice this; in fp32 the figure is exact."""
+    weights = bytes_per_param(precision, 0, layout.master_weights).weights
+    return step_comm_elements(params, world_size, layout.params.sharded, accumulation) * weights
+
+
+def flops_per_token(params: int, n_layer: int = 0, n_embd: int = 0, seq_len: int = 0) -> float:
+    """Model FLOPs to train on one token, forward and backward: 6 per parameter (2 in the forward matmul, 4 in
+    backward's two) plus attention's scores and weighted values, 12 x layers x width x sequence (PaLM, appendix B;
+    nanoGPT's estimate_mfu). A model without the GPT's sizes gets 6 x parameters only."""
+    return 6 * params + 12 * n_layer * n_embd * seq_len
+
+
+# Dense bf16/fp16 tensor-core peak per GPU, TFLOPS, from NVIDIA's datasheets (the "with sparsity" figures halved):
+# H100/H200 SXM 989, H100 PCIe 756, A100 312, L40S 362, L4 121, A10 125, V100 125 (fp16). Matched in order, by
+# substring of torch.cuda.get_device_name(): the PCIe H100 before the SXM one. MFU is measured against this
+# figure whatever the run's precision (nanoGPT's convention); set trainer.peak_tflops for any other device.
+PEAK_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0),
+               ("L4", 121.0), ("A10", 125.0), ("V100", 125.0))
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The table's peak for a GPU name (e.g. "NVIDIA H100 80GB HBM3"), or None for a device it does not know."""
+    return next((tflops for key, tflops in PEAK_TFLOPS if key in device_name), None)
 
 
 def bound_gbps(link_gbps: float, internode_gbps: float, nodes: int) -> float:
@@ -264,9 +301,7 @@ class Plan:
         world = world_size or self.derived.world_size
         bpp = bytes_per_param(self.precision, self.moments, layout.master_weights)
         accumulation = self.global_size // ((micro or self.micro) * world) or 1
-        # On the wire, elements in the compute dtype (the lesson's exercise 2: bf16, 2 bytes). Strategies that
-        # reduce fp32 gradients under bf16 (DDP under autocast, FSDP's default reduce_dtype) send twice this.
-        sent = step_comm_elements(self.model.params, world, layout.params.sharded, accumulation) * bpp.weights
+        sent = step_comm_bytes(self.model.params, world, layout, self.precision, accumulation)
         return StrategyPlan(
             name=name,
             layout=layout,

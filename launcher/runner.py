@@ -7,6 +7,8 @@ batch, memory figures are the maximum over ranks.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
 import resource
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from launcher import checkpoint
+from launcher import checkpoint, plan
 from launcher.checkpoint import Position
 from launcher.data import GlobalBatches, collate, rank_micro_batches
 from launcher.lifecycle import Phase, StopRequest
@@ -51,6 +53,49 @@ def peak_memory_bytes(device: torch.device) -> int:
 def _tokens(batch: Any) -> int:
     first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values())) if isinstance(batch, dict) else batch
     return int(first.numel()) if isinstance(first, torch.Tensor) else 0
+
+
+@dataclass(frozen=True)
+class Speed:
+    """What turns a logged step into MFU and the planner's communication figure: worked out once per run."""
+
+    flops_per_token: float
+    peak_flops: float | None
+    """Per device; None (no MFU logged) on a device the table does not know, unless trainer.peak_tflops is set."""
+    comm_bytes_formula: float
+    """The planner's bytes each rank sends per optimizer step for this strategy's layout (`launch plan`'s figure)."""
+
+    @classmethod
+    def of(cls, cfg: DictConfig, ctx: RunContext, strategy: Strategy) -> Speed:
+        size = plan.measure_model(cfg.model)  # on the meta device: the planner's own count, tied weights once
+        model = cfg.model
+        gpt = OmegaConf.select(cfg, "model._target_") == plan.GPT_TARGET
+        shape = (model.n_layer, model.n_embd, model.block_size) if gpt else ()  # user models: 6 x parameters only
+        peak = cfg.trainer.peak_tflops
+        if peak is None and ctx.device_type == "cuda":
+            peak = plan.peak_tflops(torch.cuda.get_device_name(ctx.device))
+        formula = plan.step_comm_bytes(size.params, ctx.world_size, strategy.layout(), ctx.precision, ctx.accumulation)
+        return cls(plan.flops_per_token(size.params, *shape), peak * 1e12 if peak else None, formula)
+
+    def metrics(self, tokens_per_s: float, world_size: int) -> dict[str, float]:
+        figures = {"comm_bytes_formula": self.comm_bytes_formula}
+        if self.peak_flops:
+            # tokens_per_s is over all ranks; the peak is one device's.
+            figures["mfu"] = self.flops_per_token * tokens_per_s / (world_size * self.peak_flops)
+        return figures
+
+
+def optimizer_factory(cfg: DictConfig, ctx: RunContext, strategy: Strategy) -> functools.partial[Any]:
+    """The configured optimizer as a partial over parameters (strategies may read its keywords).
+
+    On CUDA, with the optimizer state on the device, the fused kernel (one launch for every parameter) where the
+    optimizer has one (torch's Adam, AdamW, SGD): not for state offloaded to the host, which has no fused kernel.
+    """
+    partial = instantiate(cfg.optim, _partial_=True, _convert_="all")
+    fusable = "fused" in inspect.signature(partial.func).parameters and "fused" not in partial.keywords
+    if fusable and ctx.device_type == "cuda" and strategy.layout().optimizer.where == "device":
+        return functools.partial(partial.func, *partial.args, **partial.keywords, fused=True)
+    return partial
 
 
 @dataclass
@@ -153,7 +198,8 @@ def _train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, 
 
     phase("building the model")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and in a one-process run
-    strategy.setup(ctx, lambda: instantiate(cfg.model), instantiate(cfg.optim, _partial_=True, _convert_="all"))
+    strategy.setup(ctx, lambda: instantiate(cfg.model), optimizer_factory(cfg, ctx, strategy))
+    speed = Speed.of(cfg, ctx, strategy)
     position = resume(cfg, ctx, strategy, run_dir)
     loggers = Loggers.create(cfg, ctx.rank, run_dir)
     progress = Progress(ctx.rank, trainer.max_steps - position.step, trainer.progress)
@@ -192,6 +238,7 @@ def _train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, 
                 "samples_per_s": B * window_steps / elapsed,
                 "tokens_per_s": tokens / elapsed,
             }
+            metrics |= speed.metrics(metrics["tokens_per_s"], ctx.world_size)
             if evaluate_now:
                 metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, B)
             loggers.log(metrics, step)

@@ -71,6 +71,10 @@ class TrainerConfig:
     """Seconds workers get, after a stop signal, to finish the step and save before they are killed."""
     keep_last: int = 2
     """Complete checkpoints kept in the run directory; older ones are deleted (0 keeps all)."""
+    compile: bool = False
+    """torch.compile each transformer block (the strategy's units), after activation checkpointing, before sharding."""
+    peak_tflops: Optional[float] = None
+    """Peak FLOPS per device, in TFLOPS, for the logged MFU; unset: looked up by GPU name (none on CPU)."""
 
 
 @dataclass
@@ -136,6 +140,8 @@ class DDPStrategyConfig:
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
+    compile_units: list[str] = field(default_factory=lambda: ["Block"])
+    """Class names of the modules trainer.compile=true compiles one by one (default: the GPT's blocks)."""
 
 
 class FSDPOffload(Enum):

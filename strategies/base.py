@@ -31,6 +31,8 @@ class RunContext:
     """Micro-steps per optimizer step."""
     micro_size: int
     """Samples per rank per forward pass."""
+    compile: bool = False
+    """trainer.compile: compile each unit (transformer block) with torch.compile; a strategy that cannot rejects it in check."""
 
     @property
     def device_type(self) -> str:
@@ -112,6 +114,21 @@ def call_model(model: nn.Module, batch: Any) -> torch.Tensor:
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def unit_modules(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """Submodules (not the root) whose class name is listed, in pre-order (parents before children)."""
+    return [m for m in model.modules() if m is not model and type(m).__name__ in class_names]
+
+
+def compile_units(units: list[nn.Module]) -> None:
+    """torch.compile each unit in place (`nn.Module.compile`): its class, names and state-dict keys stay the same.
+
+    Per unit rather than the whole model: the graphs stay small and alike (one compile serves every block),
+    and a sharding strategy can still put its hooks around each unit.
+    """
+    for unit in units:
+        unit.compile()
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:

@@ -10,19 +10,38 @@ import torch
 
 
 class CommCounter:
-    """Collectives issued and their payload bytes since the last `take()`."""
+    """Collectives issued, their payload bytes, and the ring bytes this rank sent, since the last `take()`.
+
+    The payload is the buffer handed to the collective (P x element bytes for DDP's all-reduce); what a rank
+    sends in a ring is a fraction of it: 2(G-1)/G for an all-reduce, (G-1)/G for a reduce-scatter or an
+    all-gather. The planner's formula counts sent bytes, so `comm_sent_bytes` is the figure to compare with it.
+    """
 
     def __init__(self) -> None:
+        self.world_size = 1
+        """Set by the strategy in setup: the ring's length."""
         self.calls = 0
         self.bytes = 0
+        self.sent = 0.0
+        self.recorded = 0
+        """Calls that came through `record` (and so named their collective): `sent` covers only those."""
 
-    def record(self, payload: torch.Tensor) -> None:
+    def record(self, payload: torch.Tensor, collective: str = "all_reduce") -> None:
         """One collective whose input is `payload` (counted at its dtype: what goes on the wire)."""
+        # The formula lives with the planner's; imported here, lazily, because the planner imports strategies.
+        from launcher.plan import ring_sent_elements
+
+        nbytes = payload.numel() * payload.element_size()
         self.calls += 1
-        self.bytes += payload.numel() * payload.element_size()
+        self.recorded += 1
+        self.bytes += nbytes
+        self.sent += ring_sent_elements(nbytes, self.world_size, collective)
 
     def take(self) -> dict[str, float]:
-        """The counts as `comm_calls`/`comm_bytes` metrics, then start again from zero."""
-        counts = {"comm_calls": self.calls, "comm_bytes": self.bytes}
-        self.calls = self.bytes = 0
+        """The counts as `comm_calls`/`comm_bytes`(/`comm_sent_bytes`) metrics, then start again from zero."""
+        counts: dict[str, float] = {"comm_calls": self.calls, "comm_bytes": self.bytes}
+        if self.recorded == self.calls:  # a caller that bumps calls/bytes directly names no collective: no sent figure
+            counts["comm_sent_bytes"] = self.sent
+        self.calls = self.bytes = self.recorded = 0
+        self.sent = 0.0
         return counts

@@ -17,25 +17,18 @@ from strategies.base import (
     RunContext,
     autocast_dtype,
     call_model,
+    compile_units,
     model_state_bytes,
     set_lr,
+    unit_modules,
 )
-
-
-class _CommCounter:
-    """Counts the gradient buckets DDP all-reduces (see `_counting_allreduce`)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.bytes = 0
+from strategies.comm import CommCounter
 
 
 # DDP checks hook annotations against the real GradBucket/Future classes; string annotations
 # (from `from __future__ import annotations`) would fail that check, so this hook has none.
 def _counting_allreduce(counter, bucket):  # type: ignore[no-untyped-def]
-    buffer = bucket.buffer()
-    counter.calls += 1
-    counter.bytes += buffer.numel() * buffer.element_size()
+    counter.record(bucket.buffer(), "all_reduce")
     return allreduce_hook(None, bucket)
 
 
@@ -45,11 +38,13 @@ class DDP:
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
+        compile_units: list[str] | None = None,
     ) -> None:
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self._counter = _CommCounter()
+        self.compile_units = [str(name) for name in (["Block"] if compile_units is None else compile_units)]
+        self._counter = CommCounter()
         self._last_step: dict[str, float] = {}
 
     def layout(self) -> Layout:
@@ -59,10 +54,17 @@ class DDP:
     def check(self, ctx: RunContext, model_config: dict[str, Any]) -> None:
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")
+        if ctx.compile and not self.compile_units:
+            raise ValueError("trainer.compile=true compiles each unit, but strategy.compile_units is empty; "
+                             "name the unit classes, e.g. strategy.compile_units=[Block]")
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
         self.ctx = ctx
+        self._counter.world_size = ctx.world_size
         module = build_model().to(ctx.device)
+        if ctx.compile:
+            # Before wrapping: DDP's bucketed all-reduce hooks stay outside the compiled graphs (as under FSDP).
+            compile_units(unit_modules(module, self.compile_units))
         self.model = DistributedDataParallel(
             module,
             device_ids=[torch.device(ctx.device).index] if ctx.device_type == "cuda" else None,
@@ -96,10 +98,8 @@ class DDP:
         # Measured before the gradients are released: this is the peak the step holds.
         self._last_step = {
             "model_state_bytes": model_state_bytes(self.model.parameters(), self.optimizer),
-            "comm_calls": self._counter.calls,
-            "comm_bytes": self._counter.bytes,
+            **self._counter.take(),
         }
-        self._counter.calls = self._counter.bytes = 0
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 

@@ -190,6 +190,8 @@ class DeepSpeed:
         )
 
     def check(self, ctx: RunContext, model_config: dict[str, Any]) -> None:
+        if ctx.compile:
+            raise ValueError("trainer.compile=true is not supported by DeepSpeed strategies here; use strategy=fsdp or ddp")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"strategy.stage={self.stage} is not a ZeRO stage; use 1, 2 or 3")
         if getattr(ctx, "compile", False):  # RunContext.compile: trainer.compile

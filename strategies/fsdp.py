@@ -14,7 +14,6 @@ from enum import Enum
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
@@ -26,8 +25,10 @@ from strategies.base import (
     RunContext,
     autocast_dtype,
     call_model,
+    compile_units,
     model_state_bytes,
     set_lr,
+    unit_modules,
 )
 from strategies.comm import CommCounter
 
@@ -51,13 +52,8 @@ class _CountingReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:
-        self.counter.record(input_tensor)  # the unit's whole (padded) gradient, in reduce_dtype
+        self.counter.record(input_tensor, "reduce_scatter")  # the unit's whole (padded) gradient, in reduce_dtype
         return self.inner(output_tensor, input_tensor, group, op, async_op)
-
-
-def unit_modules(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
-    """Submodules (not the root) whose class name is listed, in pre-order (parents before children)."""
-    return [m for m in model.modules() if m is not model and type(m).__name__ in class_names]
 
 
 class FSDP:
@@ -90,6 +86,9 @@ class FSDP:
             # Only precision=fp16 runs the loss scaler; unscaled fp16 gradients underflow to 0 or overflow to inf.
             raise ValueError(f"strategy.reduce_dtype=fp16 with precision={ctx.precision} reduces unscaled gradients "
                              "in fp16; use strategy.reduce_dtype=fp32 or bf16, or precision=fp16 (loss-scaled)")
+        if ctx.compile and not self.shard_units:
+            raise ValueError("trainer.compile=true compiles each shard unit, but strategy.shard_units is empty; "
+                             "name the unit classes, e.g. strategy.shard_units=[Block]")
         if self.activation_checkpointing and not self.shard_units:
             raise ValueError("strategy.activation_checkpointing=true checkpoints each shard unit, but "
                              "strategy.shard_units is empty; name the unit classes, e.g. strategy.shard_units=[Block]")
@@ -108,6 +107,7 @@ class FSDP:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.ctx = ctx
+        self._counter.world_size = ctx.world_size
         # Built whole, then sharded: the same random draws as DDP, hence the same initial weights.
         model = build_model().to(ctx.device)
         units = unit_modules(model, self.shard_units)
@@ -117,6 +117,11 @@ class FSDP:
             # parameter names and classes, so checkpoints load with or without it.
             for unit in units:
                 checkpoint(unit)
+        if ctx.compile:
+            # After checkpointing, before sharding (torchtitan's order): the compiled graph then holds the unit's
+            # forward with its recomputation boundary already in place, and FSDP's all-gather/reduce-scatter hooks
+            # stay outside the graph, around the compiled unit, where they can overlap with compute.
+            compile_units(units)
         precision = MixedPrecisionPolicy(param_dtype=autocast_dtype(ctx.precision), reduce_dtype=DTYPES[self.reduce_dtype])
         # Pinned host memory needs CUDA; without it, pinning fails ("Cannot access accelerator device").
         offload = CPUOffloadPolicy(pin_memory=ctx.device_type == "cuda") if self.offload == "cpu" else OffloadPolicy()

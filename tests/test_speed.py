@@ -1,0 +1,69 @@
+"""Speed you can see: MFU and the measured-vs-formula communication in the logs, and trainer.compile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, clean_env, launch
+
+from launcher.models.gpt import GPT
+from launcher.plan import flops_per_token, peak_tflops
+
+DIMS = {"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 256, "block_size": 32}  # TINY's model
+
+
+def _n_params() -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(**DIMS).parameters())
+
+
+def test_flops_per_token_and_the_peak_table() -> None:
+    # nanoGPT's gpt2 (124M, 12 x 768, T=1024): 6N + 12 x 12 x 768 x 1024.
+    assert flops_per_token(124_000_000, 12, 768, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024
+    assert flops_per_token(1000) == 6000  # a user model: no attention term
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0  # matched before the SXM part's "H100"
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("cpu") is None
+
+
+def test_ddp_sends_what_the_planner_says_under_accumulation_and_logs_mfu(tmp_path: Path) -> None:
+    run = launch(tmp_path, *TINY, "gpus=2", "batch.global_size=32", "batch.micro_size=4", "trainer.max_steps=3",
+                 "trainer.peak_tflops=0.5").check()
+    n = _n_params()
+    for m in run.metrics:
+        assert m["accumulation"] == 4
+        ratio = m["comm_sent_bytes"] / m["comm_bytes_formula"]
+        # K=4 micro-steps, one all-reduce: a sync per micro-step would make this 4.
+        assert ratio == pytest.approx(1.0, abs=0.05), ratio
+        expected = flops_per_token(n, DIMS["n_layer"], DIMS["n_embd"], DIMS["block_size"]) * m["tokens_per_s"] / (2 * 0.5e12)
+        assert m["mfu"] == pytest.approx(expected, rel=1e-9)
+    print(f"DDP measured/formula: {ratio:.3f}")  # shown with pytest -s
+
+
+def test_no_mfu_on_cpu_without_a_peak(tmp_path: Path) -> None:
+    run = launch(tmp_path, *TINY, "gpus=2", "batch.global_size=16", "trainer.max_steps=1").check()
+    assert "mfu" not in run.metrics[-1] and run.metrics[-1]["comm_bytes_formula"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_compiled_blocks_train_to_the_same_losses(tmp_path: Path, strategy: str) -> None:
+    job = [*TINY, f"strategy={strategy}", "gpus=2", "batch.global_size=16", "trainer.max_steps=3"]
+    ref = launch(tmp_path, *job, name="eager").check()
+    cache = tmp_path / "inductor"  # its own cache: proof that inductor compiled something in this run
+    compiled = launch(tmp_path, *job, "trainer.compile=true", name="compiled",
+                      env=clean_env(tmp_path) | {"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=600).check()
+    assert cache.is_dir() and any(cache.rglob("*.py")), "trainer.compile=true compiled nothing"
+    assert compiled.losses() == pytest.approx(ref.losses(), abs=1e-5)
+
+
+def test_compile_is_rejected_by_a_strategy_without_units(tmp_path: Path) -> None:
+    run = launch(tmp_path, *TINY, "gpus=2", "trainer.compile=true", "strategy.compile_units=[]")
+    assert run.returncode == 2 and "strategy.compile_units is empty" in run.stderr, run.stderr
+
+
+def test_deepspeed_rejects_compile_in_one_line(tmp_path: Path) -> None:
+    run = launch(tmp_path, *TINY, "gpus=2", "strategy=zero2", "trainer.compile=true")
+    assert run.returncode == 2 and "trainer.compile=true is not supported by DeepSpeed" in run.stderr, run.stderr
