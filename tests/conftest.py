@@ -77,3 +77,9 @@ def run_launch(tmp_path: Path):
         return launch(tmp_path, *overrides, name=name, **kw)
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def conformance_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the conformance suite's runs live; other suites read the same runs instead of repeating them."""
+    return tmp_path_factory.mktemp("conformance")

@@ -23,7 +23,7 @@ from conftest import LAUNCH, TINY, Run, clean_env, launch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from test_strategies import REQUIRED, STRATEGIES
+from test_strategies import BATCH, DATA, STRATEGIES, two_ranks
 
 from launcher import schema
 from launcher.config import derive
@@ -297,29 +297,18 @@ def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
     assert "their own checks refuse them here" in run.stderr and "no runnable strategy fits" in run.stderr
 
 
+CONFORMANCE_JOB = [*TINY, *DATA, *BATCH]
+
 # ---------------------------------------------------------------------------------------------
 # Planned model-state bytes against what real runs hold (2 gloo ranks, tiny GPT, fp32 AdamW)
 # ---------------------------------------------------------------------------------------------
 
-MEASURED = [*TINY, "data=synthetic", "batch.global_size=16", "batch.micro_size=4", "gpus=2", "trainer.max_steps=2"]
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("plan")
-
-
-@functools.cache
-def _planned(tmp: Path) -> dict[str, dict]:
-    return {s["name"]: s for s in _plan_json(tmp, *MEASURED)["strategies"]}
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_planned_model_state_matches_a_real_run(tmp: Path, strategy: str) -> None:
-    required = [o.format(tmp=tmp) for o in REQUIRED.get(strategy, [])]
-    run = launch(tmp, *MEASURED, f"strategy={strategy}", *required, name=f"measured-{strategy}").check()
+def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy: str) -> None:
+    """The conformance suite's 2-rank run of each strategy (shared, not repeated), against the plan of the same job."""
+    run = two_ranks(conformance_dir, strategy)
     measured = run.metrics[-1]
-    planned = _planned(tmp)[strategy]
+    planned = _planned(conformance_dir)[strategy]
     total = planned["device_state_bytes"] + planned["host_state_bytes"] + planned["nvme_state_bytes"]
     # Within 2%; a figure planned at 0 (all offloaded) within 2% of the strategy's whole state.
     assert measured["model_state_bytes"] == pytest.approx(planned["device_state_bytes"], rel=0.02, abs=0.02 * total), \
@@ -327,6 +316,11 @@ def test_planned_model_state_matches_a_real_run(tmp: Path, strategy: str) -> Non
     offloaded = planned["host_state_bytes"] + planned["nvme_state_bytes"]
     assert measured.get("offloaded_state_bytes", 0) == pytest.approx(offloaded, rel=0.02, abs=0.02 * total), \
         (measured, planned)
+
+
+@functools.cache
+def _planned(tmp: Path) -> dict[str, dict]:
+    return {s["name"]: s for s in _plan_json(tmp, *CONFORMANCE_JOB, "gpus=2")["strategies"]}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,9 +33,9 @@ def _run(tmp: Path, *overrides: str) -> Run:
     return launch(tmp, *TINY, *DATA, *BATCH, *overrides, name=name).check()
 
 
-@pytest.fixture(scope="session")
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("conformance")
+@pytest.fixture
+def tmp(conformance_dir: Path) -> Path:
+    return conformance_dir
 
 
 def reference(tmp: Path) -> Run:
