@@ -198,10 +198,3 @@ def test_a_raising_rank_ends_the_job_with_its_own_error_first(tmp_path: Path) ->
     assert "launch: error: rank 1 failed: RuntimeError: rank 1 broke on purpose" in run.stderr, run.stderr
     assert _worker_pids(run.run_dir) == {}
 
-
-def test_a_hanging_rank_ends_within_the_collective_timeout(tmp_path: Path) -> None:
-    started = time.monotonic()
-    run = launch(tmp_path, *JOB, "gpus=2", "model._target_=faulty.HangingGPT", "trainer.collective_timeout=5")
-    assert run.returncode == 1 and time.monotonic() - started < 90, run.stderr
-    assert "launch: error: rank" in run.stderr
-    assert _worker_pids(run.run_dir) == {}

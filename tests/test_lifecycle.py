@@ -88,6 +88,7 @@ def test_a_hang_names_the_stuck_rank(tmp_path: Path) -> None:
     assert run.returncode == 1 and time.monotonic() - started < 90
     assert "rank 0 waited 5 s in a collective" in run.stderr, run.stderr
     assert "rank 1 was last in forward/backward of step 2, micro-step 1/2" in run.stderr, run.stderr
+    assert _worker_pids(run.run_dir) == {}
 
 
 def test_a_requeued_slurm_job_resumes_by_itself(reference: Run, tmp_path: Path) -> None:
