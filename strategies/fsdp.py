@@ -14,8 +14,6 @@ from enum import Enum
 from typing import Any
 
 import torch
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from strategies.base import (
     Layout,
@@ -40,20 +38,28 @@ def _plain(value: Any) -> str:
     return value.name if isinstance(value, Enum) else str(value)
 
 
-class _CountingReduceScatter(ReduceScatter):
-    """FSDP2's default reduce-scatter, counted: installed through the public `set_custom_reduce_scatter`."""
+def _counting_reduce_scatter(counter: CommCounter) -> Any:
+    """FSDP2's default reduce-scatter, counted: installed through the public `set_custom_reduce_scatter`.
 
-    def __init__(self, counter: CommCounter) -> None:
-        self.counter = counter
-        self.inner = DefaultReduceScatter()
+    Built on first use: importing FSDP2's modules costs about a second, which `launch plan` and
+    `launch --help` must not pay (they only read this strategy's layout).
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.inner.allocate(size, dtype=dtype, device=device)
+    class CountingReduceScatter(ReduceScatter):
+        def __init__(self) -> None:
+            self.inner = DefaultReduceScatter()
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                 async_op: bool = False) -> Any:
-        self.counter.record(input_tensor, "reduce_scatter")  # the unit's whole (padded) gradient, in reduce_dtype
-        return self.inner(output_tensor, input_tensor, group, op, async_op)
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            counter.record(input_tensor, "reduce_scatter")  # the unit's whole (padded) gradient, in reduce_dtype
+            return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+    return CountingReduceScatter()
 
 
 class FSDP:
@@ -130,7 +136,7 @@ class FSDP:
         for module in [*reversed(units), model]:
             fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                         mp_policy=precision, offload_policy=offload)
-        counting = _CountingReduceScatter(self._counter)
+        counting = _counting_reduce_scatter(self._counter)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_reduce_scatter(counting)
