@@ -10,6 +10,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from strategies.base import (
+    load_torch_state_dict,
+    torch_state_dict,
     Layout,
     Placement,
     ModelFactory,
@@ -107,15 +109,10 @@ class DDP:
         self.model.train(mode)
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optim": optim}
+        return torch_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load_torch_state_dict(self.model, self.optimizer, state)
 
     def metrics(self) -> dict[str, float]:
         return dict(self._last_step)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from strategies.base import (
+    load_torch_state_dict,
+    torch_state_dict,
     Layout,
     ModelFactory,
     OptimizerFactory,
@@ -189,15 +191,10 @@ class FSDP:
         self.model.train(mode)
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optim": optim}
+        return torch_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load_torch_state_dict(self.model, self.optimizer, state)
 
     def metrics(self) -> dict[str, float]:
         return dict(self._last_step)
