@@ -204,10 +204,26 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
     return Rendezvous(endpoint or "127.0.0.1:0", run_id or uuid.uuid4().hex[:12], r.backend, configs)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota.
+
+    os.cpu_count() counts the host's CPUs; inside a container limited to a few, thread pools
+    sized by it oversubscribe the cores many times over.
+    """
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return count
+
+
 def _worker_environment(derived: Derived) -> None:
     # One BLAS thread pool per worker would oversubscribe the cores: split them between workers.
     if derived.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // derived.gpus))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // derived.gpus))
     # DeepSpeed would guess its accelerator (and warn about it) in every worker; on CPU we know it.
     if derived.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
