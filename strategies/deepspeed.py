@@ -400,7 +400,8 @@ class DeepSpeed:
         with gathered, torch.no_grad():
             for name, p in params:
                 p.copy_(weights[name])  # the working copy (rounded, under bf16/fp16)
-        zero.refresh_fp32_params()
+        if self.offload_params != "nvme":  # NVMe-offloaded working copies are not in host memory to copy from
+            zero.refresh_fp32_params()
         for name, p in params:
             safe_set_full_fp32_param(p, weights[name].to(torch.float32))  # the exact fp32 master
             for key, value in moments.get(name, {}).items():
@@ -426,15 +427,19 @@ class DeepSpeed:
             masters = [(p, i) for i, p in enumerate(zero.single_partition_of_fp32_groups)]
         if all(inner.state.get(p) for p, _ in masters):
             return
-        if self.offload_optimizer == "nvme":
-            raise RuntimeError("strategy.offload_optimizer=nvme: no optimizer state to save or load before the "
-                               "first step; resume under zero3_offload, then switch back")
-        for p, index in masters:
+        for i, (p, index) in enumerate(masters):
+            # On NVMe a partition's master and moments live on disk (DeepSpeed keeps small ones in host
+            # memory): page them in around the step, as its own step does; paging out writes the new moments.
+            paged = self.offload_optimizer == "nvme" and zero._swappable_optimizer_subgroup(i)
+            if paged:
+                zero._optimizer_states_and_gradient_swap_in(i)
             group = inner.param_groups[index]
             params, lr, grad = group["params"], group["lr"], p.grad  # with offload, .grad is DeepSpeed's host buffer
             group["params"], group["lr"], p.grad = [p], 0.0, torch.zeros_like(p)
             inner.step()
             group["params"], group["lr"], p.grad = params, lr, grad
+            if paged:
+                zero._optimizer_states_and_gradient_swap_out(i)
         _set_step(inner, 0)
         if self.stage < 3:
             # DeepSpeed links each parameter to its slice of the optimizer state after its first
