@@ -135,7 +135,15 @@ def load(checkpoint: Path, strategy: Any, rank: int, world_size: int) -> Positio
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     state = strategy.state_dict()  # the template: this strategy's layout, filled in place from any layout
+    stored = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    # Optimizers name their hyperparameters differently (torch's AdamW has `maximize`, DeepSpeed's
+    # CPU Adam `bias_correction`): those the checkpoint lacks keep this run's values.
+    groups = state["optim"].get("param_groups", [])
+    own = [{k: g.pop(k) for k in list(g) if k != "params" and f"optim.param_groups.{i}.{k}" not in stored}
+           for i, g in enumerate(groups)]
     dcp.load(state, checkpoint_id=str(checkpoint))
+    for group, values in zip(groups, own, strict=True):
+        group.update(values)
     strategy.load_state_dict(state)
     rng = checkpoint / f"rng_{rank}.pt"
     if manifest.get("world_size") == world_size and rng.is_file():
