@@ -137,6 +137,10 @@ def test_sync_each_microbatch_reduce_scatters_every_micro_step(tmp: Path) -> Non
 
 
 def test_exits_zero_over_repeated_runs(tmp_path: Path) -> None:
-    """FSDP2 on gloo used to abort at interpreter exit about one run in four (see the worker's teardown)."""
-    codes = [launch(tmp_path, *FSDP, "trainer.max_steps=2", name=f"repeat{i}").returncode for i in range(5)]
-    assert codes == [0] * 5
+    """FSDP2 on gloo used to abort at interpreter exit about one run in four (see the worker's teardown).
+
+    Every other FSDP run of the suite (a dozen) also checks its exit code: with these, a one-in-four
+    abort would pass unseen about once in a hundred suites.
+    """
+    codes = [launch(tmp_path, *FSDP, "trainer.max_steps=1", name=f"repeat{i}").returncode for i in range(3)]
+    assert codes == [0] * 3

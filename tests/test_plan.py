@@ -23,7 +23,7 @@ from conftest import LAUNCH, TINY, Run, clean_env, launch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from test_strategies import BATCH, DATA, STRATEGIES, two_ranks
+from test_strategies import JOB, STRATEGIES, two_ranks
 
 from launcher import schema
 from launcher.config import derive
@@ -297,8 +297,6 @@ def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
     assert "their own checks refuse them here" in run.stderr and "no runnable strategy fits" in run.stderr
 
 
-CONFORMANCE_JOB = [*TINY, *DATA, *BATCH]
-
 # ---------------------------------------------------------------------------------------------
 # Planned model-state bytes against what real runs hold (2 gloo ranks, tiny GPT, fp32 AdamW)
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +318,7 @@ def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy:
 
 @functools.cache
 def _planned(tmp: Path) -> dict[str, dict]:
-    return {s["name"]: s for s in _plan_json(tmp, *CONFORMANCE_JOB, "gpus=2")["strategies"]}
+    return {s["name"]: s for s in _plan_json(tmp, *JOB, "gpus=2")["strategies"]}
 
 
 # ---------------------------------------------------------------------------------------------

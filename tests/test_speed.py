@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, clean_env, launch
+from test_strategies import JOB, two_ranks
 
 from launcher.models.gpt import GPT
 from launcher.plan import flops_per_token, peak_tflops
@@ -49,14 +50,13 @@ def test_no_mfu_on_cpu_without_a_peak(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_compiled_blocks_train_to_the_same_losses(tmp_path: Path, strategy: str) -> None:
-    job = [*TINY, f"strategy={strategy}", "gpus=2", "batch.global_size=16", "trainer.max_steps=3"]
-    ref = launch(tmp_path, *job, name="eager").check()
+def test_compiled_blocks_train_to_the_same_losses(conformance_dir: Path, tmp_path: Path, strategy: str) -> None:
+    eager = two_ranks(conformance_dir, strategy)  # the conformance suite's run of the same job
     cache = tmp_path / "inductor"  # its own cache: proof that inductor compiled something in this run
-    compiled = launch(tmp_path, *job, "trainer.compile=true", name="compiled",
+    compiled = launch(tmp_path, *JOB, f"strategy={strategy}", "gpus=2", "trainer.compile=true", "trainer.checkpoint_every=0",
                       env=clean_env(tmp_path) | {"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=600).check()
     assert cache.is_dir() and any(cache.rglob("*.py")), "trainer.compile=true compiled nothing"
-    assert compiled.losses() == pytest.approx(ref.losses(), abs=1e-5)
+    assert compiled.losses() == pytest.approx(eager.losses(), abs=1e-5)
 
 
 def test_compile_is_rejected_by_a_strategy_without_units(tmp_path: Path) -> None:

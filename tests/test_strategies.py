@@ -22,15 +22,22 @@ PARITY_TOLERANCE: dict[str, float] = {  # strategy -> max abs loss difference; d
 }
 REQUIRED: dict[str, list[str]] = {"zero_infinity": ["strategy.nvme_path={tmp}"]}  # settings a preset cannot run without
 
-STEPS = 10
-BATCH = ["batch.global_size=16", "batch.micro_size=4", f"trainer.max_steps={STEPS}", "optim.lr=3e-3"]
-DATA = ["data=pysource", "data.seq_len=32"]
+STEPS = 12
+# One job for every suite that needs a whole run of a strategy: these runs also save at step 6,
+# so the checkpoint tests resume from them instead of repeating them.
+JOB = [*TINY, "data=pysource", "batch.global_size=16", "batch.micro_size=4", f"trainer.max_steps={STEPS}",
+       "trainer.warmup_steps=4", "optim.lr=3e-3", "trainer.checkpoint_every=6", "trainer.keep_last=0"]
 
 
 @functools.cache
 def _run(tmp: Path, *overrides: str) -> Run:
     name = "-".join(o.replace("/", "_").replace("=", "_") for o in overrides) or "default"
-    return launch(tmp, *TINY, *DATA, *BATCH, *overrides, name=name).check()
+    return launch(tmp, *JOB, *overrides, name=name).check()
+
+
+def run_of(tmp: Path, strategy: str, gpus: int) -> Run:
+    """The suite's one run of `strategy` on `gpus` ranks, made on first use."""
+    return _run(tmp, *selecting(tmp, strategy), f"gpus={gpus}")
 
 
 @pytest.fixture
@@ -40,7 +47,7 @@ def tmp(conformance_dir: Path) -> Path:
 
 def reference(tmp: Path) -> Run:
     """One process, plain DDP, the same global batch: K = 4."""
-    return _run(tmp, "strategy=ddp", "gpus=1")
+    return run_of(tmp, "ddp", 1)
 
 
 def selecting(tmp: Path, strategy: str) -> tuple[str, ...]:
@@ -48,7 +55,7 @@ def selecting(tmp: Path, strategy: str) -> tuple[str, ...]:
 
 
 def two_ranks(tmp: Path, strategy: str) -> Run:
-    return _run(tmp, *selecting(tmp, strategy), "gpus=2")
+    return run_of(tmp, strategy, 2)
 
 
 def _leftover_processes(marker: str) -> list[int]:
