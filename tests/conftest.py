@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,35 @@ def run_launch(tmp_path: Path):
     return _run
 
 
+def launch_once(tmp_path: Path, *overrides: str, name: str) -> Run:
+    """`launch` once per test session, whichever test process asks first; the others wait for it and read its result."""
+    record = tmp_path / f"{name}.run.json"
+    with open(tmp_path / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed holder dies
+        if record.exists():
+            saved = json.loads(record.read_text())
+            return Run(**{**saved, "run_dir": Path(saved["run_dir"])})
+        run = launch(tmp_path, *overrides, name=name)
+        record.write_text(json.dumps(asdict(run), default=str))
+        return run
+
+
 @pytest.fixture(scope="session")
 def conformance_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the conformance suite's runs live; other suites read the same runs instead of repeating them."""
-    return tmp_path_factory.mktemp("conformance")
+    """Where the conformance suite's runs live; other suites read the same runs instead of repeating them.
+
+    One folder for the whole session: pytest-xdist gives each of its workers a base folder of its own
+    (`<session>/popen-gwN`), so the workers meet in the session's.
+    """
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "conformance"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: each test runs 2-rank jobs, so about one test process per two CPUs, and at least two
+    (a test spends much of its time starting processes and waiting on them)."""
+    from launcher.launch import usable_cpus
+
+    return max(2, usable_cpus() // 2)

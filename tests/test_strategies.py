@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from conftest import TINY, Run, launch
+from conftest import TINY, Run, launch_once
 
 STRATEGIES = sorted(p.name.removesuffix(".yaml") for p in (resources.files("launcher.conf") / "strategy").iterdir()
                     if p.name.endswith(".yaml"))
@@ -32,7 +32,7 @@ JOB = [*TINY, "data=pysource", "batch.global_size=16", "batch.micro_size=4", f"t
 @functools.cache
 def _run(tmp: Path, *overrides: str) -> Run:
     name = "-".join(o.replace("/", "_").replace("=", "_") for o in overrides) or "default"
-    return launch(tmp, *JOB, *overrides, name=name).check()
+    return launch_once(tmp, *JOB, *overrides, name=name).check()
 
 
 def run_of(tmp: Path, strategy: str, gpus: int) -> Run:
