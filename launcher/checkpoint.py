@@ -87,6 +87,7 @@ def check_fits(checkpoint: Path, model: Any) -> None:
         metadata = FileSystemReader(str(checkpoint)).read_metadata()
     except Exception as e:  # a truncated or foreign file: say so in one line
         raise CheckpointError(f"checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}); resume from another one") from e
+    check_plain(checkpoint)
     stored = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.state_dict_metadata.items()
               if k.startswith("model.") and hasattr(v, "size")}
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -131,24 +132,66 @@ def save(checkpoints: Path, position: Position, strategy: Any, manifest: dict[st
 def load(checkpoint: Path, strategy: Any, rank: int, world_size: int) -> Position:
     """Load model and optimizer state into the strategy (collective); restore RNG when the world size is unchanged."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     state = strategy.state_dict()  # the template: this strategy's layout, filled in place from any layout
-    stored = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
-    # Optimizers name their hyperparameters differently (torch's AdamW has `maximize`, DeepSpeed's
-    # CPU Adam `bias_correction`): those the checkpoint lacks keep this run's values.
-    groups = state["optim"].get("param_groups", [])
-    own = [{k: g.pop(k) for k in list(g) if k != "params" and f"optim.param_groups.{i}.{k}" not in stored}
-           for i, g in enumerate(groups)]
-    dcp.load(state, checkpoint_id=str(checkpoint))
-    for group, values in zip(groups, own, strict=True):
-        group.update(values)
+    read_into(state, checkpoint)
     strategy.load_state_dict(state)
     rng = checkpoint / f"rng_{rank}.pt"
     if manifest.get("world_size") == world_size and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=True))
     return Position(step=int(manifest["step"]), samples=int(manifest["samples"]))
+
+
+def _weights_only() -> Any:
+    """A DCP load planner that reads non-tensor entries (hyperparameters) with `weights_only=True`.
+
+    DCP's default planner unpickles them with `weights_only=False`, which runs whatever code a
+    crafted file holds; this one loads tensors and plain values only.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class WeightsOnly(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return WeightsOnly()
+
+
+def check_plain(checkpoint: Path) -> None:
+    """Read every non-tensor entry as the workers will (in this process, no process group); CheckpointError if one is not plain data."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    entries = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    plain = {k: None for k, v in entries.items() if isinstance(v, BytesStorageMetadata)}  # flat keys: DCP's own names
+    try:
+        dcp.load(plain, checkpoint_id=str(checkpoint), planner=_weights_only(), no_dist=True)
+    except (Exception, dcp.api.CheckpointException) as e:  # DCP's exception is a BaseException
+        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), type(e).__name__).strip()
+        raise CheckpointError(f"checkpoint {checkpoint} holds an entry that is not plain data ({reason}); "
+                              "resume only from checkpoints launch wrote") from e
+
+
+def read_into(state: dict[str, Any], checkpoint: Path) -> None:
+    """Fill `state` (a strategy's state dict: model, optim) in place from a checkpoint of any layout (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    # Optimizers name their hyperparameters differently (torch's AdamW has `maximize`, DeepSpeed's
+    # CPU Adam `bias_correction`): those the checkpoint lacks keep this run's values.
+    groups = state.get("optim", {}).get("param_groups", [])
+    own = [{k: g.pop(k) for k in list(g) if k != "params" and f"optim.param_groups.{i}.{k}" not in stored}
+           for i, g in enumerate(groups)]
+    dcp.load(state, checkpoint_id=str(checkpoint), planner=_weights_only())
+    for group, values in zip(groups, own, strict=True):
+        group.update(values)
 
 
 def _rng_state() -> dict[str, Any]:

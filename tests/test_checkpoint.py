@@ -176,3 +176,37 @@ def test_a_raising_rank_ends_the_job_with_its_own_error_first(tmp_path: Path) ->
     assert "launch: error: rank 1 failed: RuntimeError: rank 1 broke on purpose" in run.stderr, run.stderr
     assert _worker_pids(run.run_dir) == {}
 
+
+class _Payload:
+    """A pickle that runs a command when loaded: what a crafted checkpoint would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_loading_runs_no_code_from_the_checkpoint(tmp_path: Path) -> None:
+    """Non-tensor entries (hyperparameters) are read with weights_only=True: plain values load, a crafted pickle is refused."""
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.checkpoint import CheckpointError, check_fits, read_into
+    from launcher.models.gpt import GPT
+
+    marker = tmp_path / "ran"
+    plain = {"model": {"w": torch.arange(4.0)}, "optim": {"param_groups": [{"lr": 0.5, "betas": (0.9, 0.95), "params": ["w"]}]}}
+    dcp.save(plain, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    state = {"model": {"w": torch.zeros(4)}, "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "maximize": False,
+                                                                         "params": ["w"]}]}}
+    read_into(state, tmp_path / "plain")
+    assert state["model"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert state["optim"]["param_groups"][0] == {"lr": 0.5, "betas": (0.9, 0.95), "maximize": False, "params": ["w"]}
+
+    crafted = tmp_path / "crafted"
+    dcp.save({"optim": {"param_groups": [{"lr": _Payload(marker)}]}}, checkpoint_id=str(crafted), no_dist=True)
+    with pytest.raises(CheckpointError, match=r"holds an entry that is not plain data \(.*posix.system.*\); resume only from"):
+        check_fits(crafted, GPT(n_layer=1, n_head=2, n_embd=32, vocab_size=256, block_size=32))  # the launcher, before any worker
+    with pytest.raises(BaseException, match="Weights only load failed"):  # DCP raises a BaseException
+        read_into({"optim": {"param_groups": [{"lr": 0.0}]}}, crafted)  # and the workers
+    assert not marker.exists()
