@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 class Device(Enum):
@@ -295,8 +295,20 @@ SCHEMAS: dict[str, dict[str, type]] = {
 SCHEMAS["strategy"]["base_auto"] = AutoStrategyConfig  # conf/strategy/auto.yaml: resolved by launch.prepare()
 
 
+def choices() -> dict[str, list[str]]:
+    """Each config group's options: its YAML files (the schemas stored under it are not choices)."""
+    from importlib import resources
+
+    root = resources.files("launcher.conf")
+    return {group.name: sorted(f.name.removesuffix(".yaml") for f in group.iterdir() if f.name.endswith(".yaml"))
+            for group in sorted(root.iterdir(), key=lambda g: g.name) if group.is_dir() and not group.name.startswith("_")}
+
+
 def register() -> None:
     """Store every schema; YAML files extend them by name (`defaults: [base_gpt, _self_]`)."""
+    if not OmegaConf.has_resolver("launch_groups"):  # for `launch --help`
+        OmegaConf.register_new_resolver(
+            "launch_groups", lambda: "\n".join(f"{group}: {', '.join(names)}" for group, names in choices().items()))
     store = ConfigStore.instance()
     store.store(name="launch_schema", node=LaunchConfig)
     for group, nodes in SCHEMAS.items():

@@ -70,6 +70,16 @@ def test_help_and_cfg_import_no_heavy_module(tmp_path: Path) -> None:
         assert "HEAVY []" in proc.stderr, (args, proc.stderr)
 
 
+def test_help_lists_each_groups_options_not_its_schemas(tmp_path: Path) -> None:
+    proc = _cli("--help", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    for group in ("strategy", "model", "data", "optim", "logger", "sweep"):
+        options = ", ".join(sorted(p.stem for p in (conf / group).glob("*.yaml")))
+        assert f"\n{group}: {options}\n" in proc.stdout, proc.stdout
+    assert "base_" not in proc.stdout and "launch plan" in proc.stdout
+
+
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     proc = _cli("batch.global_size=64", "--cfg", "job", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
