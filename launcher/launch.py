@@ -211,9 +211,13 @@ def usable_cpus() -> int:
     sized by it oversubscribe the cores many times over.
     """
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    v2, v1 = Path("/sys/fs/cgroup/cpu.max"), Path("/sys/fs/cgroup/cpu")
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
+        if v2.is_file():
+            quota, period = v2.read_text().split()[:2]  # "max 100000" when unlimited
+        else:
+            quota, period = ((v1 / f"cpu.cfs_{k}_us").read_text().strip() for k in ("quota", "period"))  # -1: unlimited
+        if quota not in ("max", "-1"):
             count = min(count, max(1, int(quota) // int(period)))
     except (OSError, ValueError):
         pass
