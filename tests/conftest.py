@@ -106,6 +106,18 @@ def conformance_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+LONGEST_FIRST = ("test_checkpoint.py", "test_lifecycle.py", "test_fsdp.py", "test_deepspeed.py")
+"""The files that take longest start first: test processes, a file each, then finish close together."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's own order stays
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: each test runs 2-rank jobs, so about one test process per two CPUs, and at least two
     (a test spends much of its time starting processes and waiting on them)."""
