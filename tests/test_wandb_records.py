@@ -27,6 +27,9 @@ def offline_run(tmp_path_factory: pytest.TempPathFactory):
         for i in range(STEPS):
             run.log({"loss": losses[i], "lr": lrs[i]})
         run.finish()
+        # The service process writes the file; finish() can return before it closes it (seen once
+        # under load: the last 12 of 3000 rows missing). Shutting the service down flushes it.
+        wandb.teardown()
     return root, losses, lrs
 
 
