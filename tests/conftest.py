@@ -49,6 +49,14 @@ class Run:
         assert self.returncode == 0, f"launch exited {self.returncode}\n{self.stdout}\n{self.stderr}"
         return self
 
+    def refused(self) -> str:
+        """The one-line error of a run refused before any worker started (exit 2, nothing written); returns the line."""
+        assert self.returncode == 2, (self.returncode, self.stdout, self.stderr)
+        lines = self.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("launch: error: "), self.stderr
+        assert not (self.run_dir / "resolved.yaml").exists() and not (self.run_dir / "logs").exists()
+        return lines[0]
+
 
 def clean_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TORCHELASTIC_", "OMP_"))}
@@ -104,18 +112,6 @@ def conformance_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "conformance"
     path.mkdir(exist_ok=True)
     return path
-
-
-LONGEST_FIRST = ("test_checkpoint.py", "test_lifecycle.py", "test_fsdp.py", "test_deepspeed.py")
-"""The files that take longest start first: test processes, a file each, then finish close together."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: each file's own order stays
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

@@ -1,34 +1,30 @@
 """What is FSDP-specific, beyond the conformance suite: options, bad input, memory, exit hygiene.
 
-Real `launch` runs with 2 gloo ranks on CPU, the tiny GPT, 10 steps.
+Real `launch` runs with 2 gloo ranks on CPU: the conformance suite's job, and its runs where they are the same.
 """
 
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY, Run, launch
+from conftest import Run, launch
+from test_strategies import JOB, run_of
 
-STEPS = 10
-BASE = [*TINY, "data=pysource", "data.seq_len=32", "batch.global_size=16", "batch.micro_size=4",
-        f"trainer.max_steps={STEPS}", "optim.lr=3e-3", "gpus=2"]  # K = 2 micro-steps per optimizer step
-FSDP = [*BASE, "strategy=fsdp"]
+FSDP = [*JOB, "strategy=fsdp", "gpus=2"]  # the conformance job: K = 2 micro-steps per optimizer step
 N_LAYER = 2  # TINY's model.n_layer
 
 
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("fsdp")
+@pytest.fixture
+def tmp(conformance_dir: Path) -> Path:
+    return conformance_dir
 
 
-@functools.cache
 def _run(tmp: Path, *overrides: str) -> Run:
-    name = "-".join(o.replace("/", "_").replace("=", "_") for o in overrides) or "default"
-    return launch(tmp, *FSDP, *overrides, name=name).check()
+    """FSDP on 2 ranks with `overrides`; without any, the conformance suite's own run."""
+    return run_of(tmp, "fsdp", 2, *overrides)
 
 
 def fp32(tmp: Path) -> Run:
@@ -49,16 +45,12 @@ def max_diff(a: Run, b: Run) -> float:
     ],
 )
 def test_bad_input_fails_before_workers_start(tmp_path: Path, overrides: list[str], named: str) -> None:
-    run = launch(tmp_path, *FSDP, *overrides)
-    lines = run.stderr.strip().splitlines()
-    assert run.returncode == 2, (run.returncode, run.stderr)
-    assert len(lines) == 1 and lines[0].startswith("launch: error:") and named in lines[0], run.stderr
-    assert not (run.run_dir / "resolved.yaml").exists()
-    assert not (run.run_dir / "logs").exists()  # no worker was started
+    line = launch(tmp_path, *FSDP, *overrides).refused()
+    assert named in line, line
 
 
 def test_each_block_is_a_unit_and_state_is_half_of_ddp(tmp: Path) -> None:
-    fsdp, ddp = fp32(tmp).metrics[-1], launch(tmp, *BASE, "strategy=ddp", name="ddp").check().metrics[-1]
+    fsdp, ddp = fp32(tmp).metrics[-1], run_of(tmp, "ddp", 2).metrics[-1]
     assert fsdp["comm_calls"] == N_LAYER + 1  # one reduce-scatter per block, one for the root's parameters
     assert fsdp["comm_bytes"] == ddp["comm_bytes"]  # every gradient reduced once, in fp32, as DDP's all-reduce
     assert fsdp["model_state_bytes"] <= 0.55 * ddp["model_state_bytes"], (fsdp, ddp)

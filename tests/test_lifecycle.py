@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, Run, clean_env, launch
+from conftest import LAUNCH, TINY, Run, clean_env, launch, launch_once
 from test_checkpoint import _wait_for_step, _worker_pids
 from test_cluster import _free_port
 
@@ -27,10 +27,10 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    tmp = tmp_path_factory.mktemp("reference")
-    return launch(tmp, *JOB).check()
+@pytest.fixture
+def reference(conformance_dir: Path) -> Run:
+    """The uninterrupted 30-step run, made once per session whichever test process asks first."""
+    return launch_once(conformance_dir, *JOB, name="lifecycle-reference").check()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])

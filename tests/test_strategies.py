@@ -35,9 +35,9 @@ def _run(tmp: Path, *overrides: str) -> Run:
     return launch_once(tmp, *JOB, *overrides, name=name).check()
 
 
-def run_of(tmp: Path, strategy: str, gpus: int) -> Run:
-    """The suite's one run of `strategy` on `gpus` ranks, made on first use."""
-    return _run(tmp, *selecting(tmp, strategy), f"gpus={gpus}")
+def run_of(tmp: Path, strategy: str, gpus: int, *extra: str) -> Run:
+    """The suite's one run of `strategy` on `gpus` ranks (with `extra` overrides), made on first use."""
+    return _run(tmp, *selecting(tmp, strategy), f"gpus={gpus}", *extra)
 
 
 @pytest.fixture
