@@ -87,7 +87,7 @@ def check_fits(checkpoint: Path, model: Any) -> None:
         metadata = FileSystemReader(str(checkpoint)).read_metadata()
     except Exception as e:  # a truncated or foreign file: say so in one line
         raise CheckpointError(f"checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}); resume from another one") from e
-    check_plain(checkpoint)
+    _check_plain(checkpoint, metadata.state_dict_metadata)
     stored = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.state_dict_metadata.items()
               if k.startswith("model.") and hasattr(v, "size")}
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -164,12 +164,11 @@ def _weights_only() -> Any:
     return WeightsOnly()
 
 
-def check_plain(checkpoint: Path) -> None:
+def _check_plain(checkpoint: Path, entries: dict[str, Any]) -> None:
     """Read every non-tensor entry as the workers will (in this process, no process group); CheckpointError if one is not plain data."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    entries = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     plain = {k: None for k, v in entries.items() if isinstance(v, BytesStorageMetadata)}  # flat keys: DCP's own names
     try:
         dcp.load(plain, checkpoint_id=str(checkpoint), planner=_weights_only(), no_dist=True)

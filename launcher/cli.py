@@ -165,7 +165,7 @@ def check_overrides(overrides: Sequence[str]) -> str | None:
             group = o.key_or_group
             candidates = _candidates(o)
             if group in groups and not o.is_delete():
-                options = [n for n in loader.get_group_options(group) if not n.startswith("base_")]
+                options = schema.choices()[group]
                 for value in candidates:
                     if value not in options:
                         return f"unknown {group} '{value}'; valid: {', '.join(options)} (e.g. {group}={options[0]})"
