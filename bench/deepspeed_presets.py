@@ -28,11 +28,30 @@ def run(preset: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
     run_dir = out / preset
     extra = [f"strategy.nvme_path={args.nvme_path or out}"] if preset == "zero_infinity" else []
     proc = subprocess.run(
-        [LAUNCH, f"strategy={preset}", *extra, "model=gpt_tiny", f"model.n_layer={args.n_layer}",
-         f"model.n_embd={args.n_embd}", "model.n_head=8", "data=synthetic", "data.seq_len=64", "gpus=2", "device=cpu",
-         "batch.global_size=16", "batch.micro_size=4", f"trainer.max_steps={args.steps}", "trainer.log_every=1",
-         "trainer.eval_every=0", "trainer.progress=false", "logger=none", f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, cwd=out,
+        [
+            LAUNCH,
+            f"strategy={preset}",
+            *extra,
+            "model=gpt_tiny",
+            f"model.n_layer={args.n_layer}",
+            f"model.n_embd={args.n_embd}",
+            "model.n_head=8",
+            "data=synthetic",
+            "data.seq_len=64",
+            "gpus=2",
+            "device=cpu",
+            "batch.global_size=16",
+            "batch.micro_size=4",
+            f"trainer.max_steps={args.steps}",
+            "trainer.log_every=1",
+            "trainer.eval_every=0",
+            "trainer.progress=false",
+            "logger=none",
+            f"hydra.run.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=out,
     )
     if proc.returncode:
         sys.exit(f"{preset} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -58,12 +77,19 @@ def main() -> None:
             figures[preset] = run(preset, args, Path(tmp))
             print(f"{preset}: done", file=sys.stderr, flush=True)
     base = figures["ddp"]
-    print(f"GPT {args.n_layer} x {args.n_embd}, 2 CPU ranks, micro 4 x accumulation 2, fp32 AdamW, {args.steps} steps\n")
-    print("| preset | median step time (s) | x DDP | model state per rank (MiB) | x DDP | offloaded per rank (MiB) | last loss |")
+    print(
+        f"GPT {args.n_layer} x {args.n_embd}, 2 CPU ranks, micro 4 x accumulation 2, fp32 AdamW, {args.steps} steps\n"
+    )
+    print(
+        "| preset | median step time (s) | x DDP | model state per rank (MiB) | x DDP "
+        "| offloaded per rank (MiB) | last loss |"
+    )
     print("|---|---|---|---|---|---|---|")
     for preset, f in figures.items():
-        print(f"| {preset} | {f['step_s']:.3f} | {f['step_s'] / base['step_s']:.2f} | {f['bytes'] / MIB:.1f} | "
-              f"{f['bytes'] / base['bytes']:.3f} | {f['offloaded'] / MIB:.1f} | {f['loss']:.4f} |")
+        print(
+            f"| {preset} | {f['step_s']:.3f} | {f['step_s'] / base['step_s']:.2f} | {f['bytes'] / MIB:.1f} | "
+            f"{f['bytes'] / base['bytes']:.3f} | {f['offloaded'] / MIB:.1f} | {f['loss']:.4f} |"
+        )
 
 
 if __name__ == "__main__":

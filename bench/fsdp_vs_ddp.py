@@ -49,11 +49,29 @@ def run(overrides: list[str], shape: tuple[int, int, int], steps: int, out: Path
     n_layer, n_embd, n_head = shape
     run_dir = out / f"run-{len(list(out.iterdir()))}"
     subprocess.run(
-        [LAUNCH, *overrides, "model=gpt_tiny", f"model.n_layer={n_layer}", f"model.n_embd={n_embd}",
-         f"model.n_head={n_head}", "data=synthetic", "data.seq_len=64", "gpus=2", "device=cpu",
-         "batch.global_size=8", "batch.micro_size=2", f"trainer.max_steps={steps}", "trainer.log_every=1",
-         "trainer.eval_every=0", "trainer.progress=false", "logger=none", f"hydra.run.dir={run_dir}"],
-        check=True, capture_output=True, cwd=out,
+        [
+            LAUNCH,
+            *overrides,
+            "model=gpt_tiny",
+            f"model.n_layer={n_layer}",
+            f"model.n_embd={n_embd}",
+            f"model.n_head={n_head}",
+            "data=synthetic",
+            "data.seq_len=64",
+            "gpus=2",
+            "device=cpu",
+            "batch.global_size=8",
+            "batch.micro_size=2",
+            f"trainer.max_steps={steps}",
+            "trainer.log_every=1",
+            "trainer.eval_every=0",
+            "trainer.progress=false",
+            "logger=none",
+            f"hydra.run.dir={run_dir}",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=out,
     )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in rows[1:]], rows[-1]["model_state_bytes"]
@@ -78,15 +96,19 @@ def main() -> None:
     for model, shape in MODELS.items():
         n = parameters(*shape)
         for strategy in STRATEGIES:
-            print(f"| {model} | {n / 1e6:.2f} M | {strategy} | {median[strategy, model]:.4f} | "
-                  f"{state[strategy, model] / 2**20:.1f} MiB |")
+            print(
+                f"| {model} | {n / 1e6:.2f} M | {strategy} | {median[strategy, model]:.4f} | "
+                f"{state[strategy, model] / 2**20:.1f} MiB |"
+            )
     print("\n| model | FSDP variant | step time FSDP / DDP | model-state bytes FSDP / DDP |")
     print("|---|---|---|---|")
     for model in MODELS:
         for strategy in STRATEGIES:
             if strategy != "ddp":
-                print(f"| {model} | {strategy} | {median[strategy, model] / median['ddp', model]:.2f} | "
-                      f"{state[strategy, model] / state['ddp', model]:.3f} |")
+                print(
+                    f"| {model} | {strategy} | {median[strategy, model] / median['ddp', model]:.2f} | "
+                    f"{state[strategy, model] / state['ddp', model]:.3f} |"
+                )
 
 
 if __name__ == "__main__":

@@ -28,10 +28,26 @@ def run_launch(steps: int, out: Path) -> tuple[float, list[float]]:
     run_dir = out / f"launch-{time.monotonic_ns()}"
     started = time.time()
     subprocess.run(
-        [LAUNCH, "strategy=ddp", "model=gpt_tiny", "data=synthetic", "data.seq_len=128", "gpus=2", "device=cpu",
-         "batch.global_size=32", "batch.micro_size=4", f"trainer.max_steps={steps}", f"trainer.log_every={WINDOW}",
-         "trainer.eval_every=0", "trainer.progress=false", "logger=none", f"hydra.run.dir={run_dir}"],
-        check=True, capture_output=True, cwd=out,
+        [
+            LAUNCH,
+            "strategy=ddp",
+            "model=gpt_tiny",
+            "data=synthetic",
+            "data.seq_len=128",
+            "gpus=2",
+            "device=cpu",
+            "batch.global_size=32",
+            "batch.micro_size=4",
+            f"trainer.max_steps={steps}",
+            f"trainer.log_every={WINDOW}",
+            "trainer.eval_every=0",
+            "trainer.progress=false",
+            "logger=none",
+            f"hydra.run.dir={run_dir}",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=out,
     )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # The runner always logs step 1; the next row covers steps 2-5, then windows of 5.
@@ -41,9 +57,23 @@ def run_launch(steps: int, out: Path) -> tuple[float, list[float]]:
 def run_plain(steps: int, out: Path) -> tuple[float, list[float]]:
     started = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(ROOT / "bench" / "plain_ddp.py"), "--steps", str(steps), "--window", str(WINDOW)],
-        check=True, capture_output=True, text=True, cwd=out,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "bench" / "plain_ddp.py"),
+            "--steps",
+            str(steps),
+            "--window",
+            str(WINDOW),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=out,
     )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return result["first_step_at"] - started, result["window_step_times"][1:]

@@ -24,13 +24,33 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from overhead import run_launch, run_plain  # bench/ is scripts, not a package
+from overhead import run_launch, run_plain  # noqa: E402  (bench/ is scripts, not a package)
 
 LAUNCH = str(Path(sys.executable).parent / "launch")
-JOB = ["model=gpt_tiny", "data=synthetic", "data.seq_len=64", "batch.global_size=16", "batch.micro_size=2",
-       "trainer.eval_every=0", "trainer.warmup_steps=2", "trainer.progress=false", "logger=none"]
-COLUMNS = ("strategy", "world size", "step time (s)", "tokens/s", "model state / rank", "peak memory / rank",
-           "comm payload / step", "comm sent / step measured", "comm sent / step formula", "measured / formula", "MFU")
+JOB = [
+    "model=gpt_tiny",
+    "data=synthetic",
+    "data.seq_len=64",
+    "batch.global_size=16",
+    "batch.micro_size=2",
+    "trainer.eval_every=0",
+    "trainer.warmup_steps=2",
+    "trainer.progress=false",
+    "logger=none",
+]
+COLUMNS = (
+    "strategy",
+    "world size",
+    "step time (s)",
+    "tokens/s",
+    "model state / rank",
+    "peak memory / rank",
+    "comm payload / step",
+    "comm sent / step measured",
+    "comm sent / step formula",
+    "measured / formula",
+    "MFU",
+)
 
 
 def strategies() -> list[str]:
@@ -39,19 +59,41 @@ def strategies() -> list[str]:
 
 def run_strategy(name: str, steps: int, extra: list[str], out: Path) -> dict[str, Any]:
     run_dir = out / name
-    overrides = [f"strategy={name}", *JOB, f"trainer.max_steps={steps}", f"trainer.log_every={max(1, steps // 2)}", *extra]
+    overrides = [
+        f"strategy={name}",
+        *JOB,
+        f"trainer.max_steps={steps}",
+        f"trainer.log_every={max(1, steps // 2)}",
+        *extra,
+    ]
     if name == "zero_infinity":
         (out / "nvme").mkdir(exist_ok=True)
         overrides.append(f"strategy.nvme_path={out / 'nvme'}")
-    proc = subprocess.run([LAUNCH, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=out, check=False)
+    proc = subprocess.run(
+        [LAUNCH, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=out, check=False
+    )
     metrics = run_dir / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.exists():
         lines = [line for line in proc.stderr.splitlines() if line.strip()] or ["(no stderr)"]
         return {"strategy": name, "error": f"exit {proc.returncode}: {lines[-1][:160]}"}
     last = json.loads(metrics.read_text().splitlines()[-1])  # the last window: steps after the first log
-    row = {"strategy": name, **{k: last.get(k) for k in (
-        "world_size", "step_time_s", "tokens_per_s", "model_state_bytes", "peak_memory_bytes", "comm_bytes",
-        "comm_sent_bytes", "comm_bytes_formula", "mfu")}}
+    row = {
+        "strategy": name,
+        **{
+            k: last.get(k)
+            for k in (
+                "world_size",
+                "step_time_s",
+                "tokens_per_s",
+                "model_state_bytes",
+                "peak_memory_bytes",
+                "comm_bytes",
+                "comm_sent_bytes",
+                "comm_bytes_formula",
+                "mfu",
+            )
+        },
+    }
     if row["comm_sent_bytes"] is not None and row["comm_bytes_formula"]:
         row["measured_over_formula"] = row["comm_sent_bytes"] / row["comm_bytes_formula"]
     return row
@@ -61,8 +103,11 @@ def overhead(steps: int, out: Path) -> dict[str, float]:
     """bench/overhead.py's two runs, once each: median step time through `launch` over plain torchrun."""
     _, launched = run_launch(steps, out)
     _, plain = run_plain(steps, out)
-    return {"launch_step_s": statistics.median(launched), "torchrun_step_s": statistics.median(plain),
-            "ratio": statistics.median(launched) / statistics.median(plain)}
+    return {
+        "launch_step_s": statistics.median(launched),
+        "torchrun_step_s": statistics.median(plain),
+        "ratio": statistics.median(launched) / statistics.median(plain),
+    }
 
 
 def _mb(value: float | None) -> str:
@@ -76,10 +121,19 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['strategy']} | failed: {r['error'].replace('|', '/')} |" + " |" * (len(COLUMNS) - 2))
             continue
         ratio = r.get("measured_over_formula")
-        cells = [r["strategy"], f"{r['world_size']:.0f}", f"{r['step_time_s']:.4f}", f"{r['tokens_per_s']:.0f}",
-                 _mb(r["model_state_bytes"]), _mb(r["peak_memory_bytes"]), _mb(r["comm_bytes"]), _mb(r["comm_sent_bytes"]),
-                 _mb(r["comm_bytes_formula"]), "—" if ratio is None else f"{ratio:.2f}",
-                 "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"]
+        cells = [
+            r["strategy"],
+            f"{r['world_size']:.0f}",
+            f"{r['step_time_s']:.4f}",
+            f"{r['tokens_per_s']:.0f}",
+            _mb(r["model_state_bytes"]),
+            _mb(r["peak_memory_bytes"]),
+            _mb(r["comm_bytes"]),
+            _mb(r["comm_sent_bytes"]),
+            _mb(r["comm_bytes_formula"]),
+            "—" if ratio is None else f"{ratio:.2f}",
+            "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -94,7 +148,9 @@ def main() -> None:
     p.add_argument("--overhead-steps", type=int, default=20, help="0 skips the launch-vs-torchrun runs")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
-    extra = [f"device={a.device}", f"gpus={a.gpus}"] + ([f"trainer.peak_tflops={a.peak_tflops}"] if a.peak_tflops else [])
+    extra = [f"device={a.device}", f"gpus={a.gpus}"] + (
+        [f"trainer.peak_tflops={a.peak_tflops}"] if a.peak_tflops else []
+    )
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for name in a.only or strategies():
@@ -102,13 +158,17 @@ def main() -> None:
             print(f"{name}: {rows[-1].get('error', 'ok')}", file=sys.stderr, flush=True)
         ratio = overhead(a.overhead_steps, Path(tmp)) if a.overhead_steps else None
     print(table(rows))
-    print("\ncomm payload: the buffers handed to the gradient-sync collectives the strategy counts; sent: the ring "
-          "bytes this rank sends for them (all-reduce 2(G-1)/G, reduce-scatter (G-1)/G of the payload), beside the "
-          "planner's formula. FSDP counts its reduce-scatters only, not the parameter all-gathers the formula "
-          "includes; DeepSpeed's counter names no collective, so it has no sent figure.")
+    print(
+        "\ncomm payload: the buffers handed to the gradient-sync collectives the strategy counts; sent: the ring "
+        "bytes this rank sends for them (all-reduce 2(G-1)/G, reduce-scatter (G-1)/G of the payload), beside the "
+        "planner's formula. FSDP counts its reduce-scatters only, not the parameter all-gathers the formula "
+        "includes; DeepSpeed's counter names no collective, so it has no sent figure."
+    )
     if ratio:
-        print(f"\nlaunch / plain torchrun median step time (DDP, 2 CPU ranks): "
-              f"{ratio['launch_step_s']:.4f} / {ratio['torchrun_step_s']:.4f} s = {ratio['ratio']:.3f} (goal <= 1.03)")
+        print(
+            f"\nlaunch / plain torchrun median step time (DDP, 2 CPU ranks): "
+            f"{ratio['launch_step_s']:.4f} / {ratio['torchrun_step_s']:.4f} s = {ratio['ratio']:.3f} (goal <= 1.03)"
+        )
     if a.json:
         a.json.write_text(json.dumps({"strategies": rows, "overhead": ratio}, indent=2))
 

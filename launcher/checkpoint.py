@@ -67,41 +67,59 @@ def find_resume(resume: str | None, run_dir: Path) -> Path | None:
         return None
     if resume == "auto":
         roots = [run_dir.parent, run_dir.parent.parent]
-        found = [c for root in roots for pattern in ("*/checkpoints", "*/*/checkpoints")
-                 for d in root.glob(pattern) if (c := latest(d)) is not None and d.parent != run_dir]
+        found = [
+            c
+            for root in roots
+            for pattern in ("*/checkpoints", "*/*/checkpoints")
+            for d in root.glob(pattern)
+            if (c := latest(d)) is not None and d.parent != run_dir
+        ]
         return max(found, key=lambda c: json.loads((c / MANIFEST).read_text())["time"], default=None)
     path = Path(resume).expanduser()
     if is_complete(path):
         return path
     found = latest(path / "checkpoints") if path.is_dir() else None
     if found is None:
-        raise CheckpointError(f"resume={resume}: no complete checkpoint there; give a run directory or a checkpoints/step_* folder")
+        raise CheckpointError(
+            f"resume={resume}: no complete checkpoint there; give a run directory or a checkpoints/step_* folder"
+        )
     return found
 
 
 def check_fits(checkpoint: Path, model: Any) -> None:
-    """Compare the checkpoint's model tensors with a model built on the meta device; CheckpointError names a mismatch."""
+    """Compare the checkpoint's model tensors with a model built on the meta device; CheckpointError names a
+    mismatch."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         metadata = FileSystemReader(str(checkpoint)).read_metadata()
     except Exception as e:  # a truncated or foreign file: say so in one line
-        raise CheckpointError(f"checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}); resume from another one") from e
+        raise CheckpointError(
+            f"checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}); resume from another one"
+        ) from e
     _check_plain(checkpoint, metadata.state_dict_metadata)
-    stored = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-              if k.startswith("model.") and hasattr(v, "size")}
+    stored = {
+        k.removeprefix("model."): tuple(v.size)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for name, shape in expected.items():
         if name not in stored:
-            raise CheckpointError(f"checkpoint {checkpoint} has no tensor {name} of the model; resume with the model it was saved from")
+            raise CheckpointError(
+                f"checkpoint {checkpoint} has no tensor {name} of the model; resume with the model it was saved from"
+            )
         if stored[name] != shape:
             raise CheckpointError(
-                f"checkpoint {checkpoint} does not fit the model: {name} is {list(stored[name])} there, {list(shape)} here; "
+                f"checkpoint {checkpoint} does not fit the model: {name} is {list(stored[name])} there, "
+                f"{list(shape)} here; "
                 "resume with the model settings it was saved with"
             )
 
 
-def save(checkpoints: Path, position: Position, strategy: Any, manifest: dict[str, Any], rank: int, keep_last: int) -> Path:
+def save(
+    checkpoints: Path, position: Position, strategy: Any, manifest: dict[str, Any], rank: int, keep_last: int
+) -> Path:
     """Save on every rank (collective), atomically: temp folder, barrier, rename, then the `latest` pointer."""
     import torch
     import torch.distributed as dist
@@ -165,7 +183,8 @@ def _weights_only() -> Any:
 
 
 def _check_plain(checkpoint: Path, entries: dict[str, Any]) -> None:
-    """Read every non-tensor entry as the workers will (in this process, no process group); CheckpointError if one is not plain data."""
+    """Read every non-tensor entry as the workers will (in this process, no process group); CheckpointError if
+    one is not plain data."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -174,8 +193,10 @@ def _check_plain(checkpoint: Path, entries: dict[str, Any]) -> None:
         dcp.load(plain, checkpoint_id=str(checkpoint), planner=_weights_only(), no_dist=True)
     except (Exception, dcp.api.CheckpointException) as e:  # DCP's exception is a BaseException
         reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), type(e).__name__).strip()
-        raise CheckpointError(f"checkpoint {checkpoint} holds an entry that is not plain data ({reason}); "
-                              "resume only from checkpoints launch wrote") from e
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds an entry that is not plain data ({reason}); "
+            "resume only from checkpoints launch wrote"
+        ) from e
 
 
 def read_into(state: dict[str, Any], checkpoint: Path) -> None:
@@ -186,8 +207,10 @@ def read_into(state: dict[str, Any], checkpoint: Path) -> None:
     # Optimizers name their hyperparameters differently (torch's AdamW has `maximize`, DeepSpeed's
     # CPU Adam `bias_correction`): those the checkpoint lacks keep this run's values.
     groups = state.get("optim", {}).get("param_groups", [])
-    own = [{k: g.pop(k) for k in list(g) if k != "params" and f"optim.param_groups.{i}.{k}" not in stored}
-           for i, g in enumerate(groups)]
+    own = [
+        {k: g.pop(k) for k in list(g) if k != "params" and f"optim.param_groups.{i}.{k}" not in stored}
+        for i, g in enumerate(groups)
+    ]
     dcp.load(state, checkpoint_id=str(checkpoint), planner=_weights_only())
     for group, values in zip(groups, own, strict=True):
         group.update(values)
@@ -228,7 +251,10 @@ def convert(checkpoint: Path, out: Path) -> int:
     if not is_complete(checkpoint):
         found = latest(checkpoint / "checkpoints") if (checkpoint / "checkpoints").is_dir() else latest(checkpoint)
         if found is None:
-            raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no .metadata and manifest.json); give a checkpoints/step_* folder")
+            raise CheckpointError(
+                f"{checkpoint} is not a complete checkpoint (no .metadata and manifest.json); "
+                "give a checkpoints/step_* folder"
+            )
         checkpoint = found
     keys = {k for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata if k.startswith("model.")}
     with warnings.catch_warnings():  # "no process group: loading in a single process" is the point here

@@ -14,10 +14,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from launcher import schema
+from launcher.config import EXIT_BAD_INPUT
 
 CONFIG_MODULE = "launcher.conf"
 CONFIG_NAME = "config"
-EXIT_BAD_INPUT = 2
 
 schema.register()
 
@@ -64,12 +64,12 @@ def plan(overrides: list[str]) -> int:
         fail(f"launch plan takes overrides only, not {flags[0]}; e.g. launch plan model=gpt_7b gpus=8")
     from hydra import initialize_config_module
 
-    from launcher import plan as planner  # imports torch (never deepspeed or wandb): only `launch plan` pays for it
     from launcher.config import ConfigError
+    from launcher.plan.commands import main as plan_main  # imports torch (never deepspeed or wandb)
 
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return planner.main(overrides)
+            return plan_main(overrides)
     except ConfigError as e:
         # Overrides that do not compose get the launcher's usual one-line report (checked only now: it composes too).
         fail(check_overrides(overrides) or str(e))
@@ -107,12 +107,14 @@ def submitit_overrides(argv: Sequence[str]) -> list[str]:
     given = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith(("-", "+", "~")))
     extra = []
     for key, source in SUBMITIT_SHAPE.items():
-        want = "1" if source is None else given.get(source, "${%s}" % source)
+        want = "1" if source is None else given.get(source, f"${{{source}}}")
         have = given.get(f"hydra.launcher.{key}")
         if have is None:
             extra.append(f"hydra.launcher.{key}={want}")
         elif have != want:
-            fix = "1: one launcher per node starts the workers" if source is None else f"{want}, or set {source}= instead"
+            fix = (
+                "1: one launcher per node starts the workers" if source is None else f"{want}, or set {source}= instead"
+            )
             raise ValueError(f"hydra.launcher.{key}={have} contradicts the run's shape; use hydra.launcher.{key}={fix}")
     return extra
 

@@ -1,7 +1,9 @@
-"""Validate a composed config and derive the values every rank shares, once, in the parent.
+"""Freeze a composed config, validate it and derive the values every rank shares, once, in the parent.
 
-Everything here is plain Python over an OmegaConf node: no torch import, so that config-only
-commands stay fast. The caller passes what it detected about the machine (visible GPUs).
+`freeze` turns the composed config into plain values once (interpolations resolved, enums as their
+names): every later reader (the checks, the planner, the workers through `resolved.yaml`) sees strings,
+never Enum members. Everything here is plain Python over an OmegaConf node: no torch import, so that
+config-only commands stay fast. The caller passes what it detected about the machine (visible GPUs).
 """
 
 from __future__ import annotations
@@ -15,10 +17,31 @@ from omegaconf import DictConfig, OmegaConf
 
 CPU_DEFAULT_GPUS = 2
 """Workers per node on CPU when `gpus` is unset: enough to exercise real collectives."""
+EXIT_FAILED = 1
+"""A run that started and failed (a rank raised or died, the rendezvous timed out)."""
+EXIT_BAD_INPUT = 2
+"""Input refused before any worker started: one line on stderr, nothing written."""
 
 
 class ConfigError(ValueError):
     """A bad value in the user's config; its message is one line naming the value and the fix."""
+
+
+def freeze(cfg: DictConfig) -> DictConfig:
+    """The composed config as plain values: interpolations resolved, enums as their names, no schema attached.
+
+    The one place where enums become strings; `resolved.yaml` is this config plus what the launcher derived.
+    """
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]} has no value; set it on the command line: {missing[0]}=...")
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from e
+    return OmegaConf.create(plain)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -49,13 +72,10 @@ def _nearest_multiples(value: int, unit: int) -> str:
 
 
 def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
-    """Check the config against the rules of a run and return the derived values.
+    """Check a frozen config (`freeze`) against the rules of a run and return the derived values.
 
     Raises ConfigError with a one-line message naming the bad value and the fix.
     """
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError(f"{missing[0]} has no value; set it on the command line: {missing[0]}=...")
     batch, trainer = cfg.batch, cfg.trainer
     _positive("batch.global_size", batch.global_size)
     _positive("batch.micro_size", batch.micro_size)
@@ -71,8 +91,7 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
     if cfg.gpus is not None:
         _positive("gpus", cfg.gpus)
 
-    device = str(OmegaConf.select(cfg, "device", default="auto"))
-    device = device.split(".")[-1]  # Enum nodes print as Device.cpu
+    device = str(cfg.device)
     if device == "auto":
         device = "cuda" if cuda_devices > 0 else "cpu"
     if device == "cuda" and cuda_devices == 0:
@@ -111,7 +130,8 @@ def _check_data(cfg: DictConfig) -> None:
         _positive("data.seq_len", seq_len)
     if seq_len is not None and block_size is not None and seq_len > block_size:
         raise ConfigError(
-            f"data.seq_len={seq_len} exceeds model.block_size={block_size}; lower data.seq_len or raise model.block_size"
+            f"data.seq_len={seq_len} exceeds model.block_size={block_size}; "
+            "lower data.seq_len or raise model.block_size"
         )
 
 
@@ -122,10 +142,14 @@ def _check_targets(cfg: DictConfig) -> None:
     for group in ("strategy", "model", "data", "optim", "logger"):
         target = OmegaConf.select(cfg, f"{group}._target_", default=None)
         if target is None:
-            raise ConfigError(f"{group} has no _target_; name the class or function to build it with {group}._target_=...")
+            raise ConfigError(
+                f"{group} has no _target_; name the class or function to build it with {group}._target_=..."
+            )
         try:
             _locate(str(target))
         except ImportError as e:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             reason = lines[-1] if lines else type(e).__name__
-            raise ConfigError(f"{group}._target_={target} cannot be imported ({reason}); fix the path or install its package") from e
+            raise ConfigError(
+                f"{group}._target_={target} cannot be imported ({reason}); fix the path or install its package"
+            ) from e

@@ -89,7 +89,9 @@ def Synthetic(split: str, seq_len: int = 128, vocab_size: int = 256, num_samples
     return TokenWindows(rng.integers(0, vocab_size, size=n * seq_len + 1, dtype=dtype), seq_len)
 
 
-def Tokens(split: str, path: str, dtype: str = "uint16", seq_len: int = 1024, val_fraction: float = 0.01) -> TokenWindows:
+def Tokens(
+    split: str, path: str, dtype: str = "uint16", seq_len: int = 1024, val_fraction: float = 0.01
+) -> TokenWindows:
     """A flat file of token ids, memory-mapped; the last `val_fraction` of it is the validation split."""
     if dtype not in ("uint16", "uint32"):
         raise ValueError(f"data.dtype={dtype} is not supported; use uint16 or uint32")

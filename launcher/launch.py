@@ -1,4 +1,11 @@
-"""The parent side of a run: validate, freeze the config, start the workers through the elastic agent."""
+"""The parent side of a run: freeze and check the config, write `resolved.yaml`, start the workers.
+
+    cli (Hydra app) -> launch.run_job: freeze, derive, build the model on the meta device once, let strategy=auto
+    choose, check (strategy, resume), write resolved.yaml -> torch's elastic agent -> `python -m launcher.worker`
+
+The workers are started as a command, never imported from here: launch sits above the worker, the runner and
+the strategies, and below the CLI; the planner (`launcher.plan`), the checks and the machine probes sit below it.
+"""
 
 from __future__ import annotations
 
@@ -6,48 +13,44 @@ import os
 import re
 import signal
 import sys
-import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config import ConfigError, Derived, derive
+from launcher.checks import check_resume, check_strategy
+from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze
 from launcher.lifecycle import STOP_SIGNALS
-
-EXIT_BAD_INPUT = 2
-EXIT_FAILED = 1
-
-
-def visible_cuda_devices() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+from launcher.machine import usable_cpus, visible_cuda_devices
+from launcher.rendezvous import Rendezvous, rendezvous
 
 
 def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -> tuple[Path, Derived, Rendezvous]:
-    """Validate the composed config and write `<run_dir>/resolved.yaml`, the only thing workers read.
+    """Check the composed config and write `<run_dir>/resolved.yaml`, the only thing workers read.
 
     `job` carries what Hydra knows of this job (its config-group choices, its place in a sweep);
     it is recorded in the frozen config and names the job's wandb group and run.
     """
-    from launcher.plan import choose, is_auto
+    from launcher.meta import build_on_meta, measure
+    from launcher.plan.commands import choose, is_auto
 
-    if is_auto(cfg):  # strategy=auto: the planner's pick replaces it before anything else reads the config
-        name, cfg = choose(cfg, visible_cuda_devices())
+    frozen = freeze(cfg)
+    cuda = visible_cuda_devices()
+    derived = derive(frozen, cuda)
+    model = build_on_meta(frozen.model)  # once: every check below reads this one
+    if is_auto(frozen):  # strategy=auto: the planner's pick replaces it before anything else reads the config
+        name, frozen = choose(frozen, derived, model)
         if job and "choices" in job:
             job = {**job, "choices": {**job["choices"], "strategy": name}}  # record what runs, for reports and names
-    derived = derive(cfg, visible_cuda_devices())
-    rdzv = rendezvous(cfg, derived, os.environ)
-    resolved: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[assignment]
-    resolved["derived"] = derived.as_dict()
+    rdzv = rendezvous(frozen, derived, os.environ)
+    resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
+    resolved["derived"] = {**derived.as_dict(), "model": measure(model).as_dict()}
     resolved["job"] = job or {}
-    resolved["job"]["resume_from"] = _resume_from(cfg, run_dir)
     _name_logger_run(resolved)
     frozen = OmegaConf.create(resolved)
-    check_strategy(frozen)
+    check_strategy(frozen, model)
+    found = check_resume(frozen, run_dir, model)
+    frozen.job.resume_from = str(found) if found else None
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "resolved.yaml"
     # Atomic: in a SLURM allocation every node's launcher writes the same file on a shared disk.
@@ -55,44 +58,6 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     OmegaConf.save(frozen, tmp)
     os.replace(tmp, path)
     return path, derived, rdzv
-
-
-def check_strategy(frozen: DictConfig) -> None:
-    """The strategy's own checks, from rank 0's view of a frozen config, before any worker starts."""
-    from hydra.utils import instantiate
-
-    from launcher.worker import context
-
-    strategy = instantiate(frozen.strategy)
-    try:
-        strategy.check(context(frozen, 0, 0, frozen.derived.world_size), OmegaConf.to_container(frozen.model))
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-
-
-def _resume_from(cfg: DictConfig, run_dir: Path) -> str | None:
-    """The checkpoint `resume=` names, checked against the model before any worker starts."""
-    from hydra.utils import instantiate
-
-    from launcher.checkpoint import CheckpointError, check_fits, find_resume
-
-    try:
-        found = find_resume(cfg.resume, run_dir)
-        if found is not None:
-            import torch
-
-            try:
-                with torch.device("meta"):
-                    model = instantiate(cfg.model)
-            except Exception:  # a model that cannot be built on the meta device: the workers check it on load
-                model = None
-            if model is not None:
-                check_fits(found, model)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from e
-    if cfg.resume == "auto":
-        print(f"launch: resume=auto: {f'resuming from {found}' if found else 'no earlier checkpoint found, starting fresh'}")
-    return str(found) if found else None
 
 
 def _name_logger_run(resolved: dict[str, Any]) -> None:
@@ -109,7 +74,8 @@ def describe(cfg: DictConfig, derived: Derived, rdzv: Rendezvous, run_dir: Path)
     b = cfg.batch
     where = f" via rendezvous {rdzv.endpoint} (id {rdzv.run_id})" if derived.nodes > 1 else ""
     return (
-        f"launch: {derived.nodes} node(s) x {derived.gpus} {derived.device} worker(s) = world size {derived.world_size}{where}; "
+        f"launch: {derived.nodes} node(s) x {derived.gpus} {derived.device} worker(s) "
+        f"= world size {derived.world_size}{where}; "
         f"batch: micro {b.micro_size} x accumulation {derived.accumulation} x world {derived.world_size} "
         f"= global {b.global_size}; run dir {run_dir}"
     )
@@ -137,91 +103,6 @@ def run_job(cfg: DictConfig) -> int:
         return EXIT_BAD_INPUT
     print(describe(cfg, derived, rdzv, run_dir), flush=True)
     return start_workers(path, derived, rdzv, cfg.trainer, run_dir)
-
-
-# --------------------------------------------------------------------------------------------
-# Rendezvous: where the nodes of one job meet. One node binds to loopback; several need a shared
-# endpoint and id, given by the user or read from the SLURM allocation the job runs in.
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    endpoint: str
-    run_id: str
-    backend: str
-    configs: dict[str, Any]
-
-
-def expand_hostlist(hostlist: str) -> list[str]:
-    """SLURM's compressed host list: "gpu[01-03,07],cpu1" -> gpu01, gpu02, gpu03, gpu07, cpu1."""
-    hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", hostlist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
-    return hosts
-
-
-def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Rendezvous:
-    """Resolve the rendezvous of this job; raise ConfigError on settings that could only stall."""
-    r = cfg.rdzv
-    if r.backend not in ("c10d", "static"):
-        raise ConfigError(f"rdzv.backend={r.backend} is not supported; use c10d or static")
-    configs: dict[str, Any] = {"join_timeout": int(r.join_timeout)}
-    endpoint, run_id, node_rank = r.endpoint, r.id, r.node_rank
-    if "SLURM_JOB_ID" in env and "SLURM_NNODES" in env:
-        slurm_nodes = int(env.get("SLURM_STEP_NUM_NODES") or env["SLURM_NNODES"])
-        if slurm_nodes != derived.nodes:
-            raise ConfigError(f"nodes={derived.nodes} but this SLURM allocation has {slurm_nodes} node(s); use nodes={slurm_nodes}")
-        tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
-        if tasks and tasks.split("(")[0] != "1":
-            raise ConfigError(
-                f"SLURM runs {tasks} tasks per node, but each node needs exactly one launcher (it starts the gpus={derived.gpus} "
-                "workers itself); set hydra.launcher.tasks_per_node=1"
-            )
-        gpus_on_node = env.get("SLURM_GPUS_ON_NODE")
-        if derived.device == "cuda" and gpus_on_node and int(gpus_on_node) < derived.gpus:
-            raise ConfigError(f"gpus={derived.gpus} but SLURM gave this node {gpus_on_node} GPU(s); use gpus={gpus_on_node} or ask SLURM for more")
-        hosts = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-        port = r.port if r.port is not None else 20000 + int(re.sub(r"\D", "", env["SLURM_JOB_ID"]) or 0) % 20000
-        endpoint = endpoint or f"{hosts[0]}:{port}"
-        # A requeued job must not meet the previous attempt's rendezvous.
-        run_id = run_id or f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_RESTART_COUNT', '0')}"
-        node_rank = node_rank if node_rank is not None else int(env.get("SLURM_NODEID", "0"))
-    elif derived.nodes > 1 and not (endpoint and run_id):
-        raise ConfigError(
-            f"nodes={derived.nodes} needs rdzv.endpoint=HOST:PORT and rdzv.id=NAME, the same on every node "
-            "(or run inside a SLURM allocation)"
-        )
-    if r.backend == "static":
-        if derived.nodes > 1 and node_rank is None:
-            raise ConfigError("rdzv.backend=static needs rdzv.node_rank=N on each node (or SLURM_NODEID)")
-        configs["rank"] = node_rank or 0
-    return Rendezvous(endpoint or "127.0.0.1:0", run_id or uuid.uuid4().hex[:12], r.backend, configs)
-
-
-def usable_cpus() -> int:
-    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota.
-
-    os.cpu_count() counts the host's CPUs; inside a container limited to a few, thread pools
-    sized by it oversubscribe the cores many times over.
-    """
-    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    v2, v1 = Path("/sys/fs/cgroup/cpu.max"), Path("/sys/fs/cgroup/cpu")
-    try:
-        if v2.is_file():
-            quota, period = v2.read_text().split()[:2]  # "max 100000" when unlimited
-        else:
-            quota, period = ((v1 / f"cpu.cfs_{k}_us").read_text().strip() for k in ("quota", "period"))  # -1: unlimited
-        if quota not in ("max", "-1"):
-            count = min(count, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return count
 
 
 def _worker_environment(derived: Derived) -> None:
@@ -266,7 +147,8 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
     except RendezvousError as e:
         print(
             f"launch: error: the {derived.nodes} nodes did not all join rendezvous {rdzv.endpoint} (id {rdzv.run_id}) "
-            f"within rdzv.join_timeout={rdzv.configs['join_timeout']} s ({type(e).__name__}); start launch on every node "
+            f"within rdzv.join_timeout={rdzv.configs['join_timeout']} s ({type(e).__name__}); "
+            "start launch on every node "
             "with the same rdzv.endpoint and rdzv.id",
             file=sys.stderr,
         )
@@ -276,8 +158,10 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         message = failure.message
         if isinstance(message, dict):
             message = message.get("message", "")
-        print(f"launch: error: rank {rank} failed: {_summary(message, failure.exitcode)} (logs: {run_dir / 'logs'})",
-              file=sys.stderr)
+        print(
+            f"launch: error: rank {rank} failed: {_summary(message, failure.exitcode)} (logs: {run_dir / 'logs'})",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     finally:
         for sig, handler in previous.items():  # the agent leaves its own handlers behind
@@ -290,7 +174,11 @@ def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, 
     from launcher.checkpoint import latest
 
     saved = latest(run_dir / "checkpoints")
-    where = f"checkpoint {saved}; continue with the same command plus resume={run_dir}" if saved else "no checkpoint was saved"
+    where = (
+        f"checkpoint {saved}; continue with the same command plus resume={run_dir}"
+        if saved
+        else "no checkpoint was saved"
+    )
     print(f"launch: stopped by {sig.name}: {where}", file=sys.stderr, flush=True)
     handler = previous.get(sig)
     if callable(handler):  # e.g. submitit's SIGUSR2 handler, which requeues the SLURM job

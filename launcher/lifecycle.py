@@ -71,5 +71,11 @@ class Phase:
         for path in self.dir.glob("rank*"):
             if path != self.path:
                 stamp, _, what = path.read_text().partition(" ")
-                seen.append((float(stamp), f"{path.name.replace('rank', 'rank ')} was last {what} ({time.time() - float(stamp):.0f} s ago)"))
+                seen.append(
+                    (
+                        float(stamp),
+                        f"{path.name.replace('rank', 'rank ')} was last {what} "
+                        f"({time.time() - float(stamp):.0f} s ago)",
+                    )
+                )
         return "; ".join(text for _, text in sorted(seen)) or "no other rank reported"

@@ -48,13 +48,15 @@ def collect(sweep_dir: Path) -> list[Job]:
         metrics_file = resolved.parent / "metrics.jsonl"
         metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
         label = " ".join(f"{k}={v}" for k, v in job_overrides.items() if k in varying)
-        jobs.append(Job(
-            name=f"{resolved.parent.name}" + (f": {label}" if label else ""),
-            strategy=str(OmegaConf.select(cfg, "job.choices.strategy", default="?")),
-            world_size=OmegaConf.select(cfg, "derived.world_size"),
-            accumulation=OmegaConf.select(cfg, "derived.accumulation"),
-            metrics=metrics,
-        ))
+        jobs.append(
+            Job(
+                name=f"{resolved.parent.name}" + (f": {label}" if label else ""),
+                strategy=str(OmegaConf.select(cfg, "job.choices.strategy", default="?")),
+                world_size=OmegaConf.select(cfg, "derived.world_size"),
+                accumulation=OmegaConf.select(cfg, "derived.accumulation"),
+                metrics=metrics,
+            )
+        )
     return jobs
 
 
@@ -77,7 +79,8 @@ def markdown(jobs: list[Job]) -> str:
     for j in jobs:
         lines.append(
             f"| {j.name} | {j.strategy} | {_fmt(j.world_size, 'd')} | {_fmt(j.accumulation, 'd')} | "
-            f"{_fmt(j.last('loss'), '.4f')} | {_fmt(j.samples_per_s, '.1f')} | {_fmt(j.last('model_state_bytes'), ',.0f')} |"
+            f"{_fmt(j.last('loss'), '.4f')} | {_fmt(j.samples_per_s, '.1f')} | "
+            f"{_fmt(j.last('model_state_bytes'), ',.0f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -119,7 +122,9 @@ class SweepReport(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         jobs = write_report(sweep_dir)
         if jobs:
-            print(f"launch: sweep report of {len(jobs)} job(s): {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.png'}")
+            print(
+                f"launch: sweep report of {len(jobs)} job(s): {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.png'}"
+            )
 
 
 if __name__ == "__main__":

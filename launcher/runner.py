@@ -24,11 +24,12 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from launcher import checkpoint, plan
+from launcher import checkpoint
 from launcher.checkpoint import Position
 from launcher.data import GlobalBatches, collate, rank_micro_batches
 from launcher.lifecycle import Phase, StopRequest
 from launcher.logs import JsonlLogger, NullLogger
+from launcher.plan.costs import GPT_TARGET, flops_per_token, peak_tflops, step_comm_bytes
 from strategies import RunContext, Strategy
 
 
@@ -51,7 +52,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def _tokens(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values())) if isinstance(batch, dict) else batch
+    first = (
+        batch[0]
+        if isinstance(batch, (list, tuple))
+        else next(iter(batch.values()))
+        if isinstance(batch, dict)
+        else batch
+    )
     return int(first.numel()) if isinstance(first, torch.Tensor) else 0
 
 
@@ -67,15 +74,15 @@ class Speed:
 
     @classmethod
     def of(cls, cfg: DictConfig, ctx: RunContext, strategy: Strategy) -> Speed:
-        size = plan.measure_model(cfg.model)  # on the meta device: the planner's own count, tied weights once
+        params = int(cfg.derived.model.params)  # counted on the meta device by the launcher, tied weights once
         model = cfg.model
-        gpt = OmegaConf.select(cfg, "model._target_") == plan.GPT_TARGET
+        gpt = model._target_ == GPT_TARGET
         shape = (model.n_layer, model.n_embd, model.block_size) if gpt else ()  # user models: 6 x parameters only
         peak = cfg.trainer.peak_tflops
         if peak is None and ctx.device_type == "cuda":
-            peak = plan.peak_tflops(torch.cuda.get_device_name(ctx.device))
-        formula = plan.step_comm_bytes(size.params, ctx.world_size, strategy.layout(), ctx.precision, ctx.accumulation)
-        return cls(plan.flops_per_token(size.params, *shape), peak * 1e12 if peak else None, formula)
+            peak = peak_tflops(torch.cuda.get_device_name(ctx.device))
+        formula = step_comm_bytes(params, ctx.world_size, strategy.layout(), ctx.precision, ctx.accumulation)
+        return cls(flops_per_token(params, *shape), peak * 1e12 if peak else None, formula)
 
     def metrics(self, tokens_per_s: float, world_size: int) -> dict[str, float]:
         figures = {"comm_bytes_formula": self.comm_bytes_formula}
@@ -189,7 +196,9 @@ def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, s
         raise
 
 
-def _train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, stop: StopRequest, phase: Phase) -> bool:
+def _train(
+    cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, stop: StopRequest, phase: Phase
+) -> bool:
     device = torch.device(ctx.device)
     trainer, K, B = cfg.trainer, ctx.accumulation, cfg.batch.global_size
     train_set = instantiate(cfg.data, split="train")
@@ -203,7 +212,7 @@ def _train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, 
     position = resume(cfg, ctx, strategy, run_dir)
     loggers = Loggers.create(cfg, ctx.rank, run_dir)
     progress = Progress(ctx.rank, trainer.max_steps - position.step, trainer.progress)
-    schedule = str(trainer.schedule).split(".")[-1]
+    schedule = str(trainer.schedule)
 
     metrics: dict[str, float] = {}
     window_start, window_steps, window_tokens = time.perf_counter(), 0, 0

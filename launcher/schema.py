@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -73,7 +73,7 @@ class TrainerConfig:
     """Complete checkpoints kept in the run directory; older ones are deleted (0 keeps all)."""
     compile: bool = False
     """torch.compile each transformer block (the strategy's units), after activation checkpointing, before sharding."""
-    peak_tflops: Optional[float] = None
+    peak_tflops: float | None = None
     """Peak FLOPS per device, in TFLOPS, for the logged MFU; unset: looked up by GPU name (none on CPU)."""
 
 
@@ -178,15 +178,17 @@ class DeepSpeedStrategyConfig:
     stage: int = 2
     """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
     offload_optimizer: ZeroOffload = ZeroOffload.none
-    """Optimizer state and fp32 master weights: none (on the device) | cpu | nvme (stage 3); runs DeepSpeed's CPU Adam."""
+    """Optimizer state and fp32 master weights: none (on the device) | cpu | nvme (stage 3); runs DeepSpeed's
+    CPU Adam."""
     offload_params: ZeroOffload = ZeroOffload.none
     """Parameters between uses: none | cpu | nvme (stage 3 only)."""
-    nvme_path: Optional[str] = None
+    nvme_path: str | None = None
     """Folder on a local NVMe disk for offload=nvme; each rank swaps into its own subfolder, removed at the end."""
     sync_each_microbatch: bool = False
     """ZeRO-2/3: reduce-scatter on every micro-step: K x the communication, but no unsharded gradients kept between."""
     ds_config: dict[str, Any] = field(default_factory=dict)
-    """Extra DeepSpeed config keys; one that contradicts a derived value (batch, precision, clipping, optimizer) is an error."""
+    """Extra DeepSpeed config keys; one that contradicts a derived value (batch, precision, clipping, optimizer)
+    is an error."""
     optimizer: str = "${optim._target_}"
     """The optimizer class, read from optim (the checks need it before workers start); do not set."""
 
@@ -195,10 +197,10 @@ class DeepSpeedStrategyConfig:
 class WandbConfig:
     _target_: str = "launcher.logs.WandbLogger"
     project: str = "launch"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-    name: Optional[str] = None
-    mode: Optional[str] = None
+    entity: str | None = None
+    group: str | None = None
+    name: str | None = None
+    mode: str | None = None
     """online | offline | disabled; unset: online with an API key, offline without."""
     tags: list[str] = field(default_factory=list)
 
@@ -210,18 +212,19 @@ class NoLoggerConfig:
 
 @dataclass
 class RdzvConfig:
-    endpoint: Optional[str] = None
-    """HOST:PORT of the rendezvous, the same on every node; unset: 127.0.0.1 on one node, the first SLURM host in an allocation."""
-    id: Optional[str] = None
+    endpoint: str | None = None
+    """HOST:PORT of the rendezvous, the same on every node; unset: 127.0.0.1 on one node, the first SLURM host in
+    an allocation."""
+    id: str | None = None
     """Run id shared by the nodes of one job; unset: derived from the SLURM job id, or random on one node."""
     backend: str = "c10d"
     """torch elastic rendezvous backend: c10d, or static (node ranks from rdzv.node_rank / SLURM_NODEID)."""
-    port: Optional[int] = None
+    port: int | None = None
     """Port on the first host when the endpoint is derived from a SLURM allocation; unset: 20000 + job id mod 20000,
     so that concurrent jobs whose first host is the same do not meet."""
     join_timeout: float = 600.0
     """Seconds to wait for every node to join before giving up."""
-    node_rank: Optional[int] = None
+    node_rank: int | None = None
     """This node's rank for the static backend; unset: SLURM_NODEID."""
 
 
@@ -237,22 +240,24 @@ class PlanConfig:
     link_gbps: float = 600.0
     """Bandwidth of the link between GPUs of one node, in GB/s (gigaBYTES, 1e9 bytes/s) per GPU; 600: NVLink (A100)."""
     internode_gbps: float = 50.0
-    """Bandwidth between nodes, in GB/s per GPU (gigaBYTES); 50: one 400 Gb/s InfiniBand NIC per GPU. Bounds a run when nodes > 1."""
-    device_memory_gb: Optional[float] = None
+    """Bandwidth between nodes, in GB/s per GPU (gigaBYTES); 50: one 400 Gb/s InfiniBand NIC per GPU. Bounds a
+    run when nodes > 1."""
+    device_memory_gb: float | None = None
     """Memory per device in GB (1e9 bytes); unset: the free memory of cuda:0 when a GPU is visible, else 80."""
     headroom: float = 0.1
     """Fraction of device memory kept free (allocator fragmentation, CUDA context, buffers); 0 <= headroom < 1."""
     format: PlanFormat = PlanFormat.table
     """table: for people; json: for scripts."""
-    chart: Optional[str] = None
+    chart: str | None = None
     """Also write a PNG chart of per-rank memory by kind for each strategy to this path."""
 
 
 @dataclass
 class AutoStrategyConfig:
-    """strategy=auto: a marker, not a strategy; the launcher replaces it with the planner's choice before anything runs."""
+    """strategy=auto: a marker, not a strategy; the launcher replaces it with the planner's choice before
+    anything runs."""
 
-    _target_: str = "launcher.plan.Auto"
+    _target_: str = "launcher.plan.commands.Auto"
     candidates: list[str] = field(default_factory=list)
     """Presets to choose from (names in conf/strategy); empty: all of them."""
 
@@ -264,7 +269,7 @@ class LaunchConfig:
     data: Any = MISSING
     optim: Any = MISSING
     logger: Any = MISSING
-    gpus: Optional[int] = None
+    gpus: int | None = None
     """Worker processes per node (one per GPU); unset: every visible GPU, or 2 on CPU."""
     nodes: int = 1
     """Machines in the job; world size = nodes x gpus."""
@@ -274,14 +279,18 @@ class LaunchConfig:
     seed: int = 1337
     batch: BatchConfig = field(default_factory=BatchConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    resume: Optional[str] = None
+    resume: str | None = None
     """Continue from a checkpoint: auto (the newest among earlier runs), a run directory or a checkpoint folder."""
     rdzv: RdzvConfig = field(default_factory=RdzvConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "strategy": {"base_ddp": DDPStrategyConfig, "base_fsdp": FSDPStrategyConfig, "base_deepspeed": DeepSpeedStrategyConfig},
+    "strategy": {
+        "base_ddp": DDPStrategyConfig,
+        "base_fsdp": FSDPStrategyConfig,
+        "base_deepspeed": DeepSpeedStrategyConfig,
+    },
     "model": {"base_gpt": GPTConfig},
     "data": {
         "base_pysource": PySourceDataConfig,
@@ -300,15 +309,19 @@ def choices() -> dict[str, list[str]]:
     from importlib import resources
 
     root = resources.files("launcher.conf")
-    return {group.name: sorted(f.name.removesuffix(".yaml") for f in group.iterdir() if f.name.endswith(".yaml"))
-            for group in sorted(root.iterdir(), key=lambda g: g.name) if group.is_dir() and not group.name.startswith("_")}
+    return {
+        group.name: sorted(f.name.removesuffix(".yaml") for f in group.iterdir() if f.name.endswith(".yaml"))
+        for group in sorted(root.iterdir(), key=lambda g: g.name)
+        if group.is_dir() and not group.name.startswith("_")
+    }
 
 
 def register() -> None:
     """Store every schema; YAML files extend them by name (`defaults: [base_gpt, _self_]`)."""
     if not OmegaConf.has_resolver("launch_groups"):  # for `launch --help`
         OmegaConf.register_new_resolver(
-            "launch_groups", lambda: "\n".join(f"{group}: {', '.join(names)}" for group, names in choices().items()))
+            "launch_groups", lambda: "\n".join(f"{group}: {', '.join(names)}" for group, names in choices().items())
+        )
     store = ConfigStore.instance()
     store.store(name="launch_schema", node=LaunchConfig)
     for group, nodes in SCHEMAS.items():

@@ -13,29 +13,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from launcher.context import make_strategy, run_context
 from launcher.lifecycle import EXIT_STOPPED, StopRequest, watch_parent
 from launcher.runner import train
-from strategies import RunContext
-
-
-def context(cfg: DictConfig, rank: int, local_rank: int, world_size: int) -> RunContext:
-    """The strategy's view of this rank; the launcher builds the same one (rank 0) for its checks."""
-    derived = cfg.derived
-    return RunContext(
-        device=f"cuda:{local_rank}" if derived.device == "cuda" else "cpu",
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        precision=str(cfg.precision),
-        grad_clip=float(cfg.trainer.grad_clip),
-        accumulation=int(derived.accumulation),
-        micro_size=int(cfg.batch.micro_size),
-        compile=bool(cfg.trainer.compile),
-    )
 
 
 @record
@@ -46,7 +29,7 @@ def main(path: str) -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != cfg.derived.world_size:
         raise RuntimeError(f"the agent started {world_size} workers but the launcher planned {cfg.derived.world_size}")
-    ctx = context(cfg, rank, local_rank, world_size)
+    ctx = run_context(cfg, rank, local_rank, world_size)
     stop = StopRequest().install()
     watch_parent()
     if ctx.device_type == "cuda":
@@ -58,7 +41,7 @@ def main(path: str) -> None:
         backend="nccl" if ctx.device_type == "cuda" else "gloo",
         timeout=timedelta(seconds=cfg.trainer.collective_timeout),
     )
-    strategy = instantiate(cfg.strategy)
+    strategy = make_strategy(cfg.strategy)
     try:
         finished = train(cfg, ctx, strategy, Path(path).parent, stop)
     finally:

@@ -32,7 +32,8 @@ class RunContext:
     micro_size: int
     """Samples per rank per forward pass."""
     compile: bool = False
-    """trainer.compile: compile each unit (transformer block) with torch.compile; a strategy that cannot rejects it in check."""
+    """trainer.compile: compile each unit (transformer block) with torch.compile; a strategy that cannot rejects
+    it in check."""
 
     @property
     def device_type(self) -> str:
@@ -71,11 +72,14 @@ class Strategy(Protocol):
     def layout(self) -> Layout:
         """Which model state this strategy shards or offloads."""
 
-    def check(self, ctx: RunContext, model_config: dict[str, Any]) -> None:
-        """Raise ValueError (one line: the bad value and the fix) for settings this strategy cannot run."""
+    def check(self, ctx: RunContext, model: nn.Module) -> None:
+        """Raise ValueError (one line: the bad value and the fix) for settings this strategy cannot run.
+
+        Called in the launcher, before any worker starts, with the model built on the meta device (no memory)."""
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
-        """Build the model (where the layout needs it), wrap it, and create the optimizer over the wrapped parameters."""
+        """Build the model (where the layout needs it), wrap it, and create the optimizer over the wrapped
+        parameters."""
 
     def forward(self, batch: Any) -> torch.Tensor:
         """Run the model on one micro-batch under the strategy's precision; return the scalar loss."""
@@ -166,6 +170,29 @@ def model_state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Opt
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, grad_clip: float, lr: float
+) -> tuple[float, int]:
+    """The optimizer step of the torch strategies (DDP, FSDP): set the learning rate, unscale, clip to the global
+    norm, step, update the loss scaler, zero the gradients.
+
+    Returns the pre-clip global gradient norm and the model-state bytes this rank held at the step, measured
+    before the gradients are released: that is the step's peak. On DTensor gradients (FSDP) the norm is reduced
+    over all shards, so it is the same global norm as DDP's.
+    """
+    set_lr(optimizer, lr)
+    scaler.unscale_(optimizer)
+    limit = grad_clip if grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    scaler.step(optimizer)
+    scaler.update()
+    held = model_state_bytes(model.parameters(), optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm), held
 
 
 def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

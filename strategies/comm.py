@@ -1,12 +1,21 @@
-"""Counting the gradient-synchronisation collectives a strategy issues, for its `metrics()`.
+"""Communication: the ring formula, and a counter of the collectives a strategy issues, for its `metrics()`.
 
-Generic on purpose: a strategy calls `record` from wherever its framework lets it observe a
+The formula lives here, beside the counter that measures against it; the planner imports it from here.
+The counter is generic on purpose: a strategy calls `record` from wherever its framework lets it observe a
 collective (a DDP comm hook, FSDP2's custom reduce-scatter, a wrapped DeepSpeed comm call).
 """
 
 from __future__ import annotations
 
 import torch
+
+RING_PASSES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+"""Ring passes per collective: an all-reduce is a reduce-scatter then an all-gather."""
+
+
+def ring_sent_elements(elements: float, world_size: int, collective: str = "all_reduce") -> float:
+    """Elements each rank sends in a ring collective over a buffer of `elements`: (G-1)/G of it per pass."""
+    return RING_PASSES[collective] * (world_size - 1) / world_size * elements
 
 
 class CommCounter:
@@ -28,9 +37,6 @@ class CommCounter:
 
     def record(self, payload: torch.Tensor, collective: str = "all_reduce") -> None:
         """One collective whose input is `payload` (counted at its dtype: what goes on the wire)."""
-        # The formula lives with the planner's; imported here, lazily, because the planner imports strategies.
-        from launcher.plan import ring_sent_elements
-
         nbytes = payload.numel() * payload.element_size()
         self.calls += 1
         self.recorded += 1

@@ -6,22 +6,22 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from strategies.base import (
-    load_torch_state_dict,
-    torch_state_dict,
     Layout,
-    Placement,
     ModelFactory,
     OptimizerFactory,
+    Placement,
     RunContext,
     autocast_dtype,
     call_model,
     compile_units,
-    model_state_bytes,
-    set_lr,
+    load_torch_state_dict,
+    optimizer_step,
+    torch_state_dict,
     unit_modules,
 )
 from strategies.comm import CommCounter
@@ -53,12 +53,14 @@ class DDP:
         replicated = Placement(sharded=False)
         return Layout(params=replicated, grads=replicated, optimizer=replicated)
 
-    def check(self, ctx: RunContext, model_config: dict[str, Any]) -> None:
+    def check(self, ctx: RunContext, model: nn.Module) -> None:
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")
         if ctx.compile and not self.compile_units:
-            raise ValueError("trainer.compile=true compiles each unit, but strategy.compile_units is empty; "
-                             "name the unit classes, e.g. strategy.compile_units=[Block]")
+            raise ValueError(
+                "trainer.compile=true compiles each unit, but strategy.compile_units is empty; "
+                "name the unit classes, e.g. strategy.compile_units=[Block]"
+            )
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
         self.ctx = ctx
@@ -91,19 +93,9 @@ class DDP:
         self.scaler.scale(loss).backward()
 
     def step(self, lr: float) -> float:
-        set_lr(self.optimizer, lr)
-        self.scaler.unscale_(self.optimizer)
-        limit = self.ctx.grad_clip if self.ctx.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        # Measured before the gradients are released: this is the peak the step holds.
-        self._last_step = {
-            "model_state_bytes": model_state_bytes(self.model.parameters(), self.optimizer),
-            **self._counter.take(),
-        }
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        norm, held = optimizer_step(self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr)
+        self._last_step = {"model_state_bytes": held, **self._counter.take()}
+        return norm
 
     def train(self, mode: bool) -> None:
         self.model.train(mode)

@@ -10,14 +10,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from enum import Enum
 from typing import Any
 
 import torch
+from torch import nn
 
 from strategies.base import (
-    load_torch_state_dict,
-    torch_state_dict,
     Layout,
     ModelFactory,
     OptimizerFactory,
@@ -26,18 +24,14 @@ from strategies.base import (
     autocast_dtype,
     call_model,
     compile_units,
-    model_state_bytes,
-    set_lr,
+    load_torch_state_dict,
+    optimizer_step,
+    torch_state_dict,
     unit_modules,
 )
 from strategies.comm import CommCounter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _plain(value: Any) -> str:
-    """Config values arrive as strings from the frozen YAML, as Enum members from a direct compose."""
-    return value.name if isinstance(value, Enum) else str(value)
 
 
 def _counting_reduce_scatter(counter: CommCounter) -> Any:
@@ -56,8 +50,9 @@ def _counting_reduce_scatter(counter: CommCounter) -> Any:
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return self.inner.allocate(size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                     async_op: bool = False) -> Any:
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+        ) -> Any:
             counter.record(input_tensor, "reduce_scatter")  # the unit's whole (padded) gradient, in reduce_dtype
             return self.inner(output_tensor, input_tensor, group, op, async_op)
 
@@ -69,15 +64,15 @@ class FSDP:
         self,
         shard_units: list[str] | None = None,
         reshard_after_forward: bool = True,
-        offload: Any = "none",
-        reduce_dtype: Any = "fp32",
+        offload: str = "none",
+        reduce_dtype: str = "fp32",
         activation_checkpointing: bool = False,
         sync_each_microbatch: bool = False,
     ) -> None:
         self.shard_units = [str(name) for name in (["Block"] if shard_units is None else shard_units)]
         self.reshard_after_forward = reshard_after_forward
-        self.offload = _plain(offload)
-        self.reduce_dtype = _plain(reduce_dtype)
+        self.offload = offload
+        self.reduce_dtype = reduce_dtype
         self.activation_checkpointing = activation_checkpointing
         self.sync_each_microbatch = sync_each_microbatch
         self._counter = CommCounter()
@@ -88,31 +83,43 @@ class FSDP:
         placed = Placement(sharded=True, where="cpu" if self.offload == "cpu" else "device")
         return Layout(params=placed, grads=placed, optimizer=placed)
 
-    def check(self, ctx: RunContext, model_config: dict[str, Any]) -> None:
+    def check(self, ctx: RunContext, model: nn.Module) -> None:
         # Values outside offload's and reduce_dtype's choices already fail at composition (typed schema).
         if self.reduce_dtype == "fp16" and ctx.precision != "fp16":
             # Only precision=fp16 runs the loss scaler; unscaled fp16 gradients underflow to 0 or overflow to inf.
-            raise ValueError(f"strategy.reduce_dtype=fp16 with precision={ctx.precision} reduces unscaled gradients "
-                             "in fp16; use strategy.reduce_dtype=fp32 or bf16, or precision=fp16 (loss-scaled)")
+            raise ValueError(
+                f"strategy.reduce_dtype=fp16 with precision={ctx.precision} reduces unscaled gradients "
+                "in fp16; use strategy.reduce_dtype=fp32 or bf16, or precision=fp16 (loss-scaled)"
+            )
         if ctx.compile and not self.shard_units:
-            raise ValueError("trainer.compile=true compiles each shard unit, but strategy.shard_units is empty; "
-                             "name the unit classes, e.g. strategy.shard_units=[Block]")
+            raise ValueError(
+                "trainer.compile=true compiles each shard unit, but strategy.shard_units is empty; "
+                "name the unit classes, e.g. strategy.shard_units=[Block]"
+            )
         if self.activation_checkpointing and not self.shard_units:
-            raise ValueError("strategy.activation_checkpointing=true checkpoints each shard unit, but "
-                             "strategy.shard_units is empty; name the unit classes, e.g. strategy.shard_units=[Block]")
-        present = sorted(_module_classes(model_config))
+            raise ValueError(
+                "strategy.activation_checkpointing=true checkpoints each shard unit, but "
+                "strategy.shard_units is empty; name the unit classes, e.g. strategy.shard_units=[Block]"
+            )
+        present = sorted({type(m).__name__ for m in model.modules() if m is not model})
         for name in self.shard_units:
             if name not in present:
                 guess = (difflib.get_close_matches(name, present, n=1) or present[:1] or ["<class name>"])[0]
                 raise ValueError(
-                    f"strategy.shard_units: no module of class '{name}' in {model_config.get('_target_')} "
+                    f"strategy.shard_units: no module of class '{name}' in {type(model).__name__} "
                     f"(its classes: {', '.join(present)}); e.g. strategy.shard_units=[{guess}]"
                 )
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
         from torch.distributed._composable import checkpoint
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         self.ctx = ctx
         self._counter.world_size = ctx.world_size
@@ -130,14 +137,21 @@ class FSDP:
             # forward with its recomputation boundary already in place, and FSDP's all-gather/reduce-scatter hooks
             # stay outside the graph, around the compiled unit, where they can overlap with compute.
             compile_units(units)
-        precision = MixedPrecisionPolicy(param_dtype=autocast_dtype(ctx.precision), reduce_dtype=DTYPES[self.reduce_dtype])
+        precision = MixedPrecisionPolicy(
+            param_dtype=autocast_dtype(ctx.precision), reduce_dtype=DTYPES[self.reduce_dtype]
+        )
         # Pinned host memory needs CUDA; without it, pinning fails ("Cannot access accelerator device").
         offload = CPUOffloadPolicy(pin_memory=ctx.device_type == "cuda") if self.offload == "cpu" else OffloadPolicy()
         mesh = init_device_mesh(ctx.device_type, (ctx.world_size,))
         # Innermost first: a unit nested in another must be sharded before its parent claims its parameters.
         for module in [*reversed(units), model]:
-            fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward,
-                        mp_policy=precision, offload_policy=offload)
+            fully_shard(
+                module,
+                mesh=mesh,
+                reshard_after_forward=self.reshard_after_forward,
+                mp_policy=precision,
+                offload_policy=offload,
+            )
         counting = _counting_reduce_scatter(self._counter)
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -169,23 +183,15 @@ class FSDP:
         self.scaler.scale(loss).backward()
 
     def step(self, lr: float) -> float:
-        set_lr(self.optimizer, lr)
-        self.scaler.unscale_(self.optimizer)
-        limit = self.ctx.grad_clip if self.ctx.grad_clip > 0 else float("inf")
-        # On DTensor gradients the norm is reduced over all shards: the global norm, as DDP's.
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        # Measured before the gradients are released: this is the peak the step holds.
+        norm, held = optimizer_step(self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr)
         # Offloaded state is in host memory, not on the device: reported apart, as the layout says.
-        state = model_state_bytes(self.model.parameters(), self.optimizer)
-        on_device = 0 if self.offload == "cpu" else state
-        self._last_step = {"model_state_bytes": on_device, "offloaded_state_bytes": state - on_device,
-                           **self._counter.take()}
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        on_device = 0 if self.offload == "cpu" else held
+        self._last_step = {
+            "model_state_bytes": on_device,
+            "offloaded_state_bytes": held - on_device,
+            **self._counter.take(),
+        }
+        return norm
 
     def train(self, mode: bool) -> None:
         self.model.train(mode)
@@ -202,16 +208,3 @@ class FSDP:
     def teardown(self) -> None:
         # The sharded parameters hold the device mesh, which holds the process group.
         self.model = self.optimizer = self.scaler = None  # type: ignore[assignment]
-
-
-def _module_classes(model_config: dict[str, Any]) -> set[str]:
-    """Class names of the model's submodules, from a build on the meta device (no memory, no init cost)."""
-    from hydra.utils import instantiate
-
-    try:
-        with torch.device("meta"):
-            model = instantiate(model_config)
-    except Exception as e:  # the model's own one-line complaint, not Hydra's wrapper
-        cause = e.__cause__ or e
-        raise ValueError(f"model {model_config.get('_target_')} could not be built: {cause}") from e
-    return {type(m).__name__ for m in model.modules() if m is not model}

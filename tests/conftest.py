@@ -60,13 +60,19 @@ class Run:
 
 def clean_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TORCHELASTIC_", "OMP_"))}
-    env |= {"WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "PYTHONWARNINGS": "ignore",
-            # workers can import the test models in faulty.py
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    env |= {
+        "WANDB_SILENT": "true",
+        "HYDRA_FULL_ERROR": "0",
+        "PYTHONWARNINGS": "ignore",
+        # workers can import the test models in faulty.py
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+    }
     return env
 
 
-def launch(tmp_path: Path, *overrides: str, name: str = "run", env: dict[str, str] | None = None, timeout: float = 300) -> Run:
+def launch(
+    tmp_path: Path, *overrides: str, name: str = "run", env: dict[str, str] | None = None, timeout: float = 300
+) -> Run:
     """Run `launch` with the given overrides; its run directory is tmp_path/name."""
     run_dir = tmp_path / name
     proc = subprocess.run(
@@ -117,6 +123,6 @@ def conformance_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: each test runs 2-rank jobs, so about one test process per two CPUs, and at least two
     (a test spends much of its time starting processes and waiting on them)."""
-    from launcher.launch import usable_cpus
+    from launcher.machine import usable_cpus
 
     return max(2, usable_cpus() // 2)

@@ -30,8 +30,16 @@ def main(preset: dict) -> None:
     tokens = [torch.randint(0, 256, (world * K * 2, 17), generator=gen) for _ in range(2)]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]  # next-token targets
     strategy = DeepSpeed(**preset, optimizer="torch.optim.AdamW")
-    ctx = RunContext(device="cpu", rank=rank, local_rank=rank, world_size=world, precision="fp32", grad_clip=1.0,
-                     accumulation=K, micro_size=2)
+    ctx = RunContext(
+        device="cpu",
+        rank=rank,
+        local_rank=rank,
+        world_size=world,
+        precision="fp32",
+        grad_clip=1.0,
+        accumulation=K,
+        micro_size=2,
+    )
     torch.manual_seed(0)
     strategy.setup(ctx, lambda: GPT(**KW), functools.partial(torch.optim.AdamW, **ADAMW))
     for idx, targets in batches:
@@ -66,8 +74,11 @@ def main(preset: dict) -> None:
     fresh.teardown()
     resume_diff = max(
         max((after["model"][k] - v).abs().max().item() for k, v in resumed["model"].items()),
-        max((after["optim"]["state"][k][m] - v[m]).abs().max().item()
-            for k, v in resumed["optim"]["state"].items() for m in v),
+        max(
+            (after["optim"]["state"][k][m] - v[m]).abs().max().item()
+            for k, v in resumed["optim"]["state"].items()
+            for m in v
+        ),
     )
     if rank == 0:
         torch.manual_seed(0)
@@ -75,7 +86,7 @@ def main(preset: dict) -> None:
         optim = torch.optim.AdamW(model.parameters(), **ADAMW)
         for idx, targets in batches:
             for m in range(world * K):  # the same micro-batches, accumulated
-                (model(idx[m * 2:(m + 1) * 2], targets[m * 2:(m + 1) * 2]) / (world * K)).backward()
+                (model(idx[m * 2 : (m + 1) * 2], targets[m * 2 : (m + 1) * 2]) / (world * K)).backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
             optim.zero_grad()
@@ -84,14 +95,24 @@ def main(preset: dict) -> None:
         ref_model, ref_optim = get_state_dict(model, optim)
         diff = {
             "weights": max((state["model"][k] - v).abs().max().item() for k, v in ref_model.items()),
-            "exp_avg": max((state["optim"]["state"][k]["exp_avg"] - v["exp_avg"]).abs().max().item()
-                           for k, v in ref_optim["state"].items()),
-            "exp_avg_sq": max((state["optim"]["state"][k]["exp_avg_sq"] - v["exp_avg_sq"]).abs().max().item()
-                              for k, v in ref_optim["state"].items()),
+            "exp_avg": max(
+                (state["optim"]["state"][k]["exp_avg"] - v["exp_avg"]).abs().max().item()
+                for k, v in ref_optim["state"].items()
+            ),
+            "exp_avg_sq": max(
+                (state["optim"]["state"][k]["exp_avg_sq"] - v["exp_avg_sq"]).abs().max().item()
+                for k, v in ref_optim["state"].items()
+            ),
         }
-        same_keys = (sorted(state["model"]) == sorted(ref_model) and sorted(state["optim"]["state"]) == sorted(ref_optim["state"])
-                     and [g["params"] for g in state["optim"]["param_groups"]] == [g["params"] for g in ref_optim["param_groups"]]
-                     and all(float(state["optim"]["state"][k]["step"]) == float(v["step"]) for k, v in ref_optim["state"].items()))
+        same_keys = (
+            sorted(state["model"]) == sorted(ref_model)
+            and sorted(state["optim"]["state"]) == sorted(ref_optim["state"])
+            and [g["params"] for g in state["optim"]["param_groups"]]
+            == [g["params"] for g in ref_optim["param_groups"]]
+            and all(
+                float(state["optim"]["state"][k]["step"]) == float(v["step"]) for k, v in ref_optim["state"].items()
+            )
+        )
         print(json.dumps({"diff": diff, "same_keys": same_keys, "resume_diff": resume_diff}), flush=True)
     dist.destroy_process_group()
 

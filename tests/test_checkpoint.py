@@ -35,12 +35,23 @@ def test_resume_is_exact(strategy: str, conformance_dir: Path, tmp_path: Path) -
     assert _max_diff(full, resumed, range(7, 13)) <= 1e-6
 
 
-CROSSINGS = [("ddp", 2, "fsdp", 1), ("fsdp", 2, "zero3", 2), ("zero2", 2, "ddp", 1), ("zero_infinity", 2, "ddp", 1),
-             ("ddp", 2, "zero1", 2), ("ddp", 1, "fsdp", 2), ("ddp", 2, "zero_infinity", 1)]  # torch AdamW <-> DeepSpeed CPU Adam
+CROSSINGS = [
+    ("ddp", 2, "fsdp", 1),
+    ("fsdp", 2, "zero3", 2),
+    ("zero2", 2, "ddp", 1),
+    ("zero_infinity", 2, "ddp", 1),
+    ("ddp", 2, "zero1", 2),
+    ("ddp", 1, "fsdp", 2),
+    ("ddp", 2, "zero_infinity", 1),
+]  # torch AdamW <-> DeepSpeed CPU Adam
 
 
-@pytest.mark.parametrize("src,src_gpus,dst,dst_gpus", [c for c in CROSSINGS if c[0] in STRATEGIES and c[2] in STRATEGIES])
-def test_resume_across_strategies_and_world_sizes(src: str, src_gpus: int, dst: str, dst_gpus: int, conformance_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "src,src_gpus,dst,dst_gpus", [c for c in CROSSINGS if c[0] in STRATEGIES and c[2] in STRATEGIES]
+)
+def test_resume_across_strategies_and_world_sizes(
+    src: str, src_gpus: int, dst: str, dst_gpus: int, conformance_dir: Path, tmp_path: Path
+) -> None:
     full = run_of(conformance_dir, src, src_gpus)
     resumed = launch(tmp_path, *JOB, *selecting(tmp_path, dst), f"gpus={dst_gpus}", f"resume={_ckpt(full, 6)}").check()
     assert _max_diff(full, resumed, range(7, 13)) <= 1e-5
@@ -86,7 +97,10 @@ def test_a_corrupted_checkpoint_is_a_one_line_error(conformance_dir: Path, tmp_p
     shutil.copytree(_ckpt(run_of(conformance_dir, "ddp", 2), 6), broken)
     (broken / ".metadata").write_bytes(b"not a checkpoint")
     assert "is unreadable" in launch(tmp_path, *JOB, "gpus=2", f"resume={broken}").refused()
-    assert "no complete checkpoint there" in launch(tmp_path, *JOB, "gpus=2", f"resume={tmp_path / 'nowhere'}", name="missing").refused()
+    assert (
+        "no complete checkpoint there"
+        in launch(tmp_path, *JOB, "gpus=2", f"resume={tmp_path / 'nowhere'}", name="missing").refused()
+    )
 
 
 def test_convert_writes_weights_the_plain_model_loads(conformance_dir: Path, tmp_path: Path) -> None:
@@ -95,7 +109,11 @@ def test_convert_writes_weights_the_plain_model_loads(conformance_dir: Path, tmp
     from launcher.models.gpt import GPT
 
     out = tmp_path / "model.safetensors"
-    proc = subprocess.run([LAUNCH, "convert", str(_ckpt(run_of(conformance_dir, "ddp", 2), 12)), f"out={out}"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [LAUNCH, "convert", str(_ckpt(run_of(conformance_dir, "ddp", 2), 12)), f"out={out}"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     model.load_state_dict(load_file(str(out)), strict=True)
@@ -108,7 +126,11 @@ def _worker_pids(run_dir: Path) -> dict[int, int]:
     found = {}
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and "launcher.worker" in (cmd := (proc / "cmdline").read_bytes().decode()) and str(run_dir) in cmd:
+            if (
+                proc.name.isdigit()
+                and "launcher.worker" in (cmd := (proc / "cmdline").read_bytes().decode())
+                and str(run_dir) in cmd
+            ):
                 env = dict(e.split("=", 1) for e in (proc / "environ").read_bytes().decode().split("\0") if "=" in e)
                 found[int(env["RANK"])] = int(proc.name)
         except (OSError, KeyError, ValueError):
@@ -129,9 +151,14 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
 def test_a_killed_worker_is_restarted_and_the_run_matches(conformance_dir: Path, tmp_path: Path) -> None:
     full = run_of(conformance_dir, "ddp", 2)
     run_dir = tmp_path / "restarted"
-    proc = subprocess.Popen([LAUNCH, *JOB, "gpus=2", "trainer.checkpoint_every=3", "trainer.max_restarts=1",
-                             f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=clean_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [LAUNCH, *JOB, "gpus=2", "trainer.checkpoint_every=3", "trainer.max_restarts=1", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=clean_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for_step(run_dir, 4, proc)
     os.kill(_worker_pids(run_dir)[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
@@ -144,11 +171,19 @@ def test_a_killed_worker_is_restarted_and_the_run_matches(conformance_dir: Path,
 
 def test_kills_during_saves_never_leave_a_broken_latest_checkpoint(tmp_path: Path) -> None:
     """Save every step and kill a worker at arbitrary moments: every visible checkpoint stays complete and loads."""
-    big = [o for o in JOB if not o.startswith(("model.n_embd", "trainer.keep_last"))] + ["model.n_embd=256", "trainer.keep_last=3"]
+    big = [o for o in JOB if not o.startswith(("model.n_embd", "trainer.keep_last"))] + [
+        "model.n_embd=256",
+        "trainer.keep_last=3",
+    ]
     run_dir = tmp_path / "killed"
     for delay in (0.4, 0.9):
-        proc = subprocess.Popen([LAUNCH, *big, "gpus=2", "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"],
-                                cwd=tmp_path, env=clean_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [LAUNCH, *big, "gpus=2", "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path,
+            env=clean_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         _wait_for_step(run_dir, 2, proc)
         time.sleep(delay)
         os.kill(_worker_pids(run_dir).get(0, proc.pid), signal.SIGKILL)
@@ -184,25 +219,35 @@ class _Payload:
 
 
 def test_loading_runs_no_code_from_the_checkpoint(tmp_path: Path) -> None:
-    """Non-tensor entries (hyperparameters) are read with weights_only=True: plain values load, a crafted pickle is refused."""
+    """Non-tensor entries (hyperparameters) are read with weights_only=True: plain values load, a crafted pickle
+    is refused."""
     import torch.distributed.checkpoint as dcp
 
     from launcher.checkpoint import CheckpointError, check_fits, read_into
     from launcher.models.gpt import GPT
 
     marker = tmp_path / "ran"
-    plain = {"model": {"w": torch.arange(4.0)}, "optim": {"param_groups": [{"lr": 0.5, "betas": (0.9, 0.95), "params": ["w"]}]}}
+    plain = {
+        "model": {"w": torch.arange(4.0)},
+        "optim": {"param_groups": [{"lr": 0.5, "betas": (0.9, 0.95), "params": ["w"]}]},
+    }
     dcp.save(plain, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
-    state = {"model": {"w": torch.zeros(4)}, "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "maximize": False,
-                                                                         "params": ["w"]}]}}
+    state = {
+        "model": {"w": torch.zeros(4)},
+        "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "maximize": False, "params": ["w"]}]},
+    }
     read_into(state, tmp_path / "plain")
     assert state["model"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert state["optim"]["param_groups"][0] == {"lr": 0.5, "betas": (0.9, 0.95), "maximize": False, "params": ["w"]}
 
     crafted = tmp_path / "crafted"
     dcp.save({"optim": {"param_groups": [{"lr": _Payload(marker)}]}}, checkpoint_id=str(crafted), no_dist=True)
-    with pytest.raises(CheckpointError, match=r"holds an entry that is not plain data \(.*posix.system.*\); resume only from"):
-        check_fits(crafted, GPT(n_layer=1, n_head=2, n_embd=32, vocab_size=256, block_size=32))  # the launcher, before any worker
+    with pytest.raises(
+        CheckpointError, match=r"holds an entry that is not plain data \(.*posix.system.*\); resume only from"
+    ):
+        check_fits(
+            crafted, GPT(n_layer=1, n_head=2, n_embd=32, vocab_size=256, block_size=32)
+        )  # the launcher, before any worker
     with pytest.raises(BaseException, match="Weights only load failed"):  # DCP raises a BaseException
         read_into({"optim": {"param_groups": [{"lr": 0.0}]}}, crafted)  # and the workers
     assert not marker.exists()

@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from launcher import schema
 from launcher.cli import submitit_overrides
-from launcher.config import ConfigError, derive
-from launcher.launch import expand_hostlist, rendezvous
+from launcher.config import ConfigError, derive, freeze
+from launcher.rendezvous import expand_hostlist, rendezvous
 
 schema.register()
 JOB = [*TINY, "batch.global_size=16", "trainer.max_steps=5"]
@@ -30,7 +30,8 @@ def _free_port() -> int:
 
 def _compose(*overrides: str, hydra: bool = False):
     with initialize_config_module("launcher.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=hydra)
+    return cfg if hydra else freeze(cfg)
 
 
 def test_expand_hostlist() -> None:
@@ -39,8 +40,15 @@ def test_expand_hostlist() -> None:
     assert expand_hostlist("a[9-11]") == ["a9", "a10", "a11"]
 
 
-SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
-         "SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "8", "SLURM_RESTART_COUNT": "3"}
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NNODES": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_NTASKS_PER_NODE": "1",
+    "SLURM_GPUS_ON_NODE": "8",
+    "SLURM_RESTART_COUNT": "3",
+}
 
 
 def test_rendezvous_inside_a_slurm_allocation() -> None:
@@ -53,11 +61,14 @@ def test_rendezvous_inside_a_slurm_allocation() -> None:
     assert static.configs["rank"] == 1
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"SLURM_NNODES": "4"}, "nodes=2 but this SLURM allocation has 4 node(s); use nodes=4"),
-    ({"SLURM_NTASKS_PER_NODE": "8"}, "set hydra.launcher.tasks_per_node=1"),
-    ({"SLURM_GPUS_ON_NODE": "4"}, "gpus=8 but SLURM gave this node 4 GPU(s)"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"SLURM_NNODES": "4"}, "nodes=2 but this SLURM allocation has 4 node(s); use nodes=4"),
+        ({"SLURM_NTASKS_PER_NODE": "8"}, "set hydra.launcher.tasks_per_node=1"),
+        ({"SLURM_GPUS_ON_NODE": "4"}, "gpus=8 but SLURM gave this node 4 GPU(s)"),
+    ],
+)
 def test_slurm_mismatches_are_one_line_errors(env: dict[str, str], message: str) -> None:
     cfg = _compose("nodes=2", "gpus=8", "batch.global_size=64")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -65,13 +76,22 @@ def test_slurm_mismatches_are_one_line_errors(env: dict[str, str], message: str)
 
 
 def test_several_nodes_need_an_endpoint(tmp_path: Path) -> None:
-    assert "nodes=2 needs rdzv.endpoint=HOST:PORT and rdzv.id=NAME" in launch(tmp_path, *JOB, "nodes=2", "gpus=1").refused()
+    assert (
+        "nodes=2 needs rdzv.endpoint=HOST:PORT and rdzv.id=NAME"
+        in launch(tmp_path, *JOB, "nodes=2", "gpus=1").refused()
+    )
 
 
 def _two_nodes(tmp_path: Path, env_for_node, *overrides: str) -> list[float]:
     procs = [
-        subprocess.Popen([LAUNCH, *JOB, "nodes=2", "gpus=1", *overrides, f"hydra.run.dir={tmp_path / f'node{n}'}"],
-                         cwd=tmp_path, env=env_for_node(n), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [LAUNCH, *JOB, "nodes=2", "gpus=1", *overrides, f"hydra.run.dir={tmp_path / f'node{n}'}"],
+            cwd=tmp_path,
+            env=env_for_node(n),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for n in range(2)
     ]
     outputs = [p.communicate(timeout=300) for p in procs]
@@ -98,8 +118,15 @@ def test_a_slurm_allocation_needs_no_rendezvous_settings(tmp_path: Path) -> None
 
 def test_a_node_that_never_arrives_ends_the_job_with_a_clear_error(tmp_path: Path) -> None:
     started = time.monotonic()
-    run = launch(tmp_path, *JOB, "nodes=2", "gpus=1", f"rdzv.endpoint=127.0.0.1:{_free_port()}", "rdzv.id=alone",
-                 "rdzv.join_timeout=5")
+    run = launch(
+        tmp_path,
+        *JOB,
+        "nodes=2",
+        "gpus=1",
+        f"rdzv.endpoint=127.0.0.1:{_free_port()}",
+        "rdzv.id=alone",
+        "rdzv.join_timeout=5",
+    )
     assert run.returncode == 1 and "did not all join rendezvous" in run.stderr, run.stderr
     assert time.monotonic() - started < 60
 
@@ -115,32 +142,56 @@ def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path, monkeypatch: 
     (tmp_path / "bin" / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
 
-    argv = ["hydra/launcher=submitit_slurm", "nodes=2", "gpus=8", "batch.global_size=64", "hydra.launcher.partition=gpu"]
+    argv = [
+        "hydra/launcher=submitit_slurm",
+        "nodes=2",
+        "gpus=8",
+        "batch.global_size=64",
+        "hydra.launcher.partition=gpu",
+    ]
     cfg = _compose(*argv, *submitit_overrides(argv), f"hydra.sweep.dir={tmp_path}", hydra=True)
     params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     # The plugin's own mapping of its config onto the executor (hydra_submitit_launcher.submitit_launcher.launch).
-    executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
-                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    executor = submitit.AutoExecutor(
+        folder=params.pop("submitit_folder"), cluster="slurm", slurm_max_num_timeout=params.pop("max_num_timeout")
+    )
     base = set(OmegaConf.structured(BaseQueueConf).keys())
     params.pop("_target_")
     executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
     text = executor._executor._make_submission_file_text("python -m launcher", "uid")
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+    ):
         assert line in text, text
 
 
-@pytest.mark.parametrize("override,message", [
-    ("hydra.launcher.tasks_per_node=8", "hydra.launcher.tasks_per_node=8 contradicts the run's shape"),
-    ("hydra.launcher.nodes=3", "hydra.launcher.nodes=3 contradicts the run's shape; use hydra.launcher.nodes=2"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("hydra.launcher.tasks_per_node=8", "hydra.launcher.tasks_per_node=8 contradicts the run's shape"),
+        ("hydra.launcher.nodes=3", "hydra.launcher.nodes=3 contradicts the run's shape; use hydra.launcher.nodes=2"),
+    ],
+)
 def test_a_contradicting_submitit_shape_is_refused(tmp_path: Path, override: str, message: str) -> None:
     assert message in launch(tmp_path, "-m", "hydra/launcher=submitit_local", *JOB, "nodes=2", override).refused()
 
 
 def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    run = launch(tmp_path, "-m", "hydra/launcher=submitit_local", *[o for o in JOB if not o.startswith("logger")],
-                 "logger=wandb", "logger.mode=disabled", "gpus=2", "batch.micro_size=2,4", f"hydra.sweep.dir={sweep}")
+    run = launch(
+        tmp_path,
+        "-m",
+        "hydra/launcher=submitit_local",
+        *[o for o in JOB if not o.startswith("logger")],
+        "logger=wandb",
+        "logger.mode=disabled",
+        "gpus=2",
+        "batch.micro_size=2,4",
+        f"hydra.sweep.dir={sweep}",
+    )
     assert run.returncode == 0, run.stderr
     resolved = [OmegaConf.load(sweep / str(n) / "resolved.yaml") for n in (0, 1)]
     assert [r.derived.accumulation for r in resolved] == [4, 2]

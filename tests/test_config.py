@@ -14,12 +14,15 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from launcher import schema
-from launcher.config import ConfigError, derive
+from launcher.config import ConfigError, derive, freeze
+from launcher.context import make_strategy
 
 schema.register()
 CONF = resources.files("launcher.conf")
-GROUPS = {g: sorted(p.name[:-5] for p in (CONF / g).iterdir() if p.name.endswith(".yaml"))
-          for g in ("strategy", "model", "data", "optim", "logger")}
+GROUPS = {
+    g: sorted(p.name[:-5] for p in (CONF / g).iterdir() if p.name.endswith(".yaml"))
+    for g in ("strategy", "model", "data", "optim", "logger")
+}
 
 
 def _compose(*overrides: str):
@@ -34,7 +37,7 @@ def test_every_option_composes_and_instantiates(group: str, option: str, tmp_pat
     node = cfg[group]
     assert OmegaConf.select(node, "_target_"), f"{group}/{option} has no _target_"
     if group == "strategy":
-        instantiate(node)  # constructors take plain values and import nothing heavy
+        make_strategy(freeze(cfg).strategy)  # constructors take plain values and import nothing heavy
     if group == "model" and option == "gpt_tiny":
         import torch
 
@@ -55,7 +58,9 @@ def test_model_presets_have_their_advertised_size() -> None:
 
 
 def _cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([LAUNCH, *args], cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [LAUNCH, *args], cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
 
 
 def test_help_and_cfg_import_no_heavy_module(tmp_path: Path) -> None:
@@ -105,8 +110,14 @@ BAD = {
     "missing token file": (["data=tokens", "data.path=/nonexistent/train.bin"], "data.path=/nonexistent/train.bin"),
     "zero gpus": (["gpus=0"], "gpus=0"),
     "token file not given": (["data=tokens"], "data.path has no value"),
-    "model target not importable": (["model._target_=nowhere.Model"], "model._target_=nowhere.Model cannot be imported"),
-    "seq longer than model": (["data.seq_len=64", "model.block_size=32"], "data.seq_len=64 exceeds model.block_size=32"),
+    "model target not importable": (
+        ["model._target_=nowhere.Model"],
+        "model._target_=nowhere.Model cannot be imported",
+    ),
+    "seq longer than model": (
+        ["data.seq_len=64", "model.block_size=32"],
+        "data.seq_len=64 exceeds model.block_size=32",
+    ),
 }
 
 
@@ -129,11 +140,25 @@ def test_bad_input_in_a_sweep_is_caught_before_the_first_job(tmp_path: Path) -> 
 
 
 def test_derive_rules() -> None:
-    cfg = _compose("batch.global_size=64", "batch.micro_size=8", "gpus=2")
-    d = derive(cfg, cuda_devices=0)
+    def frozen(*overrides: str):
+        return freeze(_compose(*overrides))
+
+    d = derive(frozen("batch.global_size=64", "batch.micro_size=8", "gpus=2"), cuda_devices=0)
     assert (d.device, d.gpus, d.world_size, d.accumulation) == ("cpu", 2, 2, 4)
-    d = derive(_compose("batch.global_size=512", "batch.micro_size=4", "gpus=8", "nodes=2"), cuda_devices=8)
+    d = derive(frozen("batch.global_size=512", "batch.micro_size=4", "gpus=8", "nodes=2"), cuda_devices=8)
     assert (d.device, d.world_size, d.accumulation) == ("cuda", 16, 8)  # the lesson's exercise 3: 4 x 8 x 16 = 512
-    assert derive(_compose("batch.global_size=64"), cuda_devices=4).gpus == 4  # unset gpus: every visible GPU
+    assert derive(frozen("batch.global_size=64"), cuda_devices=4).gpus == 4  # unset gpus: every visible GPU
     with pytest.raises(ConfigError, match=r"gpus=8 but only 2 CUDA device"):
-        derive(_compose("gpus=8", "batch.global_size=64"), cuda_devices=2)
+        derive(frozen("gpus=8", "batch.global_size=64"), cuda_devices=2)
+
+
+def test_freeze_turns_enums_into_strings_once() -> None:
+    frozen = freeze(_compose("device=cpu", "precision=bf16", "strategy=fsdp", "strategy.offload=cpu"))
+    assert (frozen.device, frozen.precision, frozen.trainer.schedule, frozen.strategy.offload) == (
+        "cpu",
+        "bf16",
+        "cosine",
+        "cpu",
+    )
+    assert all(type(v) is str for v in (frozen.device, frozen.precision, frozen.strategy.reduce_dtype))
+    assert frozen.model.block_size == frozen.data.seq_len  # interpolations resolved

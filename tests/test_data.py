@@ -51,7 +51,10 @@ def test_tokens_reads_a_memory_mapped_file(tmp_path) -> None:
 
 
 def test_synthetic_is_fixed_and_in_range() -> None:
-    a, b = Synthetic("train", seq_len=16, vocab_size=50, num_samples=64), Synthetic("train", seq_len=16, vocab_size=50, num_samples=64)
+    a, b = (
+        Synthetic("train", seq_len=16, vocab_size=50, num_samples=64),
+        Synthetic("train", seq_len=16, vocab_size=50, num_samples=64),
+    )
     assert torch.equal(a[5][0], b[5][0]) and int(a[5][0].max()) < 50
 
 

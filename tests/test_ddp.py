@@ -25,12 +25,21 @@ def test_accumulation_all_reduces_the_gradient_exactly_once(tmp_path: Path) -> N
 
 
 def test_validation_loss_falls_on_python_source(tmp_path: Path) -> None:
-    overrides = [*TINY, "data=pysource", "gpus=2", "batch.global_size=16", "trainer.max_steps=30",
-                 "trainer.eval_every=15", "optim.lr=3e-3"]
+    overrides = [
+        *TINY,
+        "data=pysource",
+        "gpus=2",
+        "batch.global_size=16",
+        "trainer.max_steps=30",
+        "trainer.eval_every=15",
+        "optim.lr=3e-3",
+    ]
     run = launch(tmp_path, *overrides).check()
     val = [m["val_loss"] for m in run.metrics if "val_loss" in m]
     assert len(val) == 2 and val[1] < val[0] - 0.15, val
-    assert {"lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s", "peak_memory_bytes"} <= set(run.metrics[-1])
+    assert {"lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s", "peak_memory_bytes"} <= set(
+        run.metrics[-1]
+    )
 
 
 def test_multirun_runs_each_job_as_its_own_distributed_run(tmp_path: Path) -> None:
@@ -40,8 +49,9 @@ def test_multirun_runs_each_job_as_its_own_distributed_run(tmp_path: Path) -> No
     assert steps == [2, 3]
 
 
-def test_a_failing_rank_ends_the_job_with_its_error(tmp_path: Path) -> None:
-    # model.n_head must divide n_embd: every rank raises in model construction, after workers started.
-    run = launch(tmp_path, *TINY, "gpus=2", "model.n_head=5")
-    assert run.returncode == 1
-    assert "launch: error: rank" in run.stderr and "not divisible by model.n_head=5" in run.stderr, run.stderr
+def test_a_model_that_cannot_be_built_is_refused_before_workers_start(tmp_path: Path) -> None:
+    # model.n_head must divide n_embd: the launcher builds the model on the meta device once, before any worker.
+    line = launch(tmp_path, *TINY, "gpus=2", "model.n_head=5").refused()
+    assert (
+        "model launcher.models.gpt.GPT could not be built: model.n_embd=64 is not divisible by model.n_head=5" in line
+    )

@@ -19,8 +19,9 @@ from conftest import LAUNCH, TINY, clean_env, launch
 from strategies import RunContext
 from strategies.deepspeed import build_ds_config
 
-CTX = RunContext(device="cpu", rank=0, local_rank=0, world_size=4, precision="bf16", grad_clip=0.5, accumulation=8,
-                 micro_size=2)
+CTX = RunContext(
+    device="cpu", rank=0, local_rank=0, world_size=4, precision="bf16", grad_clip=0.5, accumulation=8, micro_size=2
+)
 FEW_STEPS = ["batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=3"]
 
 
@@ -49,7 +50,11 @@ def test_clipping_is_always_written() -> None:
 
 
 def test_extra_keys_are_merged_and_equal_values_accepted() -> None:
-    extra = {"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_accumulation_steps": 8, "wall_clock_breakdown": True}
+    extra = {
+        "zero_optimization": {"reduce_bucket_size": 1000},
+        "gradient_accumulation_steps": 8,
+        "wall_clock_breakdown": True,
+    }
     config = build_ds_config(CTX, stage=2, extra=extra)
     assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
     assert config["wall_clock_breakdown"] is True and config["gradient_accumulation_steps"] == 8
@@ -80,13 +85,17 @@ def _rejected(tmp_path: Path, *overrides: str) -> str:
     return launch(tmp_path, *TINY, *overrides, timeout=120).refused()  # in the parent: seconds, not a training run
 
 
-@pytest.mark.parametrize("key, given, derived", [
-    ("gradient_accumulation_steps", 8, 2),  # global 16 = micro 4 x world 2 x accumulation 2
-    ("zero_optimization.stage", 1, 2),  # nested: the config arrives as OmegaConf nodes
-])
+@pytest.mark.parametrize(
+    "key, given, derived",
+    [
+        ("gradient_accumulation_steps", 8, 2),  # global 16 = micro 4 x world 2 x accumulation 2
+        ("zero_optimization.stage", 1, 2),  # nested: the config arrives as OmegaConf nodes
+    ],
+)
 def test_conflicting_ds_config_rejected_by_launch(tmp_path: Path, key: str, given: int, derived: int) -> None:
-    line = _rejected(tmp_path, "strategy=zero2", "batch.global_size=16", "batch.micro_size=4",
-                     f"+strategy.ds_config.{key}={given}")
+    line = _rejected(
+        tmp_path, "strategy=zero2", "batch.global_size=16", "batch.micro_size=4", f"+strategy.ds_config.{key}={given}"
+    )
     assert f"{key}={given}" in line and f"{key}={derived}" in line, line
 
 
@@ -123,8 +132,15 @@ def test_nvme_path_must_be_writable(tmp_path: Path) -> None:
 def test_nvme_path_must_have_room_for_the_model(tmp_path: Path) -> None:
     # 4096-wide GPT layers hold about 201M parameters; NVMe offload writes 16 bytes per parameter.
     layers = math.ceil(shutil.disk_usage(tmp_path).free / (16 * 201e6)) + 2
-    line = _rejected(tmp_path, "strategy=zero_infinity", f"strategy.nvme_path={tmp_path}", f"model.n_layer={layers}",
-                     "model.n_embd=4096", "model.n_head=32", "trainer.max_steps=1")
+    line = _rejected(
+        tmp_path,
+        "strategy=zero_infinity",
+        f"strategy.nvme_path={tmp_path}",
+        f"model.n_layer={layers}",
+        "model.n_embd=4096",
+        "model.n_head=32",
+        "trainer.max_steps=1",
+    )
     assert "GiB free but NVMe offload needs about" in line
 
 
@@ -147,8 +163,15 @@ def test_zero_infinity_pages_to_nvme_and_cleans_up(tmp_path: Path) -> None:
     watcher.start()
     try:
         # 512-wide layers: the larger tensors' 1/2 partitions are over the 1 MiB DeepSpeed swaps at least.
-        run = launch(tmp_path, *TINY, *FEW_STEPS, "strategy=zero_infinity", f"strategy.nvme_path={nvme}",
-                     "model.n_embd=512", "model.n_head=8")
+        run = launch(
+            tmp_path,
+            *TINY,
+            *FEW_STEPS,
+            "strategy=zero_infinity",
+            f"strategy.nvme_path={nvme}",
+            "model.n_embd=512",
+            "model.n_head=8",
+        )
     finally:
         done.set()
         watcher.join()
@@ -171,9 +194,16 @@ def test_sync_each_microbatch_reduces_every_micro_step(tmp_path: Path) -> None:
 
     from launcher.models.gpt import GPT
 
-    run = launch(tmp_path, *TINY, "strategy=zero2", "strategy.sync_each_microbatch=true", "batch.global_size=16",
-                 "batch.micro_size=4", "trainer.max_steps=2",
-                 "+strategy.ds_config.zero_optimization.reduce_bucket_size=10000").check()
+    run = launch(
+        tmp_path,
+        *TINY,
+        "strategy=zero2",
+        "strategy.sync_each_microbatch=true",
+        "batch.global_size=16",
+        "batch.micro_size=4",
+        "trainer.max_steps=2",
+        "+strategy.ds_config.zero_optimization.reduce_bucket_size=10000",
+    ).check()
     with torch.device("meta"):
         n = sum(p.numel() for p in GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32).parameters())
     last = run.metrics[-1]
@@ -218,8 +248,11 @@ def test_other_strategies_never_import_deepspeed(tmp_path: Path, no_deepspeed: d
 # ------------------------------------------------------------------ the strategy-neutral export
 
 
-@pytest.mark.parametrize("preset", [{"stage": 1}, {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}],
-                         ids=["zero1", "zero3_offload"])
+@pytest.mark.parametrize(
+    "preset",
+    [{"stage": 1}, {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}],
+    ids=["zero1", "zero3_offload"],
+)
 def test_state_dict_is_the_full_torch_state_and_loads(tmp_path: Path, preset: dict) -> None:
     """Full fp32 weights and Adam moments under torch's full state-dict keys, as one torch process has
     them; loaded into a fresh engine, training continues exactly."""
@@ -227,12 +260,26 @@ def test_state_dict_is_the_full_torch_state_and_loads(tmp_path: Path, preset: di
 
     env = clean_env(tmp_path) | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(Path(__file__).parent / "ds_state_dict_worker.py"), json.dumps(preset)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(Path(__file__).parent / "ds_state_dict_worker.py"),
+            json.dumps(preset),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["same_keys"], result
-    assert result["diff"]["weights"] <= 1e-5 and result["diff"]["exp_avg"] <= 1e-6 and result["diff"]["exp_avg_sq"] <= 1e-6, result
+    assert (
+        result["diff"]["weights"] <= 1e-5 and result["diff"]["exp_avg"] <= 1e-6 and result["diff"]["exp_avg_sq"] <= 1e-6
+    ), result
     assert result["resume_diff"] == 0.0, result  # loaded into a fresh engine: the next step is bit-identical

@@ -113,8 +113,12 @@ dist.destroy_process_group()
 
 @pytest.mark.parametrize("checkpointing, forwards", [("false", N_LAYER), ("true", 2 * N_LAYER)])
 def test_activation_checkpointing_recomputes_each_block(tmp_path: Path, checkpointing: str, forwards: int) -> None:
-    proc = subprocess.run([sys.executable, "-c", _COUNT_FORWARDS, str(tmp_path / "pg"), checkpointing],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COUNT_FORWARDS, str(tmp_path / "pg"), checkpointing],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.split()[-1]) == forwards
 

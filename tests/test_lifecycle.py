@@ -14,13 +14,27 @@ from conftest import LAUNCH, TINY, Run, clean_env, launch, launch_once
 from test_checkpoint import _wait_for_step, _worker_pids
 from test_cluster import _free_port
 
-JOB = [*TINY, "data=pysource", "gpus=2", "batch.global_size=16", "batch.micro_size=4", "optim.lr=3e-3",
-       "trainer.max_steps=30", "trainer.warmup_steps=4"]
+JOB = [
+    *TINY,
+    "data=pysource",
+    "gpus=2",
+    "batch.global_size=16",
+    "batch.micro_size=4",
+    "optim.lr=3e-3",
+    "trainer.max_steps=30",
+    "trainer.warmup_steps=4",
+]
 
 
 def _start(tmp_path: Path, run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([LAUNCH, *JOB, *extra, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env or clean_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [LAUNCH, *JOB, *extra, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=env or clean_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -34,7 +48,9 @@ def reference(conformance_dir: Path) -> Run:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
-def test_a_signal_stops_gracefully_and_resume_auto_continues_exactly(sig: signal.Signals, reference: Run, tmp_path: Path) -> None:
+def test_a_signal_stops_gracefully_and_resume_auto_continues_exactly(
+    sig: signal.Signals, reference: Run, tmp_path: Path
+) -> None:
     runs = tmp_path / "outputs"
     runs.mkdir()
     proc = _start(runs, runs / "stopped")
@@ -94,14 +110,23 @@ def test_a_hang_names_the_stuck_rank(tmp_path: Path) -> None:
 def test_a_requeued_slurm_job_resumes_by_itself(reference: Run, tmp_path: Path) -> None:
     """What SLURM does on preemption: SIGTERM to the job, then the same job again with SLURM_RESTART_COUNT + 1."""
     run_dir, port = tmp_path / "job", _free_port()
-    slurm = {"SLURM_JOB_ID": "31337", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "127.0.0.1",
-             "SLURM_NTASKS_PER_NODE": "1"}
-    first = _start(tmp_path, run_dir, f"rdzv.port={port}", env=clean_env(tmp_path) | slurm | {"SLURM_RESTART_COUNT": "0"})
+    slurm = {
+        "SLURM_JOB_ID": "31337",
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS_PER_NODE": "1",
+    }
+    first = _start(
+        tmp_path, run_dir, f"rdzv.port={port}", env=clean_env(tmp_path) | slurm | {"SLURM_RESTART_COUNT": "0"}
+    )
     _wait_for_step(run_dir, 5, first)
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)
     assert first.returncode == 128 + signal.SIGTERM
-    again = _start(tmp_path, run_dir, f"rdzv.port={port}", env=clean_env(tmp_path) | slurm | {"SLURM_RESTART_COUNT": "1"})
+    again = _start(
+        tmp_path, run_dir, f"rdzv.port={port}", env=clean_env(tmp_path) | slurm | {"SLURM_RESTART_COUNT": "1"}
+    )
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
     assert f"resuming from {run_dir / 'checkpoints'}" in out, out

@@ -12,28 +12,57 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_wheel_install_finds_its_configs_and_runs(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("launch-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"launcher/conf/{p.relative_to(ROOT / 'conf').as_posix()}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert shipped <= names, sorted(shipped - names)  # every config group, present and future
     assert "strategies/ddp.py" in names
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     # The wheel's packages come first on the path, ahead of the editable install; run from elsewhere.
     env = {**os.environ, "PYTHONPATH": str(site), "WANDB_MODE": "disabled"}
     work = tmp_path / "elsewhere"
     work.mkdir()
-    where = subprocess.run([sys.executable, "-c", "import launcher, strategies; print(launcher.__file__, strategies.__file__)"],
-                           cwd=work, env=env, capture_output=True, text=True, check=True).stdout
+    where = subprocess.run(
+        [sys.executable, "-c", "import launcher, strategies; print(launcher.__file__, strategies.__file__)"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert where.count(str(site)) == 2, where
     entry = "import sys; from launcher.cli import main; main(sys.argv[1:])"
     run = subprocess.run(
-        [sys.executable, "-c", entry, "data=synthetic", "data.seq_len=16", "model.n_layer=1", "gpus=2", "device=cpu",
-         "batch.global_size=8", "trainer.max_steps=2", "logger=none", "trainer.progress=false", f"hydra.run.dir={work / 'run'}"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            entry,
+            "data=synthetic",
+            "data.seq_len=16",
+            "model.n_layer=1",
+            "gpus=2",
+            "device=cpu",
+            "batch.global_size=8",
+            "trainer.max_steps=2",
+            "logger=none",
+            "trainer.progress=false",
+            f"hydra.run.dir={work / 'run'}",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     assert len((work / "run" / "metrics.jsonl").read_text().splitlines()) == 2

@@ -26,19 +26,21 @@ from omegaconf import OmegaConf
 from test_strategies import JOB, STRATEGIES, two_ranks
 
 from launcher import schema
-from launcher.config import derive
-from launcher.plan import (
+from launcher.config import derive, freeze
+from launcher.context import make_strategy
+from launcher.meta import build_on_meta, measure
+from launcher.plan.costs import (
     GB,
     activation_bytes,
     bound_gbps,
     bytes_per_param,
     comm_seconds,
-    make_plan,
     optimizer_moments,
     per_rank_bytes,
     ring_allreduce_elements,
     step_comm_elements,
 )
+from launcher.plan.fit import make_plan
 
 schema.register()
 LESSON_PARAMS = 7_000_000_000
@@ -46,16 +48,17 @@ LESSON_PARAMS = 7_000_000_000
 
 def _compose(*overrides: str):
     with initialize_config_module("launcher.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        return freeze(compose("config", overrides=list(overrides)))
 
 
 def _layout(strategy: str, *overrides: str):
-    return instantiate(_compose(f"strategy={strategy}", *overrides).strategy).layout()
+    return make_strategy(_compose(f"strategy={strategy}", *overrides).strategy).layout()
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([LAUNCH, *args], cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [LAUNCH, *args], cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
 
 
 def _plan_json(tmp_path: Path, *overrides: str) -> dict:
@@ -84,12 +87,16 @@ def test_exercise_1_126_gb_under_ddp_and_15_75_gb_sharded_over_8() -> None:
     bpp = bytes_per_param("bf16", 2)
     ddp = per_rank_bytes(LESSON_PARAMS, bpp, _layout("ddp"), world_size=8)
     assert sum(ddp["device"].values()) == pytest.approx(126 * GB)
-    fully_sharded = [s for s in STRATEGIES if all(p.sharded and p.where == "device" for p in
-                                                 (_layout(s).params, _layout(s).grads, _layout(s).optimizer))]
+    fully_sharded = [
+        s
+        for s in STRATEGIES
+        if all(p.sharded and p.where == "device" for p in (_layout(s).params, _layout(s).grads, _layout(s).optimizer))
+    ]
     assert fully_sharded, "no FSDP / ZeRO-3 preset in conf/strategy"
     for strategy in fully_sharded:  # FSDP and ZeRO-3, as their layouts say
-        held = per_rank_bytes(LESSON_PARAMS, bytes_per_param("bf16", 2, _layout(strategy).master_weights),
-                              _layout(strategy), world_size=8)
+        held = per_rank_bytes(
+            LESSON_PARAMS, bytes_per_param("bf16", 2, _layout(strategy).master_weights), _layout(strategy), world_size=8
+        )
         assert sum(held["device"].values()) == pytest.approx(15.75 * GB), strategy
 
 
@@ -101,7 +108,8 @@ def test_exercise_2_a_7b_bf16_all_reduce_on_8_gpus_at_600_gb_s_takes_41_ms() -> 
     assert across == pytest.approx(2 * 63 / 64 * LESSON_PARAMS * 2 / 200e9) and across > 3 * seconds
     # Sharded parameters add an all-gather in forward and in backward: 1.5x DDP's volume (K = 1).
     assert step_comm_elements(LESSON_PARAMS, 8, params_sharded=True) == pytest.approx(
-        1.5 * step_comm_elements(LESSON_PARAMS, 8, params_sharded=False))
+        1.5 * step_comm_elements(LESSON_PARAMS, 8, params_sharded=False)
+    )
 
 
 def test_exercise_3_micro_4_x_accumulation_8_x_16_gpus_is_512(tmp_path: Path) -> None:
@@ -159,9 +167,13 @@ def test_plan_json_carries_the_layouts_figures(tmp_path: Path) -> None:
     for s in plan["strategies"]:
         # Mixed precision: 18 bytes per parameter whatever the strategy; it only moves and divides them.
         assert sum(s["bytes_per_param"].values()) == 18, s
-        held = sum(s["state_bytes"][place][kind] for place in ("device", "host", "nvme") for kind in s["bytes_per_param"])
+        held = sum(
+            s["state_bytes"][place][kind] for place in ("device", "host", "nvme") for kind in s["bytes_per_param"]
+        )
         assert n * 18 / 8 <= held <= n * 18, s["name"]
-        assert s["peak_device_bytes"] == pytest.approx(s["device_state_bytes"] + s["gathered_bytes"] + s["activation_bytes"])
+        assert s["peak_device_bytes"] == pytest.approx(
+            s["device_state_bytes"] + s["gathered_bytes"] + s["activation_bytes"]
+        )
     fitting = [s for s in plan["strategies"] if s["fits"]]
     least = min(s["comm_bytes"] for s in fitting)
     assert by_name[plan["auto"]]["fits"] and by_name[plan["auto"]]["comm_bytes"] == least
@@ -219,8 +231,13 @@ def test_plan_imports_neither_deepspeed_nor_wandb(tmp_path: Path) -> None:
         "heavy = [m for m in ('deepspeed', 'wandb', 'torch._dynamo') if m in sys.modules]\n"
         "print('HEAVY', heavy, file=sys.stderr)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", probe, "plan", "model=gpt_7b", "gpus=8"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, "plan", "model=gpt_7b", "gpus=8"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "HEAVY []" in proc.stderr, proc.stderr  # torch._dynamo: seconds, pulled in by meta-device init
 
 
@@ -252,8 +269,13 @@ def test_auto_picks_the_least_communication_that_fits_and_runs_it(tmp_path: Path
     plan = _plan_json(tmp_path, *AUTO_RUN)
     by_name = {s["name"]: s for s in plan["strategies"]}
     # A device too small for DDP's replica but large enough for a sharded layout with DDP's volume (ZeRO-1/2).
-    smaller = [s for s in plan["strategies"] if s["comm_bytes"] == by_name["ddp"]["comm_bytes"]
-               and s["peak_device_bytes"] < by_name["ddp"]["peak_device_bytes"] and s["host_state_bytes"] == 0]
+    smaller = [
+        s
+        for s in plan["strategies"]
+        if s["comm_bytes"] == by_name["ddp"]["comm_bytes"]
+        and s["peak_device_bytes"] < by_name["ddp"]["peak_device_bytes"]
+        and s["host_state_bytes"] == 0
+    ]
     assert smaller, plan
     budget = (by_name["ddp"]["peak_device_bytes"] + max(s["peak_device_bytes"] for s in smaller)) / 2
     run = _auto(tmp_path, f"plan.device_memory_gb={budget / GB}", "plan.headroom=0").check()
@@ -263,7 +285,7 @@ def test_auto_picks_the_least_communication_that_fits_and_runs_it(tmp_path: Path
     assert re.search(r"^auto:   ddp .* no ", run.stdout, re.M), run.stdout  # the why: one line per candidate
     resolved = OmegaConf.load(run.run_dir / "resolved.yaml")
     preset = _compose(*AUTO_RUN, f"strategy={expected}").strategy
-    assert resolved.strategy == OmegaConf.to_container(preset, resolve=True, enum_to_str=True)  # what runs
+    assert resolved.strategy == preset  # what runs
     assert resolved.job.choices.strategy == expected  # and what the job records, for reports and run names
     assert len(run.losses()) == 2
 
@@ -301,6 +323,7 @@ def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
 # Planned model-state bytes against what real runs hold (2 gloo ranks, tiny GPT, fp32 AdamW)
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy: str) -> None:
     """The conformance suite's 2-rank run of each strategy (shared, not repeated), against the plan of the same job."""
@@ -309,11 +332,15 @@ def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy:
     planned = _planned(conformance_dir)[strategy]
     total = planned["device_state_bytes"] + planned["host_state_bytes"] + planned["nvme_state_bytes"]
     # Within 2%; a figure planned at 0 (all offloaded) within 2% of the strategy's whole state.
-    assert measured["model_state_bytes"] == pytest.approx(planned["device_state_bytes"], rel=0.02, abs=0.02 * total), \
-        (measured, planned)
+    assert measured["model_state_bytes"] == pytest.approx(planned["device_state_bytes"], rel=0.02, abs=0.02 * total), (
+        measured,
+        planned,
+    )
     offloaded = planned["host_state_bytes"] + planned["nvme_state_bytes"]
-    assert measured.get("offloaded_state_bytes", 0) == pytest.approx(offloaded, rel=0.02, abs=0.02 * total), \
-        (measured, planned)
+    assert measured.get("offloaded_state_bytes", 0) == pytest.approx(offloaded, rel=0.02, abs=0.02 * total), (
+        measured,
+        planned,
+    )
 
 
 @functools.cache
@@ -326,8 +353,14 @@ def _planned(tmp: Path) -> dict[str, dict]:
 # ---------------------------------------------------------------------------------------------
 
 GPUS = 4  # one node of 4: DeepSpeed's ZeRO-2 offload host figure is max(4G, 16) bytes/param, 16 up to G = 4
-ESTIMATED = ["model=gpt_124m", "data.seq_len=128", "precision=bf16", f"gpus={GPUS}", "batch.global_size=16",
-             "batch.micro_size=4"]
+ESTIMATED = [
+    "model=gpt_124m",
+    "data.seq_len=128",
+    "precision=bf16",
+    f"gpus={GPUS}",
+    "batch.global_size=16",
+    "batch.micro_size=4",
+]
 
 # Differences the planner keeps on purpose, in bytes: DeepSpeed's figure = ours + f(P, L, G).
 # - ZeRO-2 without offload, per GPU: DeepSpeed also counts the reduced 16-bit gradient partition (2/G bytes per
@@ -348,7 +381,8 @@ def _planner_per_rank(strategy: str, *overrides: str) -> dict[str, float]:
     """The planner's figures for one DeepSpeed configuration, as DeepSpeed's estimators count them:
     per GPU, model state on the device plus the gathered layer; per node, host memory of its GPUs."""
     cfg = _compose(*ESTIMATED, f"strategy={strategy}", *overrides)
-    plan = make_plan(cfg, derive(cfg, cuda_devices=GPUS), {strategy: instantiate(cfg.strategy).layout()})
+    size = measure(build_on_meta(cfg.model))
+    plan = make_plan(cfg, derive(cfg, cuda_devices=GPUS), size, {strategy: make_strategy(cfg.strategy).layout()})
     (sp,) = plan.strategies
     return {"gpu": sp.on("device") + sp.gathered, "cpu": GPUS * (sp.on("cpu") + sp.on("nvme"))}
 
@@ -364,7 +398,9 @@ def test_within_5_percent_of_deepspeeds_estimators() -> None:
     model = instantiate(_compose(*ESTIMATED).model)  # on the CPU: the estimators tell parameters apart by storage
     live = io.StringIO()
     with contextlib.redirect_stdout(live):  # the estimators print their table (GiB, 2 decimals)
-        stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=GPUS, additional_buffer_factor=1)
+        stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live(
+            model, num_gpus_per_node=GPUS, additional_buffer_factor=1
+        )
         stage3.estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=GPUS, additional_buffer_factor=1)
     P, L = stage3.model_to_params(model)  # what `_all_live` counts (the tied embedding once)
     assert P == stage_1_and_2.model_to_params(model)
@@ -372,16 +408,24 @@ def test_within_5_percent_of_deepspeeds_estimators() -> None:
     ds: dict[tuple[Any, ...], tuple[int, int]] = {}  # ("zero2", offload) or ("zero3", params, optimizer) -> (cpu, gpu)
     for offload in (True, False):
         ds[("zero2", offload)] = stage_1_and_2.estimate_zero2_model_states_mem_needs(
-            P, GPUS, 1, cpu_offload=offload, additional_buffer_factor=1)
+            P, GPUS, 1, cpu_offload=offload, additional_buffer_factor=1
+        )
     for optimizer, params in ((True, True), (True, False), (False, False)):
-        cpu, gpu, _ = stage3.estimate_zero3_model_states_mem_needs(P, L, GPUS, 1, cpu_offload=optimizer,
-                                                                   cpu_offload_params=params, zero_init=True,
-                                                                   additional_buffer_factor=1)
+        cpu, gpu, _ = stage3.estimate_zero3_model_states_mem_needs(
+            P, L, GPUS, 1, cpu_offload=optimizer, cpu_offload_params=params, zero_init=True, additional_buffer_factor=1
+        )
         ds[("zero3", params, optimizer)] = (cpu, gpu)
     for key, (cpu, gpu) in ds.items():  # the printed table is these numbers
-        options = (f"offload_optimizer={cpu_label if key[1] else 'none'}" if key[0] == "zero2" else
-                   f"offload_param={cpu_label if key[1] else 'none'}, offload_optimizer={cpu_label if key[2] else 'none'}, zero_init=1")
-        assert f" {cpu / 2**30:7.2f}GB | {gpu / 2**30:6.2f}GB | {options}\n" in live.getvalue(), (options, live.getvalue())
+        options = (
+            f"offload_optimizer={cpu_label if key[1] else 'none'}"
+            if key[0] == "zero2"
+            else f"offload_param={cpu_label if key[1] else 'none'}, "
+            f"offload_optimizer={cpu_label if key[2] else 'none'}, zero_init=1"
+        )
+        assert f" {cpu / 2**30:7.2f}GB | {gpu / 2**30:6.2f}GB | {options}\n" in live.getvalue(), (
+            options,
+            live.getvalue(),
+        )
 
     ours = {  # DeepSpeed's rows -> the same configuration through the planner
         ("zero2", True): _planner_per_rank("zero2_offload"),
@@ -395,7 +439,10 @@ def test_within_5_percent_of_deepspeeds_estimators() -> None:
         for where, theirs in (("gpu", gpu), ("cpu", cpu)):
             planned = ours[key][where]
             explained = EXPLAINED.get((*key, where))
-            report.append(f"{key} {'per GPU' if where == 'gpu' else 'host, per node'}: planner {planned / 2**30:.3f} GiB, DeepSpeed {theirs / 2**30:.3f} GiB")
+            report.append(
+                f"{key} {'per GPU' if where == 'gpu' else 'host, per node'}: "
+                f"planner {planned / 2**30:.3f} GiB, DeepSpeed {theirs / 2**30:.3f} GiB"
+            )
             if explained:
                 assert planned + explained(P, L, GPUS) == pytest.approx(theirs, rel=1e-3), report[-1]
             else:

@@ -10,7 +10,7 @@ from conftest import TINY, clean_env, launch
 from test_strategies import JOB, two_ranks
 
 from launcher.models.gpt import GPT
-from launcher.plan import flops_per_token, peak_tflops
+from launcher.plan.costs import flops_per_token, peak_tflops
 
 DIMS = {"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 256, "block_size": 32}  # TINY's model
 
@@ -31,15 +31,24 @@ def test_flops_per_token_and_the_peak_table() -> None:
 
 
 def test_ddp_sends_what_the_planner_says_under_accumulation_and_logs_mfu(tmp_path: Path) -> None:
-    run = launch(tmp_path, *TINY, "gpus=2", "batch.global_size=32", "batch.micro_size=4", "trainer.max_steps=3",
-                 "trainer.peak_tflops=0.5").check()
+    run = launch(
+        tmp_path,
+        *TINY,
+        "gpus=2",
+        "batch.global_size=32",
+        "batch.micro_size=4",
+        "trainer.max_steps=3",
+        "trainer.peak_tflops=0.5",
+    ).check()
     n = _n_params()
     for m in run.metrics:
         assert m["accumulation"] == 4
         ratio = m["comm_sent_bytes"] / m["comm_bytes_formula"]
         # K=4 micro-steps, one all-reduce: a sync per micro-step would make this 4.
         assert ratio == pytest.approx(1.0, abs=0.05), ratio
-        expected = flops_per_token(n, DIMS["n_layer"], DIMS["n_embd"], DIMS["block_size"]) * m["tokens_per_s"] / (2 * 0.5e12)
+        expected = (
+            flops_per_token(n, DIMS["n_layer"], DIMS["n_embd"], DIMS["block_size"]) * m["tokens_per_s"] / (2 * 0.5e12)
+        )
         assert m["mfu"] == pytest.approx(expected, rel=1e-9)
     print(f"DDP measured/formula: {ratio:.3f}")  # shown with pytest -s
 
@@ -53,8 +62,16 @@ def test_no_mfu_on_cpu_without_a_peak(tmp_path: Path) -> None:
 def test_compiled_blocks_train_to_the_same_losses(conformance_dir: Path, tmp_path: Path, strategy: str) -> None:
     eager = two_ranks(conformance_dir, strategy)  # the conformance suite's run of the same job
     cache = tmp_path / "inductor"  # its own cache: proof that inductor compiled something in this run
-    compiled = launch(tmp_path, *JOB, f"strategy={strategy}", "gpus=2", "trainer.compile=true", "trainer.checkpoint_every=0",
-                      env=clean_env(tmp_path) | {"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=600).check()
+    compiled = launch(
+        tmp_path,
+        *JOB,
+        f"strategy={strategy}",
+        "gpus=2",
+        "trainer.compile=true",
+        "trainer.checkpoint_every=0",
+        env=clean_env(tmp_path) | {"TORCHINDUCTOR_CACHE_DIR": str(cache)},
+        timeout=600,
+    ).check()
     assert cache.is_dir() and any(cache.rglob("*.py")), "trainer.compile=true compiled nothing"
     assert compiled.losses() == pytest.approx(eager.losses(), abs=1e-5)
 

@@ -14,19 +14,33 @@ from pathlib import Path
 import pytest
 from conftest import TINY, Run, launch_once
 
-STRATEGIES = sorted(p.name.removesuffix(".yaml") for p in (resources.files("launcher.conf") / "strategy").iterdir()
-                    if p.name.endswith(".yaml"))
+STRATEGIES = sorted(
+    p.name.removesuffix(".yaml")
+    for p in (resources.files("launcher.conf") / "strategy").iterdir()
+    if p.name.endswith(".yaml")
+)
 STRATEGIES.remove("auto")  # a request, not a strategy: launch.prepare() swaps in a preset (tests/test_plan.py)
 PARITY_TOLERANCE: dict[str, float] = {  # strategy -> max abs loss difference; default 1e-6 (fp32, torch optimizer)
-    "zero2_offload": 1e-5, "zero3_offload": 1e-5, "zero_infinity": 1e-5,  # DeepSpeed's CPU Adam kernel
+    "zero2_offload": 1e-5,
+    "zero3_offload": 1e-5,
+    "zero_infinity": 1e-5,  # DeepSpeed's CPU Adam kernel
 }
 REQUIRED: dict[str, list[str]] = {"zero_infinity": ["strategy.nvme_path={tmp}"]}  # settings a preset cannot run without
 
 STEPS = 12
 # One job for every suite that needs a whole run of a strategy: these runs also save at step 6,
 # so the checkpoint tests resume from them instead of repeating them.
-JOB = [*TINY, "data=pysource", "batch.global_size=16", "batch.micro_size=4", f"trainer.max_steps={STEPS}",
-       "trainer.warmup_steps=4", "optim.lr=3e-3", "trainer.checkpoint_every=6", "trainer.keep_last=0"]
+JOB = [
+    *TINY,
+    "data=pysource",
+    "batch.global_size=16",
+    "batch.micro_size=4",
+    f"trainer.max_steps={STEPS}",
+    "trainer.warmup_steps=4",
+    "optim.lr=3e-3",
+    "trainer.checkpoint_every=6",
+    "trainer.keep_last=0",
+]
 
 
 @functools.cache
@@ -99,18 +113,21 @@ def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str) -> Non
 
 def _layout(strategy: str):
     from hydra import compose, initialize_config_module
-    from hydra.utils import instantiate
 
     from launcher import schema
+    from launcher.config import freeze
+    from launcher.context import make_strategy
 
     schema.register()
     with initialize_config_module("launcher.conf", version_base="1.3"):
-        return instantiate(compose("config", overrides=[f"strategy={strategy}"]).strategy).layout()
+        return make_strategy(freeze(compose("config", overrides=[f"strategy={strategy}"])).strategy).layout()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_model_state_bytes_follow_the_sharding_rule(tmp: Path, strategy: str) -> None:
-    full = reference(tmp).metrics[-1]["model_state_bytes"]  # fp32 AdamW: 4 (param) + 4 (grad) + 8 (moments) per parameter
+    full = reference(tmp).metrics[-1][
+        "model_state_bytes"
+    ]  # fp32 AdamW: 4 (param) + 4 (grad) + 8 (moments) per parameter
     kinds = {"params": full / 4, "grads": full / 4, "optimizer": full / 2}
     layout, world = _layout(strategy), 2
     if layout.master_weights:  # the optimizer's own fp32 copy of the parameters, placed with its state
@@ -125,9 +142,9 @@ def test_model_state_bytes_follow_the_sharding_rule(tmp: Path, strategy: str) ->
 
 def test_reference_counts_every_parameter(tmp: Path) -> None:
     """The world-1 figure the rule is checked against is itself 16 bytes per parameter."""
-    from launcher.models.gpt import GPT
-
     import torch
+
+    from launcher.models.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)

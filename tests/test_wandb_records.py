@@ -1,4 +1,5 @@
 """Round-trip test: real wandb offline run -> tests/wandb_records.py reader."""
+
 from __future__ import annotations
 
 import sys

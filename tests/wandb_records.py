@@ -8,13 +8,15 @@ zero type, is padding. The checksum is zlib's CRC-32 (IEEE, not crc32c) of the
 type byte followed by the data; it is verified. Each reassembled payload is a
 serialized ``wandb.proto.wandb_internal_pb2.Record``.
 """
+
 from __future__ import annotations
 
 import json
 import struct
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from wandb.proto.wandb_internal_pb2 import Record
 
@@ -81,10 +83,9 @@ def read_history(path: str | Path) -> list[dict[str, Any]]:
     rows = []
     for record in read_records(path):
         if record.WhichOneof("record_type") == "history":
-            rows.append({
-                item.key or ".".join(item.nested_key): json.loads(item.value_json)
-                for item in record.history.item
-            })
+            rows.append(
+                {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     return rows
 
 

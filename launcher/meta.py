@@ -1,0 +1,78 @@
+"""The model built on the meta device: shapes and parameters, no memory, no initialisation.
+
+One place builds it, in the parent, once per launch: the planner counts it, the strategies' checks read its
+modules, a resume checks a checkpoint's shapes against it. What the workers need of it (`ModelSize`) is frozen
+into `resolved.yaml` instead of being rebuilt in every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from launcher.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    params: int
+    """Parameters, each counted once (the GPT's tied embedding and head are one)."""
+    largest_layer: int
+    """Parameters of the largest single module, its own only: DeepSpeed's definition of the largest layer."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@contextmanager
+def _no_init_on_meta() -> Iterator[None]:
+    """Skip `torch.nn.init` calls on meta tensors: they have no values to fill. (torch routes a meta `normal_`
+    through a decomposition whose first use imports torch._dynamo: seconds of `launch plan`'s budget.)"""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class NoInit(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            tensor = args[0] if args else kwargs.get("tensor")
+            if (
+                getattr(func, "__module__", "") == "torch.nn.init"
+                and isinstance(tensor, torch.Tensor)
+                and tensor.is_meta
+            ):
+                return tensor
+            return func(*args, **kwargs)
+
+    with torch.device("meta"), NoInit():
+        yield
+
+
+# The built-in GPT's size fields; each must be positive.
+GPT_SIZES = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+
+
+def build_on_meta(model_cfg: DictConfig) -> Any:
+    """The configured model on the meta device; ConfigError (one line: the model's own complaint) if it cannot
+    be built."""
+    from hydra.utils import instantiate
+
+    for key in GPT_SIZES:
+        value = model_cfg.get(key)
+        if isinstance(value, int) and value < 1:
+            raise ConfigError(f"model.{key}={value} is invalid: it must be a positive integer")
+    try:
+        with _no_init_on_meta():
+            return instantiate(model_cfg)
+    except Exception as e:  # the model's own one-line complaint, not Hydra's wrapper
+        cause = e.__cause__ or e
+        raise ConfigError(f"model {model_cfg.get('_target_')} could not be built: {cause}") from e
+
+
+def measure(model: Any) -> ModelSize:
+    params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied parameter once
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return ModelSize(params, largest)

@@ -1,0 +1,167 @@
+"""The planner's two entry points: `launch plan` (`main`) and `strategy=auto` (`choose`, called by the launcher).
+
+Both compare strategy presets on the same run: the presets are composed alone, all in one composition (the
+rest of the config is the same for every preset), and each is put in place of the run's strategy, where
+interpolations such as DeepSpeed's `${optim._target_}` resolve against the run's config, as in the run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.checks import check_strategy
+from launcher.config import ConfigError, Derived, derive, freeze
+from launcher.context import make_strategy
+from launcher.plan.fit import check_plan_config, make_plan
+from launcher.plan.render import as_dict, chart, describe_pick, render, strategy_rows
+from strategies.base import Layout
+
+AUTO = "auto"
+AUTO_TARGET = "launcher.plan.commands.Auto"
+
+
+class Auto:
+    """The `strategy=auto` marker (conf/strategy/auto.yaml). Not a strategy: nothing can run it.
+    launch.prepare() replaces it with the planner's choice (`choose`) before anything else reads the config."""
+
+    def __init__(self, candidates: Sequence[str] = ()) -> None:
+        self.candidates = [str(name) for name in candidates]
+
+
+def is_auto(cfg: DictConfig) -> bool:
+    return OmegaConf.select(cfg, "strategy._target_") == AUTO_TARGET
+
+
+def strategy_names() -> list[str]:
+    """Every preset in conf/strategy (the config group is the registry; `--config-dir` adds to it), but auto itself."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    options = GlobalHydra.instance().config_loader().get_group_options("strategy")
+    return [name for name in options if not name.startswith("base_") and name != AUTO]
+
+
+def _chosen_strategy(overrides: Sequence[str]) -> tuple[str | None, bool]:
+    """The strategy the overrides choose (None: compare every preset), and whether they set strategy.* keys."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from e
+    chosen, keys = None, False
+    for line, o in zip(overrides, parsed):
+        if o.is_sweep_override():
+            raise ConfigError(
+                f"launch plan takes one value per key, not the sweep {line}; "
+                "leave strategy= out to compare every strategy"
+            )
+        if o.key_or_group == "strategy" and not o.is_delete():
+            chosen = o.get_value_element_as_str()
+        keys = keys or o.key_or_group.startswith("strategy.")
+    return chosen, keys
+
+
+def _compose(overrides: Sequence[str], config_name: str | None = "config") -> DictConfig:
+    from hydra import compose
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return compose(config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from e
+
+
+def with_presets(frozen: DictConfig, names: Sequence[str]) -> dict[str, DictConfig]:
+    """The frozen run config with each preset conf/strategy/<name>.yaml as its strategy, by name (each frozen)."""
+    # One composition of the strategy group alone, each preset at a key of its own: a fifth of the time of
+    # composing the whole config once per preset (`launch plan` has 3 s).
+    presets = _compose([f"+strategy@{name}={name}" for name in names], config_name=None)
+    configs = {}
+    for name in names:
+        cfg = OmegaConf.create(OmegaConf.to_container(frozen))
+        cfg.strategy = presets[name]
+        configs[name] = freeze(cfg)
+    return configs
+
+
+def _layouts(configs: dict[str, DictConfig]) -> dict[str, Layout]:
+    """Each strategy's own memory rule: constructors take plain values and import nothing heavy."""
+    return {name: make_strategy(c.strategy).layout() for name, c in configs.items()}
+
+
+def _candidates(frozen: DictConfig) -> dict[str, DictConfig]:
+    """strategy=auto's candidates (strategy.candidates, or every preset), each in place of auto in the config."""
+    presets = strategy_names()
+    names = list(frozen.strategy.get("candidates") or presets)
+    for name in names:
+        if name not in presets:
+            raise ConfigError(f"strategy.candidates: unknown strategy '{name}'; valid: {', '.join(presets)}")
+    return with_presets(frozen, names)
+
+
+def main(overrides: Sequence[str]) -> int:
+    """`launch plan [overrides]`, inside an initialised Hydra (cli.py). Starts nothing, writes no run directory."""
+    from launcher.machine import visible_cuda_devices
+    from launcher.meta import build_on_meta, measure
+
+    chosen, strategy_keys = _chosen_strategy(overrides)
+    frozen = freeze(_compose(overrides))
+    check_plan_config(frozen.plan)
+    # A plan may be for GPUs this machine lacks: count the GPUs asked for as visible.
+    derived = derive(frozen, max(visible_cuda_devices(), frozen.gpus or 0))
+    size = measure(build_on_meta(frozen.model))
+    if chosen is None:  # every preset side by side
+        if strategy_keys:
+            print(
+                "launch plan: note: strategy.* overrides apply with strategy=NAME; comparing the presets as they are",
+                file=sys.stderr,
+            )
+        configs = with_presets(frozen, strategy_names())
+    elif is_auto(frozen):  # the candidates auto chooses from
+        configs = _candidates(frozen)
+    else:
+        configs = {chosen: frozen}
+    plan = make_plan(frozen, derived, size, _layouts(configs))
+    if frozen.plan.chart:
+        chart(plan, str(frozen.plan.chart))
+    if frozen.plan.format == "json":
+        print(json.dumps(as_dict(plan), indent=2))
+    else:
+        print(render(plan))
+        if frozen.plan.chart:
+            print(f"chart: {Path(str(frozen.plan.chart)).resolve()}")
+    return 0
+
+
+def choose(frozen: DictConfig, derived: Derived, model: Any) -> tuple[str, DictConfig]:
+    """strategy=auto, inside the Hydra app: the name and frozen config of the strategy with the least communication
+    whose per-rank memory fits the device and whose own checks pass. Prints why (one line per candidate);
+    raises ConfigError (exit 2) saying what would fit when nothing does. `model` is built on the meta device."""
+    from launcher.meta import measure
+
+    check_plan_config(frozen.plan)
+    configs = _candidates(frozen)
+    plan = make_plan(frozen, derived, measure(model), _layouts(configs))
+    blocked: dict[str, str] = {}
+    while (pick := plan.pick(blocked)) is not None:  # the best that fits, unless its own checks refuse it here
+        candidate = OmegaConf.merge(configs[pick.name], {"derived": derived.as_dict()})
+        try:
+            check_strategy(candidate, model)
+            break
+        except ConfigError as e:
+            blocked[pick.name] = str(e)
+    print("\n".join(f"auto: {line}" for line in strategy_rows(plan, blocked, compact=True)), flush=True)
+    for name, reason in blocked.items():
+        print(f"auto: {name} refused: {reason}", flush=True)
+    if pick is None:
+        raise ConfigError(f"strategy=auto: {describe_pick(plan, blocked)}")
+    print(f"auto: picked {describe_pick(plan, blocked)}", flush=True)
+    return pick.name, configs[pick.name]

@@ -1,0 +1,182 @@
+"""The planner's arithmetic over plain numbers: bytes per parameter, per-rank bytes, ring collectives, FLOPs,
+activations. Small typed functions; the tests call them with the seed lesson's numbers.
+
+Units: parameters and elements are counts; memory is in bytes (GB = 1e9 bytes, as in the lesson's figures);
+links are in GB/s per GPU (gigaBYTES per second); times are in seconds. The ring formula itself lives with the
+strategies' communication counter (`strategies.comm`), so that what is measured and what is planned are one formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launcher.config import ConfigError
+from strategies.base import Layout
+from strategies.comm import ring_sent_elements
+
+GB = 1e9
+MIXED_PRECISIONS = ("bf16", "fp16")
+KINDS = ("weights", "master", "grads", "moments")
+"""Kinds of model state, in the order they are printed and stacked."""
+PLACES = ("device", "cpu", "nvme")
+"""Where a kind can live (Placement.where); "cpu" is host memory."""
+GPT_TARGET = "launcher.models.gpt.GPT"
+"""The built-in GPT: the model the activation formula describes."""
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """What one parameter costs, by kind of model state."""
+
+    weights: int
+    """The parameters the forward reads: 2 in bf16/fp16, 4 in fp32."""
+    master: int
+    """The fp32 copy the optimizer updates: 4 under mixed precision or when the strategy keeps its own, else 0."""
+    grads: int
+    """fp32 gradients: 4."""
+    moments: int
+    """Optimizer state: 4 per fp32 moment."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.master + self.grads + self.moments
+
+
+def bytes_per_param(precision: str, moments: int, master_weights: bool = False) -> BytesPerParam:
+    """The mixed-precision rule (bf16/fp16): 16-bit weights, fp32 master weights, fp32 gradients and fp32
+    moments — with Adam 2 + 4 + 4 + 2 x 4 = 18 bytes (the lesson's exercise 1). In fp32 the weights are the
+    master copy, unless the strategy's optimizer keeps its own (`Layout.master_weights`: DeepSpeed)."""
+    mixed = precision in MIXED_PRECISIONS
+    return BytesPerParam(
+        weights=2 if mixed else 4,
+        master=4 if mixed or master_weights else 0,
+        grads=4,
+        moments=4 * moments,
+    )
+
+
+def optimizer_moments(target: str, momentum: float = 0.0) -> int:
+    """fp32 tensors the optimizer keeps per parameter: Adam/AdamW 2 (first and second moment), SGD 1 with
+    momentum and 0 without. Raises ConfigError for an optimizer whose state the planner cannot size."""
+    name = target.rsplit(".", 1)[-1]
+    if name in ("Adam", "AdamW"):
+        return 2
+    if name == "SGD":
+        return 1 if momentum else 0
+    raise ConfigError(
+        f"optim._target_={target}: the planner knows the state of Adam, AdamW and SGD only; "
+        "plan with optim=adamw or optim=sgd"
+    )
+
+
+def per_rank_bytes(params: int, bpp: BytesPerParam, layout: Layout, world_size: int) -> dict[str, dict[str, float]]:
+    """Bytes of each kind of model state one rank holds, by place: {place: {kind: bytes}}.
+
+    A sharded kind costs 1/G of the model on each rank, a replicated one all of it. The master weights
+    live with the optimizer state: both are what the optimizer steps on.
+    """
+    placements = {
+        "weights": layout.params,
+        "master": layout.optimizer,
+        "grads": layout.grads,
+        "moments": layout.optimizer,
+    }
+    held = {place: dict.fromkeys(KINDS, 0.0) for place in PLACES}
+    for kind, placement in placements.items():
+        held[placement.where][kind] = params * getattr(bpp, kind) / (world_size if placement.sharded else 1)
+    return held
+
+
+def gathered_bytes(largest_layer: int, weight_bytes: int, params_sharded: bool) -> float:
+    """Device memory for the layer being computed when parameters are sharded: its gathered weights and,
+    in backward, its full gradient before the reduce-scatter. DeepSpeed's `largest_layer_memory`
+    (4 bytes per parameter of the largest layer in 16-bit). Replicated parameters need no such buffer."""
+    return 2 * weight_bytes * largest_layer if params_sharded else 0.0
+
+
+def ring_allreduce_elements(params: float, world_size: int) -> float:
+    """Elements each rank sends in a ring all-reduce: a reduce-scatter then an all-gather, (G-1)/G of the
+    buffer each."""
+    return ring_sent_elements(params, world_size, "all_reduce")
+
+
+def step_comm_elements(params: float, world_size: int, params_sharded: bool, accumulation: int = 1) -> float:
+    """Elements each rank sends per optimizer step (gradients are synchronised once per step).
+
+    Replicated parameters (DDP, ZeRO-1/2): one gradient all-reduce, 2(G-1)/G x P. (ZeRO-1/2 reduce-scatter
+    the gradients and all-gather the updated parameters: the same volume.)
+    Sharded parameters (FSDP, ZeRO-3): one gradient reduce-scatter, plus a parameter all-gather before each
+    micro-step's forward and again before its backward: (1 + 2K)(G-1)/G x P — 1.5 x DDP's volume at K = 1.
+    """
+    one_pass = ring_sent_elements(params, world_size, "reduce_scatter")
+    return one_pass * (1 + 2 * accumulation) if params_sharded else ring_allreduce_elements(params, world_size)
+
+
+def step_comm_bytes(params: float, world_size: int, layout: Layout, precision: str, accumulation: int = 1) -> float:
+    """Bytes each rank sends per optimizer step: `step_comm_elements` in the compute dtype (the lesson's exercise 2:
+    bf16, 2 bytes). Strategies that reduce fp32 gradients under bf16 (DDP under autocast, FSDP's default
+    reduce_dtype) send twice this; in fp32 the figure is exact."""
+    weights = bytes_per_param(precision, 0, layout.master_weights).weights
+    return step_comm_elements(params, world_size, layout.params.sharded, accumulation) * weights
+
+
+def flops_per_token(params: int, n_layer: int = 0, n_embd: int = 0, seq_len: int = 0) -> float:
+    """Model FLOPs to train on one token, forward and backward: 6 per parameter (2 in the forward matmul, 4 in
+    backward's two) plus attention's scores and weighted values, 12 x layers x width x sequence (PaLM, appendix B;
+    nanoGPT's estimate_mfu). A model without the GPT's sizes gets 6 x parameters only."""
+    return 6 * params + 12 * n_layer * n_embd * seq_len
+
+
+# Dense bf16/fp16 tensor-core peak per GPU, TFLOPS, from NVIDIA's datasheets (the "with sparsity" figures halved):
+# H100/H200 SXM 989, H100 PCIe 756, A100 312, L40S 362, L4 121, A10 125, V100 125 (fp16). Matched in order, by
+# substring of torch.cuda.get_device_name(): the PCIe H100 before the SXM one. MFU is measured against this
+# figure whatever the run's precision (nanoGPT's convention); set trainer.peak_tflops for any other device.
+PEAK_TFLOPS = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("V100", 125.0),
+)
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The table's peak for a GPU name (e.g. "NVIDIA H100 80GB HBM3"), or None for a device it does not know."""
+    return next((tflops for key, tflops in PEAK_TFLOPS if key in device_name), None)
+
+
+def bound_gbps(link_gbps: float, internode_gbps: float, nodes: int) -> float:
+    """A ring over several nodes moves at the pace of its slowest hop: the inter-node link."""
+    return link_gbps if nodes == 1 else min(link_gbps, internode_gbps)
+
+
+def comm_seconds(nbytes: float, gbps: float) -> float:
+    """Time to send `nbytes` at `gbps` GB/s (bandwidth only: no latency term, no overlap with compute)."""
+    return nbytes / (gbps * GB)
+
+
+def activation_bytes(
+    seq: int, micro: int, hidden: int, heads: int, layers: int, vocab: int, elem: int, checkpointing: bool = False
+) -> float:
+    """Activations one rank keeps for backward, for one micro-batch of the built-in GPT.
+
+    Per transformer layer, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models", no tensor parallelism): s·b·h·(34 + 5·a·s/h) bytes with 16-bit activations —
+    34·s·b·h for what the matmuls, layer norms, GELU and dropout masks save, 5·a·s²·b for the attention
+    scores, softmax and its dropout. We scale it by elem/2 for fp32. Both are upper bounds: the 1-byte dropout
+    masks (2·s·b·h + a·s²·b) do not exist at dropout 0, the presets' default, and fused attention (SDPA's
+    flash kernel on GPU) keeps no s x s matrices at all.
+    Outside the layers: the embedding output and the final layer norm's input (s·b·h each), the logits
+    (s·b·V at elem) and the fp32 log-probabilities cross-entropy saves (s·b·V·4).
+    With activation checkpointing only each block's input is kept (s·b·h per layer), and one block's
+    activations live again while it is recomputed in backward.
+    """
+    s, b, h, a, L, V = seq, micro, hidden, heads, layers, vocab
+    per_layer = s * b * h * (34 + 5 * a * s / h) * elem / 2
+    outside = 2 * s * b * h * elem + s * b * V * (elem + 4)
+    if checkpointing:
+        return L * s * b * h * elem + per_layer + outside
+    return L * per_layer + outside

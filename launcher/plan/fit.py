@@ -1,0 +1,247 @@
+"""The plan of a frozen config: each strategy's per-rank memory and communication, and whether it fits.
+
+Each strategy's `layout()` says what it shards and offloads (the planner keeps no table of strategy rules);
+`derive()` gives the batch; `launcher.meta` gives the model's size. `what_would_fit` searches more GPUs and
+smaller micro-batches when nothing fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, replace
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.config import ConfigError, Derived
+from launcher.meta import ModelSize
+from launcher.plan.costs import (
+    GB,
+    GPT_TARGET,
+    MIXED_PRECISIONS,
+    PLACES,
+    BytesPerParam,
+    activation_bytes,
+    bound_gbps,
+    bytes_per_param,
+    comm_seconds,
+    gathered_bytes,
+    optimizer_moments,
+    per_rank_bytes,
+    step_comm_bytes,
+)
+from strategies.base import Layout
+
+DEFAULT_DEVICE_MEMORY_GB = 80.0
+"""Assumed per-device memory when no GPU is visible and plan.device_memory_gb is unset (A100/H100 80 GB)."""
+MAX_NODES = 4096
+"""How far `what would fit` looks for more nodes."""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    total: float
+    """Bytes per device."""
+    headroom: float
+    source: str
+    """Where `total` came from, for the reader."""
+
+    @property
+    def usable(self) -> float:
+        return self.total * (1 - self.headroom)
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    name: str
+    layout: Layout
+    bpp: BytesPerParam
+    held: dict[str, dict[str, float]]
+    """Model state per rank: {place: {kind: bytes}}."""
+    gathered: float
+    activations: float
+    comm_bytes: float
+    comm_seconds: float
+
+    def on(self, place: str) -> float:
+        return sum(self.held[place].values())
+
+    @property
+    def peak_device(self) -> float:
+        """Model state on the device + the gathered layer + activations (without checkpointing)."""
+        return self.on("device") + self.gathered + self.activations
+
+    @property
+    def offload_depth(self) -> int:
+        """How far its state travels from the device: 0 per kind on the device, 1 in host memory, 2 on NVMe."""
+        layout = self.layout
+        return sum(PLACES.index(p.where) for p in (layout.params, layout.grads, layout.optimizer))
+
+    @property
+    def sharded(self) -> int:
+        layout = self.layout
+        return sum(p.sharded for p in (layout.params, layout.grads, layout.optimizer))
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSize
+    model_target: str
+    precision: str
+    optimizer: str
+    moments: int
+    seq_len: int
+    micro: int
+    global_size: int
+    derived: Derived
+    activations: float
+    """Bytes per rank without checkpointing; 0 when the model is not the built-in GPT."""
+    activations_checkpointed: float
+    gpt: bool
+    """The activation formula applies (the built-in GPT)."""
+    device: DeviceMemory
+    link_gbps: float
+    internode_gbps: float
+    strategies: list[StrategyPlan]
+
+    @property
+    def gbps(self) -> float:
+        return bound_gbps(self.link_gbps, self.internode_gbps, self.derived.nodes)
+
+    def for_strategy(
+        self, name: str, layout: Layout, world_size: int | None = None, micro: int | None = None
+    ) -> StrategyPlan:
+        """One strategy's figures; another world size or micro-batch answers `what would fit`."""
+        world = world_size or self.derived.world_size
+        bpp = bytes_per_param(self.precision, self.moments, layout.master_weights)
+        accumulation = self.global_size // ((micro or self.micro) * world) or 1
+        sent = step_comm_bytes(self.model.params, world, layout, self.precision, accumulation)
+        return StrategyPlan(
+            name=name,
+            layout=layout,
+            bpp=bpp,
+            held=per_rank_bytes(self.model.params, bpp, layout, world),
+            gathered=gathered_bytes(self.model.largest_layer, bpp.weights, layout.params.sharded),
+            activations=self.activations * (micro or self.micro) / self.micro,  # linear in the micro-batch
+            comm_bytes=sent,
+            comm_seconds=comm_seconds(sent, self.gbps),
+        )
+
+    def ranked(self) -> list[StrategyPlan]:
+        """Least communication first. At equal volume the simplest layout: less offload (host copies are
+        slow), then less sharding (each adds bookkeeping the volume does not show), then by name."""
+        return sorted(self.strategies, key=lambda sp: (sp.comm_bytes, sp.offload_depth, sp.sharded, sp.name))
+
+    def fits(self, sp: StrategyPlan) -> bool:
+        return sp.peak_device <= self.device.usable
+
+    def pick(self, blocked: Collection[str] = ()) -> StrategyPlan | None:
+        """strategy=auto's choice: the first in `ranked` order that fits, among those not `blocked` (refused by
+        their checks)."""
+        return next((sp for sp in self.ranked() if self.fits(sp) and sp.name not in blocked), None)
+
+
+def check_plan_config(plan: DictConfig) -> None:
+    for key in ("link_gbps", "internode_gbps"):
+        if plan[key] <= 0:
+            raise ConfigError(f"plan.{key}={plan[key]} is invalid: it must be > 0 (GB/s per GPU)")
+    if plan.device_memory_gb is not None and plan.device_memory_gb <= 0:
+        raise ConfigError(
+            f"plan.device_memory_gb={plan.device_memory_gb} is invalid: it must be > 0 (GB per device), "
+            "or unset to detect it"
+        )
+    if not 0 <= plan.headroom < 1:
+        raise ConfigError(f"plan.headroom={plan.headroom} is invalid: it is the fraction kept free, 0 <= headroom < 1")
+
+
+def device_memory(plan: DictConfig) -> DeviceMemory:
+    """plan.device_memory_gb when set; else the free memory of the first visible GPU; else 80 GB."""
+    if plan.device_memory_gb is not None:
+        return DeviceMemory(plan.device_memory_gb * GB, plan.headroom, "plan.device_memory_gb")
+    import torch
+
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(0)
+        return DeviceMemory(float(free), plan.headroom, "free on cuda:0")
+    return DeviceMemory(
+        DEFAULT_DEVICE_MEMORY_GB * GB,
+        plan.headroom,
+        f"no GPU visible: {DEFAULT_DEVICE_MEMORY_GB:.0f} GB assumed; set plan.device_memory_gb",
+    )
+
+
+def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, layouts: dict[str, Layout]) -> Plan:
+    """The plan of a frozen config (model, optimizer, precision, batch, plan.*) for each named strategy layout."""
+    check_plan_config(cfg.plan)
+    model = cfg.model
+    seq = OmegaConf.select(cfg, "data.seq_len", default=None) or OmegaConf.select(model, "block_size", default=1)
+    precision = str(cfg.precision)
+    elem = 2 if precision in MIXED_PRECISIONS else 4
+    gpt = model._target_ == GPT_TARGET
+    activations = checkpointed = 0.0
+    if gpt:
+        shape = dict(
+            seq=seq,
+            micro=cfg.batch.micro_size,
+            hidden=model.n_embd,
+            heads=model.n_head,
+            layers=model.n_layer,
+            vocab=model.vocab_size,
+            elem=elem,
+        )
+        activations, checkpointed = activation_bytes(**shape), activation_bytes(**shape, checkpointing=True)
+    optim = cfg.optim
+    plan = Plan(
+        model=size,
+        model_target=str(model._target_),
+        precision=precision,
+        optimizer=str(optim._target_),
+        moments=optimizer_moments(str(optim._target_), float(OmegaConf.select(optim, "momentum", default=0.0) or 0.0)),
+        seq_len=int(seq),
+        micro=cfg.batch.micro_size,
+        global_size=cfg.batch.global_size,
+        derived=derived,
+        activations=activations,
+        activations_checkpointed=checkpointed,
+        gpt=gpt,
+        device=device_memory(cfg.plan),
+        link_gbps=cfg.plan.link_gbps,
+        internode_gbps=cfg.plan.internode_gbps,
+        strategies=[],
+    )
+    return replace(plan, strategies=[plan.for_strategy(name, layout) for name, layout in layouts.items()])
+
+
+def what_would_fit(plan: Plan, blocked: dict[str, str]) -> list[str]:
+    """When nothing fits: more GPUs, offload, or a smaller micro-batch — each with the strategy it would take."""
+    d, found = plan.derived, []
+    refused = [sp.name for sp in plan.ranked() if plan.fits(sp) and sp.name in blocked]  # offload, typically
+    if refused:
+        found.append(f"{', '.join(refused)} (their own checks refuse them here; see why above)")
+    for nodes in range(d.nodes + 1, MAX_NODES + 1):  # more GPUs: sharded state shrinks as 1/G
+        fitting = [
+            sp
+            for sp in plan.ranked()
+            if sp.name not in blocked
+            if plan.fits(plan.for_strategy(sp.name, sp.layout, world_size=nodes * d.gpus))
+        ]
+        if fitting:
+            multiple = plan.micro * nodes * d.gpus  # the batch contract at that world size
+            batch = f" and batch.global_size a multiple of {multiple}" if plan.global_size % multiple else ""
+            found.append(f"more GPUs: nodes={nodes} ({nodes * d.gpus} GPUs){batch} with {fitting[0].name}")
+            break
+    for micro in range(plan.micro - 1, 0, -1):  # a smaller micro-batch: activations shrink linearly
+        if plan.global_size % (micro * d.world_size):
+            continue  # the batch contract: global = micro x accumulation x world size
+        fitting = [
+            sp
+            for sp in plan.ranked()
+            if sp.name not in blocked
+            if plan.fits(plan.for_strategy(sp.name, sp.layout, micro=micro))
+        ]
+        if fitting:
+            found.append(
+                f"batch.micro_size={micro} (accumulation {plan.global_size // (micro * d.world_size)}) "
+                f"with {fitting[0].name}"
+            )
+            break
+    return found

@@ -1,0 +1,116 @@
+"""The DeepSpeed config of a run, generated from the run's plain values; no `import deepspeed` here.
+
+`build_ds_config` derives every key the launcher owns (batch sizes, accumulation, precision, clipping, the ZeRO
+stage and offload); `strategy.ds_config` adds keys the launcher does not derive. A user key that contradicts a
+derived one is an error naming both values: a silently overridden accumulation setting is the most reported pain
+with other launchers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from strategies.base import RunContext
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+# Keys the launcher derives, and the setting they come from. A `ds_config` entry at one of these
+# paths with a different value is an error. Keys in OWNED may not appear in `ds_config` at all.
+DERIVED_FROM = {
+    "train_batch_size": "batch.global_size",
+    "train_micro_batch_size_per_gpu": "batch.micro_size",
+    "gradient_accumulation_steps": "batch.global_size / (batch.micro_size x world size)",
+    "gradient_clipping": "trainer.grad_clip",
+    "bf16.enabled": "precision",
+    "fp16.enabled": "precision",
+    "optimizer": "optim",
+    "scheduler": "trainer.schedule",
+    "zero_optimization.stage": "strategy.stage",
+    "zero_optimization.offload_optimizer.device": "strategy.offload_optimizer",
+    "zero_optimization.offload_optimizer.nvme_path": "strategy.nvme_path",
+    "zero_optimization.offload_param.device": "strategy.offload_params",
+    "zero_optimization.offload_param.nvme_path": "strategy.nvme_path",
+}
+OWNED = (
+    "optimizer",
+    "scheduler",
+    "zero_optimization.offload_optimizer.nvme_path",
+    "zero_optimization.offload_param.nvme_path",
+)
+_MISSING = object()
+
+
+def _get(tree: dict[str, Any], path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(tree, dict) or key not in tree:
+            return _MISSING
+        tree = tree[key]
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        nested = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merge(merged[key], value) if nested else value
+    return merged
+
+
+def build_ds_config(
+    ctx: RunContext,
+    stage: int,
+    offload_optimizer: str = "none",
+    offload_params: str = "none",
+    swap_path: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The DeepSpeed config of a run: derived from the run's values, plus the user's extra keys.
+
+    Raises ValueError (one line) when an extra key contradicts a derived value.
+    """
+    pin = ctx.device_type == "cuda"  # pinned host buffers speed up device copies; there is no device on CPU
+
+    def offload(device: str) -> dict[str, Any]:
+        section: dict[str, Any] = {"device": device, "pin_memory": pin}
+        if device == "nvme":
+            section["nvme_path"] = swap_path
+        return section
+
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        # Parameters under DeepSpeed's persistence threshold stay gathered on every rank; its default
+        # (1e5 elements) keeps all of a small model whole. 0 keeps the layout's rule: every parameter
+        # sharded. Raise it in strategy.ds_config to trade memory for fewer small all-gathers.
+        zero["stage3_param_persistence_threshold"] = 0
+    if offload_optimizer != "none":
+        zero["offload_optimizer"] = offload(offload_optimizer)
+    if offload_params != "none":
+        zero["offload_param"] = offload(offload_params)
+    derived: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": ctx.micro_size,
+        "gradient_accumulation_steps": ctx.accumulation,
+        "train_batch_size": ctx.micro_size * ctx.accumulation * ctx.world_size,
+        # Always written: DeepSpeed clips at 1.0 when the key is absent; 0 disables.
+        "gradient_clipping": ctx.grad_clip,
+        "bf16": {"enabled": ctx.precision == "bf16"},
+        "fp16": {"enabled": ctx.precision == "fp16"},
+        "zero_optimization": zero,
+        # The client optimizer comes from optim (SGD included): DeepSpeed only tests its own.
+        "zero_allow_untested_optimizer": True,
+    }
+    extra = extra or {}
+    for path, source in DERIVED_FROM.items():
+        given, ours = _get(extra, path), _get(derived, path)
+        if given is _MISSING:
+            continue
+        if path in OWNED:  # the client optimizer, our LR schedule, each rank's own swap folder
+            raise ValueError(
+                f"strategy.ds_config.{path}={given!r} conflicts with the launcher, which sets it "
+                f"from {source}; remove it from strategy.ds_config"
+            )
+        if given != ours:
+            raise ValueError(
+                f"strategy.ds_config.{path}={given!r} conflicts with {path}={ours!r}, which the launcher "
+                f"derives from {source}; remove it from strategy.ds_config"
+            )
+    return _merge(derived, extra)

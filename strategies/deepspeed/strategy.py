@@ -1,0 +1,266 @@
+"""DeepSpeed ZeRO stages 1-3, with optimizer/parameter offload to CPU or NVMe: one strategy, presets in conf/strategy/.
+
+The DeepSpeed config comes from `config.build_ds_config`; what reaches into ZeRO's internals is in `zero`.
+`import deepspeed` happens only inside methods, so DDP and FSDP runs and `launch --help` never pay for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from strategies.base import Layout, ModelFactory, OptimizerFactory, Placement, RunContext, call_model, set_lr
+from strategies.comm import CommCounter
+from strategies.deepspeed import zero
+from strategies.deepspeed.config import OFFLOAD_DEVICES, build_ds_config
+
+ADAM_OPTIMIZERS = {"torch.optim.AdamW": True, "torch.optim.Adam": False}
+"""Optimizers DeepSpeed's CPU Adam can stand in for under optimizer offload: class -> adamw_mode."""
+
+# Bytes per parameter that NVMe offload writes: fp32 master + two Adam moments, fp32 parameters.
+NVME_OPTIMIZER_BYTES, NVME_PARAM_BYTES = 12, 4
+NVME_MARGIN = 1.2
+"""DeepSpeed swaps aligned buffers and keeps spares: ask for a fifth more than the state itself."""
+
+
+class DeepSpeed:
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: str = "none",
+        offload_params: str = "none",
+        nvme_path: str | None = None,
+        sync_each_microbatch: bool = False,
+        ds_config: dict[str, Any] | None = None,
+        optimizer: str = "torch.optim.AdamW",
+    ) -> None:
+        self.stage = stage
+        self.offload_optimizer = offload_optimizer
+        self.offload_params = offload_params
+        self.nvme_path = nvme_path
+        self.sync_each_microbatch = sync_each_microbatch
+        self.ds_config: dict[str, Any] = dict(ds_config or {})
+        self.optimizer_target = optimizer
+        self._counter = CommCounter()
+        self._accumulating: ExitStack | None = None
+        self._swap_dir: str | None = None
+        self._last_step: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ plan and checks (parent)
+
+    def layout(self) -> Layout:
+        """What a rank holds when the optimizer steps.
+
+        Gradients are sharded at every stage: DeepSpeed's ZeRO-1 also reduces them into the rank's
+        partition and frees the full ones before the step. ZeRO-1 and ZeRO-2 differ before it: ZeRO-1
+        holds full gradients until the end of the last backward, ZeRO-2 reduces them bucket by bucket
+        during it. Every stage keeps an fp32 master partition, even in fp32 training.
+        """
+
+        def place(sharded: bool, where: str) -> Placement:
+            return Placement(sharded=sharded, where="device" if where == "none" else where)
+
+        grads_where = "cpu" if self.offload_optimizer != "none" else "none"
+        return Layout(
+            params=place(self.stage >= 3, self.offload_params),
+            grads=place(True, grads_where),  # reduced into host buffers for the CPU Adam when offloaded
+            optimizer=place(True, self.offload_optimizer),
+            master_weights=True,
+        )
+
+    def check(self, ctx: RunContext, model: nn.Module) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"strategy.stage={self.stage} is not a ZeRO stage; use 1, 2 or 3")
+        if ctx.compile:
+            raise ValueError(
+                "trainer.compile=true is not supported by DeepSpeed strategies here; "
+                "use trainer.compile=false, or strategy=fsdp or ddp"
+            )
+        for name, value in (("offload_optimizer", self.offload_optimizer), ("offload_params", self.offload_params)):
+            if value not in OFFLOAD_DEVICES:
+                raise ValueError(f"strategy.{name}={value} is invalid; use one of {', '.join(OFFLOAD_DEVICES)}")
+        if self.offload_params != "none" and self.stage < 3:
+            raise ValueError(
+                f"strategy.offload_params={self.offload_params} needs strategy.stage=3 (got {self.stage}): "
+                "only ZeRO-3 partitions parameters"
+            )
+        if self.offload_optimizer == "nvme" and self.stage < 3:
+            raise ValueError(
+                f"strategy.offload_optimizer=nvme needs strategy.stage=3 (got {self.stage}): ZeRO-1/2 keep "
+                "offloaded optimizer state in host memory; use strategy.offload_optimizer=cpu or strategy.stage=3"
+            )
+        if self.offload_optimizer != "none" and self.optimizer_target not in ADAM_OPTIMIZERS:
+            raise ValueError(
+                f"strategy.offload_optimizer={self.offload_optimizer} runs DeepSpeed's CPU Adam, which cannot stand in "
+                f"for {self.optimizer_target}; use optim=adamw or strategy.offload_optimizer=none"
+            )
+        build_ds_config(ctx, self.stage, self.offload_optimizer, self.offload_params, self.nvme_path, self.ds_config)
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            self._check_nvme(ctx, sum(p.numel() for p in model.parameters()))
+
+    def _check_nvme(self, ctx: RunContext, params: int) -> None:
+        path = self.nvme_path
+        if not path:
+            raise ValueError(
+                "strategy.nvme_path is unset but NVMe offload needs it; "
+                "set strategy.nvme_path=<folder on a local NVMe disk>"
+            )
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"strategy.nvme_path={path} does not exist or is not a folder; create it or point it at one"
+            )
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"strategy.nvme_path={path} is not writable by this user; fix its permissions or choose another folder"
+            )
+        per_param = (NVME_OPTIMIZER_BYTES if self.offload_optimizer == "nvme" else 0) + (
+            NVME_PARAM_BYTES if self.offload_params == "nvme" else 0
+        )
+        # Every rank of this node swaps its 1/G share here; with one node that is the whole model.
+        needed = int(NVME_MARGIN * per_param * params)
+        free = shutil.disk_usage(path).free
+        if free < needed:
+            raise ValueError(
+                f"strategy.nvme_path={path} has {free / 2**30:.1f} GiB free but NVMe offload needs about "
+                f"{needed / 2**30:.1f} GiB; free space there or choose a larger disk"
+            )
+        problem = async_io_problem(ctx.device_type)
+        if problem:
+            raise ValueError(problem)
+
+    # ------------------------------------------------------------------ training (workers)
+
+    def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
+        import deepspeed
+
+        # DeepSpeed calls torch collectives that torch has deprecated: nothing a user can act on.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        self.ctx = ctx
+        # Reuses the process group the worker created (gloo on CPU, nccl on CUDA).
+        deepspeed.init_distributed(dist_backend="nccl" if ctx.device_type == "cuda" else "gloo")
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            # A folder of this rank's own, removed in teardown: swap files never pile up across runs.
+            self._swap_dir = tempfile.mkdtemp(prefix=f"launch-swap-rank{ctx.rank}-", dir=self.nvme_path)
+        config = build_ds_config(
+            ctx, self.stage, self.offload_optimizer, self.offload_params, self._swap_dir, self.ds_config
+        )
+        if self.stage == 3:
+            # Each layer is partitioned as soon as it is built, so a model larger than one device can
+            # be built at all; built outside, NVMe offload would also swap fp32 weights as bf16.
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = build_model()
+        else:
+            model = build_model()
+        optimizer = self._optimizer(model, build_optimizer)
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False
+        )
+
+    def _optimizer(self, model: nn.Module, build_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        if self.offload_optimizer == "none":
+            return build_optimizer(model.parameters())
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        # The offloaded step runs on the host in DeepSpeed's C++ Adam, with optim's values.
+        assert isinstance(build_optimizer, functools.partial), "optim must be a partial (hydra _partial_)"
+        keywords = {k: v for k, v in build_optimizer.keywords.items() if k in ("lr", "betas", "eps", "weight_decay")}
+        return DeepSpeedCPUAdam(model.parameters(), adamw_mode=ADAM_OPTIMIZERS[self.optimizer_target], **keywords)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return call_model(self.engine, batch)
+
+    def sync(self, enabled: bool) -> AbstractContextManager[None]:
+        return self._micro_step(enabled)
+
+    @contextmanager
+    def _micro_step(self, last: bool) -> Iterator[None]:
+        # DeepSpeed's own path reduces in buckets during the backward (ZeRO-1 only on the boundary
+        # micro-step, ZeRO-2/3 on every one): used for the last micro-step when nothing accumulated
+        # before it (K = 1), and for every micro-step with sync_each_microbatch.
+        self.engine.set_gradient_accumulation_boundary(last)
+        if not last and not self.sync_each_microbatch and self._accumulating is None:
+            # Otherwise one coalescing block spans the micro-steps of an optimizer step: gradients
+            # accumulate locally and are reduced once, when the last micro-step leaves the block.
+            self._accumulating = ExitStack()
+            self._accumulating.enter_context(self.engine.coalesce_grad_reduction())
+        with zero.counting_reductions(self._counter):
+            yield
+            if last and self._accumulating is not None:
+                self._accumulating.close()
+                self._accumulating = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The runner already divided the loss by the accumulation steps.
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, lr: float) -> float:
+        set_lr(self.engine.optimizer, lr)
+        # The runner calls step once per optimizer step: always DeepSpeed's boundary (a coalescing
+        # block restores the flag it saw when it opened, on the first micro-step).
+        self.engine.set_gradient_accumulation_boundary(True)
+        grads = zero.gradient_bytes(self.engine, self.stage, self.offload_optimizer != "none")
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        held = zero.state_bytes(self.engine, self.stage, self.offload_optimizer, self.offload_params, grads)
+        self._last_step = {**held, **self._counter.take()}
+        return float(norm) if norm is not None else float("nan")
+
+    def train(self, mode: bool) -> None:
+        self.engine.train(mode)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._last_step)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full fp32 weights and optimizer state, keyed like torch's full state dict: strategy-neutral."""
+        return zero.export_state(self.engine, self.stage, self.offload_optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        zero.import_state(self.engine, self.stage, self.offload_optimizer, self.offload_params, state)
+
+    def teardown(self) -> None:
+        self._accumulating = None  # after a failed micro-step: never flush into ranks that may be gone
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.destroy()
+        self.engine = None  # type: ignore[assignment]
+        if self._swap_dir is not None:
+            import gc
+
+            gc.collect()  # the swappers hold open files in the folder until collected
+            shutil.rmtree(self._swap_dir, ignore_errors=True)
+            self._swap_dir = None
+
+
+def async_io_problem(device_type: str) -> str | None:
+    """Why DeepSpeed's async I/O op (NVMe offload) cannot run here, or None."""
+    os.environ.setdefault("DS_ACCELERATOR", device_type)  # no accelerator guess (and warning) in the launcher
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    if installed_ops.get("async_io"):
+        try:
+            builder.load(verbose=False)
+        except ImportError as e:  # a CPU-only DS_BUILD_AIO=1 build misses -laio (deepspeed 0.19.8)
+            return (
+                f"DeepSpeed's prebuilt async_io op does not load ({e}); reinstall deepspeed without DS_BUILD_AIO=1: "
+                "the op then compiles on first use"
+            )
+    elif not builder.is_compatible(verbose=False):
+        return (
+            "NVMe offload needs DeepSpeed's async_io op, which needs libaio: install it "
+            "(Debian/Ubuntu: apt-get install libaio-dev) and run again"
+        )
+    return None
