@@ -1,30 +1,34 @@
-"""Checkpoints: one strategy-neutral format, written collectively and atomically.
+"""Checkpoints: one strategy-neutral format, written collectively, atomically and durably.
 
 Layout of `<run dir>/checkpoints/`:
-    step_00000006/        .metadata + one .distcp per rank (torch.distributed.checkpoint),
-                          manifest.json (written last), rng_<rank>.pt
-    latest                the name of the newest complete checkpoint (updated after the rename)
+    step_00000006/        .metadata + one .distcp per rank (torch.distributed.checkpoint), rng_<rank>.pt,
+                          manifest.json (written last: step, samples, identity, and every file with its size)
+    latest                the name of the newest complete checkpoint (moved after the rename)
 
-Model and optimizer state are whatever `strategy.state_dict()` returns: torch's state-dict
-shape keyed by parameter names (plain tensors for replicated strategies, DTensor shards for
-FSDP, full tensors exported by DeepSpeed). DCP stores each tensor once and re-slices it on load,
-so any checkpoint loads under any strategy and world size.
+Model and optimizer state are whatever `strategy.state_dict()` returns: torch's state-dict shape keyed by
+parameter names (plain tensors for replicated strategies, DTensor shards for FSDP, full tensors exported by
+DeepSpeed). DCP stores each tensor once and re-slices it on load, so any checkpoint loads under any strategy
+and world size. Everything read back goes through `launcher.untrusted`: a checkpoint is data, never code.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.durable import fsync_dir, write_durably
+from launcher.untrusted import UntrustedDataError, dcp_load, read_manifest, read_metadata
+from strategies.base import local_bytes, tensors
+
 LATEST = "latest"
 MANIFEST = "manifest.json"
+SPACE_MARGIN = 1.1
+"""Free space asked for before a save: the state's bytes and a tenth more (DCP's per-file headers, the manifest)."""
 
 
 class CheckpointError(ValueError):
@@ -40,41 +44,47 @@ class Position:
     """Global sample index: samples consumed so far (the data order resumes from here)."""
 
 
-def config_hash(resolved: dict[str, Any]) -> str:
-    """Hash of what defines the run (everything but how it was launched and where it resumes from)."""
-    core = {k: v for k, v in resolved.items() if k not in ("derived", "job", "resume", "rdzv", "trainer", "logger")}
-    return hashlib.sha256(json.dumps(core, sort_keys=True, default=str).encode()).hexdigest()[:16]
+# ------------------------------------------------------------------ finding checkpoints
 
 
 def is_complete(path: Path) -> bool:
-    return (path / MANIFEST).is_file() and (path / ".metadata").is_file()
+    """A checkpoint whose manifest parses and whose every listed file is there, at its recorded size."""
+    try:
+        files = read_manifest(path)["files"]
+    except UntrustedDataError:
+        return False
+    try:
+        return bool(files) and all((path / name).stat().st_size == size for name, size in files.items())
+    except OSError:
+        return False
+
+
+def complete(checkpoints: Path) -> list[Path]:
+    """The complete checkpoints under `checkpoints/`, newest first (the `latest` pointer's first)."""
+    done = sorted((p for p in checkpoints.glob("step_*") if is_complete(p)), reverse=True)
+    pointer = checkpoints / LATEST
+    try:
+        named = checkpoints / pointer.read_text().strip()
+    except OSError:
+        return done
+    return [named, *(p for p in done if p != named)] if named in done else done
 
 
 def latest(checkpoints: Path) -> Path | None:
-    """The newest complete checkpoint under `checkpoints/`: the `latest` pointer, else a scan."""
-    pointer = checkpoints / LATEST
-    if pointer.is_file():
-        candidate = checkpoints / pointer.read_text().strip()
-        if is_complete(candidate):
-            return candidate
-    done = sorted(p for p in checkpoints.glob("step_*") if is_complete(p))
-    return done[-1] if done else None
+    found = complete(checkpoints)
+    return found[0] if found else None
 
 
-def find_resume(resume: str | None, run_dir: Path) -> Path | None:
-    """Resolve `resume=` (None, auto, a run directory or a checkpoint directory) to a checkpoint."""
+def find_resume(resume: str | None, run_dir: Path, identity: dict[str, Any]) -> Path | None:
+    """Resolve `resume=` (None, auto, a run directory or a checkpoint directory) to a checkpoint.
+
+    `auto` takes the newest checkpoint of an earlier run of the same identity (`identity["config_hash"]`; in a
+    sweep also the same overrides, and never a sibling job of this sweep), owned by this user.
+    """
     if resume is None:
         return None
     if resume == "auto":
-        roots = [run_dir.parent, run_dir.parent.parent]
-        found = [
-            c
-            for root in roots
-            for pattern in ("*/checkpoints", "*/*/checkpoints")
-            for d in root.glob(pattern)
-            if (c := latest(d)) is not None and d.parent != run_dir
-        ]
-        return max(found, key=lambda c: json.loads((c / MANIFEST).read_text())["time"], default=None)
+        return _auto(run_dir, identity)
     path = Path(resume).expanduser()
     if is_complete(path):
         return path
@@ -86,17 +96,39 @@ def find_resume(resume: str | None, run_dir: Path) -> Path | None:
     return found
 
 
-def check_fits(checkpoint: Path, model: Any) -> None:
-    """Compare the checkpoint's model tensors with a model built on the meta device; CheckpointError names a
-    mismatch."""
-    from torch.distributed.checkpoint import FileSystemReader
+def _auto(run_dir: Path, identity: dict[str, Any]) -> Path | None:
+    roots = [run_dir.parent, run_dir.parent.parent]
+    sweep = identity.get("sweep_dir")
+    seen: dict[Path, float] = {}
+    folders = {
+        f.resolve() for root in roots for pattern in ("*/checkpoints", "*/*/checkpoints") for f in root.glob(pattern)
+    }
+    for folder in sorted(folders):
+        owner = folder.parent
+        if owner == run_dir.resolve() or (sweep and owner.parent == Path(sweep).resolve()):
+            continue  # this run's own checkpoints resume by themselves; a sibling job of this sweep is another run
+        for path in sorted(folder.glob("step_*"), reverse=True):  # the run's newest usable checkpoint
+            try:
+                manifest = read_manifest(path)
+            except UntrustedDataError as e:
+                print(f"launch: resume=auto: skipping {path}: {e}")
+                continue
+            if not is_complete(path):
+                continue
+            mine = path.stat().st_uid == os.getuid() and manifest["config_hash"] == identity["config_hash"]
+            if mine and manifest.get("overrides") == identity.get("overrides"):
+                seen[path] = float(manifest["time"])
+            break
+    return max(seen, key=seen.__getitem__, default=None)
 
+
+def check_fits(checkpoint: Path, model: Any) -> None:
+    """Compare the checkpoint's model tensors with a model built on the meta device, and read every non-tensor
+    entry as the workers will: CheckpointError (one line) names a mismatch or an entry that is not plain data."""
     try:
-        metadata = FileSystemReader(str(checkpoint)).read_metadata()
-    except Exception as e:  # a truncated or foreign file: say so in one line
-        raise CheckpointError(
-            f"checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}); resume from another one"
-        ) from e
+        metadata = read_metadata(checkpoint)
+    except UntrustedDataError as e:
+        raise CheckpointError(f"{e}; resume from another one") from e
     _check_plain(checkpoint, metadata.state_dict_metadata)
     stored = {
         k.removeprefix("model."): tuple(v.size)
@@ -112,13 +144,43 @@ def check_fits(checkpoint: Path, model: Any) -> None:
         if stored[name] != shape:
             raise CheckpointError(
                 f"checkpoint {checkpoint} does not fit the model: {name} is {list(stored[name])} there, "
-                f"{list(shape)} here; "
-                "resume with the model settings it was saved with"
+                f"{list(shape)} here; resume with the model settings it was saved with"
             )
 
 
+def _check_plain(checkpoint: Path, entries: dict[str, Any]) -> None:
+    """Read every non-tensor entry in this process (no process group); CheckpointError if one is not plain data."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    plain = {k: None for k, v in entries.items() if isinstance(v, BytesStorageMetadata)}  # flat keys: DCP's names
+    try:
+        dcp_load(plain, checkpoint, no_dist=True)
+    except (Exception, dcp.api.CheckpointException) as e:  # DCP's exception is a BaseException
+        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), type(e).__name__).strip()
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds an entry that is not plain data ({reason}); "
+            "resume only from checkpoints launch wrote"
+        ) from e
+
+
+# ------------------------------------------------------------------ saving
+
+
+def remove_partial(checkpoints: Path) -> None:
+    """Folders of saves that never finished (a kill, a crash): no complete checkpoint is among them."""
+    for stale in checkpoints.glob(".step_*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def save(
-    checkpoints: Path, position: Position, strategy: Any, manifest: dict[str, Any], rank: int, keep_last: int
+    checkpoints: Path,
+    position: Position,
+    strategy: Any,
+    manifest: dict[str, Any],
+    rank: int,
+    world_size: int,
+    keep_last: int,
 ) -> Path:
     """Save on every rank (collective), atomically: temp folder, barrier, rename, then the `latest` pointer."""
     import torch
@@ -131,79 +193,83 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(strategy.state_dict(), checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_{rank}.pt")
+    state = strategy.state_dict()
+    _check_space(checkpoints, state)
+    metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))  # fsyncs every file it writes
+    with open(tmp / f"rng_{rank}.pt", "wb") as f:
+        torch.save(_rng_state(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    del state
     dist.barrier()  # every shard and RNG file is on disk before the checkpoint becomes visible
     if rank == 0:
-        record = {**manifest, "step": position.step, "samples": position.samples, "time": time.time()}
-        (tmp / MANIFEST).write_text(json.dumps(record, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
+        names = {info.relative_path for info in metadata.storage_data.values()} | {".metadata"}
+        names |= {f"rng_{r}.pt" for r in range(world_size)}
+        missing = sorted(n for n in names if not (tmp / n).is_file())
+        if missing:
+            raise RuntimeError(
+                f"the checkpoint of step {position.step} lacks {', '.join(missing[:3])} in rank 0's view of {tmp}: "
+                "every rank must write into one shared run directory (hydra.run.dir on a file system every node mounts)"
+            )
+        files = {n: (tmp / n).stat().st_size for n in sorted(names)}
+        record = {**manifest, "step": position.step, "samples": position.samples, "time": time.time(), "files": files}
+        write_durably(tmp / MANIFEST, json.dumps(record, indent=2))
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run's last step)
         os.replace(tmp, final)
-        pointer = checkpoints / f".{LATEST}.tmp"
-        pointer.write_text(name)
-        os.replace(pointer, checkpoints / LATEST)
+        fsync_dir(checkpoints)
+        write_durably(checkpoints / LATEST, name)
         _prune(checkpoints, keep_last)
     dist.barrier()
     return final
 
 
-def load(checkpoint: Path, strategy: Any, rank: int, world_size: int) -> Position:
-    """Load model and optimizer state into the strategy (collective); restore RNG when the world size is unchanged."""
+def _check_space(checkpoints: Path, state: dict[str, Any]) -> None:
+    """Collective: every rank's state bytes summed, against the free space rank 0 sees; one line if short."""
+    import torch
+    import torch.distributed as dist
+
+    local = sum(local_bytes(t) for t in tensors(state))
+    figures = torch.tensor([float(local), float(shutil.disk_usage(checkpoints).free)], dtype=torch.float64)
+    needed = figures[:1].clone()
+    dist.all_reduce(needed)
+    dist.broadcast(figures, src=0)  # rank 0's free space: the folder is shared
+    needed_bytes, free = SPACE_MARGIN * float(needed.item()), float(figures[1].item())
+    if free < needed_bytes:
+        raise RuntimeError(
+            f"{checkpoints} has {free / 1e6:,.0f} MB free but the checkpoint needs about {needed_bytes / 1e6:,.0f} MB; "
+            "free space there, lower trainer.keep_last, or choose another hydra.run.dir"
+        )
+
+
+def _prune(checkpoints: Path, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    done = sorted(p for p in checkpoints.glob("step_*") if is_complete(p))
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ loading
+
+
+def load(checkpoint: Path, manifest: dict[str, Any], strategy: Any, rank: int, world_size: int) -> Position:
+    """Load model and optimizer state into the strategy (collective); restore RNG when the world size is unchanged.
+
+    `manifest` is rank 0's reading of the checkpoint's manifest (`read_manifest`), the same on every rank."""
     import torch
 
-    manifest = json.loads((checkpoint / MANIFEST).read_text())
     state = strategy.state_dict()  # the template: this strategy's layout, filled in place from any layout
     read_into(state, checkpoint)
     strategy.load_state_dict(state)
     rng = checkpoint / f"rng_{rank}.pt"
-    if manifest.get("world_size") == world_size and rng.is_file():
+    if manifest["world_size"] == world_size and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=True))
-    return Position(step=int(manifest["step"]), samples=int(manifest["samples"]))
-
-
-def _weights_only() -> Any:
-    """A DCP load planner that reads non-tensor entries (hyperparameters) with `weights_only=True`.
-
-    DCP's default planner unpickles them with `weights_only=False`, which runs whatever code a
-    crafted file holds; this one loads tensors and plain values only.
-    """
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._traverse import set_element
-
-    class WeightsOnly(dcp.DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: Any) -> None:
-            loaded = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    return WeightsOnly()
-
-
-def _check_plain(checkpoint: Path, entries: dict[str, Any]) -> None:
-    """Read every non-tensor entry as the workers will (in this process, no process group); CheckpointError if
-    one is not plain data."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    plain = {k: None for k, v in entries.items() if isinstance(v, BytesStorageMetadata)}  # flat keys: DCP's own names
-    try:
-        dcp.load(plain, checkpoint_id=str(checkpoint), planner=_weights_only(), no_dist=True)
-    except (Exception, dcp.api.CheckpointException) as e:  # DCP's exception is a BaseException
-        reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), type(e).__name__).strip()
-        raise CheckpointError(
-            f"checkpoint {checkpoint} holds an entry that is not plain data ({reason}); "
-            "resume only from checkpoints launch wrote"
-        ) from e
+    return Position(step=manifest["step"], samples=manifest["samples"])
 
 
 def read_into(state: dict[str, Any], checkpoint: Path) -> None:
     """Fill `state` (a strategy's state dict: model, optim) in place from a checkpoint of any layout (collective)."""
-    import torch.distributed.checkpoint as dcp
-
-    stored = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    stored = set(read_metadata(checkpoint).state_dict_metadata)
     # Optimizers name their hyperparameters differently (torch's AdamW has `maximize`, DeepSpeed's
     # CPU Adam `bias_correction`): those the checkpoint lacks keep this run's values.
     groups = state.get("optim", {}).get("param_groups", [])
@@ -211,7 +277,7 @@ def read_into(state: dict[str, Any], checkpoint: Path) -> None:
         {k: g.pop(k) for k in list(g) if k != "params" and f"optim.param_groups.{i}.{k}" not in stored}
         for i, g in enumerate(groups)
     ]
-    dcp.load(state, checkpoint_id=str(checkpoint), planner=_weights_only())
+    dcp_load(state, checkpoint)
     for group, values in zip(groups, own, strict=True):
         group.update(values)
 
@@ -234,33 +300,39 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _prune(checkpoints: Path, keep_last: int) -> None:
-    if keep_last <= 0:
-        return
-    done = sorted(p for p in checkpoints.glob("step_*") if is_complete(p))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+# ------------------------------------------------------------------ launch convert
 
 
 def convert(checkpoint: Path, out: Path) -> int:
     """Write the model weights of any checkpoint as one safetensors file, loadable into the plain model."""
+    import torch
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     if not is_complete(checkpoint):
         found = latest(checkpoint / "checkpoints") if (checkpoint / "checkpoints").is_dir() else latest(checkpoint)
         if found is None:
             raise CheckpointError(
-                f"{checkpoint} is not a complete checkpoint (no .metadata and manifest.json); "
-                "give a checkpoints/step_* folder"
+                f"{checkpoint} is not a complete checkpoint (no valid manifest.json and files); "
+                "give a checkpoints/step_* folder or a run directory"
             )
         checkpoint = found
-    keys = {k for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata if k.startswith("model.")}
-    with warnings.catch_warnings():  # "no process group: loading in a single process" is the point here
-        warnings.simplefilter("ignore", UserWarning)
-        state = _load_state_dict_from_keys(keys, checkpoint_id=str(checkpoint))["model"]
-    tensors = {name: t.contiguous() for name, t in state.items()}
+    try:
+        entries = read_metadata(checkpoint).state_dict_metadata
+    except UntrustedDataError as e:
+        raise CheckpointError(str(e)) from e
+    template = {
+        k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in entries.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+    try:
+        dcp_load({"model": template}, checkpoint, no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException: a crafted or damaged file
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        reason = next((line.strip() for line in str(e).splitlines() if "Error" in line), type(e).__name__)
+        raise CheckpointError(f"checkpoint {checkpoint} does not load as data ({reason[:200]})") from e
+    tensors = {name: t.contiguous() for name, t in template.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     save_file(tensors, str(tmp), metadata={"checkpoint": str(checkpoint)})

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher.config import ConfigError
+from launcher.config import ConfigError, sweep_identity
 from launcher.context import make_strategy, run_context
 
 
@@ -28,7 +28,10 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Path | None:
     from launcher.checkpoint import CheckpointError, check_fits, find_resume
 
     try:
-        found = find_resume(frozen.resume, run_dir)
+        identity = {"config_hash": frozen.job.config_hash, "sweep_dir": frozen.job.get("sweep_dir")}
+        if identity["sweep_dir"]:  # a sweep's job: the same job of an earlier sweep, by its overrides
+            identity["overrides"] = sweep_identity(frozen.job.overrides)
+        found = find_resume(frozen.resume, run_dir, identity)
         if found is not None:
             check_fits(found, model)
     except CheckpointError as e:

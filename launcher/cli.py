@@ -100,7 +100,8 @@ SUBMITIT_SHAPE = {"nodes": "nodes", "gpus_per_node": "gpus", "tasks_per_node": N
 
 
 def submitit_overrides(argv: Sequence[str]) -> list[str]:
-    """Extra overrides that give a submitit job the run's shape; ValueError if the user set a contradicting one."""
+    """Extra overrides that give a submitit job the run's shape and a rendezvous secret; ValueError if the user set
+    a contradicting shape."""
     launcher = [a.split("=", 1)[1] for a in argv if a.startswith("hydra/launcher=")]
     if not launcher or not launcher[-1].startswith("submitit"):
         return []
@@ -116,6 +117,10 @@ def submitit_overrides(argv: Sequence[str]) -> list[str]:
                 "1: one launcher per node starts the workers" if source is None else f"{want}, or set {source}= instead"
             )
             raise ValueError(f"hydra.launcher.{key}={have} contradicts the run's shape; use hydra.launcher.{key}={fix}")
+    if "rdzv.secret" not in given:  # made here, at submission: the nodes' rendezvous id and port derive from it
+        import secrets
+
+        extra.append(f"rdzv.secret={secrets.token_hex(8)}")
     return extra
 
 

@@ -13,22 +13,35 @@ import os
 import re
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.checks import check_resume, check_strategy
-from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze
+from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze, identity_hash
 from launcher.lifecycle import STOP_SIGNALS
-from launcher.machine import usable_cpus, visible_cuda_devices
-from launcher.rendezvous import Rendezvous, rendezvous
+from launcher.machine import loopback_interface, usable_cpus, visible_cuda_devices
+from launcher.rendezvous import LOOPBACK, Rendezvous, rendezvous
+from launcher.rundir import Ownership, claim
 
 
-def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -> tuple[Path, Derived, Rendezvous]:
-    """Check the composed config and write `<run_dir>/resolved.yaml`, the only thing workers read.
+@dataclass(frozen=True)
+class Prepared:
+    resolved: Path
+    """`<run dir>/resolved.yaml`, the only thing workers read."""
+    derived: Derived
+    rdzv: Rendezvous
+    ownership: Ownership
+    """This launch's claim on the run directory, held until the workers are done."""
 
-    `job` carries what Hydra knows of this job (its config-group choices, its place in a sweep);
+
+def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -> Prepared:
+    """Check the composed config, claim the run directory, and write `<run_dir>/resolved.yaml`.
+
+    Every check comes before the claim, and the claim before the first write: refused input writes nothing.
+    `job` carries what Hydra knows of this job (its config-group choices, its overrides, its place in a sweep);
     it is recorded in the frozen config and names the job's wandb group and run.
     """
     from launcher.meta import build_on_meta, measure
@@ -45,19 +58,19 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     resolved["derived"] = {**derived.as_dict(), "model": measure(model).as_dict()}
-    resolved["job"] = job or {}
+    resolved["job"] = {**(job or {}), "config_hash": identity_hash(frozen)}
     _name_logger_run(resolved)
     frozen = OmegaConf.create(resolved)
     check_strategy(frozen, model)
     found = check_resume(frozen, run_dir, model)
     frozen.job.resume_from = str(found) if found else None
-    run_dir.mkdir(parents=True, exist_ok=True)
+    ownership = claim(run_dir, frozen.job.config_hash, rdzv.run_id if derived.nodes > 1 else None)
     path = run_dir / "resolved.yaml"
     # Atomic: in a SLURM allocation every node's launcher writes the same file on a shared disk.
     tmp = run_dir / f".resolved.{os.getpid()}.yaml"
     OmegaConf.save(frozen, tmp)
     os.replace(tmp, path)
-    return path, derived, rdzv
+    return Prepared(path, derived, rdzv, ownership)
 
 
 def _name_logger_run(resolved: dict[str, Any]) -> None:
@@ -87,25 +100,52 @@ def hydra_job() -> tuple[Path, dict[str, Any]]:
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
-    job: dict[str, Any] = {"choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}}
+    job: dict[str, Any] = {
+        "choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
+        "overrides": list(hc.overrides.task),
+    }
     if hc.mode == RunMode.MULTIRUN:
-        job |= {"sweep_dir": str(Path(hc.sweep.dir).resolve()), "num": hc.job.num, "overrides": hc.job.override_dirname}
+        job |= {"sweep_dir": str(Path(hc.sweep.dir).resolve()), "num": hc.job.num}
     return Path(hc.runtime.output_dir), job
 
 
 def run_job(cfg: DictConfig) -> int:
     """One run: the task function of the Hydra app (called once per job in a multirun, once per node on SLURM)."""
     run_dir, job = hydra_job()
+    fresh = _empty(run_dir)  # Hydra made it just now: a refused run leaves nothing behind
     try:
-        path, derived, rdzv = prepare(cfg, run_dir, job)
+        prepared = prepare(cfg, run_dir, job)
     except ConfigError as e:
         print(f"launch: error: {e}", file=sys.stderr)
+        if fresh:
+            _remove_empty(run_dir)
         return EXIT_BAD_INPUT
-    print(describe(cfg, derived, rdzv, run_dir), flush=True)
-    return start_workers(path, derived, rdzv, cfg.trainer, run_dir)
+    print(describe(cfg, prepared.derived, prepared.rdzv, run_dir), flush=True)
+    try:
+        return start_workers(prepared.resolved, prepared.derived, prepared.rdzv, cfg.trainer, run_dir)
+    finally:
+        prepared.ownership.release()
 
 
-def _worker_environment(derived: Derived) -> None:
+def _empty(run_dir: Path) -> bool:
+    """Nothing in it but Hydra's log file, still empty."""
+    return (
+        all(p.name == "launch.log" and p.stat().st_size == 0 for p in run_dir.iterdir()) if run_dir.is_dir() else True
+    )
+
+
+def _remove_empty(run_dir: Path) -> None:
+    log = run_dir / "launch.log"
+    if log.is_file() and log.stat().st_size == 0:
+        log.unlink()
+    for folder in (run_dir, run_dir.parent):  # the run's folder, and the date folder above it if that is empty too
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
+def _worker_environment(derived: Derived, rdzv: Rendezvous) -> None:
     # One BLAS thread pool per worker would oversubscribe the cores: split them between workers.
     if derived.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // derived.gpus))
@@ -114,6 +154,11 @@ def _worker_environment(derived: Derived) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # Restarted workers must not read the dead attempt's addresses from a shared store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if rdzv.local_addr == LOOPBACK:  # one node: the process group's sockets on loopback too, unless the user chose
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
+    # Workers end themselves when this process is gone, from their first instruction (launcher.worker).
+    os.environ["LAUNCH_PARENT_PID"] = str(os.getpid())
 
 
 def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: DictConfig, run_dir: Path) -> int:
@@ -123,7 +168,7 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _worker_environment(derived)
+    _worker_environment(derived, rdzv)
     quiet = {rank: Std.ALL for rank in range(1, derived.gpus)}  # rank 0 talks to the terminal
     config = LaunchConfig(
         min_nodes=derived.nodes,
@@ -133,6 +178,7 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         rdzv_backend=rdzv.backend,
         rdzv_endpoint=rdzv.endpoint,
         rdzv_configs=rdzv.configs,
+        local_addr=rdzv.local_addr,
         max_restarts=trainer.max_restarts,
         # The agent passes these on to the workers, which finish the step and checkpoint (SIGUSR2: SLURM's warning).
         signals_to_handle=",".join(s.name for s in STOP_SIGNALS),

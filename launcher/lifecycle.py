@@ -1,9 +1,11 @@
 """A worker's life beyond the training loop: stop signals, an orphan watchdog, and what each rank is doing.
 
 - Stop signals (SIGTERM, SIGINT, SIGUSR2 — which SLURM sends before a time-limit kill — and SIGHUP):
-  the first asks for a graceful stop (finish the optimizer step, checkpoint, exit); a second
-  exits at once.
-- The watchdog ends the worker when its launcher is gone (killed with SIGKILL), so no worker is
+  the first asks for a graceful stop (finish the optimizer step, checkpoint, exit). SLURM signals every
+  process of a step at once and the elastic agent forwards the signal again, so repeats within
+  `STOP_REPEAT_GRACE` seconds are the same request; only a signal well after the first exits at once.
+- A worker ends itself when its launcher is gone (killed with SIGKILL), from its first instruction
+  (`die_with_parent`: the kernel's parent-death signal) and by a watchdog thread, so no worker is
   ever left behind.
 - `Phase` writes what this rank is doing to a small file, so that a collective that times out can
   name the rank that is stuck and what it was doing, not only "timed out".
@@ -21,6 +23,8 @@ from types import FrameType
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP)
 EXIT_STOPPED = 3
 """A worker that stopped on a signal after saving: not a success (the run is not finished), not a crash."""
+STOP_REPEAT_GRACE = 5.0
+"""Seconds after the first stop signal during which another is the same request (SLURM and the agent both send)."""
 
 
 class StopRequest:
@@ -28,6 +32,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.at = 0.0
 
     def install(self) -> StopRequest:
         for sig in STOP_SIGNALS:
@@ -35,14 +40,29 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self.signal is not None:
-            os._exit(128 + signum)  # a second signal: stop now, without saving
-        self.signal = signum
+        if self.signal is None:
+            self.signal, self.at = signum, time.monotonic()
+        elif time.monotonic() - self.at > STOP_REPEAT_GRACE:
+            os._exit(128 + signum)  # asked again, well after the first: stop now, without saving
+
+
+def die_with_parent() -> None:
+    """From the first instruction of a worker: the kernel kills it when its launcher dies (Linux PR_SET_PDEATHSIG),
+    and it ends at once if the launcher is already gone (`LAUNCH_PARENT_PID`, set by the launcher)."""
+    expected = os.environ.get("LAUNCH_PARENT_PID")
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the watchdog thread still applies
+        pass
+    if expected is not None and os.getppid() != int(expected):
+        os._exit(1)  # the launcher died before the signal was armed
 
 
 def watch_parent(interval: float = 0.5) -> None:
     """End this process when its parent (the launcher's elastic agent) is gone."""
-    parent = os.getppid()
+    parent = int(os.environ.get("LAUNCH_PARENT_PID", os.getppid()))
 
     def watch() -> None:
         while True:

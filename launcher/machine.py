@@ -30,3 +30,19 @@ def usable_cpus() -> int:
     except (OSError, ValueError):
         pass
     return count
+
+
+def ephemeral_port_floor() -> int:
+    """The first port of the kernel's ephemeral range (Linux default 32768), from which it picks ports by itself."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface ("lo" on Linux)."""
+    import socket
+
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n == "lo" or n.startswith("lo")), "lo")

@@ -3,6 +3,7 @@ given by the user or read from the SLURM allocation the job runs in."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from collections.abc import Mapping
@@ -12,6 +13,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.config import ConfigError, Derived
+from launcher.machine import ephemeral_port_floor
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -20,19 +24,35 @@ class Rendezvous:
     run_id: str
     backend: str
     configs: dict[str, Any]
+    local_addr: str | None = None
+    """The address the group-rank-0 agent gives the workers as MASTER_ADDR: loopback on one node, so that neither
+    the rendezvous nor the process group listens on an external interface."""
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """SLURM's compressed host list: "gpu[01-03,07],cpu1" -> gpu01, gpu02, gpu03, gpu07, cpu1."""
+    """SLURM's compressed host list, in SLURM's order: "gpu[01-03,07],cpu1" -> gpu01, gpu02, gpu03, gpu07, cpu1;
+    "r[1-2]n[01-02]" -> r1n01, r1n02, r2n01, r2n02; "node[1-2]-ib" -> node1-ib, node2-ib."""
     hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", hostlist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
+    for expression in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):  # commas inside brackets do not split
+        names = [""]
+        for part in re.split(r"(\[[^\]]*\])", expression):
+            options = [part]
+            if part.startswith("["):
+                options = []
+                for span in part[1:-1].split(","):
+                    lo, _, hi = span.partition("-")
+                    options += [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
+            names = [name + option for name in names for option in options]
+        hosts += names
     return hosts
+
+
+def slurm_port(job_id: str, secret: str | None) -> int:
+    """A port for a SLURM job's rendezvous, from its id and secret, below the kernel's ephemeral range (where
+    the system hands out ports by itself) and above the well-known ones."""
+    low = 10000
+    digest = int(hashlib.sha256(f"{job_id}:{secret or ''}".encode()).hexdigest(), 16)
+    return low + digest % (ephemeral_port_floor() - low)
 
 
 def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Rendezvous:
@@ -42,7 +62,8 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
         raise ConfigError(f"rdzv.backend={r.backend} is not supported; use c10d or static")
     configs: dict[str, Any] = {"join_timeout": int(r.join_timeout)}
     endpoint, run_id, node_rank = r.endpoint, r.id, r.node_rank
-    if "SLURM_JOB_ID" in env and "SLURM_NNODES" in env:
+    in_slurm = "SLURM_JOB_ID" in env and "SLURM_NNODES" in env
+    if in_slurm:
         slurm_nodes = int(env.get("SLURM_STEP_NUM_NODES") or env["SLURM_NNODES"])
         if slurm_nodes != derived.nodes:
             raise ConfigError(
@@ -61,11 +82,13 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
                 f"gpus={derived.gpus} but SLURM gave this node {gpus_on_node} GPU(s); "
                 f"use gpus={gpus_on_node} or ask SLURM for more"
             )
+    if in_slurm and derived.nodes > 1:
         hosts = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-        port = r.port if r.port is not None else 20000 + int(re.sub(r"\D", "", env["SLURM_JOB_ID"]) or 0) % 20000
-        endpoint = endpoint or f"{hosts[0]}:{port}"
-        # A requeued job must not meet the previous attempt's rendezvous.
-        run_id = run_id or f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_RESTART_COUNT', '0')}"
+        job = env["SLURM_JOB_ID"]
+        endpoint = endpoint or f"{hosts[0]}:{r.port if r.port is not None else slurm_port(job, r.secret)}"
+        # A requeued job must not meet the previous attempt's rendezvous; the secret (made at submission) keeps
+        # another user who knows the job id from meeting it.
+        run_id = run_id or "-".join(filter(None, ["slurm", job, env.get("SLURM_RESTART_COUNT", "0"), r.secret]))
         node_rank = node_rank if node_rank is not None else int(env.get("SLURM_NODEID", "0"))
     elif derived.nodes > 1 and not (endpoint and run_id):
         raise ConfigError(
@@ -76,4 +99,7 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
         if derived.nodes > 1 and node_rank is None:
             raise ConfigError("rdzv.backend=static needs rdzv.node_rank=N on each node (or SLURM_NODEID)")
         configs["rank"] = node_rank or 0
-    return Rendezvous(endpoint or "127.0.0.1:0", run_id or uuid.uuid4().hex[:12], r.backend, configs)
+    if derived.nodes == 1:  # one machine: on loopback (unless told otherwise), a fresh port and id for each launch
+        local = None if endpoint else LOOPBACK
+        return Rendezvous(endpoint or f"{LOOPBACK}:0", run_id or uuid.uuid4().hex[:12], r.backend, configs, local)
+    return Rendezvous(endpoint, run_id, r.backend, configs)

@@ -61,10 +61,9 @@ def collect(sweep_dir: Path) -> list[Job]:
 
 
 def _overrides(job_dir: Path) -> dict[str, str]:
-    """The job's command-line overrides, as Hydra recorded them."""
-    path = job_dir / ".hydra" / "overrides.yaml"
-    items = OmegaConf.load(path) if path.exists() else []
-    return dict(str(o).lstrip("+~").split("=", 1) for o in items if "=" in str(o))  # type: ignore[union-attr]
+    """The job's command-line overrides, as the launcher recorded them in resolved.yaml."""
+    items = OmegaConf.select(OmegaConf.load(job_dir / "resolved.yaml"), "job.overrides", default=None) or []
+    return dict(str(o).lstrip("+~").split("=", 1) for o in items if "=" in str(o))
 
 
 def _fmt(value: Any, spec: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 import resource
 import sys
 import time
@@ -24,12 +23,12 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from launcher import checkpoint
 from launcher.checkpoint import Position
 from launcher.data import GlobalBatches, collate, rank_micro_batches
 from launcher.lifecycle import Phase, StopRequest
 from launcher.logs import JsonlLogger, NullLogger
 from launcher.plan.costs import GPT_TARGET, flops_per_token, peak_tflops, step_comm_bytes
+from launcher.resume import check_shared_directory, resume, save_checkpoint
 from strategies import RunContext, Strategy
 
 
@@ -205,6 +204,7 @@ def _train(
     val_set = instantiate(cfg.data, split="val")
     batches = GlobalBatches(len(train_set), B, cfg.seed)
 
+    check_shared_directory(run_dir, ctx, int(cfg.derived.nodes))
     phase("building the model")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and in a one-process run
     strategy.setup(ctx, lambda: instantiate(cfg.model), optimizer_factory(cfg, ctx, strategy))
@@ -270,31 +270,6 @@ def _train(
     progress.close()
     loggers.finish()
     return not stopping or position.step == trainer.max_steps
-
-
-def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -> Position:
-    """Continue from this run's own newest checkpoint (an elastic restart, a requeue), else from `resume=`."""
-    given = OmegaConf.select(cfg, "job.resume_from", default=None)
-    found = checkpoint.latest(run_dir / "checkpoints") or (Path(given) if given else None)
-    if found is None:
-        return Position(step=0, samples=0)
-    position = checkpoint.load(found, strategy, ctx.rank, ctx.world_size)
-    if ctx.rank == 0:
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        why = f"restart {attempt} of the worker group: " if attempt else ""
-        print(f"launch: {why}resuming from {found} (step {position.step}, sample {position.samples})", flush=True)
-    return position
-
-
-def save_checkpoint(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, position: Position) -> Path:
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    manifest = {
-        "strategy": OmegaConf.select(cfg, "job.choices.strategy", default=None) or cfg.strategy._target_,
-        "world_size": ctx.world_size,
-        "precision": ctx.precision,
-        "config_hash": checkpoint.config_hash(resolved),  # type: ignore[arg-type]
-    }
-    return checkpoint.save(run_dir / "checkpoints", position, strategy, manifest, ctx.rank, cfg.trainer.keep_last)
 
 
 def _step_metrics(

@@ -7,6 +7,7 @@ the key named. Importing this module must stay cheap: no torch, deepspeed or wan
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -220,8 +221,11 @@ class RdzvConfig:
     backend: str = "c10d"
     """torch elastic rendezvous backend: c10d, or static (node ranks from rdzv.node_rank / SLURM_NODEID)."""
     port: int | None = None
-    """Port on the first host when the endpoint is derived from a SLURM allocation; unset: 20000 + job id mod 20000,
-    so that concurrent jobs whose first host is the same do not meet."""
+    """Port on the first host when the endpoint is derived from a SLURM allocation; unset: from the job id and
+    rdzv.secret, below the kernel's ephemeral port range, so that concurrent jobs on one first host do not meet."""
+    secret: str | None = None
+    """Random token the launcher adds when it submits to SLURM (hydra/launcher=submitit_*): part of the derived
+    rendezvous id and port, so that knowing a job id is not enough to join its rendezvous."""
     join_timeout: float = 600.0
     """Seconds to wait for every node to join before giving up."""
     node_rank: int | None = None
@@ -322,6 +326,8 @@ def register() -> None:
         OmegaConf.register_new_resolver(
             "launch_groups", lambda: "\n".join(f"{group}: {', '.join(names)}" for group, names in choices().items())
         )
+    if not OmegaConf.has_resolver("launch_id"):  # the default run directory's suffix; cached: one value per launch
+        OmegaConf.register_new_resolver("launch_id", lambda: secrets.token_hex(2), use_cache=True)
     store = ConfigStore.instance()
     store.store(name="launch_schema", node=LaunchConfig)
     for group, nodes in SCHEMAS.items():

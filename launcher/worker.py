@@ -1,6 +1,7 @@
 """Entry point of one rank, started by the elastic agent: `python -m launcher.worker <resolved.yaml>`.
 
-A worker reads the frozen config the launcher wrote; it never re-runs Hydra.
+A worker reads the frozen config the launcher wrote; it never re-runs Hydra. Its first instructions, before any
+heavy import, tie it to its launcher (`die_with_parent`) and take over the stop signals.
 """
 
 from __future__ import annotations
@@ -8,21 +9,21 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from launcher.context import make_strategy, run_context
-from launcher.lifecycle import EXIT_STOPPED, StopRequest, watch_parent
-from launcher.runner import train
+from launcher.lifecycle import EXIT_STOPPED, StopRequest, die_with_parent, watch_parent
 
 
-@record
-def main(path: str) -> None:
+def main(path: str, stop: StopRequest) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from omegaconf import DictConfig, OmegaConf
+
+    from launcher.context import make_strategy, run_context
+    from launcher.runner import train
+
     cfg = OmegaConf.load(path)
     assert isinstance(cfg, DictConfig)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -30,8 +31,6 @@ def main(path: str) -> None:
     if world_size != cfg.derived.world_size:
         raise RuntimeError(f"the agent started {world_size} workers but the launcher planned {cfg.derived.world_size}")
     ctx = run_context(cfg, rank, local_rank, world_size)
-    stop = StopRequest().install()
-    watch_parent()
     if ctx.device_type == "cuda":
         torch.cuda.set_device(ctx.device)
         # fp32 matmuls (and fp32 parts of mixed precision) on tensor cores in TF32: ~8x faster on A100/H100, with a
@@ -57,4 +56,9 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    die_with_parent()
+    requested = StopRequest().install()
+    watch_parent()
+    from torch.distributed.elastic.multiprocessing.errors import record  # the agent reads the error file it writes
+
+    record(main)(sys.argv[1], requested)

@@ -139,31 +139,33 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def _local_bytes(t: torch.Tensor) -> int:
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor this rank holds: a DTensor's local shard only."""
     if hasattr(t, "to_local"):  # DTensor: count only this rank's shard
         t = t.to_local()
     return t.numel() * t.element_size()
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in nested dicts, lists and tuples (a state dict)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors(v)
 
 
 def model_state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
     """Bytes of parameters, gradients and optimizer state that this rank holds (local shards only)."""
     total = 0
     for p in params:
-        total += _local_bytes(p)
+        total += local_bytes(p)
         if p.grad is not None:
-            total += _local_bytes(p.grad)
-    total += sum(_local_bytes(t) for t in _tensors(list(optimizer.state.values())) if t.dim() > 0)
+            total += local_bytes(p.grad)
+    total += sum(local_bytes(t) for t in tensors(list(optimizer.state.values())) if t.dim() > 0)
     return total
 
 

@@ -3,6 +3,9 @@
 Both train the same GPT on the same global batches for 2 optimizer steps: DeepSpeed on 2 ranks with
 2 micro-steps each, plain torch (AdamW, clipping) on rank 0 over the same micro-batches. Then the
 export is loaded into a fresh engine and both take one more step. Rank 0 prints one JSON line.
+
+Each rank's export holds the full copies of the parameters it owns (about 1/G of the state): their union
+is torch's full state dict.
 """
 
 from __future__ import annotations
@@ -48,7 +51,15 @@ def main(preset: dict) -> None:
             with strategy.sync(k == K - 1):
                 strategy.backward(strategy.forward((idx[rows], targets[rows])) / K)
         strategy.step(ADAMW["lr"])
-    state = strategy.state_dict()
+    mine = strategy.state_dict()
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    state = {"model": {}, "optim": {"state": {}, "param_groups": mine["optim"]["param_groups"]}}
+    for part in parts:
+        state["model"] |= part["model"]
+        state["optim"]["state"] |= part["optim"]["state"]
+    held = [sum(t.numel() for t in part["model"].values()) for part in parts]
+    total = sum(t.numel() for t in state["model"].values())
 
     # Resume: a fresh engine's template filled with the export (as a checkpoint load does), then
     # one more step on both: the same weights and moments afterwards.
@@ -72,14 +83,20 @@ def main(preset: dict) -> None:
     after, resumed = strategy.state_dict(), fresh.state_dict()
     strategy.teardown()
     fresh.teardown()
-    resume_diff = max(
+    local = max(
         max((after["model"][k] - v).abs().max().item() for k, v in resumed["model"].items()),
         max(
-            (after["optim"]["state"][k][m] - v[m]).abs().max().item()
-            for k, v in resumed["optim"]["state"].items()
-            for m in v
+            (
+                (after["optim"]["state"][k][m] - v[m]).abs().max().item()
+                for k, v in resumed["optim"]["state"].items()
+                for m in v
+            ),
+            default=0.0,
         ),
     )
+    worst = torch.tensor(local)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # each rank compares the entries it owns
+    resume_diff = worst.item()
     if rank == 0:
         torch.manual_seed(0)
         model = GPT(**KW)
@@ -113,7 +130,10 @@ def main(preset: dict) -> None:
                 float(state["optim"]["state"][k]["step"]) == float(v["step"]) for k, v in ref_optim["state"].items()
             )
         )
-        print(json.dumps({"diff": diff, "same_keys": same_keys, "resume_diff": resume_diff}), flush=True)
+        shares = [h / total for h in held]
+        print(
+            json.dumps({"diff": diff, "same_keys": same_keys, "resume_diff": resume_diff, "shares": shares}), flush=True
+        )
     dist.destroy_process_group()
 
 

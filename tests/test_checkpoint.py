@@ -95,12 +95,14 @@ def test_a_corrupted_checkpoint_is_a_one_line_error(conformance_dir: Path, tmp_p
 
     broken = tmp_path / "broken"
     shutil.copytree(_ckpt(run_of(conformance_dir, "ddp", 2), 6), broken)
-    (broken / ".metadata").write_bytes(b"not a checkpoint")
-    assert "is unreadable" in launch(tmp_path, *JOB, "gpus=2", f"resume={broken}").refused()
-    assert (
-        "no complete checkpoint there"
-        in launch(tmp_path, *JOB, "gpus=2", f"resume={tmp_path / 'nowhere'}", name="missing").refused()
-    )
+    (broken / ".metadata").write_bytes(b"not a checkpoint")  # its size no longer matches the manifest's
+    assert "no complete checkpoint there" in launch(tmp_path, *JOB, "gpus=2", f"resume={broken}").refused()
+    manifest = json.loads((broken / "manifest.json").read_text())
+    manifest["files"][".metadata"] = len(b"not a checkpoint")  # complete by the manifest, garbage inside
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    assert "has unreadable metadata" in launch(tmp_path, *JOB, "gpus=2", f"resume={broken}", name="garbage").refused()
+    missing = launch(tmp_path, *JOB, "gpus=2", f"resume={tmp_path / 'nowhere'}", name="missing").refused()
+    assert "no complete checkpoint there" in missing
 
 
 def test_convert_writes_weights_the_plain_model_loads(conformance_dir: Path, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -9,13 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch
+from conftest import LAUNCH, TINY, clean_env, launch, launch_once
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from launcher import schema
 from launcher.cli import submitit_overrides
 from launcher.config import ConfigError, derive, freeze
+from launcher.machine import ephemeral_port_floor
 from launcher.rendezvous import expand_hostlist, rendezvous
 
 schema.register()
@@ -35,9 +37,21 @@ def _compose(*overrides: str, hydra: bool = False):
 
 
 def test_expand_hostlist() -> None:
+    """SLURM's documented forms (`scontrol show hostnames`): ranges and lists, zero padding, several bracket
+    groups (the first varies slowest), text after a bracket, several expressions."""
     assert expand_hostlist("gpu[01-03,07],cpu1") == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]
     assert expand_hostlist("node7") == ["node7"]
     assert expand_hostlist("a[9-11]") == ["a9", "a10", "a11"]
+    assert expand_hostlist("node[1-2]-ib") == ["node1-ib", "node2-ib"]
+    assert expand_hostlist("r[1-2]n[01-02]") == ["r1n01", "r1n02", "r2n01", "r2n02"]
+    assert expand_hostlist("tux[008-010],lx[1,3]-eth0,head") == [
+        "tux008",
+        "tux009",
+        "tux010",
+        "lx1-eth0",
+        "lx3-eth0",
+        "head",
+    ]
 
 
 SLURM = {
@@ -52,13 +66,35 @@ SLURM = {
 
 
 def test_rendezvous_inside_a_slurm_allocation() -> None:
-    cfg = _compose("nodes=2", "gpus=8", "batch.global_size=64", "batch.micro_size=4")
+    cfg = _compose("nodes=2", "gpus=8", "batch.global_size=64", "batch.micro_size=4", "rdzv.secret=5ec2e7")
     derived = derive(cfg, cuda_devices=8)
     r = rendezvous(cfg, derived, SLURM)
-    assert r.endpoint == "gpu07:24242" and r.run_id == "slurm-4242-3" and r.backend == "c10d"
+    host, port = r.endpoint.split(":")
+    assert host == "gpu07" and r.run_id == "slurm-4242-3-5ec2e7" and r.backend == "c10d" and r.local_addr is None
+    assert 10000 <= int(port) < ephemeral_port_floor()  # where the kernel never hands a port out by itself
     assert rendezvous(cfg, derived, SLURM | {"SLURM_RESTART_COUNT": "4"}).run_id != r.run_id  # a requeue meets anew
+    # The secret, made at submission, is part of the id and the port: the job id alone does not find them.
+    other = _compose("nodes=2", "gpus=8", "batch.global_size=64", "batch.micro_size=4", "rdzv.secret=0ther")
+    assert rendezvous(other, derived, SLURM).endpoint != r.endpoint
     static = rendezvous(_compose("nodes=2", "gpus=8", "batch.global_size=64", "rdzv.backend=static"), derived, SLURM)
     assert static.configs["rank"] == 1
+
+
+def test_one_node_stays_on_loopback_even_inside_slurm() -> None:
+    """Two single-node launches in one allocation must not meet on a port derived from the job id."""
+    cfg = _compose("gpus=2", "batch.global_size=64")
+    one = SLURM | {"SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu07"}
+    first, second = (rendezvous(cfg, derive(cfg, cuda_devices=2), one) for _ in range(2))
+    assert first.endpoint == second.endpoint == "127.0.0.1:0" and first.local_addr == "127.0.0.1"
+    assert first.run_id != second.run_id
+
+
+def test_submission_adds_a_rendezvous_secret() -> None:
+    first, second = (submitit_overrides(["hydra/launcher=submitit_slurm", "nodes=2"]) for _ in range(2))
+    secrets = [o for o in first + second if o.startswith("rdzv.secret=")]
+    assert len(secrets) == 2 and secrets[0] != secrets[1] and len(secrets[0]) > len("rdzv.secret=") + 8
+    assert not any(o.startswith("rdzv.secret=") for o in submitit_overrides(["hydra/launcher=submitit_slurm",
+                                                                             "rdzv.secret=mine"]))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -82,10 +118,11 @@ def test_several_nodes_need_an_endpoint(tmp_path: Path) -> None:
     )
 
 
-def _two_nodes(tmp_path: Path, env_for_node, *overrides: str) -> list[float]:
+def _two_nodes(tmp_path: Path, env_for_node, *overrides: str, dirs: tuple[str, str] = ("shared", "shared")):
+    """Two launchers of one job, one worker each; returns their (returncode, stdout, stderr)."""
     procs = [
         subprocess.Popen(
-            [LAUNCH, *JOB, "nodes=2", "gpus=1", *overrides, f"hydra.run.dir={tmp_path / f'node{n}'}"],
+            [LAUNCH, *JOB, "nodes=2", "gpus=1", *overrides, f"hydra.run.dir={tmp_path / dirs[n]}"],
             cwd=tmp_path,
             env=env_for_node(n),
             stdout=subprocess.PIPE,
@@ -95,24 +132,52 @@ def _two_nodes(tmp_path: Path, env_for_node, *overrides: str) -> list[float]:
         for n in range(2)
     ]
     outputs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    (metrics,) = [p for n in range(2) if (p := tmp_path / f"node{n}" / "metrics.jsonl").exists()]  # global rank 0's
-    return [float(line.split('"loss": ')[1].split(",")[0]) for line in metrics.read_text().splitlines()]
+    return [(p.returncode, *out) for p, out in zip(procs, outputs)]
 
 
-def test_two_nodes_on_loopback_match_one_node(tmp_path: Path) -> None:
-    one_node = launch(tmp_path, *JOB, "gpus=2", name="one").check().losses()
-    port = _free_port()
-    two = _two_nodes(tmp_path, lambda n: clean_env(tmp_path), f"rdzv.endpoint=127.0.0.1:{port}", "rdzv.id=loopback")
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _one_node(conformance_dir: Path) -> list[float]:
+    return launch_once(conformance_dir, *JOB, "gpus=2", name="cluster-one-node").check().losses()
+
+
+def test_two_nodes_on_loopback_match_one_node_and_resume_from_their_shared_directory(
+    conformance_dir: Path, tmp_path: Path
+) -> None:
+    env = lambda n: clean_env(tmp_path)  # noqa: E731
+    results = _two_nodes(tmp_path, env, f"rdzv.endpoint=127.0.0.1:{_free_port()}", "rdzv.id=loopback")
+    assert [r[0] for r in results] == [0, 0], results
+    two = list(_losses(tmp_path / "shared").values())
+    one_node = _one_node(conformance_dir)
     assert max(abs(a - b) for a, b in zip(one_node, two, strict=True)) <= 1e-6, (one_node, two)
+    # The same job, longer: both nodes continue from the checkpoint they wrote together.
+    again = _two_nodes(tmp_path, env, f"rdzv.endpoint=127.0.0.1:{_free_port()}", "rdzv.id=loopback2",
+                       "trainer.max_steps=7")  # fmt: skip
+    assert [r[0] for r in again] == [0, 0], again
+    out = "".join(r[1] for r in again)
+    assert f"resuming from {tmp_path / 'shared' / 'checkpoints' / 'step_00000005'} (step 5" in out, out
+    assert sorted(_losses(tmp_path / "shared")) == [1, 2, 3, 4, 5, 6, 7]
 
 
-def test_a_slurm_allocation_needs_no_rendezvous_settings(tmp_path: Path) -> None:
+def test_nodes_without_a_shared_directory_stop_at_start(tmp_path: Path) -> None:
+    """Each node with a folder of its own: rank 1 cannot see what rank 0 writes, so no checkpoint would be whole."""
+    results = _two_nodes(tmp_path, lambda n: clean_env(tmp_path), f"rdzv.endpoint=127.0.0.1:{_free_port()}",
+                         "rdzv.id=apart", dirs=("node0", "node1"))  # fmt: skip
+    assert [r[0] for r in results] == [1, 1], results
+    err = "".join(r[2] for r in results)
+    assert "rank 1 (on " in err and "does not see" in err and "shared run directory" in err, err
+    assert not (tmp_path / "node0" / "checkpoints").exists() and not (tmp_path / "node1" / "checkpoints").exists()
+
+
+def test_a_slurm_allocation_needs_no_rendezvous_settings(conformance_dir: Path, tmp_path: Path) -> None:
     """Two launchers with the environment SLURM gives each node's task; nothing set by hand."""
-    one_node = launch(tmp_path, *JOB, "gpus=2", name="one").check().losses()
-    port = _free_port()
     env = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NTASKS_PER_NODE": "1"}
-    two = _two_nodes(tmp_path, lambda n: clean_env(tmp_path) | env | {"SLURM_NODEID": str(n)}, f"rdzv.port={port}")
+    results = _two_nodes(tmp_path, lambda n: clean_env(tmp_path) | env | {"SLURM_NODEID": str(n)},
+                         f"rdzv.port={_free_port()}")  # fmt: skip
+    assert [r[0] for r in results] == [0, 0], results
+    two, one_node = list(_losses(tmp_path / "shared").values()), _one_node(conformance_dir)
     assert max(abs(a - b) for a, b in zip(one_node, two, strict=True)) <= 1e-6, (one_node, two)
 
 

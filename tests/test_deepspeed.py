@@ -283,3 +283,6 @@ def test_state_dict_is_the_full_torch_state_and_loads(tmp_path: Path, preset: di
         result["diff"]["weights"] <= 1e-5 and result["diff"]["exp_avg"] <= 1e-6 and result["diff"]["exp_avg_sq"] <= 1e-6
     ), result
     assert result["resume_diff"] == 0.0, result  # loaded into a fresh engine: the next step is bit-identical
+    # Streamed: each rank holds the full copies of the parameters it owns, about 1/G of them (the tied
+    # embedding, a third of this model, is one rank's), never the whole state.
+    assert sum(result["shares"]) == pytest.approx(1.0) and max(result["shares"]) <= 0.6, result

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -68,11 +69,29 @@ def test_a_signal_stops_gracefully_and_resume_auto_continues_exactly(
     assert max(abs(full[m["step"]] - m["loss"]) for m in resumed.metrics) <= 1e-6
 
 
-def test_killing_the_launcher_leaves_no_worker_behind(tmp_path: Path) -> None:
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(e.split("=", 1) for e in raw.split("\0") if "=" in e)
+
+
+@pytest.mark.parametrize("when", ["at start", "while training"])
+def test_killing_the_launcher_leaves_no_worker_behind(tmp_path: Path, when: str) -> None:
     run_dir = tmp_path / "run"
     proc = _start(tmp_path, run_dir, "trainer.max_steps=400")
-    _wait_for_step(run_dir, 3, proc)
-    assert len(_worker_pids(run_dir)) == 2
+    if when == "at start":  # before the workers have even imported torch: the parent-death signal ends them
+        while len(_worker_pids(run_dir)) < 2 and proc.poll() is None:
+            time.sleep(0.01)
+    else:
+        _wait_for_step(run_dir, 3, proc)
+        workers = _worker_pids(run_dir)
+        assert len(workers) == 2
+        # One node: the rendezvous and the process group on loopback, never on an external interface.
+        env = _environ(workers[0])
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == "lo", env
+        # The run owns its directory while it runs: a second launch there is refused, and writes nothing.
+        second = launch(tmp_path, *JOB, "trainer.max_steps=400", name="run")
+        assert second.returncode == 2 and "is in use by another launch (pid" in second.stderr, second.stderr
+        assert _worker_pids(run_dir).keys() == workers.keys()
     proc.kill()
     proc.communicate()
     deadline = time.monotonic() + 5
@@ -131,3 +150,55 @@ def test_a_requeued_slurm_job_resumes_by_itself(reference: Run, tmp_path: Path) 
     assert again.returncode == 0, err
     assert f"resuming from {run_dir / 'checkpoints'}" in out, out
     assert abs(_losses(run_dir)[30] - reference.metrics[-1]["loss"]) <= 1e-6
+
+
+def test_slurm_style_signals_during_a_long_save_end_with_a_complete_checkpoint(tmp_path: Path) -> None:
+    """slurmstepd signals every process of a step at once (the launcher and each worker), and the elastic agent
+    forwards the signal to the workers again: all of it while a save of a few seconds is being written. The run
+    finishes that save and stops with a complete checkpoint; repeats within seconds are not a second request."""
+    from launcher.checkpoint import is_complete, latest
+
+    run_dir = tmp_path / "run"
+    big = [
+        "model.n_embd=512",
+        "model.n_head=8",
+        "model.n_layer=12",
+        "trainer.checkpoint_every=1",
+        "trainer.keep_last=1",
+    ]
+    proc = _start(tmp_path, run_dir, *big, "trainer.max_steps=100")
+    deadline = time.monotonic() + 240
+    while not (partial := next((run_dir / "checkpoints").glob(".step_*.partial"), None)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    saving = int(partial.name.removeprefix(".step_").removesuffix(".partial"))
+    for pid in [proc.pid, *_worker_pids(run_dir).values()]:
+        os.kill(pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err)
+    newest = latest(run_dir / "checkpoints")
+    assert newest is not None and is_complete(newest) and int(newest.name.removeprefix("step_")) >= saving, newest
+    assert f"launch: stopped by SIGTERM: checkpoint {newest}" in err, err
+    assert not list((run_dir / "checkpoints").glob(".step_*.partial"))
+    loads = subprocess.run([LAUNCH, "convert", str(newest), f"out={tmp_path / 'w.safetensors'}"], capture_output=True)
+    assert loads.returncode == 0, loads.stderr  # every tensor of it reads back
+
+
+def test_only_a_repeat_well_after_the_first_stops_at_once(tmp_path: Path) -> None:
+    probe = """
+import os, signal, sys, time
+from launcher import lifecycle
+lifecycle.STOP_REPEAT_GRACE = 1.0
+stop = lifecycle.StopRequest().install()
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGTERM)  # the agent's forwarded copy, within the grace
+time.sleep(0.1)
+print("still saving after two signals:", stop.signal == signal.SIGTERM, flush=True)
+time.sleep(1.5)
+os.kill(os.getpid(), signal.SIGTERM)  # asked again, well after: exit now
+time.sleep(5)
+print("never reached", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert "still saving after two signals: True" in proc.stdout and "never reached" not in proc.stdout, proc
+    assert proc.returncode == 128 + signal.SIGTERM

@@ -106,59 +106,123 @@ def state_bytes(engine: Any, stage: int, offload_optimizer: str, offload_params:
 # ------------------------------------------------------------------ the strategy-neutral state
 
 
+def _full_shape(p: torch.Tensor) -> torch.Size:
+    return getattr(p, "ds_shape", p.shape)  # a ZeRO-3 parameter is an empty tensor between uses
+
+
+def _owners(params: list[torch.Tensor], world_size: int) -> dict[int, int]:
+    """Which rank holds each parameter's full copy in a checkpoint: the largest first, to the least loaded rank.
+    The same on every rank; each holds about 1/G of the full state, so a node holds at most one full copy."""
+    load, owner = [0] * world_size, {}
+    for p in sorted(params, key=lambda p: -_full_shape(p).numel()):
+        rank = min(range(world_size), key=load.__getitem__)
+        owner[id(p)] = rank
+        load[rank] += _full_shape(p).numel()
+    return owner
+
+
+def _buffer_names(module: torch.nn.Module) -> list[str]:
+    """Persistent buffers: what torch's state dict holds (a DDP checkpoint has no others to load)."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return [n for n in module.state_dict(keep_vars=True) if n not in params]
+
+
 def export_state(engine: Any, stage: int, offload_optimizer: str) -> dict[str, Any]:
-    """Full fp32 weights and optimizer state, keyed like torch's full state dict (collective under ZeRO-3)."""
+    """Full fp32 weights and optimizer state, keyed like torch's full state dict (collective).
+
+    Streamed one parameter at a time: every rank takes part in gathering each parameter, only its owner
+    (`_owners`) keeps the full copy. DCP writes the union of the ranks' entries, each once.
+    """
+    import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     create_optimizer_state(engine, stage, offload_optimizer)  # a template for loading holds the moments too
     module, inner = engine.module, engine.optimizer.optimizer
-    names = {id(p): n for n, p in module.named_parameters()}  # a tied parameter under its first name
+    rank, params = dist.get_rank(), list(module.parameters())
+    owner = _owners(params, dist.get_world_size())
     keys = sorted({k for s in inner.state.values() for k in s if k != "step"})
     step = next((s["step"] for s in inner.state.values() if "step" in s), None)
-    full = {id(p): safe_get_full_fp32_param(p).cpu() for p in module.parameters()}
-    model = {n: full[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
-    model |= {n: b.detach().cpu() for n, b in module.named_buffers()}
+    model: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, torch.Tensor]] = {}
-    for p in module.parameters():
+    aliases: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)  # a tied parameter under every name, its state under the first
+    for p in params:
+        full = safe_get_full_fp32_param(p)  # collective under ZeRO-3
+        moments = {k: safe_get_full_optimizer_state(p, k) for k in keys}
+        if owner[id(p)] != rank:
+            continue
+        full = full.cpu()
+        for n in aliases[id(p)]:
+            model[n] = full
         if keys:
-            state[names[id(p)]] = {k: safe_get_full_optimizer_state(p, k).cpu() for k in keys}
+            first = aliases[id(p)][0]
+            state[first] = {k: v.cpu() for k, v in moments.items()}
             if step is not None:
-                state[names[id(p)]]["step"] = torch.tensor(float(step))
+                state[first]["step"] = torch.tensor(float(step))
+    if rank == 0:
+        buffers = dict(module.named_buffers())
+        model |= {n: buffers[n].detach().cpu() for n in _buffer_names(module)}
     zero = engine.optimizer
-    owners = zero.fp16_groups if stage == 3 else zero.bit16_groups  # each group's module parameters
+    members = zero.fp16_groups if stage == 3 else zero.bit16_groups  # each group's module parameters
     groups = []
-    for group, members in zip(zero.param_groups, owners):
-        ids = {id(p) for p in members}
+    for group, group_params in zip(zero.param_groups, members):
+        ids = {id(p) for p in group_params}
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({**hyper, "params": [n for n, p in module.named_parameters() if id(p) in ids]})
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
 def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params: str, state: dict[str, Any]) -> None:
-    """Restore what `export_state` returned, from this or any other strategy and world size."""
+    """Restore what `export_state` returned (each rank holding its owned entries), from any strategy and world size.
+
+    Streamed one parameter at a time: its owner broadcasts the full value, every rank writes its own partition.
+    """
     import deepspeed
+    import torch.distributed as dist
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     create_optimizer_state(engine, stage, offload_optimizer)
     module, zero = engine.module, engine.optimizer
+    rank, params = dist.get_rank(), list(module.named_parameters())
+    owner = _owners([p for _, p in params], dist.get_world_size())
     weights, moments = state["model"], state["optim"]["state"]
-    params = list(module.named_parameters())
-    # ZeRO-3: every rank writes the full values into gathered parameters, then they are re-partitioned.
-    all_params = [p for _, p in params]
-    gathered = deepspeed.zero.GatheredParameters(all_params, modifier_rank=0) if stage == 3 else nullcontext()
-    with gathered, torch.no_grad():
-        for name, p in params:
-            p.copy_(weights[name])  # the working copy (rounded, under bf16/fp16)
+
+    def full(name: str, p: torch.Tensor, key: str | None = None) -> torch.Tensor:
+        """The full value of `p` (its weight, or its optimizer state `key`), broadcast from its owner."""
+        mine = owner[id(p)] == rank
+        value = (weights[name] if key is None else moments[name][key]) if mine else None
+        buffer = value.to(torch.float32).clone() if mine else torch.empty(_full_shape(p), dtype=torch.float32)
+        dist.broadcast(buffer, src=owner[id(p)])
+        return buffer
+
+    keys = sorted({k for s in moments.values() for k in s if k != "step"}) if moments else []
+    keys = _broadcast_list(keys)
+    for name, p in params:  # the working copies (rounded, under bf16/fp16)
+        value = full(name, p)
+        # ZeRO-3: write into the gathered parameter; it is re-partitioned on leaving the block.
+        gathered = deepspeed.zero.GatheredParameters([p], modifier_rank=0) if stage == 3 else nullcontext()
+        with gathered, torch.no_grad():
+            p.copy_(value)
     if offload_params != "nvme":  # NVMe-offloaded working copies are not in host memory to copy from
         zero.refresh_fp32_params()
     for name, p in params:
-        safe_set_full_fp32_param(p, weights[name].to(torch.float32))  # the exact fp32 master
-        for key, value in moments.get(name, {}).items():
-            if key != "step":
-                safe_set_full_optimizer_state(p, value, key)
-    step = next((s["step"] for s in moments.values() if "step" in s), None)
-    if step is not None:
-        _set_step(zero.optimizer, int(step))
+        safe_set_full_fp32_param(p, full(name, p))  # the exact fp32 master
+        for key in keys:
+            safe_set_full_optimizer_state(p, full(name, p, key), key)
+    steps = [s["step"] for s in moments.values() if "step" in s]
+    step = _broadcast_list([float(steps[0])] if steps else [])
+    if step:
+        _set_step(zero.optimizer, int(step[0]))
+
+
+def _broadcast_list(values: list[Any]) -> list[Any]:
+    """Rank 0's list on every rank (rank 0 always owns the largest parameter, so it holds an entry of each kind)."""
+    import torch.distributed as dist
+
+    box = [values]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def create_optimizer_state(engine: Any, stage: int, offload_optimizer: str) -> None:
