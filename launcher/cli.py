@@ -77,21 +77,36 @@ def plan(overrides: list[str]) -> int:
 
 
 def convert(args: Sequence[str]) -> None:
-    """launch convert CHECKPOINT out=FILE.safetensors: consolidated model weights from any checkpoint."""
-    paths = [a for a in args if not a.startswith("out=")]
+    """launch convert CHECKPOINT out=FILE.safetensors | out=DIR [model overrides]: consolidated model weights."""
+    paths = [a for a in args if "=" not in a]
     outs = [a.split("=", 1)[1] for a in args if a.startswith("out=")]
-    if len(paths) != 1 or len(outs) != 1:
-        fail("usage: launch convert CHECKPOINT out=FILE.safetensors")
+    overrides = [a for a in args if "=" in a and not a.startswith("out=")]
+    usage = "usage: launch convert CHECKPOINT out=FILE.safetensors, or out=DIR [the run's model overrides]"
+    if len(paths) != 1 or len(outs) != 1 or any(a.startswith("-") for a in args):
+        fail(usage)
     from pathlib import Path
 
+    out = Path(outs[0])
+    if out.suffix == ".safetensors" and overrides:
+        fail(f"out={out} writes the weights alone; model overrides ({overrides[0]}) are for out=DIR")
     from launcher.checkpoint import CheckpointError
-    from launcher.checkpoint import convert as write
+    from launcher.config import ConfigError, freeze
+    from launcher.convert import convert as write
 
     try:
-        n = write(Path(paths[0]), Path(outs[0]))
-    except (CheckpointError, FileNotFoundError) as e:
+        model = None
+        if out.suffix != ".safetensors":  # a folder: the model of these overrides, as `launch` would build it
+            from hydra import compose, initialize_config_module
+
+            error = check_overrides(overrides)
+            if error:
+                fail(error)
+            with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+                model = freeze(compose(CONFIG_NAME, overrides=overrides)).model
+        n = write(Path(paths[0]), out, model)
+    except (CheckpointError, ConfigError, FileNotFoundError) as e:
         fail(str(e).splitlines()[0])
-    print(f"launch: wrote {n:,} parameters to {outs[0]}")
+    print(f"launch: wrote {n:,} parameters to {out}")
 
 
 # One elastic agent per node starts the node's workers, so a submitit job has one task per node

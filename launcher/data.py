@@ -23,22 +23,34 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
+FORMATS = ("tuple", "hf")
+
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of seq_len + 1 tokens over a flat token array: (inputs, targets)."""
+    """Non-overlapping windows of seq_len + 1 tokens over a flat token array.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    format="tuple": (inputs, next-token targets), for the built-in GPT's forward(idx, targets).
+    format="hf": {"input_ids", "labels"} with labels equal to input_ids (unshifted): a Hugging Face causal LM
+    shifts its labels itself, so shifting them here too would teach it the token after next.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, format: str = "tuple") -> None:
         if len(tokens) < seq_len + 1:
             raise ValueError(f"{len(tokens)} tokens cannot make one sample of data.seq_len={seq_len}")
-        self.tokens, self.seq_len = tokens, seq_len
+        if format not in FORMATS:
+            raise ValueError(f"data.format={format} is not one of {', '.join(FORMATS)}")
+        self.tokens, self.seq_len, self.format = tokens, seq_len, format
         self.n = (len(tokens) - 1) // seq_len
 
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> Any:
         start = i * self.seq_len
         chunk = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        if self.format == "hf":
+            inputs = chunk[:-1]
+            return {"input_ids": inputs, "labels": inputs.clone()}
         return chunk[:-1], chunk[1:]
 
 
@@ -52,7 +64,7 @@ def cache_dir() -> Path:
     return Path(base) / "launch"
 
 
-def PySource(split: str, seq_len: int = 128, val_fraction: float = 0.05) -> TokenWindows:
+def PySource(split: str, seq_len: int = 128, val_fraction: float = 0.05, format: str = "tuple") -> TokenWindows:
     """Byte-level tokens of the running Python's standard-library .py files.
 
     Files are assigned to train or validation by a hash of their relative path, so the split is
@@ -63,7 +75,7 @@ def PySource(split: str, seq_len: int = 128, val_fraction: float = 0.05) -> Toke
     path = cache_dir() / f"pysource-{tag}-{split}.bin"
     if not path.exists():
         _build_pysource(root, val_fraction, path.parent, tag)
-    return TokenWindows(np.memmap(path, dtype=np.uint8, mode="r"), seq_len)
+    return TokenWindows(np.memmap(path, dtype=np.uint8, mode="r"), seq_len, format)
 
 
 def _build_pysource(root: Path, val_fraction: float, out: Path, tag: str) -> None:
@@ -81,22 +93,24 @@ def _build_pysource(root: Path, val_fraction: float, out: Path, tag: str) -> Non
         os.replace(tmp, out / f"pysource-{tag}-{split}.bin")  # atomic: ranks may race to build
 
 
-def Synthetic(split: str, seq_len: int = 128, vocab_size: int = 256, num_samples: int = 16384) -> TokenWindows:
+def Synthetic(
+    split: str, seq_len: int = 128, vocab_size: int = 256, num_samples: int = 16384, format: str = "tuple"
+) -> TokenWindows:
     """Uniform random tokens from a fixed seed per split."""
     n = num_samples if split == "train" else max(1, num_samples // 10)
     rng = np.random.default_rng(0 if split == "train" else 1)
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
-    return TokenWindows(rng.integers(0, vocab_size, size=n * seq_len + 1, dtype=dtype), seq_len)
+    return TokenWindows(rng.integers(0, vocab_size, size=n * seq_len + 1, dtype=dtype), seq_len, format)
 
 
 def Tokens(
-    split: str, path: str, dtype: str = "uint16", seq_len: int = 1024, val_fraction: float = 0.01
+    split: str, path: str, dtype: str = "uint16", seq_len: int = 1024, val_fraction: float = 0.01, format: str = "tuple"
 ) -> TokenWindows:
     """A flat file of token ids, memory-mapped; the last `val_fraction` of it is the validation split."""
     if dtype not in ("uint16", "uint32"):
         raise ValueError(f"data.dtype={dtype} is not supported; use uint16 or uint32")
     tokens = np.memmap(os.path.expanduser(path), dtype=np.dtype(dtype), mode="r")
-    return TokenWindows(_split(tokens, split, val_fraction), seq_len)
+    return TokenWindows(_split(tokens, split, val_fraction), seq_len, format)
 
 
 class GlobalBatches:

@@ -9,17 +9,19 @@ the strategies, and below the CLI; the planner (`launcher.plan`), the checks and
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.checks import check_resume, check_strategy
+from launcher.checks import check_keys, check_resume, check_strategy
 from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze, identity_hash
 from launcher.lifecycle import STOP_SIGNALS
 from launcher.machine import loopback_interface, usable_cpus, visible_cuda_devices
@@ -50,6 +52,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     frozen = freeze(cfg)
     cuda = visible_cuda_devices()
     derived = derive(frozen, cuda)
+    check_keys(frozen)
     model = build_on_meta(frozen.model)  # once: every check below reads this one
     if is_auto(frozen):  # strategy=auto: the planner's pick replaces it before anything else reads the config
         name, frozen = choose(frozen, derived, model)
@@ -109,17 +112,46 @@ def hydra_job() -> tuple[Path, dict[str, Any]]:
     return Path(hc.runtime.output_dir), job
 
 
+@dataclass(frozen=True)
+class Outcome:
+    code: int
+    """The launcher's exit code: 0 finished, 1 failed, 2 refused before start, 128 + N stopped by signal N."""
+    reason: str = ""
+    """One line: why it did not finish (printed as `launch: error: ...`), empty when it did."""
+
+
+OUTCOME = "outcome.json"
+"""A sweep job's outcome in its folder, for the sweep's report: code, reason, seconds."""
+
+
 def run_job(cfg: DictConfig) -> int:
-    """One run: the task function of the Hydra app (called once per job in a multirun, once per node on SLURM)."""
+    """One run: the task function of the Hydra app (called once per job in a multirun, once per node on SLURM).
+
+    In a sweep a job that fails does not end the sweep: its outcome is recorded for the report, which lists every
+    job and makes the sweep exit non-zero if any failed.
+    """
+    started = time.monotonic()
     run_dir, job = hydra_job()
+    outcome = _run(cfg, run_dir, job)
+    if outcome.reason and not outcome.code >= 128:  # a stop already said where its checkpoint is
+        print(f"launch: error: {outcome.reason}", file=sys.stderr, flush=True)
+    if "sweep_dir" not in job:
+        return outcome.code
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"code": outcome.code, "reason": outcome.reason, "seconds": round(time.monotonic() - started, 1),
+              "strategy": job["choices"].get("strategy"), "overrides": job["overrides"]}  # fmt: skip
+    (run_dir / OUTCOME).write_text(json.dumps(record))
+    return 0
+
+
+def _run(cfg: DictConfig, run_dir: Path, job: dict[str, Any]) -> Outcome:
     fresh = _empty(run_dir)  # Hydra made it just now: a refused run leaves nothing behind
     try:
         prepared = prepare(cfg, run_dir, job)
     except ConfigError as e:
-        print(f"launch: error: {e}", file=sys.stderr)
-        if fresh:
+        if fresh and "sweep_dir" not in job:
             _remove_empty(run_dir)
-        return EXIT_BAD_INPUT
+        return Outcome(EXIT_BAD_INPUT, str(e))
     print(describe(cfg, prepared.derived, prepared.rdzv, run_dir), flush=True)
     try:
         return start_workers(prepared.resolved, prepared.derived, prepared.rdzv, cfg.trainer, run_dir)
@@ -161,7 +193,7 @@ def _worker_environment(derived: Derived, rdzv: Rendezvous) -> None:
     os.environ["LAUNCH_PARENT_PID"] = str(os.getpid())
 
 
-def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: DictConfig, run_dir: Path) -> int:
+def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: DictConfig, run_dir: Path) -> Outcome:
     """Start `gpus` workers on this node through torch's elastic agent and wait for them."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -191,31 +223,27 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
     except SignalException as e:
         return _stopped(e.sigval, run_dir, previous)
     except RendezvousError as e:
-        print(
-            f"launch: error: the {derived.nodes} nodes did not all join rendezvous {rdzv.endpoint} (id {rdzv.run_id}) "
+        return Outcome(
+            EXIT_FAILED,
+            f"the {derived.nodes} nodes did not all join rendezvous {rdzv.endpoint} (id {rdzv.run_id}) "
             f"within rdzv.join_timeout={rdzv.configs['join_timeout']} s ({type(e).__name__}); "
-            "start launch on every node "
-            "with the same rdzv.endpoint and rdzv.id",
-            file=sys.stderr,
+            "start launch on every node with the same rdzv.endpoint and rdzv.id",
         )
-        return EXIT_FAILED
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message
         if isinstance(message, dict):
             message = message.get("message", "")
-        print(
-            f"launch: error: rank {rank} failed: {_summary(message, failure.exitcode)} (logs: {run_dir / 'logs'})",
-            file=sys.stderr,
+        return Outcome(
+            EXIT_FAILED, f"rank {rank} failed: {_summary(message, failure.exitcode)} (logs: {run_dir / 'logs'})"
         )
-        return EXIT_FAILED
     finally:
         for sig, handler in previous.items():  # the agent leaves its own handlers behind
             signal.signal(sig, handler)
-    return 0
+    return Outcome(0)
 
 
-def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, Any]) -> int:
+def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, Any]) -> Outcome:
     """The workers saved and stopped on a signal: say where the checkpoint is and how to go on."""
     from launcher.checkpoint import latest
 
@@ -229,7 +257,7 @@ def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, 
     handler = previous.get(sig)
     if callable(handler):  # e.g. submitit's SIGUSR2 handler, which requeues the SLURM job
         handler(sig, None)
-    return 128 + sig
+    return Outcome(128 + sig, f"stopped by {sig.name}")
 
 
 def _summary(message: object, exitcode: int) -> str:

@@ -69,7 +69,32 @@ def build_on_meta(model_cfg: DictConfig) -> Any:
             return instantiate(model_cfg)
     except Exception as e:  # the model's own one-line complaint, not Hydra's wrapper
         cause = e.__cause__ or e
-        raise ConfigError(f"model {model_cfg.get('_target_')} could not be built: {cause}") from e
+        twin = _from_config_twin(model_cfg)
+        if twin is None:
+            raise ConfigError(f"model {model_cfg.get('_target_')} could not be built: {cause}") from e
+    try:
+        with _no_init_on_meta():
+            return twin()
+    except Exception as e:
+        raise ConfigError(f"model {model_cfg.get('_target_')} could not be built: {e.__cause__ or e}") from e
+
+
+def _from_config_twin(model_cfg: DictConfig) -> Any:
+    """A transformers `Class.from_pretrained(path)` refuses the meta device (it wants to load weights): the same
+    architecture is `Class.from_config(Class's config from path)`, which builds on the meta device for free."""
+    from hydra._internal.utils import _locate
+
+    target = str(model_cfg.get("_target_", ""))
+    path = model_cfg.get("pretrained_model_name_or_path")
+    if not target.endswith(".from_pretrained") or path is None:
+        return None
+    owner = _locate(target.removesuffix(".from_pretrained"))
+    config_class = getattr(owner, "config_class", None)
+    if config_class is None:  # an Auto class
+        from transformers import AutoConfig as config_class
+    if hasattr(owner, "from_config"):
+        return lambda: owner.from_config(config_class.from_pretrained(str(path)))
+    return lambda: owner(config_class.from_pretrained(str(path)))
 
 
 def measure(model: Any) -> ModelSize:

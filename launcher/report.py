@@ -1,7 +1,8 @@
-"""The sweep report: at the end of a multirun, `summary.md` and `summary.png` in the sweep directory.
+"""The sweep report: at the end of a multirun, a table of every job's outcome on the terminal, `summary.md` and
+`summary.png` in the sweep directory, and a non-zero exit if any job did not finish.
 
-Built only from what the jobs wrote (`resolved.yaml`, `metrics.jsonl`), so it also works on a
-sweep that ran elsewhere: `python -m launcher.report <sweep dir>`.
+Built only from what the jobs wrote (`outcome.json`, `resolved.yaml`, `metrics.jsonl`), so it also works on a
+sweep that ran elsewhere: `python -m launcher.report <sweep dir>`. What it reads is data: parsed, never run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ class Job:
     world_size: int | None
     accumulation: int | None
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    code: int | None = None
+    """The job's exit code (None: no outcome recorded, e.g. a sweep from before outcomes)."""
+    reason: str = ""
+    seconds: float | None = None
+
+    @property
+    def status(self) -> str:
+        if self.code is None:
+            return "?"
+        return {0: "ok", 2: "refused"}.get(self.code, "stopped" if self.code >= 128 else "failed")
 
     @property
     def losses(self) -> list[tuple[int, float]]:
@@ -38,46 +49,71 @@ class Job:
         return next((m[key] for m in reversed(self.metrics) if key in m), None)
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def collect(sweep_dir: Path) -> list[Job]:
-    runs = sorted(sweep_dir.glob("*/resolved.yaml"), key=lambda p: (len(p.parent.name), p.parent.name))
-    overrides = [_overrides(p.parent) for p in runs]
+    folders = {p.parent for pattern in ("*/resolved.yaml", "*/outcome.json") for p in sweep_dir.glob(pattern)}
+    folders_sorted = sorted(folders, key=lambda p: (len(p.name), p.name))
+    outcomes = [_read_json(f / "outcome.json") or {} for f in folders_sorted]
+    overrides = [_overrides(f, o) for f, o in zip(folders_sorted, outcomes)]
     varying = {k for o in overrides for k in o if len({str(other.get(k)) for other in overrides}) > 1}
     jobs = []
-    for resolved, job_overrides in zip(runs, overrides):
-        cfg = OmegaConf.load(resolved)
-        metrics_file = resolved.parent / "metrics.jsonl"
+    for folder, outcome, job_overrides in zip(folders_sorted, outcomes, overrides):
+        cfg = OmegaConf.load(folder / "resolved.yaml") if (folder / "resolved.yaml").exists() else OmegaConf.create()
+        metrics_file = folder / "metrics.jsonl"
         metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
         label = " ".join(f"{k}={v}" for k, v in job_overrides.items() if k in varying)
+        strategy = OmegaConf.select(cfg, "job.choices.strategy", default=None) or outcome.get("strategy") or "?"
         jobs.append(
             Job(
-                name=f"{resolved.parent.name}" + (f": {label}" if label else ""),
-                strategy=str(OmegaConf.select(cfg, "job.choices.strategy", default="?")),
+                name=f"{folder.name}" + (f": {label}" if label else ""),
+                strategy=str(strategy),
                 world_size=OmegaConf.select(cfg, "derived.world_size"),
                 accumulation=OmegaConf.select(cfg, "derived.accumulation"),
                 metrics=metrics,
+                code=outcome.get("code"),
+                reason=str(outcome.get("reason", "")),
+                seconds=outcome.get("seconds"),
             )
         )
     return jobs
 
 
-def _overrides(job_dir: Path) -> dict[str, str]:
-    """The job's command-line overrides, as the launcher recorded them in resolved.yaml."""
-    items = OmegaConf.select(OmegaConf.load(job_dir / "resolved.yaml"), "job.overrides", default=None) or []
-    return dict(str(o).lstrip("+~").split("=", 1) for o in items if "=" in str(o))
+def _overrides(job_dir: Path, outcome: dict[str, Any]) -> dict[str, str]:
+    """The job's command-line overrides, as the launcher recorded them."""
+    items = outcome.get("overrides")
+    if items is None and (job_dir / "resolved.yaml").exists():
+        items = OmegaConf.select(OmegaConf.load(job_dir / "resolved.yaml"), "job.overrides", default=None)
+    return dict(str(o).lstrip("+~").split("=", 1) for o in items or [] if "=" in str(o))
 
 
 def _fmt(value: Any, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def outcomes(jobs: list[Job]) -> str:
+    """The terminal table: one row per job, its outcome, the one-line reason and how long it took."""
+    rows = [("job", "strategy", "status", "seconds", "reason")]
+    rows += [(j.name, j.strategy, j.status, _fmt(j.seconds, ".1f"), j.reason) for j in jobs]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4] for r in rows)
+
+
 def markdown(jobs: list[Job]) -> str:
     lines = [
-        "| job | strategy | world size | accumulation | final loss | samples/s | model-state bytes per rank |",
-        "|---|---|---|---|---|---|---|",
+        "| job | strategy | status | seconds | world size | accumulation | final loss | samples/s "
+        "| model-state bytes per rank |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for j in jobs:
         lines.append(
-            f"| {j.name} | {j.strategy} | {_fmt(j.world_size, 'd')} | {_fmt(j.accumulation, 'd')} | "
+            f"| {j.name} | {j.strategy} | {j.status} | {_fmt(j.seconds, '.1f')} | "
+            f"{_fmt(j.world_size, 'd')} | {_fmt(j.accumulation, 'd')} | "
             f"{_fmt(j.last('loss'), '.4f')} | {_fmt(j.samples_per_s, '.1f')} | "
             f"{_fmt(j.last('model_state_bytes'), ',.0f')} |"
         )
@@ -115,15 +151,19 @@ def write_report(sweep_dir: Path) -> list[Job]:
 
 
 class SweepReport(Callback):
-    """Hydra callback: writes the report after the last job of a multirun."""
+    """Hydra callback: after the last job of a multirun, the table and the report; exit 1 if any job did not finish."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         jobs = write_report(sweep_dir)
-        if jobs:
-            print(
-                f"launch: sweep report of {len(jobs)} job(s): {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.png'}"
-            )
+        if not jobs:
+            return
+        print(outcomes(jobs), flush=True)
+        print(f"launch: sweep report of {len(jobs)} job(s): {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.png'}")
+        unfinished = [j for j in jobs if j.code not in (0, None)]
+        if unfinished:
+            print(f"launch: error: {len(unfinished)} of {len(jobs)} job(s) did not finish", file=sys.stderr, flush=True)
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from launcher.checkpoint import Position
 from launcher.data import GlobalBatches, collate, rank_micro_batches
 from launcher.lifecycle import Phase, StopRequest
 from launcher.logs import JsonlLogger, NullLogger
+from launcher.loss import batch_tokens, model_loss
 from launcher.plan.costs import GPT_TARGET, flops_per_token, peak_tflops, step_comm_bytes
 from launcher.resume import check_shared_directory, resume, save_checkpoint
 from strategies import RunContext, Strategy
@@ -48,17 +49,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def _tokens(batch: Any) -> int:
-    first = (
-        batch[0]
-        if isinstance(batch, (list, tuple))
-        else next(iter(batch.values()))
-        if isinstance(batch, dict)
-        else batch
-    )
-    return int(first.numel()) if isinstance(first, torch.Tensor) else 0
 
 
 @dataclass(frozen=True)
@@ -83,9 +73,9 @@ class Speed:
         formula = step_comm_bytes(params, ctx.world_size, strategy.layout(), ctx.precision, ctx.accumulation)
         return cls(flops_per_token(params, *shape), peak * 1e12 if peak else None, formula)
 
-    def metrics(self, tokens_per_s: float, world_size: int) -> dict[str, float]:
+    def metrics(self, tokens_per_s: float | None, world_size: int) -> dict[str, float]:
         figures = {"comm_bytes_formula": self.comm_bytes_formula}
-        if self.peak_flops:
+        if self.peak_flops and tokens_per_s is not None:
             # tokens_per_s is over all ranks; the peak is one device's.
             figures["mfu"] = self.flops_per_token * tokens_per_s / (world_size * self.peak_flops)
         return figures
@@ -144,18 +134,35 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
             if metrics:
-                self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", samples_s=f"{metrics['samples_per_s']:.0f}")
         elif self.rank == 0 and metrics:
             extra = f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
             print(
                 f"step {step} | loss {metrics['loss']:.4f}{extra} | lr {metrics['lr']:.2e} | "
-                f"{metrics['step_time_s']:.3f} s/step | {metrics['tokens_per_s']:.0f} tok/s",
+                f"{metrics['step_time_s']:.3f} s/step | {_rate(metrics)}",
                 flush=True,
             )
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _rate(metrics: dict[str, float]) -> str:
+    if "tokens_per_s" in metrics:
+        return f"{metrics['tokens_per_s']:.0f} tok/s"
+    return f"{metrics['samples_per_s']:.1f} samples/s"
+
+
+def import_targets(node: Any) -> None:
+    """Import every `_target_` in a config node (nested ones too: a transformers model's config)."""
+    from hydra._internal.utils import _locate
+
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            _locate(str(node._target_))
+        for key in node:
+            import_targets(node.get(key))
 
 
 def _reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
@@ -173,7 +180,7 @@ def evaluate(strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, gl
         for b in range(batches):
             indices = np.arange(b * global_size, (b + 1) * global_size) % len(val_set)
             for micro in rank_micro_batches(indices, ctx.rank, ctx.world_size, ctx.accumulation):
-                total += strategy.forward(collate(val_set, micro, device)).double()
+                total += model_loss(strategy.forward(collate(val_set, micro, device))).double()
                 count += 1
     strategy.train(True)
     (mean,) = _reduce([total.item() / count], dist.ReduceOp.SUM, device)
@@ -207,6 +214,9 @@ def _train(
     check_shared_directory(run_dir, ctx, int(cfg.derived.nodes))
     phase("building the model")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and in a one-process run
+    # The model's module and everything it imports, imported now: DeepSpeed's zero.Init patches torch's tensor
+    # constructors while the model is built, and a library imported first inside it (transformers) fails.
+    import_targets(cfg.model)
     strategy.setup(ctx, lambda: instantiate(cfg.model), optimizer_factory(cfg, ctx, strategy))
     speed = Speed.of(cfg, ctx, strategy)
     position = resume(cfg, ctx, strategy, run_dir)
@@ -225,10 +235,10 @@ def _train(
             batch = collate(train_set, indices, device)
             # Gradients are synchronised once per optimizer step: on the last micro-step only.
             with strategy.sync(k == K - 1):
-                loss = strategy.forward(batch) / K
+                loss = model_loss(strategy.forward(batch)) / K
                 strategy.backward(loss)
             loss_sum += loss.detach().double()
-            window_tokens += _tokens(batch)
+            window_tokens += batch_tokens(batch)
         phase(f"in the optimizer step {step}")
         grad_norm = strategy.step(lr)
         position = Position(step, position.samples + B)
@@ -242,12 +252,10 @@ def _train(
             metrics = _step_metrics(ctx, strategy, loss_sum, grad_norm, lr, device)
             elapsed = time.perf_counter() - window_start
             (tokens,) = _reduce([window_tokens], dist.ReduceOp.SUM, device)
-            metrics |= {
-                "step_time_s": elapsed / window_steps,
-                "samples_per_s": B * window_steps / elapsed,
-                "tokens_per_s": tokens / elapsed,
-            }
-            metrics |= speed.metrics(metrics["tokens_per_s"], ctx.world_size)
+            metrics |= {"step_time_s": elapsed / window_steps, "samples_per_s": B * window_steps / elapsed}
+            if tokens:  # only batches of integer token ids have tokens to count (not images, not features)
+                metrics["tokens_per_s"] = tokens / elapsed
+            metrics |= speed.metrics(metrics.get("tokens_per_s"), ctx.world_size)
             if evaluate_now:
                 metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, B)
             loggers.log(metrics, step)
@@ -256,7 +264,8 @@ def _train(
         phase(f"agreeing whether to stop after step {step}")
         # Every rank learns of a stop signal any rank got, so all save the same step together.
         (stopping,) = _reduce([float(stop.signal is not None)], dist.ReduceOp.MAX, device)
-        if last or stopping or (trainer.checkpoint_every > 0 and step % trainer.checkpoint_every == 0):
+        every = trainer.checkpoint_every > 0 and step % trainer.checkpoint_every == 0
+        if (last and trainer.save_at_end) or stopping or every:
             phase(f"saving the checkpoint of step {step}")
             saved = save_checkpoint(cfg, ctx, strategy, run_dir, position)
             if stopping and not last:

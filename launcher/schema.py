@@ -68,6 +68,8 @@ class TrainerConfig:
     """Show a progress bar on rank 0."""
     checkpoint_every: int = 0
     """Save a checkpoint every N optimizer steps (0: only at the end)."""
+    save_at_end: bool = True
+    """Save a checkpoint after the last step; false for smoke runs (a stop signal still saves)."""
     stop_timeout: int = 120
     """Seconds workers get, after a stop signal, to finish the step and save before they are killed."""
     keep_last: int = 2
@@ -79,12 +81,21 @@ class TrainerConfig:
 
 
 @dataclass
-class ModelConfig:
+class CustomConfig:
+    """model=custom, data=custom: a target of your own and nothing else; add its keys with +model.KEY=VALUE."""
+
     _target_: str = MISSING
 
 
+class DataFormat(Enum):
+    tuple = "tuple"
+    """(inputs, next-token targets): the built-in GPT's forward(idx, targets)."""
+    hf = "hf"
+    """{"input_ids", "labels"}, labels unshifted: a Hugging Face causal LM shifts them itself."""
+
+
 @dataclass
-class GPTConfig(ModelConfig):
+class GPTConfig:
     _target_: str = "launcher.models.gpt.GPT"
     n_layer: int = 4
     n_head: int = 4
@@ -99,6 +110,8 @@ class PySourceDataConfig:
     _target_: str = "launcher.data.PySource"
     seq_len: int = 128
     val_fraction: float = 0.05
+    format: DataFormat = DataFormat.tuple
+    """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
 
 
 @dataclass
@@ -107,6 +120,8 @@ class SyntheticDataConfig:
     seq_len: int = 128
     vocab_size: int = 256
     num_samples: int = 16384
+    format: DataFormat = DataFormat.tuple
+    """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
 
 
 @dataclass
@@ -116,6 +131,8 @@ class TokensDataConfig:
     dtype: str = "uint16"
     seq_len: int = 1024
     val_fraction: float = 0.01
+    format: DataFormat = DataFormat.tuple
+    """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
 
 
 @dataclass
@@ -141,8 +158,9 @@ class DDPStrategyConfig:
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
-    compile_units: list[str] = field(default_factory=lambda: ["Block"])
-    """Class names of the modules trainer.compile=true compiles one by one (default: the GPT's blocks)."""
+    compile_units: list[str] | None = None
+    """Class names of the modules trainer.compile=true compiles one by one; unset: the model's own
+    `_no_split_modules` (transformers models, the built-in GPT's Block), else the whole model."""
 
 
 class FSDPOffload(Enum):
@@ -153,8 +171,9 @@ class FSDPOffload(Enum):
 @dataclass
 class FSDPStrategyConfig:
     _target_: str = "strategies.fsdp.FSDP"
-    shard_units: list[str] = field(default_factory=lambda: ["Block"])
-    """Class names of the modules sharded as one unit each, before the root (default: the GPT's blocks)."""
+    shard_units: list[str] | None = None
+    """Class names of the modules sharded as one unit each, before the root; unset: the model's own
+    `_no_split_modules` (transformers models, the built-in GPT's Block), else the whole model as one unit."""
     reshard_after_forward: bool = True
     """Free each unit's gathered parameters after its forward (gather again for backward); false keeps them."""
     offload: FSDPOffload = FSDPOffload.none
@@ -295,8 +314,9 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "base_fsdp": FSDPStrategyConfig,
         "base_deepspeed": DeepSpeedStrategyConfig,
     },
-    "model": {"base_gpt": GPTConfig},
+    "model": {"base_gpt": GPTConfig, "base_custom": CustomConfig},
     "data": {
+        "base_custom": CustomConfig,
         "base_pysource": PySourceDataConfig,
         "base_synthetic": SyntheticDataConfig,
         "base_tokens": TokensDataConfig,
@@ -328,6 +348,11 @@ def register() -> None:
         )
     if not OmegaConf.has_resolver("launch_id"):  # the default run directory's suffix; cached: one value per launch
         OmegaConf.register_new_resolver("launch_id", lambda: secrets.token_hex(2), use_cache=True)
+    if not OmegaConf.has_resolver("launch_strategies"):  # conf/sweep/smoke.yaml (launcher/smoke.py)
+        from launcher import smoke
+
+        OmegaConf.register_new_resolver("launch_strategies", smoke.runnable_strategies, use_cache=True)
+        OmegaConf.register_new_resolver("launch_scratch", smoke.scratch, use_cache=True)
     store = ConfigStore.instance()
     store.store(name="launch_schema", node=LaunchConfig)
     for group, nodes in SCHEMAS.items():

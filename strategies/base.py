@@ -81,8 +81,9 @@ class Strategy(Protocol):
         """Build the model (where the layout needs it), wrap it, and create the optimizer over the wrapped
         parameters."""
 
-    def forward(self, batch: Any) -> torch.Tensor:
-        """Run the model on one micro-batch under the strategy's precision; return the scalar loss."""
+    def forward(self, batch: Any) -> Any:
+        """Run the model on one micro-batch under the strategy's precision; return its output as it is (the
+        runner takes the loss from it: a scalar, a ModelOutput's `.loss`, a dict's "loss")."""
 
     def sync(self, enabled: bool) -> AbstractContextManager[None]:
         """Context around one micro-step's forward and backward; enabled=False skips gradient synchronisation."""
@@ -111,13 +112,23 @@ class Strategy(Protocol):
         """Release the model and optimizer so the process group can be destroyed cleanly."""
 
 
-def call_model(model: nn.Module, batch: Any) -> torch.Tensor:
+def call_model(model: nn.Module, batch: Any) -> Any:
     """The model contract: a tuple/list batch is passed as positional arguments, a dict as keywords."""
     if isinstance(batch, dict):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def unit_classes(model: nn.Module, explicit: list[str] | None) -> list[str]:
+    """Class names of a model's layer-sized units (what FSDP shards one by one, what compile compiles): the explicit
+    list when given; else the model's own `_no_split_modules` that occur in it (transformers models declare them, as
+    Accelerate reads them; so does the built-in GPT); else none: the whole model is one unit."""
+    if explicit is not None:
+        return list(explicit)
+    present = {type(m).__name__ for m in model.modules()}
+    return sorted(name for name in getattr(model, "_no_split_modules", None) or () if name in present)
 
 
 def unit_modules(model: nn.Module, class_names: list[str]) -> list[nn.Module]:

@@ -22,6 +22,7 @@ from strategies.base import (
     load_torch_state_dict,
     optimizer_step,
     torch_state_dict,
+    unit_classes,
     unit_modules,
 )
 from strategies.comm import CommCounter
@@ -45,7 +46,7 @@ class DDP:
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.compile_units = [str(name) for name in (["Block"] if compile_units is None else compile_units)]
+        self.compile_units = None if compile_units is None else [str(name) for name in compile_units]
         self._counter = CommCounter()
         self._last_step: dict[str, float] = {}
 
@@ -56,7 +57,7 @@ class DDP:
     def check(self, ctx: RunContext, model: nn.Module) -> None:
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")
-        if ctx.compile and not self.compile_units:
+        if ctx.compile and self.compile_units == []:
             raise ValueError(
                 "trainer.compile=true compiles each unit, but strategy.compile_units is empty; "
                 "name the unit classes, e.g. strategy.compile_units=[Block]"
@@ -68,7 +69,8 @@ class DDP:
         module = build_model().to(ctx.device)
         if ctx.compile:
             # Before wrapping: DDP's bucketed all-reduce hooks stay outside the compiled graphs (as under FSDP).
-            compile_units(unit_modules(module, self.compile_units))
+            # Unit by unit where the model has units (the model's _no_split_modules, or strategy.compile_units).
+            compile_units(unit_modules(module, unit_classes(module, self.compile_units)) or [module])
         self.model = DistributedDataParallel(
             module,
             device_ids=[torch.device(ctx.device).index] if ctx.device_type == "cuda" else None,

@@ -27,6 +27,7 @@ from strategies.base import (
     load_torch_state_dict,
     optimizer_step,
     torch_state_dict,
+    unit_classes,
     unit_modules,
 )
 from strategies.comm import CommCounter
@@ -69,7 +70,7 @@ class FSDP:
         activation_checkpointing: bool = False,
         sync_each_microbatch: bool = False,
     ) -> None:
-        self.shard_units = [str(name) for name in (["Block"] if shard_units is None else shard_units)]
+        self.shard_units = None if shard_units is None else [str(name) for name in shard_units]
         self.reshard_after_forward = reshard_after_forward
         self.offload = offload
         self.reduce_dtype = reduce_dtype
@@ -91,24 +92,32 @@ class FSDP:
                 f"strategy.reduce_dtype=fp16 with precision={ctx.precision} reduces unscaled gradients "
                 "in fp16; use strategy.reduce_dtype=fp32 or bf16, or precision=fp16 (loss-scaled)"
             )
-        if ctx.compile and not self.shard_units:
-            raise ValueError(
-                "trainer.compile=true compiles each shard unit, but strategy.shard_units is empty; "
-                "name the unit classes, e.g. strategy.shard_units=[Block]"
-            )
-        if self.activation_checkpointing and not self.shard_units:
-            raise ValueError(
-                "strategy.activation_checkpointing=true checkpoints each shard unit, but "
-                "strategy.shard_units is empty; name the unit classes, e.g. strategy.shard_units=[Block]"
-            )
         present = sorted({type(m).__name__ for m in model.modules() if m is not model})
-        for name in self.shard_units:
+        units = unit_classes(model, self.shard_units)
+        for name in units:
             if name not in present:
                 guess = (difflib.get_close_matches(name, present, n=1) or present[:1] or ["<class name>"])[0]
                 raise ValueError(
                     f"strategy.shard_units: no module of class '{name}' in {type(model).__name__} "
                     f"(its classes: {', '.join(present)}); e.g. strategy.shard_units=[{guess}]"
                 )
+        for asked, what in (
+            (ctx.compile, "trainer.compile=true compiles"),
+            (self.activation_checkpointing, "strategy.activation_checkpointing=true checkpoints"),
+        ):
+            if asked and not units:
+                raise ValueError(
+                    f"{what} each shard unit, but {type(model).__name__} has none (strategy.shard_units is empty "
+                    "and it declares no _no_split_modules); name its layer classes, e.g. strategy.shard_units=[Block]"
+                )
+        if not units:
+            print(
+                f"launch: fsdp: {type(model).__name__} declares no _no_split_modules and strategy.shard_units is "
+                "unset: the whole model is one unit (parameters, gradients and optimizer state are still sharded "
+                "1/G, but every parameter is gathered at once); name its layer classes to gather one at a time, "
+                "e.g. strategy.shard_units=[MyBlock]",
+                flush=True,
+            )
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
         from torch.distributed._composable import checkpoint
@@ -125,7 +134,7 @@ class FSDP:
         self._counter.world_size = ctx.world_size
         # Built whole, then sharded: the same random draws as DDP, hence the same initial weights.
         model = build_model().to(ctx.device)
-        units = unit_modules(model, self.shard_units)
+        units = unit_modules(model, unit_classes(model, self.shard_units))
         if self.activation_checkpointing:
             # Before sharding (torchtitan's order): FSDP's hooks then surround the checkpointed unit, so its
             # parameters are gathered again when backward recomputes it. The composable form keeps

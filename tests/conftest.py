@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import subprocess
@@ -56,6 +57,28 @@ class Run:
         assert len(lines) == 1 and lines[0].startswith("launch: error: "), self.stderr
         assert not (self.run_dir / "resolved.yaml").exists() and not (self.run_dir / "logs").exists()
         return lines[0]
+
+
+REQUIRE_ASYNC_IO = "LAUNCH_TEST_REQUIRE_ASYNC_IO"
+"""Set to 1 (as .ci/run does, after installing libaio) to make a missing async I/O op a failure, not a skip."""
+
+
+@functools.cache
+def async_io_problem() -> str | None:
+    from strategies.deepspeed.strategy import async_io_problem as problem
+
+    return problem("cpu")
+
+
+def require_async_io() -> None:
+    """For tests of ZeRO-Infinity, which needs DeepSpeed's async I/O op and so libaio: a machine without it skips
+    them with the reason, unless LAUNCH_TEST_REQUIRE_ASYNC_IO=1 says it must have it (then they fail)."""
+    problem = async_io_problem()
+    if problem is None:
+        return
+    if os.environ.get(REQUIRE_ASYNC_IO) == "1":
+        pytest.fail(f"{REQUIRE_ASYNC_IO}=1 but {problem}")
+    pytest.skip(problem)
 
 
 def clean_env(tmp_path: Path) -> dict[str, str]:

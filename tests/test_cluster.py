@@ -263,7 +263,8 @@ def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:
     assert resolved[0].logger.group == resolved[1].logger.group == sweep.name  # one wandb group per sweep
     assert resolved[0].logger.name != resolved[1].logger.name  # one run per job
     table = (sweep / "summary.md").read_text().splitlines()
-    assert len(table) == 4 and "| 0: batch.micro_size=2 | ddp | 2 | 4 |" in table[2], table
+    assert len(table) == 4 and table[2].startswith("| 0: batch.micro_size=2 | ddp | ok | ") and "| 2 | 4 |" in table[2]
+    assert "job  " in run.stdout and " ok " in run.stdout  # the outcome table on the terminal
     assert (sweep / "summary.png").stat().st_size > 10_000
 
 
@@ -272,7 +273,7 @@ def test_sweep_configs_name_only_existing_choices() -> None:
 
     conf = resources.files("launcher.conf")
     strategies = {p.name[:-5] for p in (conf / "strategy").iterdir() if p.name.endswith(".yaml")}
-    for name in ("strategies", "batch_scaling"):
+    for name in ("strategies", "batch_scaling", "smoke"):
         cfg = _compose(f"+sweep={name}", hydra=True)
         params = cfg.hydra.sweeper.params
         assert params, name

@@ -33,6 +33,10 @@ def _compose(*overrides: str):
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_instantiates(group: str, option: str, tmp_path: Path) -> None:
     overrides = [f"{group}={option}"] + ([f"data.path={tmp_path / 't.bin'}"] if option == "tokens" else [])
+    if option == "custom":  # one key, the target, which the user names
+        overrides.append(
+            f"{group}._target_={ {'model': 'user_models.Classifier', 'data': 'user_models.images'}[group] }"
+        )
     cfg = _compose(*overrides)
     node = cfg[group]
     assert OmegaConf.select(node, "_target_"), f"{group}/{option} has no _target_"
@@ -95,8 +99,8 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
 
 BAD = {
     "unknown strategy": (["strategy=nope"], "unknown strategy 'nope'; valid: auto, ddp"),
-    "unknown model": (["model=gpt_huge"], "unknown model 'gpt_huge'; valid: gpt_124m"),
-    "unknown data": (["data=imagenet"], "unknown data 'imagenet'; valid: pysource"),
+    "unknown model": (["model=gpt_huge"], "unknown model 'gpt_huge'; valid: custom, gpt_124m"),
+    "unknown data": (["data=imagenet"], "unknown data 'imagenet'; valid: custom, pysource"),
     "unknown key": (["trainer.max_stpes=5"], "unknown key 'trainer.max_stpes'"),
     "unknown top-level key": (["gpu=2"], "unknown key 'gpu'"),
     "wrong type": (["batch.global_size=lots"], "batch.global_size"),

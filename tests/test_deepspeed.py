@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch
+from conftest import LAUNCH, TINY, clean_env, launch, require_async_io
 
 from strategies import RunContext
 from strategies.deepspeed import build_ds_config
@@ -148,6 +148,7 @@ def test_nvme_path_must_have_room_for_the_model(tmp_path: Path) -> None:
 
 
 def test_zero_infinity_pages_to_nvme_and_cleans_up(tmp_path: Path) -> None:
+    require_async_io()
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     seen: set[str] = set()

@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from conftest import TINY, Run, launch_once
+from conftest import TINY, Run, launch_once, require_async_io
 
 STRATEGIES = sorted(
     p.name.removesuffix(".yaml")
@@ -26,6 +26,7 @@ PARITY_TOLERANCE: dict[str, float] = {  # strategy -> max abs loss difference; d
     "zero_infinity": 1e-5,  # DeepSpeed's CPU Adam kernel
 }
 REQUIRED: dict[str, list[str]] = {"zero_infinity": ["strategy.nvme_path={tmp}"]}  # settings a preset cannot run without
+NEEDS_ASYNC_IO = {"zero_infinity"}  # NVMe offload: DeepSpeed's async I/O op, which needs libaio
 
 STEPS = 12
 # One job for every suite that needs a whole run of a strategy: these runs also save at step 6,
@@ -65,6 +66,8 @@ def reference(tmp: Path) -> Run:
 
 
 def selecting(tmp: Path, strategy: str) -> tuple[str, ...]:
+    if strategy in NEEDS_ASYNC_IO:
+        require_async_io()
     return (f"strategy={strategy}", *(o.format(tmp=tmp) for o in REQUIRED.get(strategy, [])))
 
 

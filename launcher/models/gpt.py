@@ -46,6 +46,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    _no_split_modules = ["Block"]  # its layer-sized units, declared as transformers models declare theirs
+
     def __init__(
         self,
         n_layer: int,

@@ -153,13 +153,14 @@ class DeepSpeed:
         config = build_ds_config(
             ctx, self.stage, self.offload_optimizer, self.offload_params, self._swap_dir, self.ds_config
         )
+        model = build_model()
         if self.stage == 3:
-            # Each layer is partitioned as soon as it is built, so a model larger than one device can
-            # be built at all; built outside, NVMe offload would also swap fp32 weights as bf16.
-            with deepspeed.zero.Init(config_dict_or_path=config):
-                model = build_model()
-        else:
-            model = build_model()
+            # Partitioned after it is built, not while: built inside zero.Init's context, a model is partitioned
+            # layer by layer as it is constructed, so what its own code does next (a transformers model's weight
+            # initialisation, `from_pretrained` loading weights) writes into empty partitions. Converting the built
+            # model broadcasts rank 0's values and keeps each rank's partition: the same weights as DDP's, whatever
+            # the model. The whole model is in host memory meanwhile, once per rank.
+            deepspeed.zero.Init(module=model, config_dict_or_path=config)
         optimizer = self._optimizer(model, build_optimizer)
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False

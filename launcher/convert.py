@@ -1,0 +1,102 @@
+"""`launch convert`: the consolidated model weights of any checkpoint, as one safetensors file or as a model folder.
+
+    launch convert CHECKPOINT out=model.safetensors             the weights, for model.load_state_dict(...)
+    launch convert CHECKPOINT out=DIR [model overrides]         a folder: save_pretrained's (weights + config.json)
+                                                                for a model that has it, else model.safetensors +
+                                                                model.yaml
+
+The checkpoint is read as data (`launcher.untrusted`); the model a folder needs comes from the overrides given on
+this command line, as for `launch` itself, never from files next to the checkpoint: a config is code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.checkpoint import CheckpointError, is_complete, latest
+from launcher.untrusted import UntrustedDataError, dcp_load, read_metadata
+
+
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint folder, or the newest complete one of a run directory or checkpoints folder."""
+    if is_complete(path):
+        return path
+    found = latest(path / "checkpoints") if (path / "checkpoints").is_dir() else latest(path)
+    if found is None:
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no valid manifest.json and files); "
+            "give a checkpoints/step_* folder or a run directory"
+        )
+    return found
+
+
+def weights(checkpoint: Path) -> dict[str, Any]:
+    """The model's full tensors, whatever layout saved them, read in this process."""
+    import torch
+
+    try:
+        entries = read_metadata(checkpoint).state_dict_metadata
+    except UntrustedDataError as e:
+        raise CheckpointError(str(e)) from e
+    template = {
+        k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in entries.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+    try:
+        dcp_load({"model": template}, checkpoint, no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException: a crafted or damaged file
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        reason = next((line.strip() for line in str(e).splitlines() if "Error" in line), type(e).__name__)
+        raise CheckpointError(f"checkpoint {checkpoint} does not load as data ({reason[:200]})") from e
+    return {name: t.contiguous() for name, t in template.items()}
+
+
+def write_file(tensors: dict[str, Any], out: Path, checkpoint: Path) -> None:
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"checkpoint": str(checkpoint)})
+    os.replace(tmp, out)
+
+
+def write_folder(tensors: dict[str, Any], out: Path, model_cfg: DictConfig, checkpoint: Path) -> None:
+    """The model of `model_cfg` with the checkpoint's weights, saved as a folder its own loader reads back."""
+    from hydra.utils import instantiate
+
+    try:
+        model = instantiate(model_cfg)
+    except Exception as e:  # the model's own complaint, in one line
+        cause = e.__cause__ or e
+        raise CheckpointError(f"model {model_cfg.get('_target_')} could not be built: {cause}") from e
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} does not fit the model of these overrides ("
+            f"{'missing ' + missing[0] if missing else 'unexpected ' + unexpected[0]}); "
+            "give the model overrides the run was launched with"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "save_pretrained"):  # a transformers model: weights and config.json, for from_pretrained
+        model.save_pretrained(str(out))
+        return
+    write_file(tensors, out / "model.safetensors", checkpoint)
+    OmegaConf.save(model_cfg, out / "model.yaml")
+
+
+def convert(path: Path, out: Path, model_cfg: DictConfig | None) -> int:
+    """Write the checkpoint's weights to `out` (a .safetensors file, or a folder with `model_cfg`'s model)."""
+    checkpoint = find_checkpoint(path)
+    tensors = weights(checkpoint)
+    if out.suffix == ".safetensors":
+        write_file(tensors, out, checkpoint)
+    else:
+        assert model_cfg is not None, "a folder needs the model's config"
+        write_folder(tensors, out, model_cfg, checkpoint)
+    return sum(t.numel() for name, t in tensors.items())

@@ -1,0 +1,46 @@
+"""Models and data of the kind users bring, for tests: not language models, constructors with their own arguments.
+
+`model=custom model._target_=user_models.Classifier +model.width=32 data=custom data._target_=user_models.images`
+(tests/ is on the workers' PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class Classifier(nn.Module):
+    """A small convolutional classifier of (image, label) pairs: no tokens, no `_no_split_modules`."""
+
+    def __init__(self, channels: int = 3, classes: int = 3, width: int = 16) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU()
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, image: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.features(image).mean(dim=(2, 3)))
+        return F.cross_entropy(logits, label)
+
+
+class Images(Dataset):
+    """Seeded random images whose label is the channel with the largest mean: learnable, fixed per split."""
+
+    def __init__(self, split: str, count: int, size: int, channels: int) -> None:
+        generator = torch.Generator().manual_seed(0 if split == "train" else 1)
+        self.images = torch.randn(count, channels, size, size, generator=generator)
+        self.labels = self.images.mean(dim=(2, 3)).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[i], self.labels[i]
+
+
+def images(split: str, count: int = 256, size: int = 8, channels: int = 3) -> Images:
+    return Images(split, count if split == "train" else count // 4, size, channels)
