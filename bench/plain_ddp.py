@@ -41,7 +41,7 @@ def main() -> None:
             i = (step * a.global_size + (rank * accumulation + k) * a.micro_size) % len(tokens)
             batch = tokens[i : i + a.micro_size]
             with model.no_sync() if k < accumulation - 1 else nullcontext():
-                loss = model(batch[:, :-1], batch[:, 1:]) / accumulation
+                loss = model(batch[:, :-1], batch[:, 1:])["loss"] / accumulation
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

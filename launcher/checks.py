@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from launcher.config import ConfigError, sweep_identity
 from launcher.context import make_strategy, run_context
@@ -45,7 +45,7 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Path | None:
 PASSED_BY_THE_LAUNCHER = {
     "strategy": (),
     "model": (),
-    "data": ("split",),
+    "data": ("split", "workers"),  # workers: the loader's (LOADER_KEYS), never passed on
     "optim": ("params",),
     "logger": ("run_config", "run_dir"),
 }
@@ -86,3 +86,107 @@ def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] =
     else:
         fix = f"remove them (~{path}.{unknown[0]}) or name a target that takes them"
     raise ConfigError(f"{path}._target_={target} does not take {keys} (it takes: {takes}); {fix}")
+
+
+def check_built(frozen: DictConfig, model: Any) -> None:
+    """Build in the parent what the workers will build, and refuse in one line what fails: the optimizer over the
+    model's (meta) parameters, both datasets and one sample of each, a forward of that sample on the meta device,
+    the logger's settings. Nothing here allocates a model's memory."""
+    _check_optimizer(frozen, model)
+    sample = _check_datasets(frozen)
+    if sample is not None:
+        _check_forward(frozen, model, sample)
+    _check_logger(frozen)
+
+
+def _fail(group: str, e: BaseException, fix: str) -> ConfigError:
+    cause = e.__cause__ or e
+    message = " ".join(str(cause).split()) or type(cause).__name__
+    return ConfigError(f"{group}: {message} ({type(cause).__name__}); {fix}")
+
+
+def _check_optimizer(frozen: DictConfig, model: Any) -> None:
+    from hydra.utils import instantiate
+
+    try:
+        instantiate(frozen.optim, _partial_=True, _convert_="all")(model.parameters())
+    except Exception as e:  # torch's optimizers check their hyperparameters in the constructor
+        raise _fail("optim", e, f"fix the optim.* values that {frozen.optim._target_} refuses") from e
+
+
+def _check_datasets(frozen: DictConfig) -> Any:
+    """Both splits built, non-empty, their first sample readable; a micro-batch of one train sample, or None when
+    the data opts out (`+data._check_=false`)."""
+    from torch.utils.data import default_collate
+
+    from launcher.data import SKIP_CHECK, build_dataset
+
+    if frozen.data.get(SKIP_CHECK) is False:
+        return None
+    splits = ["train"] + (["val"] if frozen.trainer.eval_every > 0 else [])
+    first = None
+    for split in splits:
+        try:
+            dataset = build_dataset(frozen.data, split)
+        except Exception as e:
+            raise _fail("data", e, f"fix the data.* values (the {split} split could not be built)") from e
+        try:
+            size = len(dataset)
+        except TypeError as e:
+            raise ConfigError(f"data: the {split} split has no length; return a map-style dataset") from e
+        if size == 0:
+            fix = "raise data.val_fraction, or set trainer.eval_every=0" if split == "val" else "give it samples"
+            raise ConfigError(f"data: the {split} split is empty (0 samples); {fix}")
+        try:
+            item = default_collate([dataset[0]])
+        except Exception as e:
+            raise _fail("data", e, f"fix the dataset (sample 0 of the {split} split does not read and collate)") from e
+        first = item if first is None else first
+    return first
+
+
+def _positions(model: Any) -> tuple[int | None, str]:
+    """The longest sequence the model takes, and the setting that says so."""
+    limit = getattr(model, "block_size", None)
+    if isinstance(limit, int):
+        return limit, "model.block_size"
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    return (limit, "model.config.max_position_embeddings") if isinstance(limit, int) else (None, "")
+
+
+def _check_forward(frozen: DictConfig, model: Any, batch: Any) -> None:
+    import torch
+
+    from launcher.data import to_device
+    from launcher.loss import batch_tokens, model_loss
+    from strategies.base import call_model
+
+    limit, setting = _positions(model)
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
+    if limit is not None and batch_tokens(batch) and ids.dim() > 1 and ids.shape[-1] > limit:
+        seq = f"data.seq_len={ids.shape[-1]}" if "seq_len" in frozen.data else f"a sample of {ids.shape[-1]} tokens"
+        raise ConfigError(
+            f"data: {seq} exceeds the model's {limit} positions ({setting}); lower data.seq_len or raise {setting}"
+        )
+    try:
+        with torch.no_grad():
+            model_loss(call_model(model, to_device(batch, torch.device("meta"))))
+    except Exception as e:
+        if "meta" in str(e).lower() or isinstance(e, NotImplementedError):
+            return  # an operation without a meta kernel: the shapes cannot be checked here, the workers will see
+        raise _fail("model", e, "make the model's forward take the data's batch and return the loss") from e
+
+
+def _check_logger(frozen: DictConfig) -> None:
+    """The logger's own `check` of its settings, when it has one (the wandb logger does), without starting a run."""
+    from hydra._internal.utils import _locate
+
+    target = _locate(str(frozen.logger._target_))
+    check = getattr(target, "check", None)
+    if callable(check):
+        settings = {k: v for k, v in OmegaConf.to_container(frozen.logger).items() if not str(k).startswith("_")}
+        try:
+            check(**settings)
+        except (TypeError, ValueError) as e:
+            raise _fail("logger", e, "fix the logger.* values") from e

@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from launcher import schema
 from launcher.config import EXIT_BAD_INPUT
@@ -196,9 +197,41 @@ def check_overrides(overrides: Sequence[str]) -> str | None:
             value = candidates[0] if o.is_sweep_override() else o.get_value_element_as_str()
             first.append(f"{o.get_key_element()}={value}" if not o.is_delete() else o.input_line)
         try:
-            compose(CONFIG_NAME, overrides=first)
+            composed = compose(CONFIG_NAME, overrides=first, return_hydra_config=True)
         except (HydraException, OmegaConfBaseException) as e:
             return _unknown_key(e, first) or _one_line(e)
+        with open_dict(composed):
+            hydra_node = composed.pop("hydra")
+        return schema.check_ranges(composed) or _run_dir_problem(hydra_node, overrides, parsed)
+    return None
+
+
+def _run_dir_problem(hydra_node: DictConfig, overrides: Sequence[str], parsed: Sequence[Any]) -> str | None:
+    """Hydra makes the run (or sweep) directory before the run starts, with a traceback if it cannot: say it first."""
+    import os
+    from pathlib import Path
+
+    multirun = any(o.is_sweep_override() for o in parsed) or "--multirun" in sys.argv or "-m" in sys.argv
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")]
+    try:
+        folder = Path(given[-1] if given else str(OmegaConf.select(hydra_node, key.removeprefix("hydra.")))).absolute()
+    except Exception:  # an interpolation only Hydra's job can resolve: it checks it itself
+        return None
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:  # try it for real (root bypasses permission bits; /proc, read-only mounts) and leave nothing behind
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".launch-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return f"{key}={folder} cannot be created and written ({e.strerror}: {e.filename}); choose another {key}"
+    finally:
+        for created in made:  # deepest first
+            try:
+                created.rmdir()
+            except OSError:
+                break
     return None
 
 
@@ -219,7 +252,10 @@ def _unknown_key(e: Exception, overrides: list[str]) -> str | None:
         return None
     key = match.group(1)
     parent, _, leaf = key.rpartition(".")
-    base = compose(CONFIG_NAME, overrides=[o for o in overrides if not o.startswith(f"{key}=")])
+    try:
+        base = compose(CONFIG_NAME, overrides=[o for o in overrides if not o.startswith(f"{key}=")])
+    except Exception:  # another override fails too: name the first one without the list of keys
+        return f"unknown key '{key}' (to add a new key use +{key}=...)"
     node = OmegaConf.select(base, parent) if parent else base
     valid = ", ".join(sorted(node.keys())) if isinstance(node, DictConfig) else "?"
     where = parent or "the top level"

@@ -32,11 +32,18 @@ class ConfigError(ValueError):
 def freeze(cfg: DictConfig) -> DictConfig:
     """The composed config as plain values: interpolations resolved, enums as their names, no schema attached.
 
-    The one place where enums become strings; `resolved.yaml` is this config plus what the launcher derived.
+    The one place where enums become strings, and where every numeric field is checked against the range its
+    schema declares (`schema.check_ranges`), while the schema is still attached; `resolved.yaml` is this config
+    plus what the launcher derived.
     """
+    from launcher.schema import check_ranges
+
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"{missing[0]} has no value; set it on the command line: {missing[0]}=...")
+    problem = check_ranges(cfg)
+    if problem:
+        raise ConfigError(problem)
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -60,6 +67,7 @@ def identity_hash(frozen: DictConfig) -> str:
     plain: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     core = {k: v for k, v in plain.items() if k not in NOT_IDENTITY}
     core["trainer"] = {k: v for k, v in plain.get("trainer", {}).items() if k in TRAINER_IDENTITY}
+    core["data"] = {k: v for k, v in plain.get("data", {}).items() if k not in ("workers", "_check_")}  # how it is read
     return hashlib.sha256(json.dumps(core, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -93,12 +101,6 @@ class Derived:
         return asdict(self)
 
 
-def _positive(name: str, value: Any, minimum: float = 1) -> None:
-    if value is None or value < minimum:
-        rule = "a positive integer" if minimum == 1 else f">= {minimum}"
-        raise ConfigError(f"{name}={value} is invalid: it must be {rule}")
-
-
 def _nearest_multiples(value: int, unit: int) -> str:
     below = (value // unit) * unit
     above = below + unit
@@ -110,21 +112,7 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
 
     Raises ConfigError with a one-line message naming the bad value and the fix.
     """
-    batch, trainer = cfg.batch, cfg.trainer
-    _positive("batch.global_size", batch.global_size)
-    _positive("batch.micro_size", batch.micro_size)
-    _positive("trainer.max_steps", trainer.max_steps)
-    _positive("trainer.log_every", trainer.log_every)
-    _positive("trainer.eval_batches", trainer.eval_batches)
-    _positive("nodes", cfg.nodes)
-    for name in ("eval_every", "warmup_steps", "max_restarts"):
-        _positive(f"trainer.{name}", trainer[name], minimum=0)
-    _positive("trainer.grad_clip", trainer.grad_clip, minimum=0)
-    if trainer.collective_timeout <= 0:
-        raise ConfigError(f"trainer.collective_timeout={trainer.collective_timeout} must be > 0 seconds")
-    if cfg.gpus is not None:
-        _positive("gpus", cfg.gpus)
-
+    batch = cfg.batch
     device = str(cfg.device)
     if device == "auto":
         device = "cuda" if cuda_devices > 0 else "cpu"
@@ -154,19 +142,9 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
 
 
 def _check_data(cfg: DictConfig) -> None:
-    data, model = cfg.data, cfg.model
-    path = OmegaConf.select(data, "path", default=None)
+    path = OmegaConf.select(cfg.data, "path", default=None)
     if path is not None and not Path(os.path.expanduser(str(path))).is_file():
         raise ConfigError(f"data.path={path} does not exist or is not a file; point data.path at a token file")
-    seq_len = OmegaConf.select(data, "seq_len", default=None)
-    block_size = OmegaConf.select(model, "block_size", default=None)
-    if seq_len is not None:
-        _positive("data.seq_len", seq_len)
-    if seq_len is not None and block_size is not None and seq_len > block_size:
-        raise ConfigError(
-            f"data.seq_len={seq_len} exceeds model.block_size={block_size}; "
-            "lower data.seq_len or raise model.block_size"
-        )
 
 
 def _check_targets(cfg: DictConfig) -> None:

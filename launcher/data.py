@@ -13,6 +13,7 @@ a fixed slice of them. A resumed run continues from the sample index its checkpo
 from __future__ import annotations
 
 import os
+import re
 import sys
 import sysconfig
 import zlib
@@ -54,6 +55,11 @@ class TokenWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+def _memmap(path: Path, dtype: Any) -> np.ndarray:
+    """A token file, memory-mapped (numpy cannot map an empty file: that is no tokens)."""
+    return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.empty(0, dtype=dtype)
+
+
 def _split(tokens: np.ndarray, split: str, val_fraction: float) -> np.ndarray:
     cut = len(tokens) - int(len(tokens) * val_fraction)
     return tokens[:cut] if split == "train" else tokens[cut:]
@@ -64,18 +70,28 @@ def cache_dir() -> Path:
     return Path(base) / "launch"
 
 
-def PySource(split: str, seq_len: int = 128, val_fraction: float = 0.05, format: str = "tuple") -> TokenWindows:
+def PySource(
+    split: str, seq_len: int = 128, val_fraction: float = 0.05, format: str = "tuple", packing: bool = True
+) -> Dataset:
     """Byte-level tokens of the running Python's standard-library .py files.
 
     Files are assigned to train or validation by a hash of their relative path, so the split is
     deterministic and no file is in both. Built once into a cache file, then memory-mapped.
+    packing=True: the files end to end, cut into windows of seq_len tokens (every sample full).
+    packing=False: one sample per chunk of a document (a block of a file between blank lines: a function, a class),
+    each document split at seq_len and its last chunk padded, so samples hold different numbers of real tokens (the
+    padded targets are -100). A whole file is rarely shorter than a chunk; a block often is.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    tag = f"{sys.version_info[0]}.{sys.version_info[1]}-{zlib.crc32(str(root).encode()):08x}-{val_fraction:g}"
+    tag = f"{sys.version_info[0]}.{sys.version_info[1]}-{zlib.crc32(str(root).encode()):08x}-{val_fraction:g}-v2"
     path = cache_dir() / f"pysource-{tag}-{split}.bin"
-    if not path.exists():
+    spans = path.with_suffix(".spans.npy")
+    if not (path.exists() and spans.exists()):
         _build_pysource(root, val_fraction, path.parent, tag)
-    return TokenWindows(np.memmap(path, dtype=np.uint8, mode="r"), seq_len, format)
+    tokens = _memmap(path, np.uint8)
+    if packing:
+        return TokenWindows(tokens, seq_len, format)
+    return DocumentChunks(tokens, np.load(spans), seq_len, format)
 
 
 def _build_pysource(root: Path, val_fraction: float, out: Path, tag: str) -> None:
@@ -88,9 +104,56 @@ def _build_pysource(root: Path, val_fraction: float, out: Path, tag: str) -> Non
         parts[split].append(file.read_bytes())
     out.mkdir(parents=True, exist_ok=True)
     for split, chunks in parts.items():
-        tmp = out / f".pysource-{tag}-{split}.{os.getpid()}.tmp"
-        tmp.write_bytes(b"\n".join(chunks))
-        os.replace(tmp, out / f"pysource-{tag}-{split}.bin")  # atomic: ranks may race to build
+        # The files joined by a newline (what packing reads), and the spans of their documents in that: a document
+        # is a block of a file between blank lines (a function, a class, a run of statements).
+        spans, offset = [], 0
+        for content in chunks:
+            spans += [
+                (offset + m.start(), offset + m.end()) for m in re.finditer(rb"(?:[^\n]|\n(?![ \t]*\n))+", content)
+            ]
+            offset += len(content) + 1
+        for name, data in ((f"{split}.spans.npy", np.asarray(spans, dtype=np.int64).reshape(-1, 2)),
+                           (f"{split}.bin", b"\n".join(chunks))):  # fmt: skip
+            tmp = out / f".pysource-{tag}-{name}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                np.save(f, data) if isinstance(data, np.ndarray) else f.write(data)
+            os.replace(tmp, out / f"pysource-{tag}-{name}")  # atomic: ranks may race to build
+
+
+class DocumentChunks(Dataset):
+    """One sample per chunk of a document: a document of n tokens ([begin, end) in `tokens`) gives chunks of
+    seq_len + 1 tokens every seq_len, the last one shorter and padded (inputs with 0, targets with -100), so its
+    sample holds fewer targets. A chunk of one token has no target and is left out.
+
+    format="tuple": (inputs, targets); format="hf": {"input_ids", "labels"} with labels unshifted (-100 where padded).
+    """
+
+    def __init__(self, tokens: np.ndarray, spans: np.ndarray, seq_len: int, format: str = "tuple") -> None:
+        if format not in FORMATS:
+            raise ValueError(f"data.format={format} is not one of {', '.join(FORMATS)}")
+        begins = [np.arange(b, e - 1, seq_len, dtype=np.int64) for b, e in spans]
+        first = np.concatenate(begins) if begins else np.empty(0, dtype=np.int64)
+        if not len(first):
+            raise ValueError(f"{len(tokens)} tokens in {len(spans)} documents cannot make one sample")
+        ends = np.repeat(spans[:, 1], [len(b) for b in begins])
+        self.tokens, self.seq_len, self.format = tokens, seq_len, format
+        self.chunks = np.stack([first, np.minimum(seq_len + 1, ends - first)], axis=1)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, i: int) -> Any:
+        start, n = (int(v) for v in self.chunks[i])
+        chunk = torch.zeros(self.seq_len + 1, dtype=torch.int64)
+        chunk[:n] = torch.from_numpy(self.tokens[start : start + n].astype(np.int64))
+        if self.format == "hf":
+            inputs = chunk[:-1]
+            labels = inputs.clone()
+            labels[n:] = -100  # padding is no target (transformers shifts labels: real targets are 1..n-1)
+            return {"input_ids": inputs, "labels": labels}
+        targets = chunk[1:].clone()
+        targets[n - 1 :] = -100
+        return chunk[:-1], targets
 
 
 def Synthetic(
@@ -109,7 +172,14 @@ def Tokens(
     """A flat file of token ids, memory-mapped; the last `val_fraction` of it is the validation split."""
     if dtype not in ("uint16", "uint32"):
         raise ValueError(f"data.dtype={dtype} is not supported; use uint16 or uint32")
-    tokens = np.memmap(os.path.expanduser(path), dtype=np.dtype(dtype), mode="r")
+    file, item = os.path.expanduser(path), np.dtype(dtype).itemsize
+    size = os.path.getsize(file)
+    if size % item:
+        raise ValueError(
+            f"data.path={path} holds {size} bytes, not a whole number of {dtype} tokens ({item} bytes each); "
+            "check data.dtype"
+        )
+    tokens = _memmap(Path(file), np.dtype(dtype))
     return TokenWindows(_split(tokens, split, val_fraction), seq_len, format)
 
 
@@ -142,18 +212,69 @@ def rank_micro_batches(indices: np.ndarray, rank: int, world_size: int, accumula
     return np.array_split(mine, accumulation)
 
 
+SKIP_CHECK = "_check_"
+"""`+data._check_=false`: the launcher does not build this dataset before the workers start (a costly one)."""
+
+
+def build_dataset(data_cfg: Any, split: str) -> Dataset:
+    """The configured dataset of one split: the target called with `split` and its own keys."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.masked_copy(data_cfg, [k for k in data_cfg if k not in LOADER_KEYS])
+    return instantiate(node, split=split)
+
+
 def collate(dataset: Dataset, indices: np.ndarray, device: torch.device) -> Any:
     """Stack the samples at `indices` (torch's default_collate) and move them to `device`."""
-    return _to_device(default_collate([dataset[int(i)] for i in indices]), device)
+    return to_device(default_collate([dataset[int(i)] for i in indices]), device)
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
+def to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
         if device.type == "cuda":  # pinned host memory lets the copy overlap with compute
-            return obj.pin_memory().to(device, non_blocking=True)
+            return (obj if obj.is_pinned() else obj.pin_memory()).to(device, non_blocking=True)
         return obj.to(device)
     if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
+        return type(obj)(to_device(v, device) for v in obj)
     return obj
+
+
+LOADER_KEYS = ("workers", SKIP_CHECK)
+"""Keys of a data config node that are the launcher's, never passed to the dataset's target."""
+
+
+class StepBatches:
+    """The micro-batch index lists this rank reads, step after step from a given position: a batch sampler."""
+
+    def __init__(self, batches: GlobalBatches, start: int, steps: int, rank: int, world_size: int, accumulation: int):
+        self.batches, self.start, self.steps = batches, start, steps
+        self.rank, self.world_size, self.accumulation = rank, world_size, accumulation
+
+    def __len__(self) -> int:
+        return self.steps * self.accumulation
+
+    def __iter__(self) -> Any:
+        for step in range(self.steps):
+            indices = self.batches.at(self.start + step * self.batches.global_size)
+            for micro in rank_micro_batches(indices, self.rank, self.world_size, self.accumulation):
+                yield micro.tolist()
+
+
+def feed(dataset: Dataset, sampler: StepBatches, workers: int, device: torch.device) -> Any:
+    """This rank's micro-batches in order, read by `workers` DataLoader processes ahead of the loop (0: in the loop),
+    collated, pinned and copied without blocking on CUDA. The order is the sampler's whatever `workers` is."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
+    )
+    for batch in loader:
+        yield to_device(batch, device)

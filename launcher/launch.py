@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -21,8 +20,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.checks import check_keys, check_resume, check_strategy
+from launcher.checks import check_built, check_keys, check_resume, check_strategy
 from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze, identity_hash
+from launcher.failures import memory_available, oom_kills, rank_lines
 from launcher.lifecycle import STOP_SIGNALS
 from launcher.machine import loopback_interface, usable_cpus, visible_cuda_devices
 from launcher.rendezvous import LOOPBACK, Rendezvous, rendezvous
@@ -54,6 +54,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     derived = derive(frozen, cuda)
     check_keys(frozen)
     model = build_on_meta(frozen.model)  # once: every check below reads this one
+    check_built(frozen, model)
     if is_auto(frozen):  # strategy=auto: the planner's pick replaces it before anything else reads the config
         name, frozen = choose(frozen, derived, model)
         if job and "choices" in job:
@@ -118,6 +119,8 @@ class Outcome:
     """The launcher's exit code: 0 finished, 1 failed, 2 refused before start, 128 + N stopped by signal N."""
     reason: str = ""
     """One line: why it did not finish (printed as `launch: error: ...`), empty when it did."""
+    more: tuple[str, ...] = ()
+    """The other failing ranks' lines, printed after the reason."""
 
 
 OUTCOME = "outcome.json"
@@ -134,7 +137,8 @@ def run_job(cfg: DictConfig) -> int:
     run_dir, job = hydra_job()
     outcome = _run(cfg, run_dir, job)
     if outcome.reason and not outcome.code >= 128:  # a stop already said where its checkpoint is
-        print(f"launch: error: {outcome.reason}", file=sys.stderr, flush=True)
+        for line in (outcome.reason, *outcome.more):
+            print(f"launch: error: {line}", file=sys.stderr, flush=True)
     if "sweep_dir" not in job:
         return outcome.code
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -201,6 +205,7 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _worker_environment(derived, rdzv)
+    _agent_logs_to_file(run_dir)
     quiet = {rank: Std.ALL for rank in range(1, derived.gpus)}  # rank 0 talks to the terminal
     config = LaunchConfig(
         min_nodes=derived.nodes,
@@ -218,6 +223,7 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
     )
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    oom_before, (_, available) = oom_kills(), memory_available()
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "launcher.worker", str(resolved))
     except SignalException as e:
@@ -230,17 +236,32 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
             "start launch on every node with the same rdzv.endpoint and rdzv.id",
         )
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        return Outcome(
-            EXIT_FAILED, f"rank {rank} failed: {_summary(message, failure.exitcode)} (logs: {run_dir / 'logs'})"
-        )
+        from launcher.plan.commands import memory_advice
+
+        lines = rank_lines(e, oom_before, lambda: memory_advice(OmegaConf.load(resolved), available))
+        return Outcome(EXIT_FAILED, lines[0], tuple(lines[1:]))
     finally:
         for sig, handler in previous.items():  # the agent leaves its own handlers behind
             signal.signal(sig, handler)
     return Outcome(0)
+
+
+def _agent_logs_to_file(run_dir: Path) -> None:
+    """The elastic agent's own log lines ("Sending process ... SIGTERM", "failed (exitcode: 1)") go to
+    `<run dir>/logs/agent.log`, not the terminal: there the launcher says it once, one line per failing rank."""
+    import logging
+
+    agent = logging.getLogger("torch.distributed.elastic")
+    agent.propagate = False  # torch's own handler would print them on the terminal
+    for handler in list(agent.handlers):
+        if getattr(handler, "launch_run_log", False):
+            agent.removeHandler(handler)  # the previous job's, in a sweep
+            handler.close()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    file = logging.FileHandler(run_dir / "logs" / "agent.log", delay=True)
+    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    file.launch_run_log = True  # type: ignore[attr-defined]
+    agent.addHandler(file)
 
 
 def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, Any]) -> Outcome:
@@ -258,12 +279,3 @@ def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, 
     if callable(handler):  # e.g. submitit's SIGUSR2 handler, which requeues the SLURM job
         handler(sig, None)
     return Outcome(128 + sig, f"stopped by {sig.name}")
-
-
-def _summary(message: object, exitcode: int) -> str:
-    """The line of a worker's error that names the exception, or its exit code (a signal is negative)."""
-    lines = [line.strip() for line in str(message or "").splitlines() if line.strip()]
-    named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", line)]
-    if named or lines:
-        return (named or lines)[-1]
-    return f"exit code {exitcode}" if exitcode >= 0 else f"killed by signal {-exitcode}"

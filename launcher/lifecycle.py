@@ -13,12 +13,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+import traceback
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP)
 EXIT_STOPPED = 3
@@ -99,3 +102,26 @@ class Phase:
                     )
                 )
         return "; ".join(text for _, text in sorted(seen)) or "no other rank reported"
+
+
+def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
+    """A worker's exception, told once: its whole traceback into `<run dir>/logs/rank<N>.traceback`, one line (where
+    in the run, the exception, the traceback's path) into the error file torch's elastic agent reads, from which the
+    launcher prints one line per failing rank. Nothing on the terminal; exit 1."""
+    phase = getattr(error, "launch_phase", None) or "starting"
+    log = run_dir / "logs" / f"rank{rank}.traceback"
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(text)
+    except OSError:
+        log = Path("(not written)")
+    message = " ".join(str(error).split())[:500]
+    line = f"while {phase}: {type(error).__name__}: {message} (traceback: {log})"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        info = {"py_callstack": text, "timestamp": str(int(time.time())), "time": time.time()}
+        record = {"message": {"message": line, "extraInfo": info}}
+        with open(error_file, "w") as f:
+            json.dump(record, f)
+    os._exit(1)

@@ -48,8 +48,34 @@ def _has_api_key() -> bool:
         return False
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_FORBIDDEN = set("/\\#?%:")
+"""Characters wandb refuses in project and entity names."""
+
+
 class WandbLogger:
     """Weights & Biases. Without an API key (and no explicit mode) it logs offline, never blocking on the network."""
+
+    @staticmethod
+    def check(
+        project: str = "launch",
+        entity: str | None = None,
+        group: str | None = None,
+        name: str | None = None,
+        mode: str | None = None,
+        tags: list[str] | None = None,
+    ) -> None:
+        """The settings wandb would refuse once a run starts, checked without importing wandb: ValueError (one line)."""
+        if mode is not None and mode not in WANDB_MODES:
+            raise ValueError(f"logger.mode={mode} is not one of {', '.join(WANDB_MODES)} (or unset)")
+        for key, value in (("project", project), ("entity", entity)):
+            if value is not None and (not str(value) or WANDB_FORBIDDEN & set(str(value)) or len(str(value)) > 128):
+                raise ValueError(
+                    f"logger.{key}={value!r} is not a valid wandb {key} name (1-128 characters, none of /\\#?%:)"
+                )
+        for tag in tags or []:
+            if not 0 < len(str(tag)) <= 64:
+                raise ValueError(f"logger.tags holds {tag!r}: wandb tags are 1 to 64 characters")
 
     def __init__(
         self,

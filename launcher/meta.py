@@ -23,6 +23,8 @@ class ModelSize:
     """Parameters, each counted once (the GPT's tied embedding and head are one)."""
     largest_layer: int
     """Parameters of the largest single module, its own only: DeepSpeed's definition of the largest layer."""
+    takes_num_items: bool = False
+    """Its forward divides a summed loss by `num_items_in_batch` itself (transformers models do)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,19 +53,11 @@ def _no_init_on_meta() -> Iterator[None]:
         yield
 
 
-# The built-in GPT's size fields; each must be positive.
-GPT_SIZES = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
-
-
 def build_on_meta(model_cfg: DictConfig) -> Any:
     """The configured model on the meta device; ConfigError (one line: the model's own complaint) if it cannot
     be built."""
     from hydra.utils import instantiate
 
-    for key in GPT_SIZES:
-        value = model_cfg.get(key)
-        if isinstance(value, int) and value < 1:
-            raise ConfigError(f"model.{key}={value} is invalid: it must be a positive integer")
     try:
         with _no_init_on_meta():
             return instantiate(model_cfg)
@@ -98,6 +92,15 @@ def _from_config_twin(model_cfg: DictConfig) -> Any:
 
 
 def measure(model: Any) -> ModelSize:
+    import inspect
+
     params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied parameter once
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    return ModelSize(params, largest)
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    # transformers models take **kwargs and hand num_items_in_batch to their `loss_function`.
+    kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    takes = "num_items_in_batch" in parameters or (kwargs and hasattr(type(model), "loss_function"))
+    return ModelSize(params, largest, takes)

@@ -24,10 +24,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.checkpoint import Position
-from launcher.data import GlobalBatches, collate, rank_micro_batches
+from launcher.data import GlobalBatches, StepBatches, build_dataset, collate, feed, rank_micro_batches
 from launcher.lifecycle import Phase, StopRequest
 from launcher.logs import JsonlLogger, NullLogger
-from launcher.loss import batch_tokens, model_loss
+from launcher.loss import NUM_ITEMS, batch_tokens, count_targets, micro_loss, model_loss, target_tokens
 from launcher.plan.costs import GPT_TARGET, flops_per_token, peak_tflops, step_comm_bytes
 from launcher.resume import check_shared_directory, resume, save_checkpoint
 from strategies import RunContext, Strategy
@@ -172,19 +172,24 @@ def _reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> lis
 
 
 def evaluate(strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, global_size: int) -> float:
-    """Mean loss over `batches` fixed global batches of the validation split."""
+    """The loss over `batches` fixed global batches of the validation split: Σ token losses / Σ targets where the
+    model returns sums or the batch has labels to count, else the mean of the micro-batches' means."""
     device = torch.device(ctx.device)
     strategy.train(False)
-    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    total, count = 0.0, 0.0
     with torch.no_grad():
         for b in range(batches):
             indices = np.arange(b * global_size, (b + 1) * global_size) % len(val_set)
             for micro in rank_micro_batches(indices, ctx.rank, ctx.world_size, ctx.accumulation):
-                total += model_loss(strategy.forward(collate(val_set, micro, device))).double()
-                count += 1
+                batch = collate(val_set, micro, device)
+                loss, tokens = model_loss(strategy.forward(batch))
+                targets, labels = target_tokens(batch)
+                if tokens is None and labels and targets:  # a Hugging Face mean over its own labels
+                    loss, tokens = loss * targets, torch.tensor(targets)
+                total, count = total + float(loss), count + (float(tokens) if tokens is not None else 1.0)
     strategy.train(True)
-    (mean,) = _reduce([total.item() / count], dist.ReduceOp.SUM, device)
-    return mean / ctx.world_size
+    total, count = _reduce([total, count], dist.ReduceOp.SUM, device)
+    return total / count
 
 
 def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, stop: StopRequest | None = None) -> bool:
@@ -195,10 +200,13 @@ def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, s
     except Exception as e:
         if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
             # Say who is stuck and where, not only that a collective gave up.
-            raise RuntimeError(
+            stuck = RuntimeError(
                 f"rank {ctx.rank} waited {cfg.trainer.collective_timeout:g} s in a collective while {phase.now}, "
                 f"then gave up; {phase.others()}"
-            ) from e
+            )
+            stuck.launch_phase = phase.now  # type: ignore[attr-defined]
+            raise stuck from e
+        e.launch_phase = getattr(e, "launch_phase", None) or phase.now  # type: ignore[attr-defined]
         raise
 
 
@@ -207,8 +215,9 @@ def _train(
 ) -> bool:
     device = torch.device(ctx.device)
     trainer, K, B = cfg.trainer, ctx.accumulation, cfg.batch.global_size
-    train_set = instantiate(cfg.data, split="train")
-    val_set = instantiate(cfg.data, split="val")
+    phase("building the data")
+    train_set = build_dataset(cfg.data, "train")
+    val_set = build_dataset(cfg.data, "val")
     batches = GlobalBatches(len(train_set), B, cfg.seed)
 
     check_shared_directory(run_dir, ctx, int(cfg.derived.nodes))
@@ -223,21 +232,30 @@ def _train(
     loggers = Loggers.create(cfg, ctx.rank, run_dir)
     progress = Progress(ctx.rank, trainer.max_steps - position.step, trainer.progress)
     schedule = str(trainer.schedule)
+    takes_num_items = bool(OmegaConf.select(cfg, "derived.model.takes_num_items", default=False))
+    steps = StepBatches(batches, position.samples, trainer.max_steps - position.step, ctx.rank, ctx.world_size, K)
+    micro_batches = feed(train_set, steps, int(cfg.data.get("workers", 0)), device)
 
     metrics: dict[str, float] = {}
     window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
     for step in range(position.step + 1, trainer.max_steps + 1):
         lr = lr_at(step - 1, cfg.optim.lr, trainer.warmup_steps, trainer.max_steps, schedule, trainer.min_lr_ratio)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        micro_batches = rank_micro_batches(batches.at(position.samples), ctx.rank, ctx.world_size, K)
-        for k, indices in enumerate(micro_batches):
+        phase(f"reading the batches of step {step}")
+        micro = [next(micro_batches) for _ in range(K)]
+        # The global batch's targets, counted before the first forward: each micro-step's loss is scaled so that the
+        # step's gradient is that of one forward over the whole global batch (launcher.loss).
+        targets = count_targets(micro, ctx.world_size, lambda v: _reduce(v, dist.ReduceOp.SUM, device))
+        divided = targets.counted and takes_num_items and all(targets.labels)
+        loss_sum, normalised = torch.zeros((), dtype=torch.float64, device=device), False
+        for k, batch in enumerate(micro):
             phase(f"in forward/backward of step {step}, micro-step {k + 1}/{K}")
-            batch = collate(train_set, indices, device)
+            if divided:  # a transformers model divides its summed loss by this itself
+                batch = {**batch, NUM_ITEMS: targets.total / ctx.world_size}
             # Gradients are synchronised once per optimizer step: on the last micro-step only.
             with strategy.sync(k == K - 1):
-                loss = model_loss(strategy.forward(batch)) / K
-                strategy.backward(loss)
-            loss_sum += loss.detach().double()
+                backward, part, normalised = micro_loss(strategy.forward(batch), k, targets, K, divided)
+                strategy.backward(backward)
+            loss_sum += part.double()
             window_tokens += batch_tokens(batch)
         phase(f"in the optimizer step {step}")
         grad_norm = strategy.step(lr)
@@ -249,7 +267,8 @@ def _train(
         log_now = step % trainer.log_every == 0 or last or not metrics  # the first step: see the loss at once
         if log_now or evaluate_now:
             phase(f"logging step {step}")
-            metrics = _step_metrics(ctx, strategy, loss_sum, grad_norm, lr, device)
+            divisor = targets.total if normalised else ctx.world_size
+            metrics = _step_metrics(ctx, strategy, loss_sum / divisor, grad_norm, lr, device)
             elapsed = time.perf_counter() - window_start
             (tokens,) = _reduce([window_tokens], dist.ReduceOp.SUM, device)
             metrics |= {"step_time_s": elapsed / window_steps, "samples_per_s": B * window_steps / elapsed}
@@ -282,14 +301,15 @@ def _train(
 
 
 def _step_metrics(
-    ctx: RunContext, strategy: Strategy, loss_sum: torch.Tensor, grad_norm: float, lr: float, device: torch.device
+    ctx: RunContext, strategy: Strategy, loss_part: torch.Tensor, grad_norm: float, lr: float, device: torch.device
 ) -> dict[str, float]:
-    (loss,) = _reduce([loss_sum.item()], dist.ReduceOp.SUM, device)
+    """The step's figures over all ranks: the loss is the sum of every rank's part (`launcher.loss`)."""
+    (loss,) = _reduce([loss_part.item()], dist.ReduceOp.SUM, device)
     extra = strategy.metrics()
     names = ["peak_memory_bytes", *extra]
     maxima = _reduce([peak_memory_bytes(device), *extra.values()], dist.ReduceOp.MAX, device)
     return {
-        "loss": loss / ctx.world_size,
+        "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
         "accumulation": ctx.accumulation,

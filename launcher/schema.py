@@ -16,6 +16,69 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field, declared once beside it (`ranged`) and checked by `check_ranges`."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    """Whether `low` itself is excluded."""
+    open_high: bool = False
+    rule: str = ""
+    """How the rule reads in an error: "a positive integer", "a fraction in [0, 1)"."""
+
+    def holds(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.open_low else value >= self.low)
+        below = self.high is None or (value < self.high if self.open_high else value <= self.high)
+        return above and below
+
+
+SIZE = Range(low=1, rule="a positive integer")
+COUNT = Range(low=0, rule=">= 0")
+POSITIVE = Range(low=0, open_low=True, rule="> 0")
+FRACTION = Range(low=0, high=1, open_high=True, rule="a fraction in [0, 1)")
+UNIT = Range(low=0, high=1, rule="in [0, 1]")
+PORT = Range(low=1, high=65535, rule="a port in [1, 65535]")
+ZERO_STAGE = Range(low=1, high=3, rule="a ZeRO stage: 1, 2 or 3")
+
+
+def ranged(default: Any, valid: Range) -> Any:
+    """A field with its valid range; None (an unset optional) is always valid."""
+    return field(default=default, metadata={"range": valid})
+
+
+def check_ranges(cfg: Any, path: str = "") -> str | None:
+    """The first value of a composed config outside its field's range, as a one-line error; None if all are in.
+
+    Reads each node's schema (its dataclass) from the composed config itself: every `ranged` field of every
+    schema is checked, with no list of fields kept anywhere else.
+    """
+    import dataclasses
+
+    from omegaconf import DictConfig
+
+    if not isinstance(cfg, DictConfig):
+        return None
+    schema = OmegaConf.get_type(cfg)
+    fields = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+    for key in cfg:
+        name = f"{path}.{key}" if path else str(key)
+        if OmegaConf.is_missing(cfg, key):
+            continue  # a missing value has its own error
+        try:
+            value = cfg[key]
+        except Exception:  # an interpolation that does not resolve: freeze() names it
+            continue
+        valid = fields[key].metadata.get("range") if key in fields else None
+        if valid is not None and value is not None and not isinstance(value, bool) and not valid.holds(value):
+            return f"{name}={value} is invalid: it must be {valid.rule}"
+        problem = check_ranges(value, name) if isinstance(value, DictConfig) else None
+        if problem:
+            return problem
+    return None
+
+
 class Device(Enum):
     auto = "auto"
     cpu = "cpu"
@@ -36,47 +99,47 @@ class Schedule(Enum):
 
 @dataclass
 class BatchConfig:
-    global_size: int = 32
+    global_size: int = ranged(32, SIZE)
     """Samples per optimizer step, over all ranks and micro-steps."""
-    micro_size: int = 4
+    micro_size: int = ranged(4, SIZE)
     """Samples per rank per forward pass."""
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 300
+    max_steps: int = ranged(300, SIZE)
     """Optimizer steps to run."""
-    log_every: int = 10
+    log_every: int = ranged(10, SIZE)
     """Log metrics every N optimizer steps (the last step is always logged)."""
-    eval_every: int = 100
+    eval_every: int = ranged(100, COUNT)
     """Validation loss every N optimizer steps (and at the end); 0 disables."""
-    eval_batches: int = 4
+    eval_batches: int = ranged(4, SIZE)
     """Global batches in one validation pass (the same samples whatever the world size)."""
-    grad_clip: float = 1.0
+    grad_clip: float = ranged(1.0, COUNT)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     schedule: Schedule = Schedule.cosine
     """Learning-rate shape after warmup."""
-    warmup_steps: int = 20
+    warmup_steps: int = ranged(20, COUNT)
     """Linear warmup from 0 to optim.lr over this many steps."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = ranged(0.1, UNIT)
     """Final learning rate as a fraction of optim.lr (cosine and linear schedules)."""
-    max_restarts: int = 0
+    max_restarts: int = ranged(0, COUNT)
     """Times the elastic agent restarts the worker group after a failure."""
-    collective_timeout: float = 600.0
+    collective_timeout: float = ranged(600.0, POSITIVE)
     """Seconds a collective may wait before the process group gives up."""
     progress: bool = True
     """Show a progress bar on rank 0."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = ranged(0, COUNT)
     """Save a checkpoint every N optimizer steps (0: only at the end)."""
     save_at_end: bool = True
     """Save a checkpoint after the last step; false for smoke runs (a stop signal still saves)."""
-    stop_timeout: int = 120
+    stop_timeout: int = ranged(120, SIZE)
     """Seconds workers get, after a stop signal, to finish the step and save before they are killed."""
-    keep_last: int = 2
+    keep_last: int = ranged(2, COUNT)
     """Complete checkpoints kept in the run directory; older ones are deleted (0 keeps all)."""
     compile: bool = False
     """torch.compile each transformer block (the strategy's units), after activation checkpointing, before sharding."""
-    peak_tflops: float | None = None
+    peak_tflops: float | None = ranged(None, POSITIVE)
     """Peak FLOPS per device, in TFLOPS, for the logged MFU; unset: looked up by GPU name (none on CPU)."""
 
 
@@ -97,31 +160,37 @@ class DataFormat(Enum):
 @dataclass
 class GPTConfig:
     _target_: str = "launcher.models.gpt.GPT"
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    vocab_size: int = 256
-    block_size: int = 128
-    dropout: float = 0.0
+    n_layer: int = ranged(4, SIZE)
+    n_head: int = ranged(4, SIZE)
+    n_embd: int = ranged(128, SIZE)
+    vocab_size: int = ranged(256, SIZE)
+    block_size: int = ranged(128, SIZE)
+    dropout: float = ranged(0.0, FRACTION)
 
 
 @dataclass
 class PySourceDataConfig:
     _target_: str = "launcher.data.PySource"
-    seq_len: int = 128
-    val_fraction: float = 0.05
+    seq_len: int = ranged(128, SIZE)
+    val_fraction: float = ranged(0.05, FRACTION)
     format: DataFormat = DataFormat.tuple
     """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
+    workers: int = ranged(0, COUNT)
+    """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
+    packing: bool = True
+    """true: files end to end in full windows; false: one sample per file chunk, the last one padded (-100 targets)."""
 
 
 @dataclass
 class SyntheticDataConfig:
     _target_: str = "launcher.data.Synthetic"
-    seq_len: int = 128
-    vocab_size: int = 256
-    num_samples: int = 16384
+    seq_len: int = ranged(128, SIZE)
+    vocab_size: int = ranged(256, SIZE)
+    num_samples: int = ranged(16384, SIZE)
     format: DataFormat = DataFormat.tuple
     """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
+    workers: int = ranged(0, COUNT)
+    """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
 
 
 @dataclass
@@ -129,33 +198,35 @@ class TokensDataConfig:
     _target_: str = "launcher.data.Tokens"
     path: str = MISSING
     dtype: str = "uint16"
-    seq_len: int = 1024
-    val_fraction: float = 0.01
+    seq_len: int = ranged(1024, SIZE)
+    val_fraction: float = ranged(0.01, FRACTION)
     format: DataFormat = DataFormat.tuple
     """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
+    workers: int = ranged(0, COUNT)
+    """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
 
 
 @dataclass
 class AdamWConfig:
     _target_: str = "torch.optim.AdamW"
-    lr: float = 1e-3
+    lr: float = ranged(1e-3, COUNT)
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    eps: float = ranged(1e-8, POSITIVE)
+    weight_decay: float = ranged(0.1, COUNT)
 
 
 @dataclass
 class SGDConfig:
     _target_: str = "torch.optim.SGD"
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 0.0
+    lr: float = ranged(0.1, COUNT)
+    momentum: float = ranged(0.9, UNIT)
+    weight_decay: float = ranged(0.0, COUNT)
 
 
 @dataclass
 class DDPStrategyConfig:
     _target_: str = "strategies.ddp.DDP"
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = ranged(25.0, POSITIVE)
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
     compile_units: list[str] | None = None
@@ -195,7 +266,7 @@ class ZeroOffload(Enum):
 @dataclass
 class DeepSpeedStrategyConfig:
     _target_: str = "strategies.deepspeed.DeepSpeed"
-    stage: int = 2
+    stage: int = ranged(2, ZERO_STAGE)
     """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
     offload_optimizer: ZeroOffload = ZeroOffload.none
     """Optimizer state and fp32 master weights: none (on the device) | cpu | nvme (stage 3); runs DeepSpeed's
@@ -239,15 +310,15 @@ class RdzvConfig:
     """Run id shared by the nodes of one job; unset: derived from the SLURM job id, or random on one node."""
     backend: str = "c10d"
     """torch elastic rendezvous backend: c10d, or static (node ranks from rdzv.node_rank / SLURM_NODEID)."""
-    port: int | None = None
+    port: int | None = ranged(None, PORT)
     """Port on the first host when the endpoint is derived from a SLURM allocation; unset: from the job id and
     rdzv.secret, below the kernel's ephemeral port range, so that concurrent jobs on one first host do not meet."""
     secret: str | None = None
     """Random token the launcher adds when it submits to SLURM (hydra/launcher=submitit_*): part of the derived
     rendezvous id and port, so that knowing a job id is not enough to join its rendezvous."""
-    join_timeout: float = 600.0
+    join_timeout: float = ranged(600.0, POSITIVE)
     """Seconds to wait for every node to join before giving up."""
-    node_rank: int | None = None
+    node_rank: int | None = ranged(None, COUNT)
     """This node's rank for the static backend; unset: SLURM_NODEID."""
 
 
@@ -260,14 +331,14 @@ class PlanFormat(Enum):
 class PlanConfig:
     """`launch plan` and `strategy=auto`: the machine the plan is for (memory per device, links)."""
 
-    link_gbps: float = 600.0
+    link_gbps: float = ranged(600.0, POSITIVE)
     """Bandwidth of the link between GPUs of one node, in GB/s (gigaBYTES, 1e9 bytes/s) per GPU; 600: NVLink (A100)."""
-    internode_gbps: float = 50.0
+    internode_gbps: float = ranged(50.0, POSITIVE)
     """Bandwidth between nodes, in GB/s per GPU (gigaBYTES); 50: one 400 Gb/s InfiniBand NIC per GPU. Bounds a
     run when nodes > 1."""
-    device_memory_gb: float | None = None
+    device_memory_gb: float | None = ranged(None, POSITIVE)
     """Memory per device in GB (1e9 bytes); unset: the free memory of cuda:0 when a GPU is visible, else 80."""
-    headroom: float = 0.1
+    headroom: float = ranged(0.1, FRACTION)
     """Fraction of device memory kept free (allocator fragmentation, CUDA context, buffers); 0 <= headroom < 1."""
     format: PlanFormat = PlanFormat.table
     """table: for people; json: for scripts."""
@@ -292,14 +363,14 @@ class LaunchConfig:
     data: Any = MISSING
     optim: Any = MISSING
     logger: Any = MISSING
-    gpus: int | None = None
+    gpus: int | None = ranged(None, SIZE)
     """Worker processes per node (one per GPU); unset: every visible GPU, or 2 on CPU."""
-    nodes: int = 1
+    nodes: int = ranged(1, SIZE)
     """Machines in the job; world size = nodes x gpus."""
     device: Device = Device.auto
     """auto picks cuda when a GPU is visible, else cpu."""
     precision: Precision = Precision.fp32
-    seed: int = 1337
+    seed: int = ranged(1337, COUNT)
     batch: BatchConfig = field(default_factory=BatchConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resume: str | None = None

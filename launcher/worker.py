@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.lifecycle import EXIT_STOPPED, StopRequest, die_with_parent, watch_parent
+from launcher.lifecycle import EXIT_STOPPED, StopRequest, die_with_parent, report_failure, watch_parent
 
 
 def main(path: str, stop: StopRequest) -> None:
@@ -59,6 +59,7 @@ if __name__ == "__main__":
     die_with_parent()
     requested = StopRequest().install()
     watch_parent()
-    from torch.distributed.elastic.multiprocessing.errors import record  # the agent reads the error file it writes
-
-    record(main)(sys.argv[1], requested)
+    try:
+        main(sys.argv[1], requested)
+    except Exception as error:  # one line for the launcher, the traceback in this rank's log file
+        report_failure(error, int(os.environ.get("RANK", "0")), Path(sys.argv[1]).parent)

@@ -55,8 +55,6 @@ class DDP:
         return Layout(params=replicated, grads=replicated, optimizer=replicated)
 
     def check(self, ctx: RunContext, model: nn.Module) -> None:
-        if self.bucket_cap_mb <= 0:
-            raise ValueError(f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")
         if ctx.compile and self.compile_units == []:
             raise ValueError(
                 "trainer.compile=true compiles each unit, but strategy.compile_units is empty; "

@@ -55,7 +55,7 @@ class Run:
         assert self.returncode == 2, (self.returncode, self.stdout, self.stderr)
         lines = self.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("launch: error: "), self.stderr
-        assert not (self.run_dir / "resolved.yaml").exists() and not (self.run_dir / "logs").exists()
+        assert not self.run_dir.exists(), sorted(self.run_dir.rglob("*"))  # nothing written, not even the folder
         return lines[0]
 
 

@@ -49,7 +49,7 @@ def main(preset: dict) -> None:
         for k in range(K):
             rows = slice((rank * K + k) * 2, (rank * K + k + 1) * 2)
             with strategy.sync(k == K - 1):
-                strategy.backward(strategy.forward((idx[rows], targets[rows])) / K)
+                strategy.backward(strategy.forward((idx[rows], targets[rows]))["loss"] / K)
         strategy.step(ADAMW["lr"])
     mine = strategy.state_dict()
     parts: list = [None] * world
@@ -78,7 +78,7 @@ def main(preset: dict) -> None:
         for k in range(K):
             rows = slice((rank * K + k) * 2, (rank * K + k + 1) * 2)
             with s.sync(k == K - 1):
-                s.backward(s.forward((idx[rows], targets[rows])) / K)
+                s.backward(s.forward((idx[rows], targets[rows]))["loss"] / K)
         s.step(ADAMW["lr"])
     after, resumed = strategy.state_dict(), fresh.state_dict()
     strategy.teardown()
@@ -103,7 +103,7 @@ def main(preset: dict) -> None:
         optim = torch.optim.AdamW(model.parameters(), **ADAMW)
         for idx, targets in batches:
             for m in range(world * K):  # the same micro-batches, accumulated
-                (model(idx[m * 2 : (m + 1) * 2], targets[m * 2 : (m + 1) * 2]) / (world * K)).backward()
+                (model(idx[m * 2 : (m + 1) * 2], targets[m * 2 : (m + 1) * 2])["loss"] / (world * K)).backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
             optim.zero_grad()

@@ -34,3 +34,10 @@ class RaisingGPT(_Faulty):
 class HangingGPT(_Faulty):
     def fail(self) -> None:
         time.sleep(3600)  # alive but stuck: only the collective timeout can end the job
+
+
+class HungryGPT(_Faulty):
+    def fail(self) -> None:
+        hoard = []
+        while True:  # until the kernel's out-of-memory killer ends this process
+            hoard.append(torch.ones(2**24))  # 64 MiB a time, touched

@@ -27,6 +27,13 @@ def _max_diff(a: Run, b: Run, steps: range) -> float:
     return max(abs(full[s] - resumed[s]) for s in steps)
 
 
+def test_resume_with_data_workers_is_exact(conformance_dir: Path, tmp_path: Path) -> None:
+    """The loader's processes start reading at the resumed position: the same samples as the uninterrupted run."""
+    full = run_of(conformance_dir, "ddp", 2)
+    resumed = launch(tmp_path, *JOB, "gpus=2", "data.workers=2", f"resume={_ckpt(full, 6)}").check()
+    assert _max_diff(full, resumed, range(7, 13)) <= 1e-6
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_resume_is_exact(strategy: str, conformance_dir: Path, tmp_path: Path) -> None:
     full = run_of(conformance_dir, strategy, 2)
@@ -120,7 +127,7 @@ def test_convert_writes_weights_the_plain_model_loads(conformance_dir: Path, tmp
     model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     model.load_state_dict(load_file(str(out)), strict=True)
     x = torch.randint(0, 256, (2, 32))
-    assert torch.isfinite(model(x, x))
+    assert torch.isfinite(model(x, x)["loss"])
 
 
 def _worker_pids(run_dir: Path) -> dict[int, int]:
@@ -206,7 +213,14 @@ def test_a_raising_rank_ends_the_job_with_its_own_error_first(tmp_path: Path) ->
     started = time.monotonic()
     run = launch(tmp_path, *JOB, "gpus=2", "model._target_=faulty.RaisingGPT")
     assert run.returncode == 1 and time.monotonic() - started < 120
-    assert "launch: error: rank 1 failed: RuntimeError: rank 1 broke on purpose" in run.stderr, run.stderr
+    lines = run.stderr.strip().splitlines()
+    # One line per failing rank, the rank that raised first, where it was, its traceback in its own log file.
+    assert lines[0].startswith("launch: error: rank 1 failed while in forward/backward of step 2, micro-step 1/2: "
+                               "RuntimeError: rank 1 broke on purpose (traceback: "), run.stderr  # fmt: skip
+    assert all(line.startswith("launch: error: rank ") for line in lines) and len(lines) == 2, run.stderr
+    assert "Traceback (most recent call last)" not in run.stderr + run.stdout
+    log = Path(lines[0].split("(traceback: ")[1].rstrip(")"))
+    assert log == run.run_dir / "logs" / "rank1.traceback" and "in forward" in log.read_text()
     assert _worker_pids(run.run_dir) == {}
 
 

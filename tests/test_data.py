@@ -65,3 +65,32 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
     assert lrs[-1] == pytest.approx(0.1)
     assert lr_at(50, 1.0, 10, 100, "constant", 0.1) == 1.0
     assert lr_at(99, 1.0, 10, 100, "linear", 0.0) == pytest.approx(0.0)
+
+
+def test_unpacked_pysource_pads_the_last_chunk_of_each_document() -> None:
+    packed, padded = PySource("train", seq_len=32), PySource("train", seq_len=32, packing=False)
+    assert bytes(packed.tokens[:1000]) == bytes(padded.tokens[:1000])  # the same bytes, cut differently
+    counts = [int((padded[i][1] != -100).sum()) for i in range(0, 20000, 7)]
+    assert min(counts) < 32 == max(counts)  # samples hold different numbers of targets
+    x, y = next(padded[i] for i in range(len(padded)) if (padded[i][1] == -100).any())
+    real = int((y != -100).sum())
+    assert (y[real:] == -100).all() and (x[real + 1 :] == 0).all() and torch.equal(x[1 : real + 1], y[:real])
+    hf = PySource("train", seq_len=32, packing=False, format="hf")
+    row = hf[int(np.flatnonzero([(padded[i][1] == -100).any() for i in range(2000)])[0])]
+    assert torch.equal(row["labels"][row["labels"] != -100], row["input_ids"][: int((row["labels"] != -100).sum())])
+
+
+def test_the_loader_reads_the_same_batches_in_the_same_order_with_workers() -> None:
+    from launcher.data import StepBatches, feed
+
+    data = Synthetic("train", seq_len=16, num_samples=256)
+    batches = GlobalBatches(len(data), 32, seed=3)
+
+    def read(start: int, steps: int, workers: int) -> list[torch.Tensor]:
+        sampler = StepBatches(batches, start, steps, rank=1, world_size=2, accumulation=2)
+        return [x for x, _ in feed(data, sampler, workers, torch.device("cpu"))]
+
+    inline, ahead = read(0, 12, 0), read(0, 12, 2)
+    assert len(inline) == 24 and all(torch.equal(a, b) for a, b in zip(inline, ahead, strict=True))
+    resumed = read(5 * 32, 7, 2)  # from step 6 on, as a resumed run reads them
+    assert all(torch.equal(a, b) for a, b in zip(resumed, inline[10:], strict=True))

@@ -104,7 +104,7 @@ for module in strategy.model.modules():
         module.register_forward_hook(lambda *_: calls.append(1))
 idx = torch.randint(0, 256, (2, 32))
 with strategy.sync(True):
-    strategy.backward(strategy.forward((idx, idx)))
+    strategy.backward(strategy.forward((idx, idx))["loss"])
 print(len(calls))
 strategy.teardown()
 dist.destroy_process_group()

@@ -1,5 +1,8 @@
 """The strategy conformance suite: every file in conf/strategy/ passes the same checks.
 
+The job is padded data (one sample per file chunk, so samples hold different numbers of targets): parity with one
+process there is the batch contract on real data, the loss normalised by the global batch's targets.
+
 Real gloo ranks on CPU. A new strategy is tested by adding its config file; a strategy whose
 numerics legitimately differ (DeepSpeed's own Adam kernels) names its tolerance below.
 """
@@ -34,6 +37,7 @@ STEPS = 12
 JOB = [
     *TINY,
     "data=pysource",
+    "data.packing=false",  # padded samples: each holds its own number of targets (the batch contract on real data)
     "batch.global_size=16",
     "batch.micro_size=4",
     f"trainer.max_steps={STEPS}",
@@ -153,3 +157,42 @@ def test_reference_counts_every_parameter(tmp: Path) -> None:
         model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     n = sum(p.numel() for p in model.parameters())
     assert reference(tmp).metrics[-1]["model_state_bytes"] == 16 * n
+
+
+def test_one_forward_over_the_global_batch_gives_the_same_losses(tmp: Path) -> None:
+    """Padded data: G=2 K=2, one process with K=4 and one process with K=1 (one forward over the whole global batch)
+    log the same losses, because every step is normalised by the targets of the whole global batch."""
+    one_forward = run_of(tmp, "ddp", 1, "batch.micro_size=16").losses()
+    for run in (reference(tmp), two_ranks(tmp, "ddp")):
+        assert max(abs(a - b) for a, b in zip(one_forward, run.losses(), strict=True)) <= 1e-6
+
+
+def test_the_mean_of_micro_batch_means_would_fail_that_check(tmp: Path) -> None:
+    """The usual recipe (each micro-batch's mean / K, averaged over ranks) on the same padded data and the same
+    first weights: it changes with K and G, so the check above can fail; the logged loss is the global one."""
+    import numpy as np
+    import torch
+
+    from launcher.data import GlobalBatches, PySource
+    from launcher.models.gpt import GPT
+
+    data = PySource("train", seq_len=32, packing=False)
+    torch.manual_seed(1337)
+    model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
+    samples = [data[int(i)] for i in GlobalBatches(len(data), 16, 1337).at(0)]
+    with torch.no_grad():
+        out = [model(x[None], y[None]) for x, y in samples]
+        sums, counts = np.array([float(o["loss_sum"]) for o in out]), np.array([int(o["num_tokens"]) for o in out])
+
+    def mean_of_means(parts: int) -> float:  # G x K micro-batches of 16 / parts samples each
+        return float(np.mean([s.sum() / c.sum() for s, c in zip(np.split(sums, parts), np.split(counts, parts))]))
+
+    exact = sums.sum() / counts.sum()
+    assert counts.min() < counts.max()  # padded: the samples really differ
+    assert abs(mean_of_means(4) - exact) > 1e-4 and abs(mean_of_means(16) - mean_of_means(4)) > 1e-4
+    assert reference(tmp).losses()[0] == pytest.approx(exact, abs=1e-6)  # step 1: before any update
+
+
+def test_data_workers_read_ahead_without_changing_a_loss(tmp: Path) -> None:
+    """data.workers=2: DataLoader processes read the same samples in the same order, so the losses are equal."""
+    assert run_of(tmp, "ddp", 2, "data.workers=2").losses() == two_ranks(tmp, "ddp").losses()

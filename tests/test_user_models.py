@@ -38,8 +38,8 @@ def gpt2_folder(conformance_dir: Path) -> Path:
 def hf(folder: Path) -> list[str]:
     """The overrides that train a transformers causal LM from a folder, with no wrapper: its batches in HF form."""
     return ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_pretrained",
-            f"+model.pretrained_model_name_or_path={folder}", "data=synthetic", "data.seq_len=16",
-            "data.format=hf"]  # fmt: skip
+            f"+model.pretrained_model_name_or_path={folder}", "data=pysource", "data.packing=false",
+            "data.seq_len=16", "data.format=hf"]  # fmt: skip
 
 
 def smoke(tmp: Path, name: str, *overrides: str) -> tuple[Run, Path]:
@@ -76,16 +76,19 @@ def test_the_smoke_sweep_trains_a_transformers_model_as_it_is_under_every_strate
 
 
 def _next_token_loss(folder: Path, global_size: int) -> float:
-    """The first global batch's loss, by hand: the folder's model, each token predicting the next."""
+    """The first global batch's loss, by hand: the folder's model, each real token predicting the next (padded
+    positions are no targets), summed over the whole global batch and divided by its number of targets."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from launcher.data import GlobalBatches, Synthetic
+    from launcher.data import GlobalBatches, PySource
 
-    data = Synthetic("train", seq_len=16, format="hf")
-    ids = torch.stack([data[int(i)]["input_ids"] for i in GlobalBatches(len(data), global_size, SEED).at(0)])
+    data = PySource("train", seq_len=16, packing=False, format="hf")
+    rows = [data[int(i)] for i in GlobalBatches(len(data), global_size, SEED).at(0)]
+    ids, labels = torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows])
     logits = AutoModelForCausalLM.from_pretrained(str(folder))(input_ids=ids).logits
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).item()
+    targets = labels[:, 1:].reshape(-1)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets, ignore_index=-100).item()
 
 
 def test_labels_are_shifted_once_and_every_strategy_starts_from_the_folders_weights(hf_sweep, gpt2_folder) -> None:

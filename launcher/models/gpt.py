@@ -1,6 +1,8 @@
 """A GPT decoder (pre-norm, tied embeddings) using scaled_dot_product_attention.
 
-forward(idx, targets) returns the mean next-token cross-entropy: the model contract of the runner.
+forward(idx, targets) returns the summed next-token cross-entropy and the number of targets (and their mean as
+`loss`), so that the runner normalises the loss of a step by the targets of the whole global batch: exact on
+padded data (targets of -100 count for nothing) whatever the accumulation and the world size.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class GPT(nn.Module):
 
         self.apply(init)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         t = idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
@@ -101,5 +103,8 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        logits = self.head(self.ln_f(x)).float()
+        flat = targets.reshape(-1)
+        loss_sum = F.cross_entropy(logits.view(-1, logits.size(-1)), flat, reduction="sum")  # -100: no target
+        num_tokens = (flat != -100).sum()
+        return {"loss": loss_sum / num_tokens.clamp(min=1), "loss_sum": loss_sum, "num_tokens": num_tokens}

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.checks import check_strategy
 from launcher.config import ConfigError, Derived, derive, freeze
 from launcher.context import make_strategy
-from launcher.plan.fit import check_plan_config, make_plan
+from launcher.plan.fit import make_plan
 from launcher.plan.render import as_dict, chart, describe_pick, render, strategy_rows
 from strategies.base import Layout
 
@@ -114,7 +114,6 @@ def main(overrides: Sequence[str]) -> int:
 
     chosen, strategy_keys = _chosen_strategy(overrides)
     frozen = freeze(_compose(overrides))
-    check_plan_config(frozen.plan)
     # A plan may be for GPUs this machine lacks: count the GPUs asked for as visible.
     derived = derive(frozen, max(visible_cuda_devices(), frozen.gpus or 0))
     size = measure(build_on_meta(frozen.model))
@@ -147,7 +146,6 @@ def choose(frozen: DictConfig, derived: Derived, model: Any) -> tuple[str, DictC
     raises ConfigError (exit 2) saying what would fit when nothing does. `model` is built on the meta device."""
     from launcher.meta import measure
 
-    check_plan_config(frozen.plan)
     configs = _candidates(frozen)
     plan = make_plan(frozen, derived, measure(model), _layouts(configs))
     blocked: dict[str, str] = {}
@@ -165,3 +163,31 @@ def choose(frozen: DictConfig, derived: Derived, model: Any) -> tuple[str, DictC
         raise ConfigError(f"strategy=auto: {describe_pick(plan, blocked)}")
     print(f"auto: picked {describe_pick(plan, blocked)}", flush=True)
     return pick.name, configs[pick.name]
+
+
+def memory_advice(resolved: DictConfig, available: float) -> str:
+    """For a run killed for memory: its plan's per-rank figure, the machine's memory, and the presets whose plan
+    fits `available` bytes shared by this node's ranks (one line; empty if the plan cannot be made)."""
+    from launcher.config import Derived
+    from launcher.meta import build_on_meta, measure
+    from launcher.plan.render import _size
+
+    try:
+        derived = Derived(**{k: v for k, v in resolved.derived.items() if k != "model"})
+        plain = OmegaConf.create(
+            {k: v for k, v in OmegaConf.to_container(resolved).items() if k not in ("derived", "job")}
+        )
+        per_rank = available / derived.gpus
+        plain.plan.device_memory_gb, plain.plan.headroom = per_rank / 1e9, 0.0
+        configs = with_presets(plain, strategy_names())
+        size = measure(build_on_meta(plain.model))
+        plan = make_plan(plain, derived, size, _layouts(configs) | {"this run": make_strategy(plain.strategy).layout()})
+    except Exception:  # advice is a courtesy: never hide the failure behind another
+        return ""
+    mine = next(sp for sp in plan.strategies if sp.name == "this run")
+    fitting = [sp.name for sp in plan.ranked() if sp.name != "this run" and plan.fits(sp)]
+    return (
+        f"the plan's peak per rank is {_size(mine.peak_device + mine.on('cpu'))}; this machine had "
+        f"{_size(available)} available for its {derived.gpus} rank(s), {_size(per_rank)} each; "
+        f"strategies whose plan fits: {', '.join(fitting) or 'none at this size (launch plan says what would)'}"
+    )

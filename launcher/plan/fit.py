@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config import ConfigError, Derived
+from launcher.config import Derived
 from launcher.meta import ModelSize
 from launcher.plan.costs import (
     GB,
@@ -140,19 +140,6 @@ class Plan:
         return next((sp for sp in self.ranked() if self.fits(sp) and sp.name not in blocked), None)
 
 
-def check_plan_config(plan: DictConfig) -> None:
-    for key in ("link_gbps", "internode_gbps"):
-        if plan[key] <= 0:
-            raise ConfigError(f"plan.{key}={plan[key]} is invalid: it must be > 0 (GB/s per GPU)")
-    if plan.device_memory_gb is not None and plan.device_memory_gb <= 0:
-        raise ConfigError(
-            f"plan.device_memory_gb={plan.device_memory_gb} is invalid: it must be > 0 (GB per device), "
-            "or unset to detect it"
-        )
-    if not 0 <= plan.headroom < 1:
-        raise ConfigError(f"plan.headroom={plan.headroom} is invalid: it is the fraction kept free, 0 <= headroom < 1")
-
-
 def device_memory(plan: DictConfig) -> DeviceMemory:
     """plan.device_memory_gb when set; else the free memory of the first visible GPU; else 80 GB."""
     if plan.device_memory_gb is not None:
@@ -171,7 +158,6 @@ def device_memory(plan: DictConfig) -> DeviceMemory:
 
 def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, layouts: dict[str, Layout]) -> Plan:
     """The plan of a frozen config (model, optimizer, precision, batch, plan.*) for each named strategy layout."""
-    check_plan_config(cfg.plan)
     model = cfg.model
     seq = OmegaConf.select(cfg, "data.seq_len", default=None) or OmegaConf.select(model, "block_size", default=1)
     precision = str(cfg.precision)

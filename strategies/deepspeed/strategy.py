@@ -78,8 +78,6 @@ class DeepSpeed:
         )
 
     def check(self, ctx: RunContext, model: nn.Module) -> None:
-        if self.stage not in (1, 2, 3):
-            raise ValueError(f"strategy.stage={self.stage} is not a ZeRO stage; use 1, 2 or 3")
         if ctx.compile:
             raise ValueError(
                 "trainer.compile=true is not supported by DeepSpeed strategies here; "

@@ -1,0 +1,175 @@
+"""Bad input never reaches a worker as a traceback.
+
+A table of inputs that are wrong as values (the schema's ranges, the batch contract) or only once an object is
+built (the optimizer, the datasets, the model's forward, the logger's settings, the run directory, a checkpoint,
+a strategy's options): each is one line on stderr naming the key or value, exit 2, before any worker starts, and
+nothing written. Then what a worker that fails anyway prints, and a worker killed for memory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import LAUNCH, TINY, clean_env, launch
+
+CUSTOM_CLASSIFIER = ["model=custom", "model._target_=user_models.Classifier", "data=custom",
+                     "data._target_=user_models.images"]  # fmt: skip
+
+BAD = {
+    # composition: the schema knows every key, type and choice
+    "unknown strategy": (["strategy=nope"], "unknown strategy 'nope'; valid: auto, ddp"),
+    "unknown model": (["model=gpt_huge"], "unknown model 'gpt_huge'; valid: custom, gpt_124m"),
+    "unknown data": (["data=imagenet"], "unknown data 'imagenet'; valid: custom, pysource"),
+    "unknown key": (["trainer.max_stpes=5"], "unknown key 'trainer.max_stpes'"),
+    "unknown top-level key": (["gpu=2"], "unknown key 'gpu'"),
+    "wrong type": (["batch.global_size=lots"], "batch.global_size"),
+    "bad enum": (["device=tpu"], "device"),
+    "custom model without a target": (["model=custom"], "model._target_ has no value"),
+    # ranges, declared once in the schema
+    "zero global batch": (["batch.global_size=0"], "batch.global_size=0 is invalid: it must be a positive integer"),
+    "negative micro batch": (["batch.micro_size=-4"], "batch.micro_size=-4"),
+    "zero steps": (["trainer.max_steps=0"], "trainer.max_steps=0"),
+    "negative checkpoint interval": (["trainer.checkpoint_every=-1"], "trainer.checkpoint_every=-1 is invalid"),
+    "negative keep_last": (["trainer.keep_last=-3"], "trainer.keep_last=-3 is invalid"),
+    "negative learning rate": (["optim.lr=-1"], "optim.lr=-1.0 is invalid: it must be >= 0"),
+    "dropout of one": (["model.dropout=1.0"], "model.dropout=1.0 is invalid: it must be a fraction in [0, 1)"),
+    "zero gpus": (["gpus=0"], "gpus=0"),
+    "port out of range": (["rdzv.port=70000"], "rdzv.port=70000 is invalid: it must be a port in [1, 65535]"),
+    "no ZeRO stage 4": (["strategy=zero2", "strategy.stage=4"], "strategy.stage=4 is invalid: it must be a ZeRO stage"),
+    # the batch contract and the machine
+    "not divisible": (["batch.global_size=30", "batch.micro_size=4", "gpus=2"], "use batch.global_size=24 or 32"),
+    "cuda without cuda": (["device=cuda"], "device=cuda but no CUDA device"),
+    # the data, built in the launcher
+    "missing token file": (["data=tokens", "data.path=/nonexistent/train.bin"], "data.path=/nonexistent/train.bin"),
+    "token file not given": (["data=tokens"], "data.path has no value"),
+    "token file of odd bytes": (["data=tokens", "data.path={odd}"], "not a whole number of uint16 tokens"),
+    "token file too short": (["data=tokens", "data.path={short}", "data.seq_len=64"],
+                             "cannot make one sample of data.seq_len=64"),  # fmt: skip
+    "seq longer than model": (["data.seq_len=64", "model.block_size=32"],
+                              "data: data.seq_len=64 exceeds the model's 32 positions (model.block_size)"),  # fmt: skip
+    "empty validation split": (["data=pysource", "data.val_fraction=0", "trainer.eval_every=5"], "data: 0 tokens"),
+    # the model, built on the meta device, and one forward of a real sample through it
+    "heads do not divide width": (["model.n_head=5"], "is not divisible by model.n_head=5"),
+    "model target not importable": (["model._target_=nowhere.Model"], "cannot be imported"),
+    "keys a model does not take": (["model._target_=user_models.Classifier"], "does not take model.block_size"),
+    "forward does not fit the data": ([*CUSTOM_CLASSIFIER, "+model.channels=5"], "model: "),
+    # the optimizer, built over the model's meta parameters: torch checks its own hyperparameters
+    "betas out of range": (["optim.betas=[1.5,0.9]"], "optim: Invalid beta parameter at index 0: 1.5"),
+    "nesterov without momentum": (["optim=sgd", "optim.momentum=0", "+optim.nesterov=true"], "optim: Nesterov"),
+    # the logger's settings, checked without starting a run
+    "unknown wandb mode": (["logger=wandb", "logger.mode=sometimes"], "logger: logger.mode=sometimes"),
+    "bad wandb project": (["logger=wandb", "logger.project=a/b"], "logger: logger.project='a/b'"),
+    # the run directory: Hydra would make it first, with a traceback
+    # a checkpoint to resume from
+    "no checkpoint there": (["resume={tmp}/nowhere"], "no complete checkpoint there"),
+    # strategy options
+    "option a strategy does not take": (["+strategy.overlap=true"], "does not take strategy.overlap"),
+    "fp16 reduction without fp16": (["strategy=fsdp", "strategy.reduce_dtype=fp16"], "strategy.reduce_dtype=fp16"),
+    "ds_config contradicting the batch": (["strategy=zero1", "+strategy.ds_config.train_batch_size=3"],
+                                          "strategy.ds_config.train_batch_size=3 conflicts"),  # fmt: skip
+}  # fmt: skip
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    odd, short = tmp_path / "odd.bin", tmp_path / "short.bin"
+    odd.write_bytes(b"\x01\x02\x03")  # three bytes: not a whole number of 2-byte tokens
+    np.arange(40, dtype=np.uint16).tofile(short)  # 40 tokens, less than one sample of 64 + 1
+    return {"odd": str(odd), "short": str(short), "tmp": str(tmp_path)}
+
+
+def test_the_table_covers_every_group_and_built_object() -> None:
+    text = " ".join(" ".join(o) + " " + e for o, e in BAD.values())
+    for named in ("strategy", "model", "data", "optim", "logger", "resume=", "trainer", "batch"):
+        assert named in text, named
+    assert len(BAD) >= 30
+
+
+NOT_GPT = [o for o in TINY if not o.startswith(("model", "data"))]  # TINY without the built-in GPT's and data's keys
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_before_any_worker(case: str, tmp_path: Path, files: dict[str, str]) -> None:
+    overrides, expected = BAD[case]
+    if "cuda" in case:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    base = NOT_GPT if "model=custom" in overrides else TINY
+    run = launch(tmp_path, *base, *(o.format(**files) for o in overrides), timeout=120)
+    line = run.refused()  # one line, exit 2, nothing written (not even the run directory)
+    assert expected in line, line
+    assert "Traceback" not in run.stdout + run.stderr
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    """Hydra makes the run directory before the run starts (with a traceback when it cannot): checked first."""
+    proc = subprocess.run([LAUNCH, *TINY, "hydra.run.dir=/proc/launch/run"], cwd=tmp_path, env=clean_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("launch: error: hydra.run.dir=/proc/launch/run cannot be created and written")
+
+
+def test_a_worker_killed_for_memory_is_named(tmp_path: Path) -> None:
+    """A real out-of-memory kill: the launcher runs in a memory cgroup of its own with a limit, and one rank's
+    model hoards memory until the kernel kills it."""
+    cgroup = _memory_cgroup(tmp_path, limit=2 * 2**30)
+    run_dir = tmp_path / "run"
+
+    def enter() -> None:
+        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+    proc = subprocess.run([LAUNCH, *TINY, "gpus=2", "trainer.max_steps=5", "model._target_=faulty.HungryGPT",
+                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=clean_env(tmp_path), preexec_fn=enter,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    try:
+        cgroup.rmdir()
+    except OSError:
+        pass
+    assert proc.returncode == 1, proc.stderr
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith("launch: error: rank 1 was killed by the out-of-memory killer: the plan's peak per rank is")
+    assert "this machine had" in first and "strategies whose plan fits" in first, first
+
+
+def test_a_worker_killed_otherwise_is_not_blamed_on_memory(tmp_path: Path) -> None:
+    from test_checkpoint import _wait_for_step, _worker_pids
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([LAUNCH, *TINY, "gpus=2", "trainer.max_steps=400", f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, env=clean_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    _wait_for_step(run_dir, 2, proc)
+    os.kill(_worker_pids(run_dir)[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "launch: error: rank 1 was killed by SIGKILL" in err and "out-of-memory" not in err, err
+
+
+def _memory_cgroup(tmp_path: Path, limit: int) -> Path:
+    """A child of this process's memory cgroup with `limit` bytes (cgroup v1 or v2)."""
+    from launcher.failures import _cgroup_dirs
+
+    for parent in _cgroup_dirs():
+        child = parent / f"launch-test-{os.getpid()}"
+        try:
+            child.mkdir()
+            limit_file = child / (
+                "memory.limit_in_bytes" if (child / "memory.limit_in_bytes").exists() else "memory.max"
+            )
+            limit_file.write_text(str(limit))
+            return child
+        except OSError as e:
+            reason = f"{e.strerror}: {e.filename}"
+            try:
+                child.rmdir()
+            except OSError:
+                pass
+    pytest.skip(f"no memory cgroup can be made here to run out of memory safely ({locals().get('reason', 'none')})")
