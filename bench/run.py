@@ -5,10 +5,10 @@ Each strategy in conf/strategy/ (but `auto`, which only picks one of them) runs 
 (2 ranks x 4 micro-steps), logger=none, on 2 CPU ranks by default (`--device cuda --gpus N` on GPUs).
 Figures are rank maxima from metrics.jsonl: step time and tokens/s over the last logged window (the
 first steps, with lazy initialisation, left out), model-state bytes per rank, peak memory per rank
-(max RSS on CPU, max allocated on CUDA), communication per optimizer step: measured (ring bytes this
-rank sent in the gradient-sync collectives the strategy counted) next to the planner's formula, and
-MFU where the device's peak is known (or `--peak-tflops`). Then the launcher-vs-plain-torchrun
-overhead, from bench/overhead.py's own runs.
+(live bytes at the dispatch level on CPU, max allocated on CUDA) next to the planner's peak,
+communication per optimizer step: measured (ring bytes this rank sent in the gradient-sync collectives
+the strategy counted) next to the planner's formula, and MFU where the device's peak is known (or
+`--peak-tflops`). Then the launcher-vs-plain-torchrun overhead, from bench/overhead.py's own runs.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ COLUMNS = (
     "tokens/s",
     "model state / rank",
     "peak memory / rank",
+    "planned peak",
+    "planned / measured",
     "comm payload / step",
     "comm sent / step measured",
     "comm sent / step formula",
@@ -87,6 +89,7 @@ def run_strategy(name: str, steps: int, extra: list[str], out: Path) -> dict[str
                 "tokens_per_s",
                 "model_state_bytes",
                 "peak_memory_bytes",
+                "plan_peak_bytes",
                 "comm_bytes",
                 "comm_sent_bytes",
                 "comm_bytes_formula",
@@ -121,13 +124,16 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['strategy']} | failed: {r['error'].replace('|', '/')} |" + " |" * (len(COLUMNS) - 2))
             continue
         ratio = r.get("measured_over_formula")
+        peak, planned = r["peak_memory_bytes"], r["plan_peak_bytes"]
         cells = [
             r["strategy"],
             f"{r['world_size']:.0f}",
             f"{r['step_time_s']:.4f}",
             f"{r['tokens_per_s']:.0f}",
             _mb(r["model_state_bytes"]),
-            _mb(r["peak_memory_bytes"]),
+            _mb(peak),
+            _mb(planned),
+            "—" if not (peak and planned) else f"{planned / peak:.2f}",
             _mb(r["comm_bytes"]),
             _mb(r["comm_sent_bytes"]),
             _mb(r["comm_bytes_formula"]),

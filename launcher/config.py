@@ -36,7 +36,7 @@ def freeze(cfg: DictConfig) -> DictConfig:
     schema declares (`schema.check_ranges`), while the schema is still attached; `resolved.yaml` is this config
     plus what the launcher derived.
     """
-    from launcher.schema import check_ranges
+    from launcher.ranges import check_ranges
 
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:

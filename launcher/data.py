@@ -131,11 +131,13 @@ class DocumentChunks(Dataset):
     def __init__(self, tokens: np.ndarray, spans: np.ndarray, seq_len: int, format: str = "tuple") -> None:
         if format not in FORMATS:
             raise ValueError(f"data.format={format} is not one of {', '.join(FORMATS)}")
-        begins = [np.arange(b, e - 1, seq_len, dtype=np.int64) for b, e in spans]
-        first = np.concatenate(begins) if begins else np.empty(0, dtype=np.int64)
-        if not len(first):
+        begin, end = spans[:, 0], spans[:, 1]
+        per_doc = np.maximum(0, end - begin - 1 + seq_len - 1) // seq_len  # chunks with at least one target
+        if not per_doc.sum():
             raise ValueError(f"{len(tokens)} tokens in {len(spans)} documents cannot make one sample")
-        ends = np.repeat(spans[:, 1], [len(b) for b in begins])
+        doc = np.repeat(np.arange(len(spans)), per_doc)
+        nth = np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)  # chunk index in its document
+        first, ends = begin[doc] + nth * seq_len, end[doc]
         self.tokens, self.seq_len, self.format = tokens, seq_len, format
         self.chunks = np.stack([first, np.minimum(seq_len + 1, ends - first)], axis=1)
 
@@ -189,6 +191,7 @@ class GlobalBatches:
     def __init__(self, num_samples: int, global_size: int, seed: int) -> None:
         self.n, self.global_size, self.seed = num_samples, global_size, seed
         self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+        self._permutation(0)  # held from the start: 8 bytes per sample, the same size in every epoch
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
@@ -275,6 +278,9 @@ def feed(dataset: Dataset, sampler: StepBatches, workers: int, device: torch.dev
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
+        # Its own generator: starting to iterate draws the workers' base seed, which from the global generator
+        # would shift dropout's draws in a resumed run (it starts iterating at the resumed step, not at step 1).
+        generator=torch.Generator().manual_seed(0),
     )
     for batch in loader:
         yield to_device(batch, device)

@@ -22,9 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.checks import check_built, check_keys, check_resume, check_strategy
 from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze, identity_hash
-from launcher.failures import memory_available, oom_kills, rank_lines
+from launcher.failures import oom_kills, rank_lines
 from launcher.lifecycle import STOP_SIGNALS
-from launcher.machine import loopback_interface, usable_cpus, visible_cuda_devices
+from launcher.machine import loopback_interface, memory_available, usable_cpus, visible_cuda_devices
 from launcher.rendezvous import LOOPBACK, Rendezvous, rendezvous
 from launcher.rundir import Ownership, claim
 
@@ -47,7 +47,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     it is recorded in the frozen config and names the job's wandb group and run.
     """
     from launcher.meta import build_on_meta, measure
-    from launcher.plan.commands import choose, is_auto
+    from launcher.plan.commands import choose, is_auto, planned_peak
 
     frozen = freeze(cfg)
     cuda = visible_cuda_devices()
@@ -61,7 +61,12 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
             job = {**job, "choices": {**job["choices"], "strategy": name}}  # record what runs, for reports and names
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
-    resolved["derived"] = {**derived.as_dict(), "model": measure(model).as_dict()}
+    size = measure(model)
+    resolved["derived"] = {
+        **derived.as_dict(),
+        "model": size.as_dict(),
+        "plan_peak_bytes": planned_peak(frozen, derived, size),
+    }
     resolved["job"] = {**(job or {}), "config_hash": identity_hash(frozen)}
     _name_logger_run(resolved)
     frozen = OmegaConf.create(resolved)

@@ -1,4 +1,4 @@
-"""Metric loggers. Only rank 0 gets a real one; other ranks get NullLogger.
+"""Metric loggers and the progress line. Only rank 0 gets a real logger; other ranks get NullLogger.
 
 A logger is any `_target_` with `log(metrics, step)` and `finish()`; it is constructed with its
 own config keys plus `run_config` (the resolved run config as a dict) and `run_dir`.
@@ -11,6 +11,7 @@ import netrc
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,66 @@ class WandbLogger:
         if self.offline and run_dir:
             folder = Path(run_dir).parent
             print(f"wandb: logged offline to {folder}; upload with: wandb sync {folder}", file=sys.stderr)
+
+
+@dataclass
+class Loggers:
+    """Rank 0 writes metrics.jsonl and the configured logger; the other ranks write nothing."""
+
+    rank: int
+    jsonl: Any
+    external: Any
+
+    @classmethod
+    def create(cls, cfg: Any, rank: int, run_dir: Path) -> Loggers:
+        from hydra.utils import instantiate
+        from omegaconf import OmegaConf
+
+        if rank != 0:
+            return cls(rank, NullLogger(), NullLogger())
+        config = OmegaConf.to_container(cfg, resolve=True)
+        external = instantiate(cfg.logger, _partial_=True, _convert_="all")(run_config=config, run_dir=str(run_dir))
+        return cls(rank, JsonlLogger(run_dir / "metrics.jsonl"), external)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.jsonl.log(metrics, step)
+        self.external.log(metrics, step)
+
+    def finish(self) -> None:
+        self.jsonl.finish()
+        self.external.finish()
+
+
+class Progress:
+    """A progress bar on rank 0 when it writes to a terminal, plain log lines otherwise."""
+
+    def __init__(self, rank: int, total: int, enabled: bool) -> None:
+        self.rank = rank
+        self.bar = None
+        if rank == 0 and enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, metrics: dict[str, float] | None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if metrics:
+                self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", samples_s=f"{metrics['samples_per_s']:.0f}")
+        elif self.rank == 0 and metrics:
+            extra = f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
+            print(
+                f"step {step} | loss {metrics['loss']:.4f}{extra} | lr {metrics['lr']:.2e} | "
+                f"{metrics['step_time_s']:.3f} s/step | {_rate(metrics)}",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _rate(metrics: dict[str, float]) -> str:
+    if "tokens_per_s" in metrics:
+        return f"{metrics['tokens_per_s']:.0f} tok/s"
+    return f"{metrics['samples_per_s']:.1f} samples/s"

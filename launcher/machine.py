@@ -46,3 +46,38 @@ def loopback_interface() -> str:
 
     names = [name for _, name in socket.if_nameindex()]
     return next((n for n in names if n == "lo" or n.startswith("lo")), "lo")
+
+
+def memory_cgroups() -> list[Path]:
+    """This process's memory cgroup folders: the v2 unified one, or the v1 memory controller's."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    dirs = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2, unified
+            dirs.append(Path("/sys/fs/cgroup") / path.lstrip("/"))
+        elif "memory" in controllers.split(","):
+            dirs.append(Path("/sys/fs/cgroup/memory") / path.lstrip("/"))
+    return [d for d in dirs if d.is_dir()]
+
+
+def memory_available() -> tuple[float, float]:
+    """The machine's total and available memory, in bytes (`/proc/meminfo`), capped by a cgroup limit."""
+    info: dict[str, float] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, value = line.split(":", 1)
+            info[key] = float(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    total, available = info.get("MemTotal", 0.0), info.get("MemAvailable", 0.0)
+    for limit_file in [f for d in memory_cgroups() for f in (d / "memory.max", d / "memory.limit_in_bytes")]:
+        try:
+            limit = float(limit_file.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        total, available = min(total, limit), min(available, limit)
+    return total, available

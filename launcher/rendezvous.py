@@ -101,5 +101,17 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
         configs["rank"] = node_rank or 0
     if derived.nodes == 1:  # one machine: on loopback (unless told otherwise), a fresh port and id for each launch
         local = None if endpoint else LOOPBACK
-        return Rendezvous(endpoint or f"{LOOPBACK}:0", run_id or uuid.uuid4().hex[:12], r.backend, configs, local)
+        # c10d's agent binds port 0 itself and tells the workers the port it got; the static rendezvous hands its
+        # endpoint's port to the workers as MASTER_PORT, so it needs a real one.
+        port = _free_port() if r.backend == "static" else 0
+        return Rendezvous(endpoint or f"{LOOPBACK}:{port}", run_id or uuid.uuid4().hex[:12], r.backend, configs, local)
     return Rendezvous(endpoint, run_id, r.backend, configs)
+
+
+def _free_port() -> int:
+    """A port on loopback that nothing listens on now (the agent binds it a moment later)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])

@@ -81,11 +81,16 @@ def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) 
                 print(f"launch: {path} does not load ({reason[:200]}); falling back to {paths[i + 1]}", flush=True)
             continue
         if ctx.rank == 0:
-            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            attempt = restart_count()
             why = f"restart {attempt} of the worker group: " if attempt else ""
             print(f"launch: {why}resuming from {path} (step {position.step}, sample {position.samples})", flush=True)
         return position
     return Position(step=0, samples=0)
+
+
+def restart_count() -> int:
+    """How often the elastic agent has restarted this worker group (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def save_checkpoint(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, position: Position) -> Path:

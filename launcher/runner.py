@@ -10,10 +10,8 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import resource
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +24,12 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.checkpoint import Position
 from launcher.data import GlobalBatches, StepBatches, build_dataset, collate, feed, rank_micro_batches
 from launcher.lifecycle import Phase, StopRequest
-from launcher.logs import JsonlLogger, NullLogger
+from launcher.logs import Loggers, Progress
 from launcher.loss import NUM_ITEMS, batch_tokens, count_targets, micro_loss, model_loss, target_tokens
+from launcher.memory import StepMemory, rss_bytes
+from launcher.meta import build_on_meta
 from launcher.plan.costs import GPT_TARGET, flops_per_token, peak_tflops, step_comm_bytes
-from launcher.resume import check_shared_directory, resume, save_checkpoint
+from launcher.resume import check_shared_directory, restart_count, resume, save_checkpoint
 from strategies import RunContext, Strategy
 
 
@@ -45,21 +45,17 @@ def lr_at(step: int, base: float, warmup: int, max_steps: int, schedule: str, mi
     return base * (min_ratio + (1 - min_ratio) * shape)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 @dataclass(frozen=True)
 class Speed:
-    """What turns a logged step into MFU and the planner's communication figure: worked out once per run."""
+    """What turns a logged step into MFU, and the planner's figures beside the measured ones: worked out once."""
 
     flops_per_token: float
     peak_flops: float | None
     """Per device; None (no MFU logged) on a device the table does not know, unless trainer.peak_tflops is set."""
     comm_bytes_formula: float
     """The planner's bytes each rank sends per optimizer step for this strategy's layout (`launch plan`'s figure)."""
+    plan_peak_bytes: float | None = None
+    """The planner's peak per rank for this run (computed by the launcher), beside the measured peak_memory_bytes."""
 
     @classmethod
     def of(cls, cfg: DictConfig, ctx: RunContext, strategy: Strategy) -> Speed:
@@ -71,87 +67,32 @@ class Speed:
         if peak is None and ctx.device_type == "cuda":
             peak = peak_tflops(torch.cuda.get_device_name(ctx.device))
         formula = step_comm_bytes(params, ctx.world_size, strategy.layout(), ctx.precision, ctx.accumulation)
-        return cls(flops_per_token(params, *shape), peak * 1e12 if peak else None, formula)
+        planned = OmegaConf.select(cfg, "derived.plan_peak_bytes", default=None)
+        return cls(flops_per_token(params, *shape), peak * 1e12 if peak else None, formula, planned)
 
     def metrics(self, tokens_per_s: float | None, world_size: int) -> dict[str, float]:
         figures = {"comm_bytes_formula": self.comm_bytes_formula}
+        if self.plan_peak_bytes is not None:
+            figures["plan_peak_bytes"] = self.plan_peak_bytes
         if self.peak_flops and tokens_per_s is not None:
             # tokens_per_s is over all ranks; the peak is one device's.
             figures["mfu"] = self.flops_per_token * tokens_per_s / (world_size * self.peak_flops)
         return figures
 
 
-def optimizer_factory(cfg: DictConfig, ctx: RunContext, strategy: Strategy) -> functools.partial[Any]:
+def optimizer_factory(cfg: DictConfig, ctx: RunContext) -> functools.partial[Any]:
     """The configured optimizer as a partial over parameters (strategies may read its keywords).
 
-    On CUDA, with the optimizer state on the device, the fused kernel (one launch for every parameter) where the
-    optimizer has one (torch's Adam, AdamW, SGD): not for state offloaded to the host, which has no fused kernel.
+    The fused kernel where the optimizer has one (torch's Adam, AdamW, SGD) and the user did not choose: one pass
+    over each parameter, in place, on CUDA and on the CPU alike. The per-tensor loop it replaces allocates
+    temporaries as large as the tensor it steps, which for DeepSpeed's flat partitions is the whole partition.
     """
     partial = instantiate(cfg.optim, _partial_=True, _convert_="all")
     fusable = "fused" in inspect.signature(partial.func).parameters and "fused" not in partial.keywords
-    if fusable and ctx.device_type == "cuda" and strategy.layout().optimizer.where == "device":
+    # Not under fp16's loss scaler on the CPU: the fused CPU kernels reject the scaler's found-inf tensor's shape.
+    if fusable and (ctx.device_type == "cuda" or (ctx.device_type == "cpu" and ctx.precision != "fp16")):
         return functools.partial(partial.func, *partial.args, **partial.keywords, fused=True)
     return partial
-
-
-@dataclass
-class Loggers:
-    """Rank 0 writes metrics.jsonl and the configured logger; the other ranks write nothing."""
-
-    rank: int
-    jsonl: Any
-    external: Any
-
-    @classmethod
-    def create(cls, cfg: DictConfig, rank: int, run_dir: Path) -> Loggers:
-        if rank != 0:
-            return cls(rank, NullLogger(), NullLogger())
-        config = OmegaConf.to_container(cfg, resolve=True)
-        external = instantiate(cfg.logger, _partial_=True, _convert_="all")(run_config=config, run_dir=str(run_dir))
-        return cls(rank, JsonlLogger(run_dir / "metrics.jsonl"), external)
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        self.jsonl.log(metrics, step)
-        self.external.log(metrics, step)
-
-    def finish(self) -> None:
-        self.jsonl.finish()
-        self.external.finish()
-
-
-class Progress:
-    """A progress bar on rank 0 when it writes to a terminal, plain log lines otherwise."""
-
-    def __init__(self, rank: int, total: int, enabled: bool) -> None:
-        self.rank = rank
-        self.bar = None
-        if rank == 0 and enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
-
-    def update(self, step: int, metrics: dict[str, float] | None) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-            if metrics:
-                self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", samples_s=f"{metrics['samples_per_s']:.0f}")
-        elif self.rank == 0 and metrics:
-            extra = f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
-            print(
-                f"step {step} | loss {metrics['loss']:.4f}{extra} | lr {metrics['lr']:.2e} | "
-                f"{metrics['step_time_s']:.3f} s/step | {_rate(metrics)}",
-                flush=True,
-            )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _rate(metrics: dict[str, float]) -> str:
-    if "tokens_per_s" in metrics:
-        return f"{metrics['tokens_per_s']:.0f} tok/s"
-    return f"{metrics['samples_per_s']:.1f} samples/s"
 
 
 def import_targets(node: Any) -> None:
@@ -192,6 +133,52 @@ def evaluate(strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, gl
     return total / count
 
 
+def optimizer_step(
+    strategy: Strategy, micro: list[Any], ctx: RunContext, lr: float, takes_num_items: bool, step: int, phase: Phase
+) -> tuple[torch.Tensor, float]:
+    """One optimizer step over this rank's K micro-batches; returns this rank's part of the step's loss (summed over
+    ranks it is the loss of the whole global batch: `launcher.loss`) and the pre-clip gradient norm."""
+    device, K = torch.device(ctx.device), len(micro)
+    # The global batch's targets, counted before the first forward: each micro-step's loss is scaled so that the
+    # step's gradient is that of one forward over the whole global batch.
+    targets = count_targets(micro, ctx.world_size, lambda v: _reduce(v, dist.ReduceOp.SUM, device))
+    divided = targets.counted and takes_num_items and all(targets.labels)
+    loss_sum, normalised = torch.zeros((), dtype=torch.float64, device=device), False
+    for k, batch in enumerate(micro):
+        phase(f"in forward/backward of step {step}, micro-step {k + 1}/{K}")
+        if divided:  # a transformers model divides its summed loss by this itself
+            batch = {**batch, NUM_ITEMS: targets.total / ctx.world_size}
+        # Gradients are synchronised once per optimizer step: on the last micro-step only.
+        with strategy.sync(k == K - 1):
+            backward, part, normalised = micro_loss(strategy.forward(batch), k, targets, K, divided)
+            strategy.backward(backward)
+        loss_sum += part.double()
+    phase(f"in the optimizer step {step}")
+    grad_norm = strategy.step(lr)
+    return loss_sum / (targets.total if normalised else ctx.world_size), grad_norm
+
+
+@dataclass
+class Window:
+    """The steps since the last log: their times and tokens. Steps whose memory was measured are slowed by the
+    measuring, so they are left out of the speed figures whenever the window has others."""
+
+    steps: list[tuple[float, int, bool]] = field(default_factory=list)
+    """(seconds, this rank's tokens, measured) per step."""
+
+    def add(self, seconds: float, tokens: int, measured: bool) -> None:
+        self.steps.append((seconds, tokens, measured))
+
+    def figures(self, global_size: int, all_reduce: Any) -> dict[str, float]:
+        kept = [s for s in self.steps if not s[2]] or self.steps
+        seconds = sum(s[0] for s in kept)
+        (tokens,) = all_reduce([float(sum(s[1] for s in kept))])
+        figures = {"step_time_s": seconds / len(kept), "samples_per_s": global_size * len(kept) / seconds}
+        if tokens:  # only batches of integer token ids have tokens to count (not images, not features)
+            figures["tokens_per_s"] = tokens / seconds
+        return figures
+
+
 def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, stop: StopRequest | None = None) -> bool:
     """Run the loop to `trainer.max_steps`; return False if a stop signal ended it early (after a checkpoint)."""
     phase = Phase(run_dir, ctx.rank)
@@ -219,14 +206,25 @@ def _train(
     train_set = build_dataset(cfg.data, "train")
     val_set = build_dataset(cfg.data, "val")
     batches = GlobalBatches(len(train_set), B, cfg.seed)
+    # What the process holds before the model exists: torch, and the data (host memory, as on a GPU machine).
+    memory = StepMemory(device, ctx.compile)
 
     check_shared_directory(run_dir, ctx, int(cfg.derived.nodes))
     phase("building the model")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and in a one-process run
-    # The model's module and everything it imports, imported now: DeepSpeed's zero.Init patches torch's tensor
-    # constructors while the model is built, and a library imported first inside it (transformers) fails.
-    import_targets(cfg.model)
-    strategy.setup(ctx, lambda: instantiate(cfg.model), optimizer_factory(cfg, ctx, strategy))
+
+    def build_model(meta: bool = False) -> Any:
+        return build_on_meta(cfg.model) if meta else instantiate(cfg.model)
+
+    with memory.imports_excluded(), memory.measure(True, sampled=True):
+        # The model's module and everything it imports, imported now: DeepSpeed's zero.Init patches torch's tensor
+        # constructors while the model is built, and a library imported first inside it (transformers) fails.
+        import_targets(cfg.model)
+        strategy.setup(ctx, build_model, optimizer_factory(cfg, ctx))
+    setup_peak, memory.peak = memory.peak, None  # building and wrapping the model: logged with every step
+    # Ranks may have drawn different random numbers while building (FSDP builds the whole model on rank 0 only):
+    # the same generator state everywhere from here, whatever the strategy, as one process would have.
+    torch.manual_seed(cfg.seed + 1)
     speed = Speed.of(cfg, ctx, strategy)
     position = resume(cfg, ctx, strategy, run_dir)
     loggers = Loggers.create(cfg, ctx.rank, run_dir)
@@ -237,48 +235,29 @@ def _train(
     micro_batches = feed(train_set, steps, int(cfg.data.get("workers", 0)), device)
 
     metrics: dict[str, float] = {}
-    window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+    window = Window()
     for step in range(position.step + 1, trainer.max_steps + 1):
         lr = lr_at(step - 1, cfg.optim.lr, trainer.warmup_steps, trainer.max_steps, schedule, trainer.min_lr_ratio)
+        last = step == trainer.max_steps
+        log_now = step % trainer.log_every == 0 or last or not metrics  # the first step: see the loss at once
+        evaluate_now = trainer.eval_every > 0 and (step % trainer.eval_every == 0 or last)
         phase(f"reading the batches of step {step}")
         micro = [next(micro_batches) for _ in range(K)]
-        # The global batch's targets, counted before the first forward: each micro-step's loss is scaled so that the
-        # step's gradient is that of one forward over the whole global batch (launcher.loss).
-        targets = count_targets(micro, ctx.world_size, lambda v: _reduce(v, dist.ReduceOp.SUM, device))
-        divided = targets.counted and takes_num_items and all(targets.labels)
-        loss_sum, normalised = torch.zeros((), dtype=torch.float64, device=device), False
-        for k, batch in enumerate(micro):
-            phase(f"in forward/backward of step {step}, micro-step {k + 1}/{K}")
-            if divided:  # a transformers model divides its summed loss by this itself
-                batch = {**batch, NUM_ITEMS: targets.total / ctx.world_size}
-            # Gradients are synchronised once per optimizer step: on the last micro-step only.
-            with strategy.sync(k == K - 1):
-                backward, part, normalised = micro_loss(strategy.forward(batch), k, targets, K, divided)
-                strategy.backward(backward)
-            loss_sum += part.double()
-            window_tokens += batch_tokens(batch)
-        phase(f"in the optimizer step {step}")
-        grad_norm = strategy.step(lr)
+        started = time.perf_counter()
+        with memory.measure(log_now or evaluate_now):  # the logged steps' peak; the others pay nothing
+            loss, grad_norm = optimizer_step(strategy, micro, ctx, lr, takes_num_items, step, phase)
+        window.add(time.perf_counter() - started, sum(batch_tokens(b) for b in micro), log_now or evaluate_now)
         position = Position(step, position.samples + B)
-        window_steps += 1
 
-        last = step == trainer.max_steps
-        evaluate_now = trainer.eval_every > 0 and (step % trainer.eval_every == 0 or last)
-        log_now = step % trainer.log_every == 0 or last or not metrics  # the first step: see the loss at once
         if log_now or evaluate_now:
             phase(f"logging step {step}")
-            divisor = targets.total if normalised else ctx.world_size
-            metrics = _step_metrics(ctx, strategy, loss_sum / divisor, grad_norm, lr, device)
-            elapsed = time.perf_counter() - window_start
-            (tokens,) = _reduce([window_tokens], dist.ReduceOp.SUM, device)
-            metrics |= {"step_time_s": elapsed / window_steps, "samples_per_s": B * window_steps / elapsed}
-            if tokens:  # only batches of integer token ids have tokens to count (not images, not features)
-                metrics["tokens_per_s"] = tokens / elapsed
+            metrics = _step_metrics(ctx, strategy, loss, grad_norm, lr, memory, setup_peak, device)
+            metrics |= window.figures(B, lambda v: _reduce(v, dist.ReduceOp.SUM, device))
             metrics |= speed.metrics(metrics.get("tokens_per_s"), ctx.world_size)
             if evaluate_now:
                 metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, B)
             loggers.log(metrics, step)
-            window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+            window = Window()
         progress.update(step, metrics if log_now else None)
         phase(f"agreeing whether to stop after step {step}")
         # Every rank learns of a stop signal any rank got, so all save the same step together.
@@ -301,18 +280,31 @@ def _train(
 
 
 def _step_metrics(
-    ctx: RunContext, strategy: Strategy, loss_part: torch.Tensor, grad_norm: float, lr: float, device: torch.device
+    ctx: RunContext,
+    strategy: Strategy,
+    loss_part: torch.Tensor,
+    grad_norm: float,
+    lr: float,
+    memory: StepMemory,
+    setup_peak: int | None,
+    device: torch.device,
 ) -> dict[str, float]:
-    """The step's figures over all ranks: the loss is the sum of every rank's part (`launcher.loss`)."""
+    """The step's figures over all ranks: the loss is the sum of every rank's part (`launcher.loss`), memory figures
+    (the step's peak, the setup's, the RSS) are the maximum over ranks."""
     (loss,) = _reduce([loss_part.item()], dist.ReduceOp.SUM, device)
     extra = strategy.metrics()
-    names = ["peak_memory_bytes", *extra]
-    maxima = _reduce([peak_memory_bytes(device), *extra.values()], dist.ReduceOp.MAX, device)
+    if memory.peak is not None:
+        extra = {"peak_memory_bytes": float(memory.peak), **extra}
+    if setup_peak is not None:
+        extra = {"setup_peak_bytes": float(setup_peak), **extra}
+    names = ["rss_bytes", *extra]
+    maxima = _reduce([float(rss_bytes()), *extra.values()], dist.ReduceOp.MAX, device)
     return {
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
         "accumulation": ctx.accumulation,
         "world_size": ctx.world_size,
+        "restart": restart_count(),  # which attempt of the worker group logged the step
         **dict(zip(names, maxima)),
     }

@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def runnable_strategies() -> str:
-    from launcher.schema import choices
+    from launcher.groups import choices
 
     names = [n for n in choices()["strategy"] if n != "auto"]
     if "zero_infinity" in names:

@@ -10,6 +10,6 @@ here imports `launcher`: the planner imports the ring formula from `strategies.c
 - `deepspeed/`: DeepSpeed ZeRO stages and offload, one strategy with presets.
 """
 
-from strategies.base import Layout, Placement, RunContext, Strategy
+from strategies.base import Layout, Placement, RunContext, Strategy, Transients
 
-__all__ = ["Layout", "Placement", "RunContext", "Strategy"]
+__all__ = ["Layout", "Placement", "RunContext", "Strategy", "Transients"]

@@ -10,7 +10,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-ModelFactory = Callable[[], nn.Module]
+ModelFactory = Callable[..., nn.Module]
+"""`build_model()` builds the model for real; `build_model(meta=True)` on the meta device (no memory, no values)."""
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -50,6 +51,27 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Transients:
+    """What a rank holds at its peak beyond its model state, in buffers the size of the whole model (`model_*`) or of
+    its largest unit (`unit_*`, FSDP's and ZeRO-3's gathering unit), counted in weights (the dtype the forward
+    reads) or in gradients (their reduction dtype)."""
+
+    mixed_weight_copies: float = 0.0
+    """Whole-model copies in the compute dtype that exist only under mixed precision (autocast's casts of fp32
+    weights, kept for the backward)."""
+    model_grads: float = 0.0
+    """Whole-model gradient buffers, in any step: DeepSpeed's reduce buckets (each 1/8 of the model)."""
+    full_grads: float = 0.0
+    """Whole-model gradients held through the backward beyond the state's own: ZeRO-1 reduces only at its end. A
+    sharded strategy's full gradients replace the 1/G shard its state counts."""
+    full_grads_accumulating: float = 0.0
+    """The same, while micro-steps accumulate without synchronising (K > 1): unsharded gradients (FSDP, ZeRO),
+    DDP's gradients outside its buckets."""
+    unit_weights: float = 0.0
+    unit_grads: float = 0.0
+
+
+@dataclass(frozen=True)
 class Layout:
     """A strategy's memory rule: the planner and the conformance suite both read it."""
 
@@ -59,6 +81,10 @@ class Layout:
     """Optimizer moments, and fp32 master weights where the strategy keeps them."""
     master_weights: bool = False
     """The optimizer keeps its own fp32 copy of the parameters (placed like its state), even in fp32 training."""
+    low_precision_weights: bool = False
+    """Under mixed precision its stored weights are in the compute dtype (DeepSpeed); otherwise they stay fp32 and
+    the compute dtype is a transient copy (torch's autocast, FSDP's MixedPrecisionPolicy)."""
+    transients: Transients = Transients()
 
 
 @runtime_checkable
@@ -169,14 +195,21 @@ def tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors(v)
 
 
-def model_state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters, gradients and optimizer state that this rank holds (local shards only)."""
+def model_state_bytes(
+    params: Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    which: Callable[[torch.Tensor], bool] | None = None,
+) -> int:
+    """Bytes of parameters, gradients and optimizer state that this rank holds (local shards only): of every
+    parameter, or of those `which` selects (with their gradients and their optimizer state)."""
     total = 0
     for p in params:
+        if which is not None and not which(p):
+            continue
         total += local_bytes(p)
         if p.grad is not None:
             total += local_bytes(p.grad)
-    total += sum(local_bytes(t) for t in tensors(list(optimizer.state.values())) if t.dim() > 0)
+        total += sum(local_bytes(t) for t in tensors(optimizer.state.get(p, {})) if t.dim() > 0)
     return total
 
 
@@ -186,14 +219,19 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def optimizer_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, grad_clip: float, lr: float
-) -> tuple[float, int]:
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    grad_clip: float,
+    lr: float,
+    offloaded_to_host: Callable[[torch.Tensor], bool] | None = None,
+) -> tuple[float, int, int]:
     """The optimizer step of the torch strategies (DDP, FSDP): set the learning rate, unscale, clip to the global
     norm, step, update the loss scaler, zero the gradients.
 
-    Returns the pre-clip global gradient norm and the model-state bytes this rank held at the step, measured
-    before the gradients are released: that is the step's peak. On DTensor gradients (FSDP) the norm is reduced
-    over all shards, so it is the same global norm as DDP's.
+    Returns the pre-clip global gradient norm, the model-state bytes this rank held at the step (measured before the
+    gradients are released: the step's peak), and of those the bytes of the parameters `offloaded_to_host` selects.
+    On DTensor gradients (FSDP) the norm is reduced over all shards, so it is the same global norm as DDP's.
     """
     set_lr(optimizer, lr)
     scaler.unscale_(optimizer)
@@ -204,8 +242,14 @@ def optimizer_step(
     scaler.step(optimizer)
     scaler.update()
     held = model_state_bytes(model.parameters(), optimizer)
+    offloaded = model_state_bytes(model.parameters(), optimizer, offloaded_to_host) if offloaded_to_host else 0
     optimizer.zero_grad(set_to_none=True)
-    return float(norm), held
+    return float(norm), held, offloaded
+
+
+def scaler_figures(scaler: Any) -> dict[str, float]:
+    """The loss scale after the step's update, when the scaler runs (precision=fp16): halved on each overflow."""
+    return {"loss_scale": float(scaler.get_scale())} if scaler.is_enabled() else {}
 
 
 def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-RING_PASSES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+RING_PASSES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "reduce": 1}
 """Ring passes per collective: an all-reduce is a reduce-scatter then an all-gather."""
 
 
@@ -35,12 +35,16 @@ class CommCounter:
         self.recorded = 0
         """Calls that came through `record` (and so named their collective): `sent` covers only those."""
 
-    def record(self, payload: torch.Tensor, collective: str = "all_reduce") -> None:
-        """One collective whose input is `payload` (counted at its dtype: what goes on the wire)."""
-        nbytes = payload.numel() * payload.element_size()
-        self.calls += 1
-        self.recorded += 1
-        self.bytes += nbytes
+    def record(self, payload: torch.Tensor | int, collective: str = "all_reduce", sync: bool = True) -> None:
+        """One collective over the full buffer `payload` (a tensor, at its dtype: what goes on the wire; or its bytes).
+
+        `sync`: it synchronises gradients (counted in `comm_calls`/`comm_bytes`); a parameter all-gather is not, and
+        counts only in the bytes sent."""
+        nbytes = payload if isinstance(payload, int) else payload.numel() * payload.element_size()
+        if sync:
+            self.calls += 1
+            self.recorded += 1
+            self.bytes += nbytes
         self.sent += ring_sent_elements(nbytes, self.world_size, collective)
 
     def take(self) -> dict[str, float]:

@@ -16,11 +16,13 @@ from strategies.base import (
     OptimizerFactory,
     Placement,
     RunContext,
+    Transients,
     autocast_dtype,
     call_model,
     compile_units,
     load_torch_state_dict,
     optimizer_step,
+    scaler_figures,
     torch_state_dict,
     unit_classes,
     unit_modules,
@@ -52,7 +54,12 @@ class DDP:
 
     def layout(self) -> Layout:
         replicated = Placement(sharded=False)
-        return Layout(params=replicated, grads=replicated, optimizer=replicated)
+        transients = Transients(
+            mixed_weight_copies=1.0,  # autocast's casts of the fp32 weights, kept from forward to backward
+            model_grads=0.0 if self.gradient_as_bucket_view else 1.0,  # buckets: the gradients, or a copy of them
+            full_grads_accumulating=1.0,  # under no_sync gradients accumulate outside the buckets, then are copied
+        )
+        return Layout(params=replicated, grads=replicated, optimizer=replicated, transients=transients)
 
     def check(self, ctx: RunContext, model: nn.Module) -> None:
         if ctx.compile and self.compile_units == []:
@@ -93,8 +100,8 @@ class DDP:
         self.scaler.scale(loss).backward()
 
     def step(self, lr: float) -> float:
-        norm, held = optimizer_step(self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr)
-        self._last_step = {"model_state_bytes": held, **self._counter.take()}
+        norm, held, _ = optimizer_step(self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr)
+        self._last_step = {"model_state_bytes": held, **scaler_figures(self.scaler), **self._counter.take()}
         return norm
 
     def train(self, mode: bool) -> None:

@@ -21,11 +21,13 @@ from strategies.base import (
     OptimizerFactory,
     Placement,
     RunContext,
+    Transients,
     autocast_dtype,
     call_model,
     compile_units,
     load_torch_state_dict,
     optimizer_step,
+    scaler_figures,
     torch_state_dict,
     unit_classes,
     unit_modules,
@@ -33,16 +35,22 @@ from strategies.base import (
 from strategies.comm import CommCounter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+UNIT_WEIGHT_BUFFERS = 2
+"""Units gathered at once: the one computing and the next, prefetched."""
+UNIT_GRAD_BUFFERS = 2
+"""Unit-sized gradient buffers: the unsharded gradients and the reduce-scatter's flat input."""
 
 
-def _counting_reduce_scatter(counter: CommCounter) -> Any:
-    """FSDP2's default reduce-scatter, counted: installed through the public `set_custom_reduce_scatter`.
+def _counting_collectives(counter: CommCounter) -> tuple[Any, Any]:
+    """FSDP2's default reduce-scatter and all-gather, counted: installed through the public
+    `set_custom_reduce_scatter` and `set_custom_all_gather`. The reduce-scatters synchronise gradients; the
+    all-gathers of parameters (before each unit's forward and backward) count in the bytes sent.
 
     Built on first use: importing FSDP2's modules costs about a second, which `launch plan` and
     `launch --help` must not pay (they only read this strategy's layout).
     """
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     class CountingReduceScatter(ReduceScatter):
         def __init__(self) -> None:
@@ -51,13 +59,24 @@ def _counting_reduce_scatter(counter: CommCounter) -> Any:
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return self.inner.allocate(size, dtype=dtype, device=device)
 
-        def __call__(
-            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
-        ) -> Any:
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:  # fmt: skip
             counter.record(input_tensor, "reduce_scatter")  # the unit's whole (padded) gradient, in reduce_dtype
             return self.inner(output_tensor, input_tensor, group, op, async_op)
 
-    return CountingReduceScatter()
+    class CountingAllGather(AllGather):
+        def __init__(self) -> None:
+            self.inner = DefaultAllGather()
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> Any:  # fmt: skip
+            counter.record(output_tensor, "all_gather", sync=False)  # the unit's whole (padded) parameters
+            return self.inner(output_tensor, input_tensor, group, async_op)
+
+    return CountingReduceScatter(), CountingAllGather()
 
 
 class FSDP:
@@ -82,7 +101,12 @@ class FSDP:
     def layout(self) -> Layout:
         # With CPU offload the optimizer steps on the host copies too: all three live there.
         placed = Placement(sharded=True, where="cpu" if self.offload == "cpu" else "device")
-        return Layout(params=placed, grads=placed, optimizer=placed)
+        transients = Transients(
+            unit_weights=UNIT_WEIGHT_BUFFERS if self.reshard_after_forward else UNIT_WEIGHT_BUFFERS + 1,
+            unit_grads=UNIT_GRAD_BUFFERS,
+            full_grads_accumulating=0.0 if self.sync_each_microbatch else 1.0,  # unsharded until the last micro-step
+        )
+        return Layout(params=placed, grads=placed, optimizer=placed, transients=transients)
 
     def check(self, ctx: RunContext, model: nn.Module) -> None:
         # Values outside offload's and reduce_dtype's choices already fail at composition (typed schema).
@@ -132,8 +156,11 @@ class FSDP:
 
         self.ctx = ctx
         self._counter.world_size = ctx.world_size
-        # Built whole, then sharded: the same random draws as DDP, hence the same initial weights.
-        model = build_model().to(ctx.device)
+        # No rank holds the whole model on its device: rank 0 builds it in host memory (the same random draws as
+        # DDP's, hence the same weights), every rank builds it on the meta device, shards it there, and then
+        # materialises only its own shards, filled from rank 0's tensors one at a time.
+        whole = build_model() if ctx.rank == 0 else None
+        model = build_model(meta=True)
         units = unit_modules(model, unit_classes(model, self.shard_units))
         if self.activation_checkpointing:
             # Before sharding (torchtitan's order): FSDP's hooks then surround the checkpointed unit, so its
@@ -161,10 +188,14 @@ class FSDP:
                 mp_policy=precision,
                 offload_policy=offload,
             )
-        counting = _counting_reduce_scatter(self._counter)
+        model.to_empty(device="cpu" if self.offload == "cpu" else ctx.device)
+        _fill_from_rank0(model, whole)
+        del whole
+        reduce_scatter, all_gather = _counting_collectives(self._counter)
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(counting)
+                module.set_custom_reduce_scatter(reduce_scatter)
+                module.set_custom_all_gather(all_gather)
         self.model = model
         self.optimizer = build_optimizer(model.parameters())
         # fp16 needs loss scaling; the sharded scaler agrees on inf/NaN across ranks, since each sees only its shard.
@@ -192,18 +223,35 @@ class FSDP:
         self.scaler.scale(loss).backward()
 
     def step(self, lr: float) -> float:
-        norm, held = optimizer_step(self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr)
-        # Offloaded state is in host memory, not on the device: reported apart, as the layout says.
-        on_device = 0 if self.offload == "cpu" else held
+        # What FSDP itself put in host memory (its parameters' offload flag, from the policy it was given), with the
+        # gradients and optimizer state of those parameters: reported apart from what stays on the device.
+        on_host = self._offloaded_params()
+        norm, held, offloaded = optimizer_step(
+            self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr, lambda p: id(p) in on_host
+        )
         self._last_step = {
-            "model_state_bytes": on_device,
-            "offloaded_state_bytes": held - on_device,
+            "model_state_bytes": held - offloaded,
+            "offloaded_state_bytes": offloaded,
+            **scaler_figures(self.scaler),
             **self._counter.take(),
         }
         return norm
 
+    def _offloaded_params(self) -> set[int]:
+        from torch.distributed.fsdp import FSDPModule
+
+        found = set()
+        for module in self.model.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                if fsdp_param.offload_to_cpu:
+                    found.add(id(fsdp_param.sharded_param))
+        return found
+
     def train(self, mode: bool) -> None:
         self.model.train(mode)
+        if mode:
+            self._counter.take()  # the all-gathers of an evaluation are not the next training step's
 
     def state_dict(self) -> dict[str, Any]:
         return torch_state_dict(self.model, self.optimizer)
@@ -217,3 +265,19 @@ class FSDP:
     def teardown(self) -> None:
         # The sharded parameters hold the device mesh, which holds the process group.
         self.model = self.optimizer = self.scaler = None  # type: ignore[assignment]
+
+
+def _fill_from_rank0(model: nn.Module, whole: nn.Module | None) -> None:
+    """Every rank's shards (and buffers) from rank 0's whole model, one tensor at a time (collective)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, whole.state_dict() if whole is not None else {}, options=options)
+    # Buffers that are not in the state dict (non-persistent: a causal mask, rotary frequencies) are still empty.
+    sources = dict(whole.named_buffers()) if whole is not None else {}
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if whole is not None:
+                buffer.copy_(sources[name])
+            dist.broadcast(buffer, src=0)

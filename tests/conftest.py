@@ -6,6 +6,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -149,3 +150,17 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     from launcher.machine import usable_cpus
 
     return max(2, usable_cpus() // 2)
+
+
+def assert_each_restart_resumes_the_newest(run_dir: Path, out: str, every: int, restarts: int) -> None:
+    """Each restart resumes from the newest checkpoint: the one its message names is at most `every` steps behind the
+    last step the attempt before it logged, and the restarted group's first step is that checkpoint's step + 1 (a
+    replay from an older checkpoint gives the same final losses, but not these)."""
+    found = re.findall(r"restart (\d+) of the worker group: resuming from \S+ \(step (\d+),", out)
+    assert [int(n) for n, _ in found] == list(range(1, restarts + 1)), out
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for n, checkpoint in ((int(n), int(step)) for n, step in found):
+        before = [r["step"] for r in records if r["restart"] == n - 1]
+        after = [r["step"] for r in records if r["restart"] == n]
+        assert before and before[-1] - every <= checkpoint <= before[-1], (n, checkpoint, before)
+        assert after and after[0] == checkpoint + 1, (n, checkpoint, after)

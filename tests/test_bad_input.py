@@ -155,9 +155,9 @@ def test_a_worker_killed_otherwise_is_not_blamed_on_memory(tmp_path: Path) -> No
 
 def _memory_cgroup(tmp_path: Path, limit: int) -> Path:
     """A child of this process's memory cgroup with `limit` bytes (cgroup v1 or v2)."""
-    from launcher.failures import _cgroup_dirs
+    from launcher.machine import memory_cgroups
 
-    for parent in _cgroup_dirs():
+    for parent in memory_cgroups():
         child = parent / f"launch-test-{os.getpid()}"
         try:
             child.mkdir()

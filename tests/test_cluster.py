@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -266,6 +267,20 @@ def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:
     assert len(table) == 4 and table[2].startswith("| 0: batch.micro_size=2 | ddp | ok | ") and "| 2 | 4 |" in table[2]
     assert "job  " in run.stdout and " ok " in run.stdout  # the outcome table on the terminal
     assert (sweep / "summary.png").stat().st_size > 10_000
+    # The columns are what each job logged: its last loss and model-state bytes, its median samples/s.
+    for n, row in enumerate(table[2:]):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        metrics = [json.loads(line) for line in (sweep / str(n) / "metrics.jsonl").read_text().splitlines()]
+        assert float(cells[6]) == pytest.approx(metrics[-1]["loss"], abs=5e-5), (row, metrics[-1])
+        assert int(cells[8].replace(",", "")) == round(metrics[-1]["model_state_bytes"]), row
+        rates = sorted(m["samples_per_s"] for m in metrics if "samples_per_s" in m)
+        assert rates[0] - 0.05 <= float(cells[7]) <= rates[-1] + 0.05, (row, rates)
+    # python -m launcher.report rebuilds both from the jobs' folders alone.
+    expected = (sweep / "summary.md").read_text()
+    (sweep / "summary.md").unlink()
+    (sweep / "summary.png").unlink()
+    subprocess.run([sys.executable, "-m", "launcher.report", str(sweep)], check=True, env=clean_env(tmp_path))
+    assert (sweep / "summary.md").read_text() == expected and (sweep / "summary.png").stat().st_size > 10_000
 
 
 def test_sweep_configs_name_only_existing_choices() -> None:

@@ -65,6 +65,12 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
     assert lrs[-1] == pytest.approx(0.1)
     assert lr_at(50, 1.0, 10, 100, "constant", 0.1) == 1.0
     assert lr_at(99, 1.0, 10, 100, "linear", 0.0) == pytest.approx(0.0)
+    # Interior points, where cosine and linear part: a quarter of the way through the decay (steps 10..90 of 91),
+    # cosine is at (1 + cos(pi/4)) / 2 = 0.85355 of the way down from 1 to the floor 0.1, linear at 0.75.
+    assert lr_at(30, 1.0, 10, 91, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.853553, rel=1e-6)
+    assert lr_at(30, 1.0, 10, 91, "linear", 0.1) == pytest.approx(0.1 + 0.9 * 0.75, rel=1e-9)
+    assert lr_at(70, 1.0, 10, 91, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.146447, rel=1e-5)
+    assert lr_at(4, 1.0, 10, 91, "cosine", 0.1) == pytest.approx(0.5)  # warmup: (step + 1) / warmup
 
 
 def test_unpacked_pysource_pads_the_last_chunk_of_each_document() -> None:

@@ -5,6 +5,7 @@ Real `launch` runs with 2 gloo ranks on CPU: the conformance suite's job, and it
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -70,8 +71,14 @@ def test_bf16_mixed_precision_trains(tmp: Path) -> None:
 
 
 def test_fp16_trains_with_the_sharded_loss_scaler(tmp: Path) -> None:
-    losses = _run(tmp, "precision=fp16").losses()
+    run = _run(tmp, "precision=fp16")
+    losses = run.losses()
     assert losses[-1] < losses[0] - 0.5, losses
+    # The scaler runs: torch's initial scale 2^16, halved on each overflow, never above its start here (growth comes
+    # after 2000 clean steps), so every logged figure is a power of two up to 2^16.
+    scales = [m["loss_scale"] for m in run.metrics]
+    assert len(scales) == len(losses) and all(1 <= s <= 2.0**16 and math.log2(s).is_integer() for s in scales), scales
+    assert "loss_scale" not in fp32(tmp).metrics[-1]
 
 
 def test_cpu_offload_trains_and_reports_host_state(tmp: Path) -> None:
@@ -80,6 +87,16 @@ def test_cpu_offload_trains_and_reports_host_state(tmp: Path) -> None:
     last = run.metrics[-1]
     assert last["model_state_bytes"] == 0  # nothing stays on the device between steps
     assert last["offloaded_state_bytes"] == ref.metrics[-1]["model_state_bytes"]
+
+
+def test_keeping_units_gathered_after_forward_skips_backwards_all_gathers(tmp: Path) -> None:
+    """strategy.reshard_after_forward=false: the same losses, and each unit's parameters are gathered once per
+    micro-step instead of twice (forward and again in backward): (1 + K) instead of (1 + 2K) passes over the model."""
+    run, ref = _run(tmp, "strategy.reshard_after_forward=false"), fp32(tmp)
+    assert max_diff(run, ref) <= 1e-6
+    K = ref.metrics[-1]["accumulation"]
+    kept, resharded = run.metrics[-1]["comm_sent_bytes"], ref.metrics[-1]["comm_sent_bytes"]
+    assert kept / resharded == pytest.approx((1 + K) / (1 + 2 * K), rel=0.02), (kept, resharded)
 
 
 def test_activation_checkpointing_gives_the_same_losses(tmp: Path) -> None:
@@ -97,7 +114,10 @@ from strategies.fsdp import FSDP
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 ctx = RunContext("cpu", 0, 0, 1, "fp32", 1.0, 1, 2)
 strategy = FSDP(activation_checkpointing=sys.argv[2] == "true")
-strategy.setup(ctx, lambda: GPT(2, 4, 64, 256, 32), lambda params: torch.optim.SGD(params, lr=0.1))
+def build(meta=False):
+    with torch.device("meta" if meta else "cpu"):
+        return GPT(2, 4, 64, 256, 32)
+strategy.setup(ctx, build, lambda params: torch.optim.SGD(params, lr=0.1))
 calls = []
 for module in strategy.model.modules():
     if isinstance(module, Attention):

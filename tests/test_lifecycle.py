@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, Run, clean_env, launch, launch_once
+from conftest import LAUNCH, TINY, Run, assert_each_restart_resumes_the_newest, clean_env, launch, launch_once
 from test_checkpoint import _wait_for_step, _worker_pids
 from test_cluster import _free_port
 
@@ -49,7 +50,7 @@ def reference(conformance_dir: Path) -> Run:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
-def test_a_signal_stops_gracefully_and_resume_auto_continues_exactly(
+def test_a_signal_stops_gracefully_and_resume_continues_exactly(
     sig: signal.Signals, reference: Run, tmp_path: Path
 ) -> None:
     runs = tmp_path / "outputs"
@@ -63,7 +64,11 @@ def test_a_signal_stops_gracefully_and_resume_auto_continues_exactly(
     stopped_at = max(_losses(runs / "stopped"))
     assert 5 <= stopped_at < 30 and (runs / "stopped" / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
     assert _worker_pids(runs / "stopped") == {}
-    resumed = launch(runs, *JOB, "resume=auto", name="resumed").check()
+    # SIGTERM: resume=auto finds it; SIGUSR2: the command the stop message suggests, resume=<run dir>.
+    suggested = re.search(r"plus (resume=\S+)", err).group(1)
+    assert suggested == f"resume={runs / 'stopped'}", err
+    resumed = launch(runs, *JOB, "resume=auto" if sig == signal.SIGTERM else suggested, name="resumed").check()
+    assert f"resuming from {runs / 'stopped' / 'checkpoints' / f'step_{stopped_at:08d}'}" in resumed.stdout
     assert resumed.metrics[0]["step"] == stopped_at + 1
     full = {m["step"]: m["loss"] for m in reference.metrics}
     assert max(abs(full[m["step"]] - m["loss"]) for m in resumed.metrics) <= 1e-6
@@ -113,6 +118,7 @@ def test_every_restart_recovers(reference: Run, tmp_path: Path) -> None:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert all(f"restart {n} of the worker group: resuming from" in out for n in range(1, kills + 1)), out
+    assert_each_restart_resumes_the_newest(run_dir, out, every=2, restarts=kills)
     final = _losses(run_dir)
     assert abs(final[30] - reference.metrics[-1]["loss"]) <= 1e-6
 

@@ -144,7 +144,10 @@ def test_plan_prints_every_strategy_side_by_side(tmp_path: Path) -> None:
     out = proc.stdout
     for strategy in STRATEGIES:
         assert re.search(rf"^[* ] {strategy} ", out, re.M), (strategy, out)
-    assert "weights 2 (bf16) + master 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 18" in out
+    # Each strategy's own rule: torch's autocast keeps fp32 weights (its bf16 copies are transient), DeepSpeed keeps
+    # bf16 weights and an fp32 master (the lesson's 18).
+    assert "weights 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 16: ddp, fsdp;" in out, out
+    assert "weights 2 (bf16) + master 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 18: zero1, zero2," in out
     assert "micro 4 x accumulation 1 x world 8" in out and "activation checkpointing" in out
     assert re.search(r"^  ddp .* no ", out, re.M), out  # 7B under DDP does not fit 80 GB
     assert "* = strategy=auto's pick" in out
@@ -161,18 +164,20 @@ def test_plan_json_carries_the_layouts_figures(tmp_path: Path) -> None:
     by_name = {s["name"]: s for s in plan["strategies"]}
     assert sorted(by_name) == STRATEGIES
     ddp = by_name["ddp"]
-    assert ddp["device_state_bytes"] == pytest.approx(18 * n) and not ddp["fits"]
+    assert ddp["device_state_bytes"] == pytest.approx(16 * n) and not ddp["fits"]  # fp32 weights under autocast
     assert ddp["comm_bytes"] == pytest.approx(2 * 7 / 8 * n * 2)
     assert ddp["comm_seconds"] == pytest.approx(ddp["comm_bytes"] / 600e9)
     for s in plan["strategies"]:
-        # Mixed precision: 18 bytes per parameter whatever the strategy; it only moves and divides them.
-        assert sum(s["bytes_per_param"].values()) == 18, s
+        # Mixed precision: 16 bytes per parameter under torch's autocast, 18 under DeepSpeed, whatever the layout;
+        # it only moves and divides them.
+        per_param = 16 if s["name"] in ("ddp", "fsdp") else 18
+        assert sum(s["bytes_per_param"].values()) == per_param, s
         held = sum(
             s["state_bytes"][place][kind] for place in ("device", "host", "nvme") for kind in s["bytes_per_param"]
         )
-        assert n * 18 / 8 <= held <= n * 18, s["name"]
+        assert n * per_param / 8 <= held <= n * per_param, s["name"]
         assert s["peak_device_bytes"] == pytest.approx(
-            s["device_state_bytes"] + s["gathered_bytes"] + s["activation_bytes"]
+            s["device_state_bytes"] + s["transient_bytes"] + s["activation_bytes"]
         )
     fitting = [s for s in plan["strategies"] if s["fits"]]
     least = min(s["comm_bytes"] for s in fitting)
@@ -265,22 +270,37 @@ def _auto(tmp_path: Path, *overrides: str, name: str = "auto") -> Run:
     return launch(tmp_path, *AUTO_RUN, "strategy=auto", *overrides, name=name)
 
 
+def _by_the_rule(plan: dict) -> str | None:
+    """README's rule, written out from the plan's own figures: the least communication among the strategies that fit;
+    ties: less offload (host 1, NVMe 2, per kind of state), then less sharding, then the name."""
+    depth = {"device": 0, "host": 1, "nvme": 2}
+
+    def key(s: dict) -> tuple:
+        kinds = s["layout"].values()
+        return s["comm_bytes"], sum(depth[k["where"]] for k in kinds), sum(k["sharded"] for k in kinds), s["name"]
+
+    fitting = [s for s in plan["strategies"] if s["fits"]]
+    return min(fitting, key=key)["name"] if fitting else None
+
+
 def test_auto_picks_the_least_communication_that_fits_and_runs_it(tmp_path: Path) -> None:
     plan = _plan_json(tmp_path, *AUTO_RUN)
-    by_name = {s["name"]: s for s in plan["strategies"]}
-    # A device too small for DDP's replica but large enough for a sharded layout with DDP's volume (ZeRO-1/2).
-    smaller = [
-        s
-        for s in plan["strategies"]
-        if s["comm_bytes"] == by_name["ddp"]["comm_bytes"]
-        and s["peak_device_bytes"] < by_name["ddp"]["peak_device_bytes"]
-        and s["host_state_bytes"] == 0
-    ]
-    assert smaller, plan
-    budget = (by_name["ddp"]["peak_device_bytes"] + max(s["peak_device_bytes"] for s in smaller)) / 2
-    run = _auto(tmp_path, f"plan.device_memory_gb={budget / GB}", "plan.headroom=0").check()
-    expected = _plan_json(tmp_path, *AUTO_RUN, f"plan.device_memory_gb={budget / GB}", "plan.headroom=0")["auto"]
-    assert expected in {s["name"] for s in smaller}
+    need = {s["name"]: s["need_bytes"] for s in plan["strategies"]}
+    # A device size where the rule is the only one that gives its answer: not the smallest need, not the first name
+    # that fits, not everything fitting (then ddp).
+    for budget in sorted(set(need.values())):
+        fitting = [s for s in plan["strategies"] if need[s["name"]] <= budget]
+        expected = _by_the_rule({"strategies": [{**s, "fits": True} for s in fitting]})
+        if expected not in (min(fitting, key=lambda s: s["need_bytes"])["name"], min(s["name"] for s in fitting)):
+            break
+    else:
+        raise AssertionError(f"no device size tells the rule apart: {need}")
+    assert need["ddp"] > budget
+    sized = (f"plan.device_memory_gb={budget * (1 + 1e-9) / GB}", "plan.headroom=0")  # no rounding away of a fit
+    fitted = _plan_json(tmp_path, *AUTO_RUN, *sized)
+    assert {s["name"] for s in fitted["strategies"] if s["fits"]} == {s["name"] for s in fitting}
+    assert fitted["auto"] == expected == _by_the_rule(fitted)
+    run = _auto(tmp_path, *sized).check()
     assert f"auto: picked {expected}: the least communication" in run.stdout, run.stdout
     assert re.search(r"^auto:   ddp .* no ", run.stdout, re.M), run.stdout  # the why: one line per candidate
     resolved = OmegaConf.load(run.run_dir / "resolved.yaml")
@@ -297,9 +317,13 @@ def test_auto_runs_ddp_when_everything_fits(tmp_path: Path) -> None:
 
 
 def test_auto_says_what_would_fit_and_exits_2(tmp_path: Path) -> None:
-    plan = _plan_json(tmp_path, *AUTO_RUN)
-    smallest = min(s["peak_device_bytes"] for s in plan["strategies"])
-    run = _auto(tmp_path, f"plan.device_memory_gb={0.9 * smallest / GB}", "plan.headroom=0")
+    # Between the smallest need at micro-batch 1 and at this run's 4: nothing fits, a smaller micro-batch would.
+    smallest = [
+        min(s["need_bytes"] for s in _plan_json(tmp_path, *AUTO_RUN, *micro)["strategies"])
+        for micro in ((), ("batch.micro_size=1",))
+    ]
+    assert smallest[1] < smallest[0], smallest
+    run = _auto(tmp_path, f"plan.device_memory_gb={sum(smallest) / 2 / GB}", "plan.headroom=0")
     assert run.returncode == 2, (run.stdout, run.stderr)
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch: error: strategy=auto: no strategy fits"), run.stderr
@@ -307,13 +331,47 @@ def test_auto_says_what_would_fit_and_exits_2(tmp_path: Path) -> None:
     assert not (run.run_dir / "resolved.yaml").exists() and not (run.run_dir / "logs").exists()
 
 
+def test_auto_on_cpu_fits_the_hosts_available_memory(tmp_path: Path) -> None:
+    """device=cpu: the device is the host, its available memory shared by the node's ranks (not an assumed GPU). For
+    gpt_1b on 2 ranks a strategy fits exactly when its peak (offloaded state included: the same memory) and a save's
+    export fit that share; strategy=auto picks one that does, or refuses before any worker with what would fit."""
+    from launcher.machine import memory_available
+
+    overrides = ("model=gpt_1b", "gpus=2", "device=cpu")
+    plan = _plan_json(tmp_path, *overrides)
+    _, available = memory_available()
+    device = plan["device_memory"]
+    assert device["source"].startswith("device=cpu: the host's"), device
+    assert device["bytes"] == pytest.approx(available / 2, rel=0.1), (device, available)
+    by_name = {s["name"]: s for s in plan["strategies"]}
+    for s in plan["strategies"]:
+        assert s["peak_bytes"] == s["peak_device_bytes"] + s["host_state_bytes"], s
+        state = s["device_state_bytes"] + s["host_state_bytes"]
+        assert s["need_bytes"] == max(s["peak_bytes"], state + s["export_host_bytes"]), s  # a step's, or a save's
+        assert s["fits"] == (s["need_bytes"] <= device["usable_bytes"]), s
+    if plan["auto"] is not None:
+        assert by_name[plan["auto"]]["fits"], plan["auto"]
+        return
+    run = launch(tmp_path, *overrides, "strategy=auto", "logger=none", name="auto-1b")
+    assert run.returncode == 2 and "no strategy fits" in run.stderr and "would fit: " in run.stderr, run.stderr
+    assert not (run.run_dir / "logs").exists()
+
+
 def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
-    """optim=sgd: the offload presets (DeepSpeed's CPU Adam) fit a small device but cannot run; auto says so."""
+    """optim=sgd: an offload preset (DeepSpeed's CPU Adam) that fits cannot run; auto says so. On device=cpu the
+    host is the device, so offloading saves nothing: the candidates are an offload preset and an on-device one that
+    needs more, with a budget between them."""
     plan = _plan_json(tmp_path, *AUTO_RUN, "optim=sgd")
-    offloaded = [s for s in plan["strategies"] if s["host_state_bytes"] or s["nvme_state_bytes"]]
-    on_device = [s for s in plan["strategies"] if s not in offloaded]
-    budget = (max(s["peak_device_bytes"] for s in offloaded) + min(s["peak_device_bytes"] for s in on_device)) / 2
-    run = _auto(tmp_path, "optim=sgd", f"plan.device_memory_gb={budget / GB}", "plan.headroom=0")
+    need = {s["name"]: s["need_bytes"] for s in plan["strategies"]}
+    offloaded = [s["name"] for s in plan["strategies"] if s["host_state_bytes"] or s["nvme_state_bytes"]]
+    pairs = [(o, d) for o in offloaded for d in need if d not in offloaded and need[o] < need[d]]
+    assert pairs, need
+    small, large = pairs[0]
+    budget = (need[small] + need[large]) / 2
+    run = _auto(
+        tmp_path, "optim=sgd", f"strategy.candidates=[{small},{large}]", f"plan.device_memory_gb={budget / GB}",
+        "plan.headroom=0",
+    )  # fmt: skip
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert "refused: strategy.offload_optimizer=cpu runs DeepSpeed's CPU Adam" in run.stdout
     assert "their own checks refuse them here" in run.stderr and "no runnable strategy fits" in run.stderr

@@ -43,13 +43,15 @@ def test_ddp_sends_what_the_planner_says_under_accumulation_and_logs_mfu(tmp_pat
     n = _n_params()
     for m in run.metrics:
         assert m["accumulation"] == 4
-        ratio = m["comm_sent_bytes"] / m["comm_bytes_formula"]
-        # K=4 micro-steps, one all-reduce: a sync per micro-step would make this 4.
-        assert ratio == pytest.approx(1.0, abs=0.05), ratio
-        expected = (
-            flops_per_token(n, DIMS["n_layer"], DIMS["n_embd"], DIMS["block_size"]) * m["tokens_per_s"] / (2 * 0.5e12)
-        )
-        assert m["mfu"] == pytest.approx(expected, rel=1e-9)
+        # The lesson's ring all-reduce, written out: 2(G-1)/G x 4N bytes at G=2 is 4N, once per optimizer step (K=4
+        # micro-steps, one all-reduce: a sync per micro-step would send 4 times this).
+        assert m["comm_bytes_formula"] == 4 * n
+        assert m["comm_sent_bytes"] == pytest.approx(4 * n, rel=0.01), m["comm_sent_bytes"] / (4 * n)
+        # Tokens are samples x sequence length (32); MFU is 6N + 12 L h T FLOPs per token over 2 x 0.5 TFLOPS.
+        assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * 32, rel=1e-9)
+        per_token = 6 * n + 12 * DIMS["n_layer"] * DIMS["n_embd"] * DIMS["block_size"]
+        assert m["mfu"] == pytest.approx(per_token * m["tokens_per_s"] / (2 * 0.5e12), rel=1e-9)
+    ratio = m["comm_sent_bytes"] / m["comm_bytes_formula"]
     print(f"DDP measured/formula: {ratio:.3f}")  # shown with pytest -s
 
 
@@ -61,7 +63,9 @@ def test_no_mfu_on_cpu_without_a_peak(tmp_path: Path) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_compiled_blocks_train_to_the_same_losses(conformance_dir: Path, tmp_path: Path, strategy: str) -> None:
     eager = two_ranks(conformance_dir, strategy)  # the conformance suite's run of the same job
-    cache = tmp_path / "inductor"  # its own cache: proof that inductor compiled something in this run
+    # One cache for both strategies (the same blocks compile to the same kernels: the second run reuses them), apart
+    # from any other: proof that inductor compiled something in this test run.
+    cache = conformance_dir / "inductor"
     compiled = launch(
         tmp_path,
         *JOB,

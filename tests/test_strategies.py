@@ -10,6 +10,7 @@ numerics legitimately differ (DeepSpeed's own Adam kernels) names its tolerance 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from importlib import resources
 from pathlib import Path
@@ -35,7 +36,9 @@ STEPS = 12
 # One job for every suite that needs a whole run of a strategy: these runs also save at step 6,
 # so the checkpoint tests resume from them instead of repeating them.
 JOB = [
-    *TINY,
+    *(o for o in TINY if not o.startswith("trainer.eval_every")),
+    "trainer.eval_every=6",  # the validation loss at steps 6 and 12, over one global batch
+    "trainer.eval_batches=1",
     "data=pysource",
     "data.packing=false",  # padded samples: each holds its own number of targets (the batch contract on real data)
     "batch.global_size=16",
@@ -101,11 +104,26 @@ def test_trains_and_exits_clean(tmp: Path, strategy: str) -> None:
     assert _leftover_processes(str(run.run_dir)) == []
 
 
+def test_the_logged_lr_is_the_schedule(tmp: Path) -> None:
+    """JOB's schedule, written out: optim.lr=3e-3, 4 warmup steps of (s / 4), then cosine over the 7 steps after
+    them, from 1 down to the floor (trainer.min_lr_ratio=0.1) at step 12."""
+    expected = {
+        s: 3e-3 * (s / 4 if s <= 4 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 5) / 7))) for s in range(1, 13)
+    }
+    logged = {m["step"]: m["lr"] for m in reference(tmp).metrics}
+    assert logged == pytest.approx(expected, rel=1e-9), logged
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_parity_with_one_process(tmp: Path, strategy: str) -> None:
     ref, run = reference(tmp).losses(), two_ranks(tmp, strategy).losses()
     diff = max(abs(a - b) for a, b in zip(ref, run, strict=True))
     assert diff <= PARITY_TOLERANCE.get(strategy, 1e-6), (diff, ref, run)
+    # The validation loss too: the same global batches, Σ token losses / Σ targets over every rank.
+    val = [[m["val_loss"] for m in r.metrics if "val_loss" in m] for r in (reference(tmp), two_ranks(tmp, strategy))]
+    assert len(val[0]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) <= PARITY_TOLERANCE.get(
+        strategy, 1e-6
+    ), val
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -7,6 +7,7 @@ interpolations such as DeepSpeed's `${optim._target_}` resolve against the run's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -173,7 +174,8 @@ def memory_advice(resolved: DictConfig, available: float) -> str:
     from launcher.plan.render import _size
 
     try:
-        derived = Derived(**{k: v for k, v in resolved.derived.items() if k != "model"})
+        names = {f.name for f in dataclasses.fields(Derived)}  # not what the launcher added (model figures, plan peak)
+        derived = Derived(**{k: v for k, v in resolved.derived.items() if k in names})
         plain = OmegaConf.create(
             {k: v for k, v in OmegaConf.to_container(resolved).items() if k not in ("derived", "job")}
         )
@@ -187,7 +189,15 @@ def memory_advice(resolved: DictConfig, available: float) -> str:
     mine = next(sp for sp in plan.strategies if sp.name == "this run")
     fitting = [sp.name for sp in plan.ranked() if sp.name != "this run" and plan.fits(sp)]
     return (
-        f"the plan's peak per rank is {_size(mine.peak_device + mine.on('cpu'))}; this machine had "
+        f"the plan's peak per rank is {_size(plan.peak(mine))}; this machine had "
         f"{_size(available)} available for its {derived.gpus} rank(s), {_size(per_rank)} each; "
         f"strategies whose plan fits: {', '.join(fitting) or 'none at this size (launch plan says what would)'}"
     )
+
+
+def planned_peak(frozen: DictConfig, derived: Derived, size: Any) -> float:
+    """The plan's peak per rank for the run's own strategy (logged as plan_peak_bytes beside the measured peak):
+    on the device, and with device=cpu also what it offloads to host memory (the same memory there)."""
+    plan = make_plan(frozen, derived, size, {"run": make_strategy(frozen.strategy).layout()})
+    (sp,) = plan.strategies
+    return plan.peak(sp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.config import ConfigError
-from strategies.base import Layout
+from strategies.base import Layout, Transients
 from strategies.comm import ring_sent_elements
 
 GB = 1e9
@@ -42,11 +42,16 @@ class BytesPerParam:
         return self.weights + self.master + self.grads + self.moments
 
 
-def bytes_per_param(precision: str, moments: int, master_weights: bool = False) -> BytesPerParam:
-    """The mixed-precision rule (bf16/fp16): 16-bit weights, fp32 master weights, fp32 gradients and fp32
-    moments — with Adam 2 + 4 + 4 + 2 x 4 = 18 bytes (the lesson's exercise 1). In fp32 the weights are the
-    master copy, unless the strategy's optimizer keeps its own (`Layout.master_weights`: DeepSpeed)."""
-    mixed = precision in MIXED_PRECISIONS
+def bytes_per_param(
+    precision: str, moments: int, master_weights: bool = False, low_precision_weights: bool = True
+) -> BytesPerParam:
+    """The mixed-precision rule (bf16/fp16) of a strategy that stores its weights in the compute dtype (DeepSpeed;
+    the lesson's rule): 16-bit weights, fp32 master weights, fp32 gradients and fp32 moments — with Adam
+    2 + 4 + 4 + 2 x 4 = 18 bytes (the lesson's exercise 1). A strategy that keeps fp32 weights under mixed precision
+    (`low_precision_weights=False`: torch's autocast, FSDP's MixedPrecisionPolicy) stores 4 + 4 + 8 = 16, its
+    16-bit copies being transient (`transient_bytes`). In fp32 the weights are the master copy, unless the
+    strategy's optimizer keeps its own (`Layout.master_weights`: DeepSpeed)."""
+    mixed = precision in MIXED_PRECISIONS and low_precision_weights
     return BytesPerParam(
         weights=2 if mixed else 4,
         master=4 if mixed or master_weights else 0,
@@ -92,6 +97,35 @@ def gathered_bytes(largest_layer: int, weight_bytes: int, params_sharded: bool) 
     in backward, its full gradient before the reduce-scatter. DeepSpeed's `largest_layer_memory`
     (4 bytes per parameter of the largest layer in 16-bit). Replicated parameters need no such buffer."""
     return 2 * weight_bytes * largest_layer if params_sharded else 0.0
+
+
+STEP_RUNTIME_BYTES = 10e6
+"""What a training step allocates on the host beyond the tensors a plan names (autograd's graph, gloo's staging,
+the batch, Python's objects): 9-12 MB measured from 0.1M to 25M parameters. Counted for device=cpu, where the
+measure reads the host's heap; a GPU's allocator holds none of it."""
+
+
+def transient_bytes(
+    transients: Transients,
+    params: float,
+    unit: float,
+    precision: str,
+    accumulation: int,
+    grads_share: float,
+    grad_bytes: int = 4,
+    host: bool = False,
+) -> float:
+    """What a rank holds at its peak beyond its model state, by the strategy's own rule (`Layout.transients`):
+    whole-model and unit-sized buffers of weights (in the compute dtype) and of gradients (`grad_bytes` each: the
+    dtype of the stored weights, 2 for DeepSpeed's 16-bit parameters, else fp32), plus, on the `host`, the step's
+    runtime. Full gradients (ZeRO-1's backward, any accumulation over K > 1 micro-steps without a sync) replace the
+    `grads_share` of the model the state already counts (1/G when gradients are sharded, 0 when replicated)."""
+    mixed = precision in MIXED_PRECISIONS
+    compute, t = (2 if mixed else 4), transients
+    held = (STEP_RUNTIME_BYTES if host else 0.0) + t.unit_weights * unit * compute + t.unit_grads * unit * grad_bytes
+    held += t.model_grads * params * grad_bytes + (t.mixed_weight_copies * params * compute if mixed else 0.0)
+    full = max(t.full_grads, t.full_grads_accumulating if accumulation > 1 else 0.0)
+    return held + full * params * grad_bytes * (1 - grads_share)
 
 
 def ring_allreduce_elements(params: float, world_size: int) -> float:

@@ -28,6 +28,7 @@ from launcher.plan.costs import (
     optimizer_moments,
     per_rank_bytes,
     step_comm_bytes,
+    transient_bytes,
 )
 from strategies.base import Layout
 
@@ -58,17 +59,22 @@ class StrategyPlan:
     held: dict[str, dict[str, float]]
     """Model state per rank: {place: {kind: bytes}}."""
     gathered: float
+    """The largest layer's gathered weights and gradient when parameters are sharded (DeepSpeed's definition)."""
+    transient: float
+    """Beyond the model state at the peak, by the strategy's own rule (`Layout.transients`)."""
     activations: float
     comm_bytes: float
     comm_seconds: float
+    export: float = 0.0
+    """Host memory a checkpoint save needs beyond the state (DeepSpeed's export of its full-copy share)."""
 
     def on(self, place: str) -> float:
         return sum(self.held[place].values())
 
     @property
     def peak_device(self) -> float:
-        """Model state on the device + the gathered layer + activations (without checkpointing)."""
-        return self.on("device") + self.gathered + self.activations
+        """Model state on the device + the strategy's transient buffers + activations (without checkpointing)."""
+        return self.on("device") + self.transient + self.activations
 
     @property
     def offload_depth(self) -> int:
@@ -99,6 +105,8 @@ class Plan:
     gpt: bool
     """The activation formula applies (the built-in GPT)."""
     device: DeviceMemory
+    host_available: float
+    """Bytes of host memory available on a node, shared by its ranks."""
     link_gbps: float
     internode_gbps: float
     strategies: list[StrategyPlan]
@@ -112,18 +120,30 @@ class Plan:
     ) -> StrategyPlan:
         """One strategy's figures; another world size or micro-batch answers `what would fit`."""
         world = world_size or self.derived.world_size
-        bpp = bytes_per_param(self.precision, self.moments, layout.master_weights)
+        bpp = bytes_per_param(self.precision, self.moments, layout.master_weights, layout.low_precision_weights)
         accumulation = self.global_size // ((micro or self.micro) * world) or 1
         sent = step_comm_bytes(self.model.params, world, layout, self.precision, accumulation)
+        params, unit = self.model.params, self.model.largest_unit or self.model.params
         return StrategyPlan(
             name=name,
             layout=layout,
             bpp=bpp,
-            held=per_rank_bytes(self.model.params, bpp, layout, world),
+            held=per_rank_bytes(params, bpp, layout, world),
             gathered=gathered_bytes(self.model.largest_layer, bpp.weights, layout.params.sharded),
+            transient=transient_bytes(
+                layout.transients,
+                params,
+                unit,
+                self.precision,
+                accumulation,
+                grads_share=1 / world if layout.grads.sharded else 0.0,
+                grad_bytes=bpp.weights,
+                host=self.derived.device == "cpu",
+            ),
             activations=self.activations * (micro or self.micro) / self.micro,  # linear in the micro-batch
             comm_bytes=sent,
             comm_seconds=comm_seconds(sent, self.gbps),
+            export=(4 + 4 * self.moments) * params / world if layout.master_weights else 0.0,
         )
 
     def ranked(self) -> list[StrategyPlan]:
@@ -131,8 +151,26 @@ class Plan:
         slow), then less sharding (each adds bookkeeping the volume does not show), then by name."""
         return sorted(self.strategies, key=lambda sp: (sp.comm_bytes, sp.offload_depth, sp.sharded, sp.name))
 
+    def peak(self, sp: StrategyPlan) -> float:
+        """A rank's peak where its device's memory is: on the device; with `device=cpu` (the device is the host)
+        also the state it offloads to host memory."""
+        return sp.peak_device + (sp.on("cpu") if self.derived.device == "cpu" else 0.0)
+
+    def need(self, sp: StrategyPlan) -> float:
+        """What a rank needs of its device's memory: the step's peak; with `device=cpu` (the device is the host) the
+        larger of that and a save's (its whole state plus a DeepSpeed save's export, which exists only then)."""
+        if self.derived.device == "cpu":
+            return max(self.peak(sp), sp.on("device") + sp.on("cpu") + sp.export)
+        return sp.peak_device
+
     def fits(self, sp: StrategyPlan) -> bool:
-        return sp.peak_device <= self.device.usable
+        """Where each byte lives: the device's need against the device's memory; host memory (offloaded state, a
+        DeepSpeed save's export) against the machine's, shared by the node's ranks. With `device=cpu` the device
+        is the host: everything a rank holds against its share."""
+        if self.need(sp) > self.device.usable:
+            return False
+        host = self.derived.gpus * (sp.on("cpu") + sp.export)
+        return self.derived.device == "cpu" or host <= self.host_available * (1 - self.device.headroom)
 
     def pick(self, blocked: Collection[str] = ()) -> StrategyPlan | None:
         """strategy=auto's choice: the first in `ranked` order that fits, among those not `blocked` (refused by
@@ -140,10 +178,15 @@ class Plan:
         return next((sp for sp in self.ranked() if self.fits(sp) and sp.name not in blocked), None)
 
 
-def device_memory(plan: DictConfig) -> DeviceMemory:
-    """plan.device_memory_gb when set; else the free memory of the first visible GPU; else 80 GB."""
+def device_memory(plan: DictConfig, derived: Derived, host_available: float) -> DeviceMemory:
+    """plan.device_memory_gb when set; for device=cpu this rank's share of the host's available memory; else the
+    free memory of the first visible GPU; else 80 GB (planning for GPUs this machine lacks)."""
     if plan.device_memory_gb is not None:
         return DeviceMemory(plan.device_memory_gb * GB, plan.headroom, "plan.device_memory_gb")
+    if derived.device == "cpu" and host_available:
+        share = host_available / derived.gpus
+        source = f"device=cpu: the host's {host_available / GB:.2f} GB available, shared by {derived.gpus} ranks"
+        return DeviceMemory(share, plan.headroom, source)
     import torch
 
     if torch.cuda.is_available():
@@ -158,6 +201,9 @@ def device_memory(plan: DictConfig) -> DeviceMemory:
 
 def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, layouts: dict[str, Layout]) -> Plan:
     """The plan of a frozen config (model, optimizer, precision, batch, plan.*) for each named strategy layout."""
+    from launcher.machine import memory_available
+
+    _, host = memory_available()
     model = cfg.model
     seq = OmegaConf.select(cfg, "data.seq_len", default=None) or OmegaConf.select(model, "block_size", default=1)
     precision = str(cfg.precision)
@@ -189,7 +235,8 @@ def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, layouts: dict[
         activations=activations,
         activations_checkpointed=checkpointed,
         gpt=gpt,
-        device=device_memory(cfg.plan),
+        device=device_memory(cfg.plan, derived, host),
+        host_available=host,
         link_gbps=cfg.plan.link_gbps,
         internode_gbps=cfg.plan.internode_gbps,
         strategies=[],

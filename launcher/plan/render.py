@@ -7,7 +7,7 @@ from collections.abc import Collection
 from typing import Any
 
 from launcher.config import ConfigError
-from launcher.plan.costs import GB, GPT_TARGET, KINDS, MIXED_PRECISIONS, PLACES, bytes_per_param
+from launcher.plan.costs import GB, GPT_TARGET, KINDS, PLACES, BytesPerParam
 from launcher.plan.fit import Plan, what_would_fit
 from strategies.base import Placement
 
@@ -80,8 +80,12 @@ def as_dict(plan: Plan) -> dict[str, Any]:
                 "host_state_bytes": sp.on("cpu"),
                 "nvme_state_bytes": sp.on("nvme"),
                 "gathered_bytes": sp.gathered,
+                "transient_bytes": sp.transient,
+                "export_host_bytes": sp.export,
                 "activation_bytes": sp.activations,
                 "peak_device_bytes": sp.peak_device,
+                "peak_bytes": plan.peak(sp),  # where the device's memory is: with device=cpu, offloaded state too
+                "need_bytes": plan.need(sp),  # what `fits` compares with the device's usable bytes
                 "fits": plan.fits(sp),
                 "comm_bytes": sp.comm_bytes,
                 "comm_seconds": sp.comm_seconds,
@@ -94,21 +98,22 @@ def as_dict(plan: Plan) -> dict[str, Any]:
 
 def _header(plan: Plan) -> list[str]:
     d, m = plan.derived, plan.model
-    first = plan.strategies[0].bpp if plan.strategies else bytes_per_param(plan.precision, plan.moments)
     moments = f"{plan.moments} x fp32" if plan.moments else "none"
-    weights = plan.precision if plan.precision in MIXED_PRECISIONS else "fp32"
-    master = (
-        "master 4 (fp32)"
-        if plan.precision in MIXED_PRECISIONS
-        else "master 0 (4 where the strategy's optimizer keeps its own fp32 copy: DeepSpeed)"
-    )
+    rules: dict[BytesPerParam, list[str]] = {}
+    for sp in plan.strategies or []:
+        rules.setdefault(sp.bpp, []).append(sp.name)
+
+    def rule(b: BytesPerParam) -> str:
+        weights = f"weights {b.weights} ({plan.precision if b.weights == 2 else 'fp32'})"
+        master = f" + master {b.master} (fp32)" if b.master else ""
+        return f"{weights}{master} + grads {b.grads} (fp32) + moments {b.moments} ({moments}) = {b.total}"
+
     optimizer = plan.optimizer.rsplit(".", 1)[-1]
+    bpp = "; ".join(f"{rule(b)}: {', '.join(names)}" for b, names in rules.items())
     lines = [
         f"model        {plan.model_target}: {m.params:,} parameters (counted on the meta device), "
         f"largest layer {m.largest_layer:,}",
-        f"bytes/param  {plan.precision} + {optimizer}: weights {first.weights} ({weights}) + {master} "
-        "+ grads 4 (fp32) + "
-        f"moments {4 * plan.moments} ({moments}) = {bytes_per_param(plan.precision, plan.moments).total}",
+        f"bytes/param  {plan.precision} + {optimizer}: {bpp}",
         f"batch        micro {plan.micro} x accumulation {d.accumulation} x world {d.world_size} "
         f"({d.nodes} node(s) x {d.gpus} GPUs) = global {plan.global_size}",
     ]
@@ -151,7 +156,7 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
     there) and by place, peak device memory, communication per step; * marks auto's pick. `compact`: only
     what auto decides on."""
     pick = plan.pick(blocked)
-    unit, size = _unit(max(max(sp.peak_device, sp.on("cpu"), sp.on("nvme"), sp.comm_bytes) for sp in plan.strategies))
+    unit, size = _unit(max(max(plan.peak(sp), sp.on("cpu"), sp.on("nvme"), sp.comm_bytes) for sp in plan.strategies))
 
     def amount(nbytes: float) -> str:
         return f"{nbytes / size:.2f}"
@@ -164,7 +169,7 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
         name = ("* " if sp is pick else "  ") + sp.name
         comm = [amount(sp.comm_bytes), f"{sp.comm_seconds * 1e3:.3g}"]
         if compact:
-            rows.append([name, amount(sp.peak_device), fits, *comm])
+            rows.append([name, amount(plan.peak(sp)), fits, *comm])
             continue
         where = {
             "weights": sp.layout.params.where,
@@ -183,8 +188,8 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
                 amount(sp.on("device")),
                 amount(sp.on("cpu")),
                 amount(sp.on("nvme")),
-                amount(sp.gathered),
-                amount(sp.peak_device),
+                amount(sp.transient),
+                amount(plan.peak(sp)),
                 fits,
                 *comm,
             ]
@@ -210,7 +215,7 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
             "device",
             "host",
             "nvme",
-            "gathered",
+            "transient",
             "peak",
             "fits",
             unit,
@@ -225,17 +230,17 @@ def describe_pick(plan: Plan, blocked: dict[str, str] | None = None) -> str:
     pick = plan.pick(blocked)
     if pick is None:
         runnable = [sp for sp in plan.strategies if sp.name not in blocked] or plan.strategies
-        smallest = min(runnable, key=lambda sp: sp.peak_device)
+        smallest = min(runnable, key=plan.need)
         would = what_would_fit(plan, blocked)
         runs = "runnable strategy" if blocked else "strategy"
         return (
-            f"no {runs} fits {_size(plan.device.usable)} per device (the smallest peak, {smallest.name}'s, is "
-            f"{_size(smallest.peak_device)}); would fit: "
+            f"no {runs} fits {_size(plan.device.usable)} per device (the least any needs, {smallest.name}'s, is "
+            f"{_size(plan.need(smallest))}); would fit: "
             f"{'; '.join(would) or 'nothing found: shrink the model or data.seq_len'}"
         )
     return (
         f"{pick.name}: the least communication ({_size(pick.comm_bytes)} per rank per step, "
-        f"{pick.comm_seconds * 1e3:.3g} ms) whose peak ({_size(pick.peak_device)}) "
+        f"{pick.comm_seconds * 1e3:.3g} ms) whose peak ({_size(plan.peak(pick))}) "
         f"fits {_size(plan.device.usable)} per device"
     )
 
@@ -245,8 +250,10 @@ def render(plan: Plan) -> str:
         "per rank; GB = 1e9 bytes, MB = 1e6. layout: what each strategy's layout() shards (1/G) or keeps whole, "
         "and offloads"
         " (host, nvme).",
-        "peak = model state on the device + gathered (the largest layer, all-gathered when parameters are sharded)"
-        " + activations (without checkpointing).",
+        "peak = model state on the device + transient (each strategy's own buffers: autocast's weight copies,"
+        " gathered units, ZeRO-1's full gradients in backward, whole gradients while accumulating, DeepSpeed's"
+        " buckets; on device=cpu the step's runtime) + activations (without checkpointing); on device=cpu also what"
+        " is offloaded to the host.",
         f"comm: bytes each rank sends per optimizer step (ring all-reduce 2(G-1)/G x P; sharded parameters add an"
         f" all-gather in each forward and backward); ms at {plan.gbps:g} GB/s.",
     ]
@@ -271,10 +278,10 @@ def chart(plan: Plan, path: str) -> None:
 
     pick = plan.pick()
     names = [sp.name + (" (auto)" if sp is pick else "") for sp in plan.strategies]
-    colors = dict(zip([*KINDS, "gathered layer", "activations"], plt.get_cmap("tab10").colors))
+    colors = dict(zip([*KINDS, "transient", "activations"], plt.get_cmap("tab10").colors))
     device_layers = [(kind, [sp.held["device"][kind] for sp in plan.strategies], colors[kind], None) for kind in KINDS]
     device_layers += [
-        ("gathered layer", [sp.gathered for sp in plan.strategies], colors["gathered layer"], None),
+        ("transient", [sp.transient for sp in plan.strategies], colors["transient"], None),
         ("activations", [sp.activations for sp in plan.strategies], colors["activations"], None),
     ]
     offloaded_layers = [

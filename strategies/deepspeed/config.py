@@ -56,6 +56,25 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's own default for its reduce and all-gather buckets (5e8 elements: 2 GB in fp32, whatever the model)."""
+BUCKET_SHARE = 8
+"""Buckets of at most 1/8 of the model's parameters: a small model's buckets are no larger than its state."""
+
+
+def buffers(stage: int, params: int) -> dict[str, Any]:
+    """DeepSpeed's buffer sizes for a model of `params` parameters: its defaults (5e8 elements for the gradient
+    buckets, 1e9 for ZeRO-3's live parameters and optimizer sub-groups) hold gigabytes beyond the sharding rule
+    for any model under a few billion parameters. Each is capped at 1/BUCKET_SHARE of the model; a key in
+    strategy.ds_config overrides it."""
+    bucket = max(1, min(BUCKET_ELEMENTS, params // BUCKET_SHARE))
+    sized: dict[str, Any] = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    if stage == 3:
+        sized |= {"stage3_prefetch_bucket_size": bucket, "stage3_max_live_parameters": bucket,
+                  "stage3_max_reuse_distance": bucket, "sub_group_size": max(bucket, 1)}  # fmt: skip
+    return sized
+
+
 def build_ds_config(
     ctx: RunContext,
     stage: int,
@@ -63,9 +82,11 @@ def build_ds_config(
     offload_params: str = "none",
     swap_path: str | None = None,
     extra: dict[str, Any] | None = None,
+    params: int | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config of a run: derived from the run's values, plus the user's extra keys.
 
+    `params` (the model's parameter count, once it is built) sizes DeepSpeed's buffers to the model (`buffers`).
     Raises ValueError (one line) when an extra key contradicts a derived value.
     """
     pin = ctx.device_type == "cuda"  # pinned host buffers speed up device copies; there is no device on CPU
@@ -76,7 +97,11 @@ def build_ds_config(
             section["nvme_path"] = swap_path
         return section
 
-    zero: dict[str, Any] = {"stage": stage}
+    zero: dict[str, Any] = {"stage": stage, **(buffers(stage, params) if params else {})}
+    if stage < 3:
+        # ZeRO-1/2 reduce each gradient bucket to the rank that owns its partition, a reduce-scatter's volume; by
+        # default DeepSpeed all-reduces the buckets and each rank keeps its slice: twice the bytes, for nothing.
+        zero["use_multi_rank_bucket_allreduce"] = False
     if stage == 3:
         # Parameters under DeepSpeed's persistence threshold stay gathered on every rank; its default
         # (1e5 elements) keeps all of a small model whole. 0 keeps the layout's rule: every parameter

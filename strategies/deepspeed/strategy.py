@@ -18,10 +18,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.base import Layout, ModelFactory, OptimizerFactory, Placement, RunContext, call_model, set_lr
+from strategies.base import (
+    Layout,
+    ModelFactory,
+    OptimizerFactory,
+    Placement,
+    RunContext,
+    Transients,
+    call_model,
+    set_lr,
+)
 from strategies.comm import CommCounter
 from strategies.deepspeed import zero
-from strategies.deepspeed.config import OFFLOAD_DEVICES, build_ds_config
+from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config
 
 ADAM_OPTIMIZERS = {"torch.optim.AdamW": True, "torch.optim.Adam": False}
 """Optimizers DeepSpeed's CPU Adam can stand in for under optimizer offload: class -> adamw_mode."""
@@ -70,11 +79,21 @@ class DeepSpeed:
             return Placement(sharded=sharded, where="device" if where == "none" else where)
 
         grads_where = "cpu" if self.offload_optimizer != "none" else "none"
+        sharded_params = self.stage >= 3
+        transients = Transients(
+            model_grads=2 / BUCKET_SHARE,  # two reduce buckets of 1/8 of the model (config.buffers)
+            full_grads=1.0 if self.stage == 1 else 0.0,  # ZeRO-1 reduces at the end of the backward
+            full_grads_accumulating=0.0 if self.sync_each_microbatch else 1.0,  # reduced once, at the last micro-step
+            unit_weights=2.0 if sharded_params else 0.0,  # ZeRO-3: the unit computing and the one prefetched
+            unit_grads=2.0 if sharded_params else 0.0,
+        )
         return Layout(
-            params=place(self.stage >= 3, self.offload_params),
+            params=place(sharded_params, self.offload_params),
             grads=place(True, grads_where),  # reduced into host buffers for the CPU Adam when offloaded
             optimizer=place(True, self.offload_optimizer),
             master_weights=True,
+            low_precision_weights=True,
+            transients=transients,
         )
 
     def check(self, ctx: RunContext, model: nn.Module) -> None:
@@ -143,15 +162,17 @@ class DeepSpeed:
         # DeepSpeed calls torch collectives that torch has deprecated: nothing a user can act on.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         self.ctx = ctx
+        self._counter.world_size = ctx.world_size
         # Reuses the process group the worker created (gloo on CPU, nccl on CUDA).
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device_type == "cuda" else "gloo")
         if "nvme" in (self.offload_optimizer, self.offload_params):
             # A folder of this rank's own, removed in teardown: swap files never pile up across runs.
             self._swap_dir = tempfile.mkdtemp(prefix=f"launch-swap-rank{ctx.rank}-", dir=self.nvme_path)
-        config = build_ds_config(
-            ctx, self.stage, self.offload_optimizer, self.offload_params, self._swap_dir, self.ds_config
-        )
         model = build_model()
+        params = sum(p.numel() for p in model.parameters())
+        config = build_ds_config(
+            ctx, self.stage, self.offload_optimizer, self.offload_params, self._swap_dir, self.ds_config, params
+        )
         if self.stage == 3:
             # Partitioned after it is built, not while: built inside zero.Init's context, a model is partitioned
             # layer by layer as it is constructed, so what its own code does next (a transformers model's weight
@@ -191,7 +212,7 @@ class DeepSpeed:
             # accumulate locally and are reduced once, when the last micro-step leaves the block.
             self._accumulating = ExitStack()
             self._accumulating.enter_context(self.engine.coalesce_grad_reduction())
-        with zero.counting_reductions(self._counter):
+        with zero.counting_collectives(self._counter):
             yield
             if last and self._accumulating is not None:
                 self._accumulating.close()
@@ -206,10 +227,11 @@ class DeepSpeed:
         # The runner calls step once per optimizer step: always DeepSpeed's boundary (a coalescing
         # block restores the flag it saw when it opened, on the first micro-step).
         self.engine.set_gradient_accumulation_boundary(True)
-        grads = zero.gradient_bytes(self.engine, self.stage, self.offload_optimizer != "none")
-        self.engine.step()
+        grads = zero.gradient_bytes(self.engine, self.stage)
+        with zero.counting_collectives(self._counter, gathers_only=True):  # ZeRO-1/2 gather the updated parameters
+            self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        held = zero.state_bytes(self.engine, self.stage, self.offload_optimizer, self.offload_params, grads)
+        held = zero.state_bytes(self.engine, self.stage, grads)
         self._last_step = {**held, **self._counter.take()}
         return float(norm) if norm is not None else float("nan")
 

@@ -21,45 +21,50 @@ import torch
 
 from strategies.comm import CommCounter
 
-REDUCTIONS = (
-    "all_reduce",
-    "all_reduce_coalesced",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_fn",
-    "reduce_scatter_tensor",
-)
-"""DeepSpeed's reduction entry points (called as `deepspeed.comm.<name>` by the ZeRO optimizers)."""
+COLLECTIVES = {
+    "all_reduce": ("all_reduce", True),
+    "all_reduce_coalesced": ("all_reduce", True),
+    "reduce": ("reduce", True),
+    "reduce_scatter": ("reduce_scatter", True),
+    "reduce_scatter_fn": ("reduce_scatter", True),
+    "reduce_scatter_tensor": ("reduce_scatter", True),
+    "all_gather": ("all_gather", False),
+    "all_gather_into_tensor": ("all_gather", False),
+    "allgather_fn": ("all_gather", False),
+}
+"""DeepSpeed's collective entry points (called as `deepspeed.comm.<name>` by the ZeRO optimizers): what each is for
+the ring formula, and whether it synchronises gradients (the all-gathers move parameters)."""
 
 
 # ------------------------------------------------------------------ communication
 
 
 @contextmanager
-def counting_reductions(counter: CommCounter) -> Iterator[None]:
-    """Count the gradient reductions DeepSpeed issues inside the block (calls and input bytes)."""
+def counting_collectives(counter: CommCounter, gathers_only: bool = False) -> Iterator[None]:
+    """Count the collectives DeepSpeed issues inside the block: each one's full buffer (the largest of its tensor
+    arguments: the input of a reduction, the output of a gather), and the ring bytes sent for it. `gathers_only`:
+    the optimizer step, whose reductions are scalars (norms, overflow flags), not a gradient synchronisation."""
     import deepspeed.comm as ds_comm
 
-    originals = {name: getattr(ds_comm, name) for name in REDUCTIONS}
+    originals = {name: getattr(ds_comm, name) for name in COLLECTIVES}
 
-    def counted(fn):  # type: ignore[no-untyped-def]
+    def counted(name: str, fn: Any) -> Any:
+        collective, sync = COLLECTIVES[name]
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-            # The input is the last tensor argument (all_reduce(t), reduce_scatter_tensor(out, in)),
-            # or the last list of tensors (all_reduce_coalesced, reduce_scatter(out, inputs)).
-            args_ = [a for a in (*args, *kwargs.values()) if isinstance(a, (torch.Tensor, list, tuple))]
-            payload = args_[-1] if args_ else []
-            tensors = (
-                [payload] if isinstance(payload, torch.Tensor) else [t for t in payload if isinstance(t, torch.Tensor)]
-            )
-            counter.calls += 1
-            counter.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            sizes = [_nbytes(a) if isinstance(a, torch.Tensor) else sum(_nbytes(t) for t in a)
+                     for a in (*args, *kwargs.values())
+                     if isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and a
+                                                         and all(isinstance(t, torch.Tensor) for t in a))]  # fmt: skip
+            counter.record(max(sizes, default=0), collective, sync)
             return fn(*args, **kwargs)
 
         return wrapper
 
     for name, fn in originals.items():
-        setattr(ds_comm, name, counted(fn))
+        if not gathers_only or not COLLECTIVES[name][1]:
+            setattr(ds_comm, name, counted(name, fn))
     try:
         yield
     finally:
@@ -70,37 +75,49 @@ def counting_reductions(counter: CommCounter) -> Iterator[None]:
 # ------------------------------------------------------------------ bytes held per rank
 
 
-def gradient_bytes(engine: Any, stage: int, offloaded: bool) -> int:
-    """This rank's reduced gradients as the optimizer is about to step (its 1/G partition)."""
-    if offloaded:
-        return 0  # reduced straight into host buffers for the CPU Adam
+def gradient_bytes(engine: Any, stage: int) -> int:
+    """This rank's reduced gradients as the optimizer is about to step (its 1/G partition): on the device, or, when
+    the optimizer is offloaded, the fp32 host buffers DeepSpeed reduces them into for its CPU Adam."""
     opt = engine.optimizer
+    if offloaded(engine, stage)[0]:
+        return 4 * _partition_numel(engine, stage)
     left = sum(_nbytes(p.grad) for p in engine.module.parameters() if p.grad is not None)
     if stage == 3:
         return left + _nbytes(opt.grad_partitions_flat_buffer)
     return left + sum(_nbytes(t) for ts in opt.averaged_gradients.values() for t in ts if t is not None)
 
 
-def state_bytes(engine: Any, stage: int, offload_optimizer: str, offload_params: str, grads: int) -> dict[str, float]:
-    """Model state this rank holds on its device, and (estimated from partition sizes) what it offloaded."""
-    opt, params = engine.optimizer, list(engine.module.parameters())
-    gathered = sum(_nbytes(p.data) for p in params)  # stage 3: only parameters currently gathered
+def offloaded(engine: Any, stage: int) -> tuple[bool, bool]:
+    """Whether DeepSpeed itself moved the optimizer's state and the parameters' partitions off the device, as its
+    ZeRO optimizer decided them (not as the launcher's config asked)."""
+    opt = engine.optimizer
     if stage == 3:
-        partition = sum(p.ds_tensor.ds_numel for p in params)
-        shards = sum(p.ds_tensor.ds_numel * p.ds_tensor.element_size() for p in params)
-        on_device = (0 if offload_params != "none" else shards) + gathered
-        master = opt.fp32_partitioned_groups_flat
-    else:
-        partition = sum(t.numel() for t in opt.single_partition_of_fp32_groups)
-        shards, on_device = 0, gathered
-        master = opt.single_partition_of_fp32_groups
-    offloaded = shards if offload_params != "none" else 0
-    if offload_optimizer == "none":
-        moments = _tensors_bytes(opt.optimizer.state)
-        on_device += grads + sum(_nbytes(t) for t in master) + moments
-    else:
-        offloaded += partition * (4 + 4 + 8)  # fp32 gradients, master weights, two Adam moments
-    return {"model_state_bytes": float(on_device), "offloaded_state_bytes": float(offloaded)}
+        return bool(opt.offload_optimizer), bool(opt.offload_param)
+    return bool(opt.cpu_offload), False
+
+
+def _partition_numel(engine: Any, stage: int) -> int:
+    """Elements of this rank's fp32 master partition (as DeepSpeed sizes it, swapped out or not)."""
+    opt = engine.optimizer
+    if stage == 3:
+        return int(sum(opt.fp16_partitioned_groups_flat_numel))
+    return int(sum(t.numel() for t in opt.single_partition_of_fp32_groups))
+
+
+def state_bytes(engine: Any, stage: int, grads: int) -> dict[str, float]:
+    """Model state this rank holds on its device, and what DeepSpeed offloaded (read from its own partitions)."""
+    opt, params = engine.optimizer, list(engine.module.parameters())
+    optimizer_off, params_off = offloaded(engine, stage)
+    gathered = sum(_nbytes(p.data) for p in params)  # stage 3: only parameters currently gathered
+    shards = sum(p.ds_tensor.ds_numel * p.ds_tensor.element_size() for p in params) if stage == 3 else 0
+    master_bytes = 4 * _partition_numel(engine, stage)  # fp32; on NVMe swapped out between steps, its size then
+    moments = _tensors_bytes(opt.optimizer.state)
+    if optimizer_off and moments < 2 * master_bytes:  # swapped to NVMe (placeholders here): CPU Adam's two moments
+        moments = 2 * master_bytes
+    optimizer_state = grads + master_bytes + moments
+    on_device = gathered + (0 if params_off else shards) + (0 if optimizer_off else optimizer_state)
+    off = (shards if params_off else 0) + (optimizer_state if optimizer_off else 0)
+    return {"model_state_bytes": float(on_device), "offloaded_state_bytes": float(off)}
 
 
 # ------------------------------------------------------------------ the strategy-neutral state
@@ -163,14 +180,22 @@ def export_state(engine: Any, stage: int, offload_optimizer: str) -> dict[str, A
     if rank == 0:
         buffers = dict(module.named_buffers())
         model |= {n: buffers[n].detach().cpu() for n in _buffer_names(module)}
-    zero = engine.optimizer
-    members = zero.fp16_groups if stage == 3 else zero.bit16_groups  # each group's module parameters
     groups = []
-    for group, group_params in zip(zero.param_groups, members):
-        ids = {id(p) for p in group_params}
+    for group, ids in zip(inner.param_groups, _group_members(engine, stage)):
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({**hyper, "params": [n for n, p in module.named_parameters() if id(p) in ids]})
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+
+def _group_members(engine: Any, stage: int) -> list[set[int]]:
+    """The module parameters of each of the optimizer's param groups (ZeRO-3 splits a group into sub-groups)."""
+    zero = engine.optimizer
+    if stage != 3:
+        return [{id(p) for p in group} for group in zero.bit16_groups]
+    members: list[set[int]] = [set() for _ in zero.optimizer.param_groups]
+    for sub, group_params in enumerate(zero.fp16_groups):
+        members[zero.sub_group_to_group_id[sub]] |= {id(p) for p in group_params}
+    return members
 
 
 def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params: str, state: dict[str, Any]) -> None:
