@@ -44,8 +44,9 @@ class Slow(Dataset):
 
 def run(name: str, cost_ms: float, workers: int, steps: int, out: Path) -> float:
     env_path = str(Path(__file__).parent)
-    overrides = ["model=gpt_tiny", "data=custom", "data._target_=loader.Slow", f"+data.cost_ms={cost_ms}",
-                 f"+data.workers={workers}", "batch.micro_size=8", "batch.global_size=32", "gpus=2", "device=cpu",
+    overrides = ["model=gpt_tiny", "model.block_size=128", "data=custom", "data._target_=loader.Slow",
+                 f"+data.cost_ms={cost_ms}", f"+data.workers={workers}", "batch.micro_size=8", "batch.global_size=32",
+                 "gpus=2", "device=cpu",
                  f"trainer.max_steps={steps}", "trainer.log_every=1", "trainer.eval_every=0", "logger=none",
                  "trainer.progress=false", "trainer.save_at_end=false", f"hydra.run.dir={out / name}"]  # fmt: skip
     import os

@@ -165,10 +165,10 @@ def main() -> None:
         ratio = overhead(a.overhead_steps, Path(tmp)) if a.overhead_steps else None
     print(table(rows))
     print(
-        "\ncomm payload: the buffers handed to the gradient-sync collectives the strategy counts; sent: the ring "
-        "bytes this rank sends for them (all-reduce 2(G-1)/G, reduce-scatter (G-1)/G of the payload), beside the "
-        "planner's formula. FSDP counts its reduce-scatters only, not the parameter all-gathers the formula "
-        "includes; DeepSpeed's counter names no collective, so it has no sent figure."
+        "\ncomm payload: the buffers handed to the gradient-sync collectives; sent: the ring bytes this rank sends "
+        "for every collective of the step (all-reduce 2(G-1)/G, reduce-scatter and all-gather (G-1)/G of the "
+        "buffer; FSDP's and ZeRO-3's parameter all-gathers included), beside the planner's formula. planned peak: "
+        "the planner's figure for the same run (plan_peak_bytes), against the measured peak."
     )
     if ratio:
         print(

@@ -36,16 +36,19 @@ def freeze(cfg: DictConfig) -> DictConfig:
     schema declares (`schema.check_ranges`), while the schema is still attached; `resolved.yaml` is this config
     plus what the launcher derived.
     """
+    from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+
     from launcher.ranges import check_ranges
 
-    missing = sorted(OmegaConf.missing_keys(cfg))
+    try:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+    except InterpolationResolutionError as e:  # e.g. model.block_size=${data.seq_len} under a data without seq_len
+        raise ConfigError(f"{e.full_key}: {str(e).strip().splitlines()[0]}; set {e.full_key}=... yourself") from e
     if missing:
         raise ConfigError(f"{missing[0]} has no value; set it on the command line: {missing[0]}=...")
     problem = check_ranges(cfg)
     if problem:
         raise ConfigError(problem)
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     except OmegaConfBaseException as e:

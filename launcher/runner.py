@@ -242,8 +242,8 @@ def _train(
         log_now = step % trainer.log_every == 0 or last or not metrics  # the first step: see the loss at once
         evaluate_now = trainer.eval_every > 0 and (step % trainer.eval_every == 0 or last)
         phase(f"reading the batches of step {step}")
+        started = time.perf_counter()  # from the wait for the data on: a loader that cannot keep up shows here
         micro = [next(micro_batches) for _ in range(K)]
-        started = time.perf_counter()
         with memory.measure(log_now or evaluate_now):  # the logged steps' peak; the others pay nothing
             loss, grad_norm = optimizer_step(strategy, micro, ctx, lr, takes_num_items, step, phase)
         window.add(time.perf_counter() - started, sum(batch_tokens(b) for b in micro), log_now or evaluate_now)

@@ -30,6 +30,9 @@ BAD = {
     "wrong type": (["batch.global_size=lots"], "batch.global_size"),
     "bad enum": (["device=tpu"], "device"),
     "custom model without a target": (["model=custom"], "model._target_ has no value"),
+    "a size taken from a data without it": (["data=custom", "data._target_=launcher.data.Synthetic"],
+                                            "model.block_size: Interpolation key 'data.seq_len' not found; set "
+                                            "model.block_size=... yourself"),
     # ranges, declared once in the schema
     "zero global batch": (["batch.global_size=0"], "batch.global_size=0 is invalid: it must be a positive integer"),
     "negative micro batch": (["batch.micro_size=-4"], "batch.micro_size=-4"),
@@ -91,6 +94,7 @@ def test_the_table_covers_every_group_and_built_object() -> None:
 
 
 NOT_GPT = [o for o in TINY if not o.startswith(("model", "data"))]  # TINY without the built-in GPT's and data's keys
+NOT_DATA = [o for o in TINY if not o.startswith("data")]  # TINY without its data's keys
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -101,7 +105,7 @@ def test_bad_input_is_one_line_before_any_worker(case: str, tmp_path: Path, file
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
-    base = NOT_GPT if "model=custom" in overrides else TINY
+    base = NOT_GPT if "model=custom" in overrides else NOT_DATA if "data=custom" in overrides else TINY
     run = launch(tmp_path, *base, *(o.format(**files) for o in overrides), timeout=120)
     line = run.refused()  # one line, exit 2, nothing written (not even the run directory)
     assert expected in line, line

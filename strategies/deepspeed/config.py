@@ -83,10 +83,12 @@ def build_ds_config(
     swap_path: str | None = None,
     extra: dict[str, Any] | None = None,
     params: int | None = None,
+    largest: int | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config of a run: derived from the run's values, plus the user's extra keys.
 
-    `params` (the model's parameter count, once it is built) sizes DeepSpeed's buffers to the model (`buffers`).
+    `params` and `largest` (the model's parameter count and its largest parameter's, once it is built) size
+    DeepSpeed's buffers to the model (`buffers`; for NVMe parameter offload, its swap buffers).
     Raises ValueError (one line) when an extra key contradicts a derived value.
     """
     pin = ctx.device_type == "cuda"  # pinned host buffers speed up device copies; there is no device on CPU
@@ -111,6 +113,11 @@ def build_ds_config(
         zero["offload_optimizer"] = offload(offload_optimizer)
     if offload_params != "none":
         zero["offload_param"] = offload(offload_params)
+        if offload_params == "nvme" and params and largest:
+            # Its swap buffers default to 5 x 1e8 elements (2 GB in fp32) whatever the model; each must hold the
+            # largest parameter (with its I/O alignment), and together they need hold no more than a bucket.
+            size = -(-max(largest, params // BUCKET_SHARE) // 4096) * 4096 + 4096
+            zero["offload_param"] |= {"buffer_size": size}
     derived: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": ctx.micro_size,
         "gradient_accumulation_steps": ctx.accumulation,

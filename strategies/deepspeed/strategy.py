@@ -170,8 +170,16 @@ class DeepSpeed:
             self._swap_dir = tempfile.mkdtemp(prefix=f"launch-swap-rank{ctx.rank}-", dir=self.nvme_path)
         model = build_model()
         params = sum(p.numel() for p in model.parameters())
+        largest = max((p.numel() for p in model.parameters()), default=0)
         config = build_ds_config(
-            ctx, self.stage, self.offload_optimizer, self.offload_params, self._swap_dir, self.ds_config, params
+            ctx,
+            self.stage,
+            self.offload_optimizer,
+            self.offload_params,
+            self._swap_dir,
+            self.ds_config,
+            params,
+            largest,
         )
         if self.stage == 3:
             # Partitioned after it is built, not while: built inside zero.Init's context, a model is partitioned
