@@ -1,7 +1,8 @@
 """Per-rank peak memory, measured at the dispatch level, against the planner's figure and the lesson's promise.
 
-Two model sizes at 2 gloo ranks: the conformance suite's tiny GPT (its runs, shared, not repeated; the step's runtime
-is much of its peak) and a 25M-parameter GPT whose model state dominates its peak (one short run per strategy).
+Two model sizes at 2 gloo ranks: the conformance suite's tiny GPT in fp32 (its runs, shared, not repeated; the step's
+runtime is much of its peak) and a 25M-parameter GPT in bf16 whose model state dominates its peak (one short run per
+strategy): mixed precision, where the lesson's bytes per parameter and its 1/G promise apply.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ LARGE = [
     "model.n_embd=512",
     "model.n_layer=8",
     "model.n_head=8",
+    "precision=bf16",
     "batch.global_size=2",
     "batch.micro_size=1",
     "trainer.max_steps=2",
@@ -61,14 +63,14 @@ def test_planned_peak_is_within_15_percent_of_the_measured(
 
 
 def test_sharding_lowers_the_measured_peak(large_dir: Path) -> None:
-    """The lesson's order at G=2 on a model whose state dominates: FSDP about half of DDP's peak, ZeRO-3 below
-    ZeRO-2 below ZeRO-1 below DDP. (DeepSpeed keeps an fp32 master partition beside its fp32 parameters even in fp32
-    training, so its ZeRO-3 holds 10 bytes per parameter per rank where FSDP holds 8: 0.79 of DDP's peak here.)"""
+    """The lesson's promise at G=2, on a bf16 model whose state dominates its peak: FSDP and ZeRO-3 at most 0.65 of
+    DDP's measured peak, ZeRO-2 at most 0.85, and ZeRO-1 (full gradients through the backward) no lower than ZeRO-2.
+    (In fp32 DeepSpeed keeps an fp32 master beside its fp32 weights, 20 bytes per parameter against torch's 16: its
+    ZeRO-3 then measures 0.80 of DDP here, its ZeRO-2 0.86.)"""
     peak = {s: _last(_large(large_dir, s))["peak_memory_bytes"] for s in PEAKED}
     ratios = {s: round(peak[s] / peak["ddp"], 3) for s in PEAKED}
-    assert ratios["fsdp"] <= 0.65, ratios
-    assert ratios["zero3"] < ratios["zero2"] < ratios["zero1"] < 1.0, ratios
-    assert ratios["zero2"] <= 0.90, ratios
+    assert ratios["fsdp"] <= 0.65 and ratios["zero3"] <= 0.65, ratios
+    assert ratios["zero2"] <= 0.85 and ratios["zero2"] <= ratios["zero1"] < 1.0, ratios
 
 
 def test_fsdp_setup_never_holds_the_whole_model_off_rank_0(tmp_path: Path) -> None:
