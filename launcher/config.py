@@ -140,6 +140,7 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
             f"{_nearest_multiples(batch.global_size, per_step)}, or change batch.micro_size or gpus"
         )
     _check_data(cfg)
+    _check_trainer(cfg.trainer)
     _check_targets(cfg)
     return Derived(device, gpus, cfg.nodes, world_size, batch.global_size // per_step)
 
@@ -148,6 +149,22 @@ def _check_data(cfg: DictConfig) -> None:
     path = OmegaConf.select(cfg.data, "path", default=None)
     if path is not None and not Path(os.path.expanduser(str(path))).is_file():
         raise ConfigError(f"data.path={path} does not exist or is not a file; point data.path at a token file")
+
+
+def _check_trainer(trainer: DictConfig) -> None:
+    steps = trainer.profile_steps
+    if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1] <= trainer.max_steps):
+        raise ConfigError(
+            f"trainer.profile_steps={list(steps)} is not [first, last] with 1 <= first <= last <= trainer.max_steps="
+            f"{trainer.max_steps}; e.g. trainer.profile_steps=[{min(3, trainer.max_steps)},{min(4, trainer.max_steps)}]"
+        )
+    at = trainer.memory_snapshot_step
+    if at is not None and (not trainer.memory_snapshot or at > trainer.max_steps):
+        raise ConfigError(
+            f"trainer.memory_snapshot_step={at} needs trainer.memory_snapshot=true and a step <= trainer.max_steps="
+            f"{trainer.max_steps}; set both, e.g. trainer.memory_snapshot=true trainer.memory_snapshot_step="
+            f"{min(at, trainer.max_steps)}"
+        )
 
 
 def _check_targets(cfg: DictConfig) -> None:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.checks import check_built, check_keys, check_resume, check_strategy
 from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze, identity_hash
 from launcher.failures import oom_kills, rank_lines
-from launcher.lifecycle import STOP_SIGNALS
+from launcher.lifecycle import DUMP_SIGNAL, FLIGHT_RECORDER, STOP_SIGNALS, flight_recorder_env
 from launcher.machine import loopback_interface, memory_available, usable_cpus, visible_cuda_devices
 from launcher.rendezvous import LOOPBACK, Rendezvous, rendezvous
 from launcher.rundir import Ownership, claim
@@ -186,7 +186,7 @@ def _remove_empty(run_dir: Path) -> None:
             break
 
 
-def _worker_environment(derived: Derived, rdzv: Rendezvous) -> None:
+def _worker_environment(derived: Derived, rdzv: Rendezvous, run_dir: Path) -> None:
     # One BLAS thread pool per worker would oversubscribe the cores: split them between workers.
     if derived.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // derived.gpus))
@@ -200,6 +200,24 @@ def _worker_environment(derived: Derived, rdzv: Rendezvous) -> None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
     # Workers end themselves when this process is gone, from their first instruction (launcher.worker).
     os.environ["LAUNCH_PARENT_PID"] = str(os.getpid())
+    if derived.device == "cuda":  # NCCL's flight recorder: each rank's last collectives, dumped on a timeout
+        recorder = flight_recorder_env(run_dir, dict(os.environ))
+        if recorder:
+            (run_dir / FLIGHT_RECORDER).mkdir(parents=True, exist_ok=True)
+        os.environ.update(recorder)
+
+
+def _ask_workers(signum: int, _frame: Any) -> None:
+    """SIGUSR1 to the launcher goes on to each of its workers: every rank writes its phase and its Python stacks
+    (`launcher.lifecycle`)."""
+    me = os.getpid()
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+            if ppid == me and b"launcher.worker" in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signum)
+        except (OSError, ValueError, IndexError):  # not a process, or one that ended meanwhile
+            continue
 
 
 def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: DictConfig, run_dir: Path) -> Outcome:
@@ -209,7 +227,7 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _worker_environment(derived, rdzv)
+    _worker_environment(derived, rdzv, run_dir)
     _agent_logs_to_file(run_dir)
     quiet = {rank: Std.ALL for rank in range(1, derived.gpus)}  # rank 0 talks to the terminal
     config = LaunchConfig(
@@ -227,7 +245,8 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         shutdown_timeout=trainer.stop_timeout,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
     )
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, DUMP_SIGNAL)}
+    signal.signal(DUMP_SIGNAL, _ask_workers)
     oom_before, (_, available) = oom_kills(), memory_available()
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "launcher.worker", str(resolved))

@@ -7,18 +7,24 @@
 - A worker ends itself when its launcher is gone (killed with SIGKILL), from its first instruction
   (`die_with_parent`: the kernel's parent-death signal) and by a watchdog thread, so no worker is
   ever left behind.
-- `Phase` writes what this rank is doing to a small file, so that a collective that times out can
-  name the rank that is stuck and what it was doing, not only "timed out".
+- `Phase` keeps what this rank is doing in memory and writes it to a small file only when someone may need it (at
+  most every `PHASE_FLUSH_EVERY` seconds, on a stop signal, on SIGUSR1, before a timeout is reported), so that a
+  collective that times out can name the rank that is stuck and what it was doing, not only "timed out", without
+  every rank touching a shared file system on every micro-step.
+- SIGUSR1 (which the launcher forwards to its workers) writes each rank's phase and its Python stacks, every
+  thread's, with `faulthandler` (from C: a rank stuck inside a collective still answers).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
@@ -28,14 +34,20 @@ EXIT_STOPPED = 3
 """A worker that stopped on a signal after saving: not a success (the run is not finished), not a crash."""
 STOP_REPEAT_GRACE = 5.0
 """Seconds after the first stop signal during which another is the same request (SLURM and the agent both send)."""
+PHASE_FLUSH_EVERY = 2.0
+"""Seconds between two writes of a rank's phase file, at most (and only when the phase changed)."""
+DUMP_SIGNAL = signal.SIGUSR1
+"""Asks every rank for its phase and its Python stacks (`<run dir>/logs/phase/`, `<run dir>/logs/stacks/`)."""
 
 
 class StopRequest:
     """Set by the first stop signal; the runner checks it once per optimizer step."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_signal: Callable[[], None] = lambda: None) -> None:
         self.signal: int | None = None
         self.at = 0.0
+        self.on_signal = on_signal
+        """Called on each stop signal: the worker writes its phase (where it was when asked to stop)."""
 
     def install(self) -> StopRequest:
         for sig in STOP_SIGNALS:
@@ -43,6 +55,7 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.on_signal()
         if self.signal is None:
             self.signal, self.at = signum, time.monotonic()
         elif time.monotonic() - self.at > STOP_REPEAT_GRACE:
@@ -77,16 +90,46 @@ def watch_parent(interval: float = 0.5) -> None:
 
 
 class Phase:
-    """What this rank is doing now, in `<run dir>/logs/phase/rank<N>` (one line: time, then the phase)."""
+    """What this rank is doing now, kept in memory; `<run dir>/logs/phase/rank<N>` (one line: the time the phase
+    began, then the phase) is written by a thread at most every `every` seconds when the phase changed, and by
+    `flush` (a stop signal, SIGUSR1, a timeout about to be reported). Setting the phase costs two stores, no I/O."""
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
+    def __init__(self, run_dir: Path, rank: int, every: float = PHASE_FLUSH_EVERY) -> None:
         self.dir = run_dir / "logs" / "phase"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path, self.rank, self.now = self.dir / f"rank{rank}", rank, "starting"
+        self.path, self.rank = self.dir / f"rank{rank}", rank
+        self.state = (time.time(), "starting")  # one attribute, replaced whole: the thread never reads half of it
+        self.writes = 0
+        self._written: tuple[float, str] | None = None
+        self._lock = threading.RLock()  # a signal handler may flush while the main thread is flushing
+        self._every = every
+        threading.Thread(target=self._flush_every, name="phase-writer", daemon=True).start()
 
     def __call__(self, what: str) -> None:
-        self.now = what
-        self.path.write_text(f"{time.time():.3f} {what}")
+        self.state = (time.time(), what)
+
+    @property
+    def now(self) -> str:
+        return self.state[1]
+
+    def flush(self) -> None:
+        """Write the phase now, if it changed since the last write."""
+        with self._lock:
+            state = self.state
+            if state == self._written:
+                return
+            partial = self.path.with_name(f".{self.path.name}.partial")
+            partial.write_text(f"{state[0]:.3f} {state[1]}")
+            os.replace(partial, self.path)  # a reader sees the old line or the new one, never half of one
+            self._written, self.writes = state, self.writes + 1
+
+    def _flush_every(self) -> None:
+        while True:
+            try:
+                self.flush()
+            except OSError:  # the run directory went away (a test's tmp folder, a failed mount): try again later
+                pass
+            time.sleep(self._every)
 
     def others(self) -> str:
         """The other ranks' last phases, oldest first: the stuck rank leads."""
@@ -102,6 +145,35 @@ class Phase:
                     )
                 )
         return "; ".join(text for _, text in sorted(seen)) or "no other rank reported"
+
+    def answer_dump_signal(self) -> None:
+        """On SIGUSR1: every thread's Python stack appended to `<run dir>/logs/stacks/rank<N>` (by faulthandler, from
+        C, so a rank blocked in a collective answers too), then the phase written (once Python runs again)."""
+        stacks = self.dir.parent / "stacks" / f"rank{self.rank}"
+        stacks.parent.mkdir(parents=True, exist_ok=True)
+        self._stacks = open(stacks, "a")  # faulthandler writes to this descriptor: it stays open for the process
+        signal.signal(DUMP_SIGNAL, lambda _signum, _frame: self.flush())
+        faulthandler.register(DUMP_SIGNAL, file=self._stacks, all_threads=True, chain=True)
+
+
+FLIGHT_RECORDER = Path("logs") / "flight_recorder"
+"""Where, in a run directory on CUDA, NCCL's flight recorder dumps each rank's last collectives on a timeout."""
+FLIGHT_RECORDER_ENV = {
+    # Any of these names set by the user: the user's choice stands, and the launcher sets none of its group.
+    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",  # collectives kept per rank
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+    ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): "{dir}/rank_",  # the file prefix; rank appended
+}
+
+
+def flight_recorder_env(run_dir: Path, environ: dict[str, str]) -> dict[str, str]:
+    """The variables that turn NCCL's flight recorder on for a CUDA run, except those the user already set."""
+    folder = str(run_dir / FLIGHT_RECORDER)
+    return {
+        names[0]: value.format(dir=folder)
+        for names, value in FLIGHT_RECORDER_ENV.items()
+        if not any(name in environ for name in names)
+    }
 
 
 def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from launcher.loss import NUM_ITEMS, batch_tokens, count_targets, micro_loss, mo
 from launcher.memory import StepMemory, rss_bytes
 from launcher.meta import build_on_meta
 from launcher.plan.costs import GPT_TARGET, flops_per_token, peak_tflops, step_comm_bytes
+from launcher.profiling import MemorySnapshots, StepProfiler
 from launcher.resume import check_shared_directory, restart_count, resume, save_checkpoint
 from strategies import RunContext, Strategy
 
@@ -179,17 +181,39 @@ class Window:
         return figures
 
 
-def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, stop: StopRequest | None = None) -> bool:
+def train(
+    cfg: DictConfig,
+    ctx: RunContext,
+    strategy: Strategy,
+    run_dir: Path,
+    stop: StopRequest | None = None,
+    phase: Phase | None = None,
+) -> bool:
     """Run the loop to `trainer.max_steps`; return False if a stop signal ended it early (after a checkpoint)."""
-    phase = Phase(run_dir, ctx.rank)
+    phase = phase or Phase(run_dir, ctx.rank)
+    trainer = cfg.trainer
+    snapshots = MemorySnapshots(
+        trainer.memory_snapshot, trainer.memory_snapshot_step, run_dir, ctx.rank, ctx.device_type
+    )
+    snapshots.start()  # before the model exists: its allocations are in the history
     try:
-        return _train(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase)
+        return _train(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase, snapshots)
+    except torch.OutOfMemoryError as e:
+        phase.flush()
+        error = snapshots.out_of_memory(e)
+        error.launch_phase = phase.now  # type: ignore[attr-defined]
+        raise error from e
     except Exception as e:
+        phase.flush()  # where this rank was, for the other ranks' messages
         if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
             # Say who is stuck and where, not only that a collective gave up.
+            recorder = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") if ctx.device_type == "cuda" else None
+            dumps = (
+                f"; NCCL's flight recorder dumps: {Path(recorder).parent} (torchfrtrace reads them)" if recorder else ""
+            )
             stuck = RuntimeError(
                 f"rank {ctx.rank} waited {cfg.trainer.collective_timeout:g} s in a collective while {phase.now}, "
-                f"then gave up; {phase.others()}"
+                f"then gave up; {phase.others()}{dumps}"
             )
             stuck.launch_phase = phase.now  # type: ignore[attr-defined]
             raise stuck from e
@@ -198,7 +222,13 @@ def train(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, s
 
 
 def _train(
-    cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, stop: StopRequest, phase: Phase
+    cfg: DictConfig,
+    ctx: RunContext,
+    strategy: Strategy,
+    run_dir: Path,
+    stop: StopRequest,
+    phase: Phase,
+    snapshots: MemorySnapshots,
 ) -> bool:
     device = torch.device(ctx.device)
     trainer, K, B = cfg.trainer, ctx.accumulation, cfg.batch.global_size
@@ -234,6 +264,7 @@ def _train(
     steps = StepBatches(batches, position.samples, trainer.max_steps - position.step, ctx.rank, ctx.world_size, K)
     micro_batches = feed(train_set, steps, int(cfg.data.get("workers", 0)), device)
 
+    profiler = StepProfiler(trainer.profile_steps, run_dir, ctx.rank, ctx.device_type, trainer.profile_stacks)
     metrics: dict[str, float] = {}
     window = Window()
     for step in range(position.step + 1, trainer.max_steps + 1):
@@ -241,12 +272,15 @@ def _train(
         last = step == trainer.max_steps
         log_now = step % trainer.log_every == 0 or last or not metrics  # the first step: see the loss at once
         evaluate_now = trainer.eval_every > 0 and (step % trainer.eval_every == 0 or last)
-        phase(f"reading the batches of step {step}")
-        started = time.perf_counter()  # from the wait for the data on: a loader that cannot keep up shows here
-        micro = [next(micro_batches) for _ in range(K)]
-        with memory.measure(log_now or evaluate_now):  # the logged steps' peak; the others pay nothing
-            loss, grad_norm = optimizer_step(strategy, micro, ctx, lr, takes_num_items, step, phase)
-        window.add(time.perf_counter() - started, sum(batch_tokens(b) for b in micro), log_now or evaluate_now)
+        with profiler.step(step):
+            phase(f"reading the batches of step {step}")
+            started = time.perf_counter()  # from the wait for the data on: a loader that cannot keep up shows here
+            micro = [next(micro_batches) for _ in range(K)]
+            with memory.measure(log_now or evaluate_now):  # the logged steps' peak; the others pay nothing
+                loss, grad_norm = optimizer_step(strategy, micro, ctx, lr, takes_num_items, step, phase)
+            window.add(time.perf_counter() - started, sum(batch_tokens(b) for b in micro), log_now or evaluate_now)
+        profiler.ended(step)
+        snapshots.after_step(step)
         position = Position(step, position.samples + B)
 
         if log_now or evaluate_now:

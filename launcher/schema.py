@@ -84,11 +84,22 @@ class TrainerConfig:
     """torch.compile each transformer block (the strategy's units), after activation checkpointing, before sharding."""
     peak_tflops: float | None = ranged(None, POSITIVE)
     """Peak FLOPS per device, in TFLOPS, for the logged MFU; unset: looked up by GPU name (none on CPU)."""
+    profile_steps: list[int] | None = None
+    """[first, last]: torch.profiler over those optimizer steps on every rank, one trace per rank in
+    <run dir>/profile/, rank 0's top ops printed; unset: no profiler (and no cost)."""
+    profile_stacks: bool = False
+    """Record Python stacks in the profile too (larger traces)."""
+    memory_snapshot: bool = False
+    """CUDA: record the allocator's history from the start, and dump a snapshot into <run dir>/memory/ at
+    memory_snapshot_step and on an out-of-memory error (view it at pytorch.org/memory_viz)."""
+    memory_snapshot_step: int | None = ranged(None, SIZE)
+    """The optimizer step after which a snapshot is dumped; unset: only on an out-of-memory error."""
 
 
 @dataclass
 class CustomConfig:
-    """model=custom, data=custom: a target of your own and nothing else; add its keys with +model.KEY=VALUE."""
+    """model=custom, data=custom, logger=custom: a target of your own and nothing else; add its keys with
+    +model.KEY=VALUE."""
 
     _target_: str = MISSING
 
@@ -336,7 +347,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "base_tokens": TokensDataConfig,
     },
     "optim": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig},
-    "logger": {"base_wandb": WandbConfig, "base_none": NoLoggerConfig},
+    "logger": {"base_wandb": WandbConfig, "base_none": NoLoggerConfig, "base_custom": CustomConfig},
 }
 
 SCHEMAS["strategy"]["base_auto"] = AutoStrategyConfig  # conf/strategy/auto.yaml: resolved by launch.prepare()

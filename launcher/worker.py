@@ -11,10 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.lifecycle import EXIT_STOPPED, StopRequest, die_with_parent, report_failure, watch_parent
+from launcher.lifecycle import EXIT_STOPPED, Phase, StopRequest, die_with_parent, report_failure, watch_parent
 
 
-def main(path: str, stop: StopRequest) -> None:
+def main(path: str, stop: StopRequest, phase: Phase) -> None:
     from datetime import timedelta
 
     import torch
@@ -36,13 +36,14 @@ def main(path: str, stop: StopRequest) -> None:
         # fp32 matmuls (and fp32 parts of mixed precision) on tensor cores in TF32: ~8x faster on A100/H100, with a
         # 10-bit mantissa that training tolerates (PyTorch's own recommendation for training).
         torch.set_float32_matmul_precision("high")
+    phase("joining the process group")
     dist.init_process_group(
         backend="nccl" if ctx.device_type == "cuda" else "gloo",
         timeout=timedelta(seconds=cfg.trainer.collective_timeout),
     )
     strategy = make_strategy(cfg.strategy)
     try:
-        finished = train(cfg, ctx, strategy, Path(path).parent, stop)
+        finished = train(cfg, ctx, strategy, Path(path).parent, stop, phase)
     finally:
         # Release everything that holds the process group before destroying it: a gloo thread
         # that frees a tensor during interpreter shutdown aborts the process otherwise.
@@ -57,9 +58,12 @@ def main(path: str, stop: StopRequest) -> None:
 
 if __name__ == "__main__":
     die_with_parent()
-    requested = StopRequest().install()
+    # What this rank is doing, in memory from the start; written when asked (SIGUSR1, a stop signal) or now and then.
+    doing = Phase(Path(sys.argv[1]).parent, int(os.environ.get("RANK", "0")))
+    doing.answer_dump_signal()
+    requested = StopRequest(on_signal=doing.flush).install()
     watch_parent()
     try:
-        main(sys.argv[1], requested)
+        main(sys.argv[1], requested, doing)
     except Exception as error:  # one line for the launcher, the traceback in this rank's log file
         report_failure(error, int(os.environ.get("RANK", "0")), Path(sys.argv[1]).parent)

@@ -41,3 +41,9 @@ class HungryGPT(_Faulty):
         hoard = []
         while True:  # until the kernel's out-of-memory killer ends this process
             hoard.append(torch.ones(2**24))  # 64 MiB a time, touched
+
+
+class OutOfMemoryGPT(_Faulty):
+    def fail(self) -> None:
+        # What the CUDA caching allocator raises (torch.cuda.OutOfMemoryError is torch.OutOfMemoryError).
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

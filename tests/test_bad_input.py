@@ -67,6 +67,10 @@ BAD = {
     # the logger's settings, checked without starting a run
     "unknown wandb mode": (["logger=wandb", "logger.mode=sometimes"], "logger: logger.mode=sometimes"),
     "bad wandb project": (["logger=wandb", "logger.project=a/b"], "logger: logger.project='a/b'"),
+    # looking inside a run
+    "profile steps backwards": (["trainer.profile_steps=[4,2]"], "trainer.profile_steps=[4, 2]"),
+    "profile past the end": (["trainer.max_steps=5", "trainer.profile_steps=[3,9]"], "trainer.max_steps=5"),
+    "snapshot step without snapshots": (["trainer.memory_snapshot_step=3"], "trainer.memory_snapshot=true"),
     # the run directory: Hydra would make it first, with a traceback
     # a checkpoint to resume from
     "no checkpoint there": (["resume={tmp}/nowhere"], "no complete checkpoint there"),

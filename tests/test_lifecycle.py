@@ -45,8 +45,28 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.fixture
 def reference(conformance_dir: Path) -> Run:
-    """The uninterrupted 30-step run, made once per session whichever test process asks first."""
-    return launch_once(conformance_dir, *JOB, name="lifecycle-reference").check()
+    """The uninterrupted 30-step run, made once per session whichever test process asks first; steps 3 and 4 are
+    profiled (which changes no loss)."""
+    return launch_once(conformance_dir, *JOB, f"trainer.profile_steps=[{PROFILED[0]},{PROFILED[1]}]",
+                       name="lifecycle-reference").check()  # fmt: skip
+
+
+PROFILED = (3, 4)
+
+
+def test_the_profiler_traces_exactly_the_chosen_steps_on_every_rank(reference: Run) -> None:
+    for rank in (0, 1):
+        trace = json.loads((reference.run_dir / "profile" / f"rank{rank}.json").read_text())  # Chrome/Perfetto JSON
+        events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        steps = {e["name"]: e for e in events if e["name"].startswith("launch/step ")}
+        assert sorted(steps) == [f"launch/step {s}" for s in PROFILED], sorted(steps)
+        for step in steps.values():  # the model's own ops ran inside each profiled step, with their shapes
+            inside = [e for e in events if step["ts"] <= e["ts"] <= step["ts"] + step["dur"]]
+            ops = {e["name"] for e in inside}
+            assert {"aten::embedding", "aten::layer_norm", "aten::mm"} <= ops, sorted(ops)[:40]
+            assert any("Input Dims" in e.get("args", {}) for e in inside)
+    assert f"launch: profile of steps {PROFILED[0]}-{PROFILED[1]}" in reference.stdout, reference.stdout
+    assert "Self CPU" in reference.stdout and "aten::" in reference.stdout  # rank 0's top ops
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
@@ -123,13 +143,76 @@ def test_every_restart_recovers(reference: Run, tmp_path: Path) -> None:
     assert abs(final[30] - reference.metrics[-1]["loss"]) <= 1e-6
 
 
-def test_a_hang_names_the_stuck_rank(tmp_path: Path) -> None:
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists() and text in (found := path.read_text()):
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never said {text!r}")
+
+
+def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_path: Path) -> None:
+    """Rank 1 sleeps in its forward; rank 0 waits in the gradient all-reduce. While they hang, SIGUSR1 to the
+    launcher makes every rank write its phase and its Python stacks (rank 1's in the model's sleep, rank 0's in the
+    collective); then the timeout ends the job, naming the stuck rank."""
+    run_dir = tmp_path / "hang"
     started = time.monotonic()
-    run = launch(tmp_path, *JOB, "model._target_=faulty.HangingGPT", "trainer.collective_timeout=5")
-    assert run.returncode == 1 and time.monotonic() - started < 90
-    assert "rank 0 waited 5 s in a collective" in run.stderr, run.stderr
-    assert "rank 1 was last in forward/backward of step 2, micro-step 1/2" in run.stderr, run.stderr
+    proc = _start(tmp_path, run_dir, "model._target_=faulty.HangingGPT", "trainer.collective_timeout=10")
+    stuck = "in forward/backward of step 2, micro-step 1/2"
+    _wait_for(run_dir / "logs" / "phase" / "rank1", stuck, proc)  # written by its thread within seconds
+    proc.send_signal(signal.SIGUSR1)
+    stacks = _wait_for(run_dir / "logs" / "stacks" / "rank1", "in fail", proc)
+    assert "faulty.py" in stacks and "optimizer_step" in stacks, stacks
+    assert "optimizer_step" in _wait_for(run_dir / "logs" / "stacks" / "rank0", "optimizer_step", proc)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 1 and time.monotonic() - started < 120, (proc.returncode, err)
+    assert "rank 0 waited 10 s in a collective" in err, err
+    assert f"rank 1 was last {stuck}" in err, err
+    assert _worker_pids(run_dir) == {}
+
+
+def test_the_phase_is_kept_in_memory_and_written_now_and_then(tmp_path: Path) -> None:
+    """A phase a micro-step costs no I/O: 20,000 phases in a second are at most a few writes, the newest last."""
+    from launcher.lifecycle import Phase
+
+    phase = Phase(tmp_path, 0, every=0.5)
+    started = time.monotonic()
+    calls = 0
+    while time.monotonic() - started < 1.0:
+        phase(f"in forward/backward of step {calls}")
+        calls += 1
+    elapsed = time.monotonic() - started
+    assert calls >= 20_000 and phase.writes <= elapsed / 0.5 + 2, (calls, phase.writes)
+    phase("saving the checkpoint of step 7")
+    phase.flush()
+    stamp, _, what = (tmp_path / "logs" / "phase" / "rank0").read_text().partition(" ")
+    assert what == "saving the checkpoint of step 7" and abs(float(stamp) - time.time()) < 5
+
+
+def test_an_out_of_memory_error_says_how_to_see_where_the_memory_went(tmp_path: Path) -> None:
+    """The path around torch.cuda.OutOfMemoryError, on CPU: one line per rank, the snapshot's advice, no hang."""
+    run = launch(tmp_path, *JOB, "model._target_=faulty.OutOfMemoryGPT", "trainer.collective_timeout=30")
+    assert run.returncode == 1, run.stderr
+    line = next(x for x in run.stderr.splitlines() if x.startswith("launch: error: rank 1 failed"))
+    assert "while in forward/backward of step 2, micro-step 1/2" in line, line
+    assert "out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)" in line, line
+    assert "rerun with trainer.memory_snapshot=true" in line and "pytorch.org/memory_viz" in line, line
     assert _worker_pids(run.run_dir) == {}
+
+
+def test_nccl_s_flight_recorder_is_on_unless_the_user_chose(tmp_path: Path) -> None:
+    """What the launcher puts in a CUDA run's worker environment (there is no GPU here: the function it calls)."""
+    from launcher.lifecycle import flight_recorder_env
+
+    folder = tmp_path / "logs" / "flight_recorder"
+    assert flight_recorder_env(tmp_path, {}) == {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{folder}/rank_",
+    }
+    chosen = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "100", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}  # the older name counts too
+    assert flight_recorder_env(tmp_path, chosen) == {"TORCH_FR_DUMP_TEMP_FILE": f"{folder}/rank_"}
 
 
 def test_a_requeued_slurm_job_resumes_by_itself(reference: Run, tmp_path: Path) -> None:

@@ -127,6 +127,13 @@ def test_parity_with_one_process(tmp: Path, strategy: str) -> None:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_gradient_norm_is_one_process_s(tmp: Path, strategy: str) -> None:
+    """The logged pre-clip norm is the whole gradient's, whoever holds which shard (DeepSpeed's own, never NaN)."""
+    ref, run = ([m["grad_norm"] for m in r.metrics] for r in (reference(tmp), two_ranks(tmp, strategy)))
+    assert run == pytest.approx(ref, rel=1e-5) and all(math.isfinite(g) for g in run), (ref, run)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str) -> None:
     accumulating = two_ranks(tmp, strategy).metrics  # K = 2
     single = _run(tmp, *selecting(tmp, strategy), "gpus=2", "batch.global_size=8").metrics  # K = 1

@@ -142,7 +142,14 @@ CLASSIFIER = ["model=custom", "model._target_=user_models.Classifier", "+model.w
 def test_a_classifier_of_images_trains_under_ddp_fsdp_and_zero3(conformance_dir: Path) -> None:
     run, sweep = smoke(conformance_dir, "smoke-classifier", *CLASSIFIER, "strategy=ddp,fsdp,zero3")
     assert run.returncode == 0, run.stderr[-3000:]
-    one = launch_once(conformance_dir, "+sweep=smoke", *CLASSIFIER, "gpus=1", name="smoke-classifier-one").check()
+    # One process, with a logger of the user's own: it gets every figure metrics.jsonl gets, between init and finish.
+    logger = ["logger=custom", "logger._target_=user_models.RecordingLogger", "+logger.file=recorded.jsonl"]
+    one = launch_once(conformance_dir, "+sweep=smoke", *CLASSIFIER, "gpus=1", *logger, name="smoke-classifier-one")
+    calls = [json.loads(line) for line in (one.check().run_dir / "recorded.jsonl").read_text().splitlines()]
+    assert calls[0] == {"call": "init", "model": "user_models.Classifier"} and calls[-1] == {"call": "finish"}
+    written = [{k: v for k, v in m.items() if k not in ("step", "time")} for m in one.metrics]
+    assert [c["step"] for c in calls[1:-1]] == [m["step"] for m in one.metrics] == [1, 2], calls
+    assert [c["metrics"] for c in calls[1:-1]] == written
     assert sorted(jobs(sweep)) == ["ddp", "fsdp", "zero3"]
     for strategy, job in jobs(sweep).items():
         logged = metrics(job)

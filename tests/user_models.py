@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,3 +47,22 @@ class Images(Dataset):
 
 def images(split: str, count: int = 256, size: int = 8, channels: int = 3) -> Images:
     return Images(split, count if split == "train" else count // 4, size, channels)
+
+
+class RecordingLogger:
+    """A logger of one's own (`logger=custom logger._target_=user_models.RecordingLogger +logger.file=NAME`): each
+    call, as JSON lines, into `<run dir>/NAME`."""
+
+    def __init__(self, run_config: dict, run_dir: str, file: str) -> None:
+        self.out = open(Path(run_dir) / file, "w")
+        self._write({"call": "init", "model": run_config["model"]["_target_"]})
+
+    def _write(self, record: dict) -> None:
+        self.out.write(json.dumps(record) + "\n")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._write({"call": "log", "step": step, "metrics": metrics})
+
+    def finish(self) -> None:
+        self._write({"call": "finish"})
+        self.out.close()

@@ -240,7 +240,9 @@ class DeepSpeed:
             self.engine.step()
         norm = self.engine.get_global_grad_norm()
         held = zero.state_bytes(self.engine, self.stage, grads)
-        self._last_step = {**held, **self._counter.take()}
+        # DeepSpeed's dynamic loss scaler (precision=fp16), as DDP and FSDP report theirs: halved on each overflow.
+        scale = {"loss_scale": float(self.engine.optimizer.loss_scale)} if self.ctx.precision == "fp16" else {}
+        self._last_step = {**held, **scale, **self._counter.take()}
         return float(norm) if norm is not None else float("nan")
 
     def train(self, mode: bool) -> None:
