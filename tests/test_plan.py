@@ -23,7 +23,7 @@ from conftest import LAUNCH, TINY, Run, clean_env, launch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from test_strategies import JOB, STRATEGIES, two_ranks
+from test_strategies import JOB, SHAPES, STRATEGIES, suite_run
 
 from launcher import schema
 from launcher.config import derive, freeze
@@ -146,7 +146,7 @@ def test_plan_prints_every_strategy_side_by_side(tmp_path: Path) -> None:
         assert re.search(rf"^[* ] {strategy} ", out, re.M), (strategy, out)
     # Each strategy's own rule: torch's autocast keeps fp32 weights (its bf16 copies are transient), DeepSpeed keeps
     # bf16 weights and an fp32 master (the lesson's 18).
-    assert "weights 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 16: ddp, fsdp;" in out, out
+    assert "weights 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 16: ddp, fsdp, hsdp;" in out, out
     assert "weights 2 (bf16) + master 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 18: zero1, zero2," in out
     assert "micro 4 x accumulation 1 x world 8" in out and "activation checkpointing" in out
     assert re.search(r"^  ddp .* no ", out, re.M), out  # 7B under DDP does not fit 80 GB
@@ -170,7 +170,7 @@ def test_plan_json_carries_the_layouts_figures(tmp_path: Path) -> None:
     for s in plan["strategies"]:
         # Mixed precision: 16 bytes per parameter under torch's autocast, 18 under DeepSpeed, whatever the layout;
         # it only moves and divides them.
-        per_param = 16 if s["name"] in ("ddp", "fsdp") else 18
+        per_param = 16 if s["name"] in ("ddp", "fsdp", "hsdp") else 18
         assert sum(s["bytes_per_param"].values()) == per_param, s
         held = sum(
             s["state_bytes"][place][kind] for place in ("device", "host", "nvme") for kind in s["bytes_per_param"]
@@ -384,10 +384,10 @@ def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy: str) -> None:
-    """The conformance suite's 2-rank run of each strategy (shared, not repeated), against the plan of the same job."""
-    run = two_ranks(conformance_dir, strategy)
+    """The conformance suite's run of each strategy (shared, not repeated), against the plan of the same job."""
+    run = suite_run(conformance_dir, strategy)
     measured = run.metrics[-1]
-    planned = _planned(conformance_dir)[strategy]
+    planned = _planned(conformance_dir, strategy)
     total = planned["device_state_bytes"] + planned["host_state_bytes"] + planned["nvme_state_bytes"]
     # Within 2%; a figure planned at 0 (all offloaded) within 2% of the strategy's whole state.
     assert measured["model_state_bytes"] == pytest.approx(planned["device_state_bytes"], rel=0.02, abs=0.02 * total), (
@@ -401,8 +401,16 @@ def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy:
     )
 
 
+def _planned(tmp: Path, strategy: str) -> dict:
+    if strategy in SHAPES:  # its own shape: a plan of its own
+        gpus, extra = SHAPES[strategy]
+        (planned,) = _plan_json(tmp, *JOB, f"strategy={strategy}", f"gpus={gpus}", *extra)["strategies"]
+        return planned
+    return _planned_at_two_ranks(tmp)[strategy]
+
+
 @functools.cache
-def _planned(tmp: Path) -> dict[str, dict]:
+def _planned_at_two_ranks(tmp: Path) -> dict[str, dict]:
     return {s["name"]: s for s in _plan_json(tmp, *JOB, "gpus=2")["strategies"]}
 
 
