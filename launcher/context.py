@@ -24,6 +24,7 @@ def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int) ->
         accumulation=int(derived.accumulation),
         micro_size=int(cfg.batch.micro_size),
         compile=bool(cfg.trainer.compile),
+        local_world_size=int(derived.gpus),
     )
 
 

@@ -68,7 +68,8 @@ class Speed:
         peak = cfg.trainer.peak_tflops
         if peak is None and ctx.device_type == "cuda":
             peak = peak_tflops(torch.cuda.get_device_name(ctx.device))
-        formula = step_comm_bytes(params, ctx.world_size, strategy.layout(), ctx.precision, ctx.accumulation)
+        layout, gpus = strategy.layout(), ctx.local_world_size
+        formula = step_comm_bytes(params, ctx.world_size, layout, ctx.precision, ctx.accumulation, gpus)
         planned = OmegaConf.select(cfg, "derived.plan_peak_bytes", default=None)
         return cls(flops_per_token(params, *shape), peak * 1e12 if peak else None, formula, planned)
 

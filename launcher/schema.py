@@ -209,6 +209,12 @@ class FSDPStrategyConfig:
     """Recompute each shard unit's activations in backward instead of storing them."""
     sync_each_microbatch: bool = False
     """Reduce-scatter on every micro-step: K x the communication, but no unsharded gradients kept between."""
+    shard_size: int | None = ranged(None, SIZE)
+    """Ranks each shard group splits the state over (the 2-D mesh's dim 1); unset: world size / replicate_size, or
+    with both unset the GPUs of a node (strategy=hsdp)."""
+    replicate_size: int | None = ranged(1, SIZE)
+    """Shard groups holding replicas of each other (dim 0), their gradient shards all-reduced each step; 1: plain
+    FSDP over every rank; unset: world size / shard_size (strategy=hsdp: the number of nodes)."""
 
 
 class ZeroOffload(Enum):

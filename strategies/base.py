@@ -35,6 +35,8 @@ class RunContext:
     compile: bool = False
     """trainer.compile: compile each unit (transformer block) with torch.compile; a strategy that cannot rejects
     it in check."""
+    local_world_size: int | None = None
+    """Ranks per node (the launcher's `gpus`); None: every rank is on one node."""
 
     @property
     def device_type(self) -> str:
@@ -48,6 +50,40 @@ class Placement:
     sharded: bool
     where: str = "device"
     """device | cpu | nvme"""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The ranks as `replicate` x `shard` (FSDP2's 2-D device mesh, HSDP): sharded state is split 1/shard within
+    each group of `shard` consecutive ranks and replicated across the `replicate` groups. One group
+    (replicate_size=1, the default) is plain sharding over every rank: FSDP, ZeRO."""
+
+    shard_size: int | None = None
+    """Ranks a sharded kind is split over; None: the world size / replicate_size, or with both unset the GPUs of a
+    node (then each node is one shard group and the nodes are replicas)."""
+    replicate_size: int | None = 1
+    """Shard groups holding replicas of each other; None: the world size / shard_size."""
+
+    def shape(self, world_size: int, gpus: int | None = None) -> tuple[int, int]:
+        """(replicate, shard) for `world_size` ranks of `gpus` per node (None: one node); ValueError (one line:
+        the bad value and the fix) when the sizes do not tile the world."""
+        shard, replicate = self.shard_size, self.replicate_size
+        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        for key, size in (("shard_size", shard), ("replicate_size", replicate)):
+            if size is not None and world_size % size:
+                raise ValueError(
+                    f"strategy.{key}={size} does not divide the world size {world_size} (nodes x gpus); "
+                    f"use one of {divisors}, or leave it null to derive it"
+                )
+        if shard is None:
+            shard = world_size // replicate if replicate is not None else (gpus or world_size)
+        replicate = world_size // shard if replicate is None else replicate
+        if replicate * shard != world_size:
+            raise ValueError(
+                f"strategy.replicate_size={replicate} x strategy.shard_size={shard} is {replicate * shard} ranks, "
+                f"not the world size {world_size}; set one of them to null to derive it from the other"
+            )
+        return replicate, shard
 
 
 @dataclass(frozen=True)
@@ -85,6 +121,8 @@ class Layout:
     """Under mixed precision its stored weights are in the compute dtype (DeepSpeed); otherwise they stay fp32 and
     the compute dtype is a transient copy (torch's autocast, FSDP's MixedPrecisionPolicy)."""
     transients: Transients = Transients()
+    mesh: Mesh = Mesh()
+    """How the sharded kinds are split: over every rank (the default), or within shard groups (HSDP)."""
 
 
 @runtime_checkable

@@ -28,24 +28,27 @@ class CommCounter:
 
     def __init__(self) -> None:
         self.world_size = 1
-        """Set by the strategy in setup: the ring's length."""
+        """Set by the strategy in setup: the ring's length (HSDP: its shard group's)."""
         self.calls = 0
         self.bytes = 0
         self.sent = 0.0
         self.recorded = 0
         """Calls that came through `record` (and so named their collective): `sent` covers only those."""
 
-    def record(self, payload: torch.Tensor | int, collective: str = "all_reduce", sync: bool = True) -> None:
+    def record(
+        self, payload: torch.Tensor | int, collective: str = "all_reduce", sync: bool = True, ranks: int | None = None
+    ) -> None:
         """One collective over the full buffer `payload` (a tensor, at its dtype: what goes on the wire; or its bytes).
 
         `sync`: it synchronises gradients (counted in `comm_calls`/`comm_bytes`); a parameter all-gather is not, and
-        counts only in the bytes sent."""
+        counts only in the bytes sent. `ranks`: the ring's length when the collective runs over a group of its own
+        (HSDP's all-reduce across the replicas); unset: `world_size`."""
         nbytes = payload if isinstance(payload, int) else payload.numel() * payload.element_size()
         if sync:
             self.calls += 1
             self.recorded += 1
             self.bytes += nbytes
-        self.sent += ring_sent_elements(nbytes, self.world_size, collective)
+        self.sent += ring_sent_elements(nbytes, ranks or self.world_size, collective)
 
     def take(self) -> dict[str, float]:
         """The counts as `comm_calls`/`comm_bytes`(/`comm_sent_bytes`) metrics, then start again from zero."""

@@ -3,6 +3,10 @@
 Each sharding unit (by default each GPT `Block`) is sharded on its own, then the root takes
 what is left (embeddings, final norm). A unit's parameters are all-gathered just before its
 forward and backward, and its gradients reduce-scattered right after its backward.
+
+HSDP is the same class over a 2-D mesh (`strategy.replicate_size` > 1): state is sharded 1/S within each
+shard group of S ranks, the groups are replicas, and after each unit's reduce-scatter FSDP2 all-reduces the
+rank's 1/S gradient shard across the replicate group.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch import nn
 
 from strategies.base import (
     Layout,
+    Mesh,
     ModelFactory,
     OptimizerFactory,
     Placement,
@@ -79,6 +84,16 @@ def _counting_collectives(counter: CommCounter) -> tuple[Any, Any]:
     return CountingReduceScatter(), CountingAllGather()
 
 
+def _counting_all_reduce(counter: CommCounter, replicas: int) -> Any:
+    """An all-reduce hook (`set_all_reduce_hook`): under HSDP FSDP2 calls it with the output of its own all-reduce
+    across the replicate group (a gradient shard, in reduce_dtype), only when that all-reduce ran."""
+
+    def hook(reduced: torch.Tensor) -> None:
+        counter.record(reduced, "all_reduce", ranks=replicas)
+
+    return hook
+
+
 class FSDP:
     def __init__(
         self,
@@ -88,7 +103,10 @@ class FSDP:
         reduce_dtype: str = "fp32",
         activation_checkpointing: bool = False,
         sync_each_microbatch: bool = False,
+        shard_size: int | None = None,
+        replicate_size: int | None = 1,
     ) -> None:
+        self.mesh = Mesh(shard_size, replicate_size)
         self.shard_units = None if shard_units is None else [str(name) for name in shard_units]
         self.reshard_after_forward = reshard_after_forward
         self.offload = offload
@@ -106,9 +124,10 @@ class FSDP:
             unit_grads=UNIT_GRAD_BUFFERS,
             full_grads_accumulating=0.0 if self.sync_each_microbatch else 1.0,  # unsharded until the last micro-step
         )
-        return Layout(params=placed, grads=placed, optimizer=placed, transients=transients)
+        return Layout(params=placed, grads=placed, optimizer=placed, transients=transients, mesh=self.mesh)
 
     def check(self, ctx: RunContext, model: nn.Module) -> None:
+        self.mesh.shape(ctx.world_size, ctx.local_world_size)  # sizes that do not tile the world raise here
         # Values outside offload's and reduce_dtype's choices already fail at composition (typed schema).
         if self.reduce_dtype == "fp16" and ctx.precision != "fp16":
             # Only precision=fp16 runs the loss scaler; unscaled fp16 gradients underflow to 0 or overflow to inf.
@@ -155,7 +174,8 @@ class FSDP:
         )
 
         self.ctx = ctx
-        self._counter.world_size = ctx.world_size
+        replicate, shard = self.mesh.shape(ctx.world_size, ctx.local_world_size)
+        self._counter.world_size = shard  # the reduce-scatters' and all-gathers' ring: one shard group
         # No rank holds the whole model on its device: rank 0 builds it in host memory (the same random draws as
         # DDP's, hence the same weights), every rank builds it on the meta device, shards it there, and then
         # materialises only its own shards, filled from rank 0's tensors one at a time.
@@ -178,7 +198,10 @@ class FSDP:
         )
         # Pinned host memory needs CUDA; without it, pinning fails ("Cannot access accelerator device").
         offload = CPUOffloadPolicy(pin_memory=ctx.device_type == "cuda") if self.offload == "cpu" else OffloadPolicy()
-        mesh = init_device_mesh(ctx.device_type, (ctx.world_size,))
+        if replicate > 1:  # HSDP: dim 0 replicates, dim 1 shards (fully_shard's 2-D mesh)
+            mesh = init_device_mesh(ctx.device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(ctx.device_type, (shard,))
         # Innermost first: a unit nested in another must be sharded before its parent claims its parameters.
         for module in [*reversed(units), model]:
             fully_shard(
@@ -196,6 +219,8 @@ class FSDP:
             if isinstance(module, FSDPModule):
                 module.set_custom_reduce_scatter(reduce_scatter)
                 module.set_custom_all_gather(all_gather)
+                if replicate > 1:
+                    module.set_all_reduce_hook(_counting_all_reduce(self._counter, replicate))
         self.model = model
         self.optimizer = build_optimizer(model.parameters())
         # fp16 needs loss scaling; the sharded scaler agrees on inf/NaN across ranks, since each sees only its shard.

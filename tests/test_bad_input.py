@@ -77,6 +77,13 @@ BAD = {
     # strategy options
     "option a strategy does not take": (["+strategy.overlap=true"], "does not take strategy.overlap"),
     "fp16 reduction without fp16": (["strategy=fsdp", "strategy.reduce_dtype=fp16"], "strategy.reduce_dtype=fp16"),
+    "hsdp shard size not dividing the world": (["strategy=hsdp", "gpus=2", "strategy.shard_size=3"],
+                                               "strategy.shard_size=3 does not divide the world size 2"),
+    "hsdp mesh larger than the world": (["strategy=hsdp", "gpus=2", "strategy.shard_size=2",
+                                         "strategy.replicate_size=2"],
+                                        "strategy.replicate_size=2 x strategy.shard_size=2 is 4 ranks, not the world "
+                                        "size 2"),
+    "zero shard size": (["strategy=hsdp", "strategy.shard_size=0"], "strategy.shard_size=0 is invalid"),
     "ds_config contradicting the batch": (["strategy=zero1", "+strategy.ds_config.train_batch_size=3"],
                                           "strategy.ds_config.train_batch_size=3 conflicts"),  # fmt: skip
 }  # fmt: skip

@@ -23,7 +23,7 @@ from conftest import LAUNCH, TINY, Run, clean_env, launch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from test_strategies import JOB, STRATEGIES, two_ranks
+from test_strategies import JOB, SHAPES, STRATEGIES, suite_run
 
 from launcher import schema
 from launcher.config import derive, freeze
@@ -146,7 +146,7 @@ def test_plan_prints_every_strategy_side_by_side(tmp_path: Path) -> None:
         assert re.search(rf"^[* ] {strategy} ", out, re.M), (strategy, out)
     # Each strategy's own rule: torch's autocast keeps fp32 weights (its bf16 copies are transient), DeepSpeed keeps
     # bf16 weights and an fp32 master (the lesson's 18).
-    assert "weights 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 16: ddp, fsdp;" in out, out
+    assert "weights 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 16: ddp, fsdp, hsdp;" in out, out
     assert "weights 2 (bf16) + master 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 18: zero1, zero2," in out
     assert "micro 4 x accumulation 1 x world 8" in out and "activation checkpointing" in out
     assert re.search(r"^  ddp .* no ", out, re.M), out  # 7B under DDP does not fit 80 GB
@@ -170,7 +170,7 @@ def test_plan_json_carries_the_layouts_figures(tmp_path: Path) -> None:
     for s in plan["strategies"]:
         # Mixed precision: 16 bytes per parameter under torch's autocast, 18 under DeepSpeed, whatever the layout;
         # it only moves and divides them.
-        per_param = 16 if s["name"] in ("ddp", "fsdp") else 18
+        per_param = 16 if s["name"] in ("ddp", "fsdp", "hsdp") else 18
         assert sum(s["bytes_per_param"].values()) == per_param, s
         held = sum(
             s["state_bytes"][place][kind] for place in ("device", "host", "nvme") for kind in s["bytes_per_param"]
@@ -182,6 +182,38 @@ def test_plan_json_carries_the_layouts_figures(tmp_path: Path) -> None:
     fitting = [s for s in plan["strategies"] if s["fits"]]
     least = min(s["comm_bytes"] for s in fitting)
     assert by_name[plan["auto"]]["fits"] and by_name[plan["auto"]]["comm_bytes"] == least
+    # One node: hsdp at its default sizes is one shard group of 8, fsdp's plan, and auto takes fsdp at the tie.
+    for key in ("device_state_bytes", "comm_bytes", "comm_seconds", "peak_device_bytes"):
+        assert by_name["hsdp"][key] == by_name["fsdp"][key], key
+    assert by_name["hsdp"]["internode_bytes"] == 0 and plan["auto"] != "hsdp"
+
+
+def test_plan_of_hsdp_over_8_nodes_of_8(tmp_path: Path) -> None:
+    """gpt_7b on 8 nodes x 8 GPUs, bf16, K = 1: the ring formula written out. FSDP and ZeRO-3 ring over all 64 ranks,
+    so the inter-node link carries all of (1 + 2K)(G-1)/G x P x 2 bytes; HSDP's shard rings of 8 stay in a node and
+    only its all-reduce of the P/8 shards across the 8 nodes, 2(R-1)/R x P/8 x 2 bytes, crosses."""
+    plan = _plan_json(tmp_path, "model=gpt_7b", "gpus=8", "nodes=8", "batch.global_size=256", "precision=bf16")
+    P, by_name = plan["model"]["params"], {s["name"]: s for s in plan["strategies"]}
+    assert plan["batch"]["accumulation"] == 1
+    hsdp, fsdp, zero3 = by_name["hsdp"], by_name["fsdp"], by_name["zero3"]
+    inside, across = 3 * 7 / 8 * P * 2, 2 * 7 / 8 * P / 8 * 2
+    assert hsdp["shards"] == 8 and fsdp["shards"] == 64
+    assert hsdp["comm_bytes"] == pytest.approx(inside + across) and hsdp["internode_bytes"] == pytest.approx(across)
+    assert hsdp["comm_seconds"] == pytest.approx(inside / 600e9 + across / 50e9)
+    for ring in (fsdp, zero3):
+        assert ring["comm_bytes"] == pytest.approx(3 * 63 / 64 * P * 2) == pytest.approx(ring["internode_bytes"])
+        assert ring["comm_seconds"] == pytest.approx(ring["comm_bytes"] / 50e9)
+    assert by_name["ddp"]["internode_bytes"] == pytest.approx(2 * 63 / 64 * P * 2)
+    # Memory: 16 bytes per parameter (torch, fp32 weights under autocast) sharded over a node's 8, not over 64.
+    assert hsdp["device_state_bytes"] == pytest.approx(16 * P / 8) and fsdp["device_state_bytes"] == pytest.approx(
+        16 * P / 64
+    )
+    assert plan["auto"] == "hsdp", plan["auto"]
+    table = _cli(tmp_path, "plan", "model=gpt_7b", "gpus=8", "nodes=8", "batch.global_size=256", "precision=bf16")
+    rows = {line.split()[1 if line.startswith("*") else 0]: line for line in table.stdout.splitlines()[8:18]}
+    print("\n".join(rows[name] for name in ("hsdp", "fsdp", "zero3")))  # shown with pytest -s
+    assert re.search(r"^\* hsdp +1/8 +1/8 +1/8 ", table.stdout, re.M), table.stdout
+    assert f"{across / GB:.2f}" in rows["hsdp"].split() and f"{3 * 63 / 64 * P * 2 / GB:.2f}" in rows["fsdp"].split()
 
 
 def test_plan_of_one_strategy(tmp_path: Path) -> None:
@@ -271,13 +303,14 @@ def _auto(tmp_path: Path, *overrides: str, name: str = "auto") -> Run:
 
 
 def _by_the_rule(plan: dict) -> str | None:
-    """README's rule, written out from the plan's own figures: the least communication among the strategies that fit;
-    ties: less offload (host 1, NVMe 2, per kind of state), then less sharding, then the name."""
+    """README's rule, written out from the plan's own figures: the least communication time, then volume, among the
+    strategies that fit; ties: less offload (host 1, NVMe 2, per kind of state), then less sharding, then the name."""
     depth = {"device": 0, "host": 1, "nvme": 2}
 
     def key(s: dict) -> tuple:
         kinds = s["layout"].values()
-        return s["comm_bytes"], sum(depth[k["where"]] for k in kinds), sum(k["sharded"] for k in kinds), s["name"]
+        depth_sum, sharded = sum(depth[k["where"]] for k in kinds), sum(k["sharded"] for k in kinds)
+        return s["comm_seconds"], s["comm_bytes"], depth_sum, sharded, s["name"]
 
     fitting = [s for s in plan["strategies"] if s["fits"]]
     return min(fitting, key=key)["name"] if fitting else None
@@ -384,10 +417,10 @@ def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy: str) -> None:
-    """The conformance suite's 2-rank run of each strategy (shared, not repeated), against the plan of the same job."""
-    run = two_ranks(conformance_dir, strategy)
+    """The conformance suite's run of each strategy (shared, not repeated), against the plan of the same job."""
+    run = suite_run(conformance_dir, strategy)
     measured = run.metrics[-1]
-    planned = _planned(conformance_dir)[strategy]
+    planned = _planned(conformance_dir, strategy)
     total = planned["device_state_bytes"] + planned["host_state_bytes"] + planned["nvme_state_bytes"]
     # Within 2%; a figure planned at 0 (all offloaded) within 2% of the strategy's whole state.
     assert measured["model_state_bytes"] == pytest.approx(planned["device_state_bytes"], rel=0.02, abs=0.02 * total), (
@@ -401,8 +434,16 @@ def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy:
     )
 
 
+def _planned(tmp: Path, strategy: str) -> dict:
+    if strategy in SHAPES:  # its own shape: a plan of its own
+        gpus, extra = SHAPES[strategy]
+        (planned,) = _plan_json(tmp, *JOB, f"strategy={strategy}", f"gpus={gpus}", *extra)["strategies"]
+        return planned
+    return _planned_at_two_ranks(tmp)[strategy]
+
+
 @functools.cache
-def _planned(tmp: Path) -> dict[str, dict]:
+def _planned_at_two_ranks(tmp: Path) -> dict[str, dict]:
     return {s["name"]: s for s in _plan_json(tmp, *JOB, "gpus=2")["strategies"]}
 
 

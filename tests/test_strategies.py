@@ -30,6 +30,14 @@ PARITY_TOLERANCE: dict[str, float] = {  # strategy -> max abs loss difference; d
     "zero_infinity": 1e-5,  # DeepSpeed's CPU Adam kernel
 }
 REQUIRED: dict[str, list[str]] = {"zero_infinity": ["strategy.nvme_path={tmp}"]}  # settings a preset cannot run without
+SHAPES: dict[
+    str, tuple[int, list[str]]
+] = {  # strategy -> the suite's ranks and overrides for it; default 2 ranks, none
+    # 2 ranks at the default sizes would be one shard group (plain FSDP): 4 ranks as 2 replicas x 2 shards, micro 2 for
+    # the same K = 2 as the others. The suite's one 4-rank run: every hsdp check reads it.
+    "hsdp": (4, ["strategy.shard_size=2", "batch.micro_size=2"]),
+}
+AT_TWO_RANKS = [s for s in STRATEGIES if s not in SHAPES]
 NEEDS_ASYNC_IO = {"zero_infinity"}  # NVMe offload: DeepSpeed's async I/O op, which needs libaio
 
 STEPS = 12
@@ -78,6 +86,16 @@ def selecting(tmp: Path, strategy: str) -> tuple[str, ...]:
     return (f"strategy={strategy}", *(o.format(tmp=tmp) for o in REQUIRED.get(strategy, [])))
 
 
+def ranks(strategy: str) -> int:
+    return SHAPES.get(strategy, (2, []))[0]
+
+
+def suite_run(tmp: Path, strategy: str) -> Run:
+    """The suite's run of `strategy`: on 2 ranks, or in the shape SHAPES gives it."""
+    gpus, extra = SHAPES.get(strategy, (2, []))
+    return run_of(tmp, strategy, gpus, *extra)
+
+
 def two_ranks(tmp: Path, strategy: str) -> Run:
     return run_of(tmp, strategy, 2)
 
@@ -96,10 +114,10 @@ def _leftover_processes(marker: str) -> list[int]:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_trains_and_exits_clean(tmp: Path, strategy: str) -> None:
-    run = two_ranks(tmp, strategy)
+    run = suite_run(tmp, strategy)
     losses = run.losses()
     assert len(losses) == STEPS
-    assert run.metrics[-1]["world_size"] == 2 and run.metrics[-1]["accumulation"] == 2
+    assert run.metrics[-1]["world_size"] == ranks(strategy) and run.metrics[-1]["accumulation"] == 2
     assert losses[-1] < losses[0] - 0.5, losses
     assert _leftover_processes(str(run.run_dir)) == []
 
@@ -116,11 +134,12 @@ def test_the_logged_lr_is_the_schedule(tmp: Path) -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_parity_with_one_process(tmp: Path, strategy: str) -> None:
-    ref, run = reference(tmp).losses(), two_ranks(tmp, strategy).losses()
+    ref, run = reference(tmp).losses(), suite_run(tmp, strategy).losses()
     diff = max(abs(a - b) for a, b in zip(ref, run, strict=True))
+    print(f"{strategy}: max loss difference from one process {diff:.2e}")  # shown with pytest -s
     assert diff <= PARITY_TOLERANCE.get(strategy, 1e-6), (diff, ref, run)
     # The validation loss too: the same global batches, Σ token losses / Σ targets over every rank.
-    val = [[m["val_loss"] for m in r.metrics if "val_loss" in m] for r in (reference(tmp), two_ranks(tmp, strategy))]
+    val = [[m["val_loss"] for m in r.metrics if "val_loss" in m] for r in (reference(tmp), suite_run(tmp, strategy))]
     assert len(val[0]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) <= PARITY_TOLERANCE.get(
         strategy, 1e-6
     ), val
@@ -129,11 +148,11 @@ def test_parity_with_one_process(tmp: Path, strategy: str) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_gradient_norm_is_one_process_s(tmp: Path, strategy: str) -> None:
     """The logged pre-clip norm is the whole gradient's, whoever holds which shard (DeepSpeed's own, never NaN)."""
-    ref, run = ([m["grad_norm"] for m in r.metrics] for r in (reference(tmp), two_ranks(tmp, strategy)))
+    ref, run = ([m["grad_norm"] for m in r.metrics] for r in (reference(tmp), suite_run(tmp, strategy)))
     assert run == pytest.approx(ref, rel=1e-5) and all(math.isfinite(g) for g in run), (ref, run)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", AT_TWO_RANKS)  # hsdp: test_hsdp_syncs_once_per_step_in_both_groups
 def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str) -> None:
     accumulating = two_ranks(tmp, strategy).metrics  # K = 2
     single = _run(tmp, *selecting(tmp, strategy), "gpus=2", "batch.global_size=8").metrics  # K = 1
@@ -141,6 +160,25 @@ def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str) -> Non
     for key in ("comm_calls", "comm_bytes"):
         assert accumulating[-1][key] > 0
         assert accumulating[-1][key] == single[-1][key], (key, accumulating[-1], single[-1])
+
+
+def test_hsdp_syncs_once_per_step_in_both_groups(tmp: Path) -> None:
+    """2 x 2 HSDP at K = 2 against FSDP on 2 ranks at K = 1 (the same shard group of 2, the same padding): per unit
+    one reduce-scatter in the shard group and one all-reduce of its half across the 2 replicas, once per optimizer
+    step. The bytes each rank sends, written out from the ring formula at S = 2, R = 2, K = 2 in fp32: the shard
+    group's (1 + 2K)(S-1)/S x 4P plus the all-reduce's 2(R-1)/R x 4P/S, = 10P + 2P; the planner's figure is that."""
+    hsdp = suite_run(tmp, "hsdp").metrics[-1]
+    fsdp = _run(tmp, *selecting(tmp, "fsdp"), "gpus=2", "batch.global_size=8").metrics[-1]  # the fsdp check's K = 1
+    assert hsdp["accumulation"] == 2 and fsdp["accumulation"] == 1 and hsdp["world_size"] == 4
+    assert hsdp["comm_calls"] == 2 * fsdp["comm_calls"], (hsdp, fsdp)
+    assert hsdp["comm_bytes"] == 1.5 * fsdp["comm_bytes"], (hsdp, fsdp)
+    P = reference(tmp).metrics[-1]["model_state_bytes"] / 16  # fp32 AdamW: 16 bytes per parameter
+    K, S, R = 2, 2, 2
+    expected = (1 + 2 * K) * (S - 1) / S * 4 * P + 2 * (R - 1) / R * 4 * P / S
+    assert expected == 12 * P
+    assert hsdp["comm_bytes_formula"] == pytest.approx(expected, rel=1e-12), hsdp
+    assert hsdp["comm_sent_bytes"] == pytest.approx(expected, rel=0.01), hsdp["comm_sent_bytes"] / expected
+    print(f"hsdp 2x2 sent/formula {hsdp['comm_sent_bytes'] / expected:.4f}")  # shown with pytest -s
 
 
 def _layout(strategy: str):
@@ -151,8 +189,9 @@ def _layout(strategy: str):
     from launcher.context import make_strategy
 
     schema.register()
+    overrides = [f"strategy={strategy}", *SHAPES.get(strategy, (2, []))[1]]
     with initialize_config_module("launcher.conf", version_base="1.3"):
-        return make_strategy(freeze(compose("config", overrides=[f"strategy={strategy}"])).strategy).layout()
+        return make_strategy(freeze(compose("config", overrides=overrides)).strategy).layout()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -161,15 +200,24 @@ def test_model_state_bytes_follow_the_sharding_rule(tmp: Path, strategy: str) ->
         "model_state_bytes"
     ]  # fp32 AdamW: 4 (param) + 4 (grad) + 8 (moments) per parameter
     kinds = {"params": full / 4, "grads": full / 4, "optimizer": full / 2}
-    layout, world = _layout(strategy), 2
+    layout = _layout(strategy)
+    _, shards = layout.mesh.shape(ranks(strategy))  # the ranks each sharded kind is split over: 2, or hsdp's 2 of 4
     if layout.master_weights:  # the optimizer's own fp32 copy of the parameters, placed with its state
         kinds["optimizer"] += full / 4
     expected = sum(
-        size * (0 if getattr(layout, kind).where != "device" else 1 / world if getattr(layout, kind).sharded else 1)
+        size * (0 if getattr(layout, kind).where != "device" else 1 / shards if getattr(layout, kind).sharded else 1)
         for kind, size in kinds.items()
     )
-    measured = two_ranks(tmp, strategy).metrics[-1]["model_state_bytes"]
+    measured = suite_run(tmp, strategy).metrics[-1]["model_state_bytes"]
+    print(f"{strategy}: model-state bytes per rank / one process's {measured / full:.4f}")  # shown with pytest -s
     assert abs(measured - expected) <= 0.05 * full, (measured, expected, full, layout)
+
+
+def test_hsdp_holds_half_the_state_on_4_ranks(tmp: Path) -> None:
+    """2 x 2: each rank holds 1/2 of the model's state (its shard group's size), not 1/4 (the world size)."""
+    full = reference(tmp).metrics[-1]["model_state_bytes"]
+    measured = suite_run(tmp, "hsdp").metrics[-1]["model_state_bytes"]
+    assert measured == pytest.approx(full / 2, rel=0.02), measured / full
 
 
 def test_reference_counts_every_parameter(tmp: Path) -> None:

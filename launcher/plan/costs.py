@@ -74,12 +74,17 @@ def optimizer_moments(target: str, momentum: float = 0.0) -> int:
     )
 
 
-def per_rank_bytes(params: int, bpp: BytesPerParam, layout: Layout, world_size: int) -> dict[str, dict[str, float]]:
-    """Bytes of each kind of model state one rank holds, by place: {place: {kind: bytes}}.
+def per_rank_bytes(
+    params: int, bpp: BytesPerParam, layout: Layout, world_size: int, gpus: int | None = None
+) -> dict[str, dict[str, float]]:
+    """Bytes of each kind of model state one rank holds, by place: {place: {kind: bytes}}, for `gpus` ranks per node
+    (None: one node).
 
-    A sharded kind costs 1/G of the model on each rank, a replicated one all of it. The master weights
-    live with the optimizer state: both are what the optimizer steps on.
+    A sharded kind costs 1/G of the model on each rank — 1/S on an HSDP mesh, S = its shard group's size
+    (`Mesh.shape`) — a replicated one all of it. The master weights live with the optimizer state: both are what
+    the optimizer steps on.
     """
+    _, shards = layout.mesh.shape(world_size, gpus)
     placements = {
         "weights": layout.params,
         "master": layout.optimizer,
@@ -88,7 +93,7 @@ def per_rank_bytes(params: int, bpp: BytesPerParam, layout: Layout, world_size: 
     }
     held = {place: dict.fromkeys(KINDS, 0.0) for place in PLACES}
     for kind, placement in placements.items():
-        held[placement.where][kind] = params * getattr(bpp, kind) / (world_size if placement.sharded else 1)
+        held[placement.where][kind] = params * getattr(bpp, kind) / (shards if placement.sharded else 1)
     return held
 
 
@@ -146,12 +151,43 @@ def step_comm_elements(params: float, world_size: int, params_sharded: bool, acc
     return one_pass * (1 + 2 * accumulation) if params_sharded else ring_allreduce_elements(params, world_size)
 
 
-def step_comm_bytes(params: float, world_size: int, layout: Layout, precision: str, accumulation: int = 1) -> float:
-    """Bytes each rank sends per optimizer step: `step_comm_elements` in the compute dtype (the lesson's exercise 2:
-    bf16, 2 bytes). Strategies that reduce fp32 gradients under bf16 (DDP under autocast, FSDP's default
-    reduce_dtype) send twice this; in fp32 the figure is exact."""
+def group_comm_elements(
+    params: float, replicate: int, shard: int, params_sharded: bool, accumulation: int = 1
+) -> tuple[float, float]:
+    """Elements each rank sends per optimizer step on a `replicate` x `shard` mesh (`Mesh.shape`): (in its shard
+    group, across the replicate group). In the shard group, `step_comm_elements` at G = S; across the R groups
+    (HSDP), one all-reduce of the rank's 1/S gradient shard, 2(R-1)/R x P/S. One group (R = 1): nothing across."""
+    within = step_comm_elements(params, shard, params_sharded, accumulation)
+    return within, ring_sent_elements(params / shard, replicate, "all_reduce") if replicate > 1 else 0.0
+
+
+def step_comm_split(
+    params: float, world_size: int, layout: Layout, precision: str, accumulation: int = 1, gpus: int | None = None
+) -> tuple[float, float]:
+    """Bytes each rank sends per optimizer step (`step_comm_bytes`), by link: (in rings within a node, in rings that
+    cross nodes), for `gpus` ranks per node (None: one node). A ring over ranks of several nodes runs at the pace of
+    its inter-node hop, which carries the ring's whole traffic: so FSDP's and ZeRO's rings over nodes x gpus ranks
+    cross entirely, while HSDP's shard groups (shard_size dividing gpus) stay in a node and only its all-reduce of
+    the 1/S shards crosses."""
+    replicate, shard = layout.mesh.shape(world_size, gpus)
     weights = bytes_per_param(precision, 0, layout.master_weights).weights
-    return step_comm_elements(params, world_size, layout.params.sharded, accumulation) * weights
+    within, across = group_comm_elements(params, replicate, shard, layout.params.sharded, accumulation)
+    total, node = (within + across) * weights, gpus or world_size
+    if world_size <= node:  # one node: every ring stays in it
+        return total, 0.0
+    if node % shard:  # shard groups with ranks on several nodes (plain FSDP, ZeRO): their rings cross too
+        return 0.0, total
+    return within * weights, across * weights  # the replicate groups: one rank per shard group, on other nodes
+
+
+def step_comm_bytes(
+    params: float, world_size: int, layout: Layout, precision: str, accumulation: int = 1, gpus: int | None = None
+) -> float:
+    """Bytes each rank sends per optimizer step: `step_comm_elements` in the compute dtype (the lesson's exercise 2:
+    bf16, 2 bytes), in the shard group and across the replicas (`group_comm_elements`) on an HSDP mesh of `gpus`
+    ranks per node. Strategies that reduce fp32 gradients under bf16 (DDP under autocast, FSDP's default
+    reduce_dtype) send twice this; in fp32 the figure is exact."""
+    return sum(step_comm_split(params, world_size, layout, precision, accumulation, gpus))
 
 
 def flops_per_token(params: int, n_layer: int = 0, n_embd: int = 0, seq_len: int = 0) -> float:
@@ -185,6 +221,12 @@ def peak_tflops(device_name: str) -> float | None:
 def bound_gbps(link_gbps: float, internode_gbps: float, nodes: int) -> float:
     """A ring over several nodes moves at the pace of its slowest hop: the inter-node link."""
     return link_gbps if nodes == 1 else min(link_gbps, internode_gbps)
+
+
+def split_comm_seconds(within: float, across: float, link_gbps: float, internode_gbps: float) -> float:
+    """Time for a step's bytes by link (`step_comm_split`): within nodes at the node's link, across nodes at the
+    slower of the two, one after the other (no overlap)."""
+    return comm_seconds(within, link_gbps) + comm_seconds(across, min(link_gbps, internode_gbps))
 
 
 def comm_seconds(nbytes: float, gbps: float) -> float:

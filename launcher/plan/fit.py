@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config import Derived
+from launcher.config import ConfigError, Derived
 from launcher.meta import ModelSize
 from launcher.plan.costs import (
     GB,
@@ -23,11 +23,11 @@ from launcher.plan.costs import (
     activation_bytes,
     bound_gbps,
     bytes_per_param,
-    comm_seconds,
     gathered_bytes,
     optimizer_moments,
     per_rank_bytes,
-    step_comm_bytes,
+    split_comm_seconds,
+    step_comm_split,
     transient_bytes,
 )
 from strategies.base import Layout
@@ -65,6 +65,11 @@ class StrategyPlan:
     activations: float
     comm_bytes: float
     comm_seconds: float
+    shards: int = 1
+    """Ranks each sharded kind is split over: the world size, or an HSDP shard group's size."""
+    internode_bytes: float = 0.0
+    """Of `comm_bytes`, what rings crossing nodes carry (`step_comm_split`): all of it for a ring over every rank,
+    HSDP's all-reduce across its replicas only."""
     export: float = 0.0
     """Host memory a checkpoint save needs beyond the state (DeepSpeed's export of its full-copy share)."""
 
@@ -119,16 +124,20 @@ class Plan:
         self, name: str, layout: Layout, world_size: int | None = None, micro: int | None = None
     ) -> StrategyPlan:
         """One strategy's figures; another world size or micro-batch answers `what would fit`."""
-        world = world_size or self.derived.world_size
+        world, gpus = world_size or self.derived.world_size, self.derived.gpus
+        try:
+            _, shards = layout.mesh.shape(world, gpus)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         bpp = bytes_per_param(self.precision, self.moments, layout.master_weights, layout.low_precision_weights)
         accumulation = self.global_size // ((micro or self.micro) * world) or 1
-        sent = step_comm_bytes(self.model.params, world, layout, self.precision, accumulation)
         params, unit = self.model.params, self.model.largest_unit or self.model.params
+        within, across = step_comm_split(params, world, layout, self.precision, accumulation, gpus)
         return StrategyPlan(
             name=name,
             layout=layout,
             bpp=bpp,
-            held=per_rank_bytes(params, bpp, layout, world),
+            held=per_rank_bytes(params, bpp, layout, world, gpus),
             gathered=gathered_bytes(self.model.largest_layer, bpp.weights, layout.params.sharded),
             transient=transient_bytes(
                 layout.transients,
@@ -136,20 +145,25 @@ class Plan:
                 unit,
                 self.precision,
                 accumulation,
-                grads_share=1 / world if layout.grads.sharded else 0.0,
+                grads_share=1 / shards if layout.grads.sharded else 0.0,
                 grad_bytes=bpp.weights,
                 host=self.derived.device == "cpu",
             ),
             activations=self.activations * (micro or self.micro) / self.micro,  # linear in the micro-batch
-            comm_bytes=sent,
-            comm_seconds=comm_seconds(sent, self.gbps),
-            export=(4 + 4 * self.moments) * params / world if layout.master_weights else 0.0,
+            comm_bytes=within + across,
+            comm_seconds=split_comm_seconds(within, across, self.link_gbps, self.internode_gbps),
+            shards=shards,
+            internode_bytes=across,
+            export=(4 + 4 * self.moments) * params / shards if layout.master_weights else 0.0,
         )
 
     def ranked(self) -> list[StrategyPlan]:
-        """Least communication first. At equal volume the simplest layout: less offload (host copies are
-        slow), then less sharding (each adds bookkeeping the volume does not show), then by name."""
-        return sorted(self.strategies, key=lambda sp: (sp.comm_bytes, sp.offload_depth, sp.sharded, sp.name))
+        """Least communication first: the least time on the links (across nodes at the inter-node link's pace), then
+        the least volume. At equal figures the simplest layout: less offload (host copies are slow), then less
+        sharding (each adds bookkeeping the volume does not show), then by name."""
+        return sorted(
+            self.strategies, key=lambda sp: (sp.comm_seconds, sp.comm_bytes, sp.offload_depth, sp.sharded, sp.name)
+        )
 
     def peak(self, sp: StrategyPlan) -> float:
         """A rank's peak where its device's memory is: on the device; with `device=cpu` (the device is the host)
@@ -244,6 +258,14 @@ def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, layouts: dict[
     return replace(plan, strategies=[plan.for_strategy(name, layout) for name, layout in layouts.items()])
 
 
+def _fits(plan: Plan, sp: StrategyPlan, world_size: int | None = None, micro: int | None = None) -> bool:
+    """Whether a strategy would fit at another world size or micro-batch (not where its mesh does not tile it)."""
+    try:
+        return plan.fits(plan.for_strategy(sp.name, sp.layout, world_size, micro))
+    except ConfigError:
+        return False
+
+
 def what_would_fit(plan: Plan, blocked: dict[str, str]) -> list[str]:
     """When nothing fits: more GPUs, offload, or a smaller micro-batch — each with the strategy it would take."""
     d, found = plan.derived, []
@@ -251,12 +273,7 @@ def what_would_fit(plan: Plan, blocked: dict[str, str]) -> list[str]:
     if refused:
         found.append(f"{', '.join(refused)} (their own checks refuse them here; see why above)")
     for nodes in range(d.nodes + 1, MAX_NODES + 1):  # more GPUs: sharded state shrinks as 1/G
-        fitting = [
-            sp
-            for sp in plan.ranked()
-            if sp.name not in blocked
-            if plan.fits(plan.for_strategy(sp.name, sp.layout, world_size=nodes * d.gpus))
-        ]
+        fitting = [sp for sp in plan.ranked() if sp.name not in blocked if _fits(plan, sp, world_size=nodes * d.gpus)]
         if fitting:
             multiple = plan.micro * nodes * d.gpus  # the batch contract at that world size
             batch = f" and batch.global_size a multiple of {multiple}" if plan.global_size % multiple else ""
@@ -265,12 +282,7 @@ def what_would_fit(plan: Plan, blocked: dict[str, str]) -> list[str]:
     for micro in range(plan.micro - 1, 0, -1):  # a smaller micro-batch: activations shrink linearly
         if plan.global_size % (micro * d.world_size):
             continue  # the batch contract: global = micro x accumulation x world size
-        fitting = [
-            sp
-            for sp in plan.ranked()
-            if sp.name not in blocked
-            if plan.fits(plan.for_strategy(sp.name, sp.layout, micro=micro))
-        ]
+        fitting = [sp for sp in plan.ranked() if sp.name not in blocked if _fits(plan, sp, micro=micro)]
         if fitting:
             found.append(
                 f"batch.micro_size={micro} (accumulation {plan.global_size // (micro * d.world_size)}) "

@@ -28,8 +28,9 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / size:.2f} {unit}"
 
 
-def _placement(p: Placement) -> str:
-    return ("1/G" if p.sharded else "full") + ("" if p.where == "device" else f" {WHERE[p.where]}")
+def _placement(p: Placement, shards: str = "G") -> str:
+    """`shards`: over how many ranks a sharded kind is split, G (every rank) or an HSDP shard group's size."""
+    return (f"1/{shards}" if p.sharded else "full") + ("" if p.where == "device" else f" {WHERE[p.where]}")
 
 
 def as_dict(plan: Plan) -> dict[str, Any]:
@@ -87,7 +88,9 @@ def as_dict(plan: Plan) -> dict[str, Any]:
                 "peak_bytes": plan.peak(sp),  # where the device's memory is: with device=cpu, offloaded state too
                 "need_bytes": plan.need(sp),  # what `fits` compares with the device's usable bytes
                 "fits": plan.fits(sp),
+                "shards": sp.shards,
                 "comm_bytes": sp.comm_bytes,
+                "internode_bytes": sp.internode_bytes,
                 "comm_seconds": sp.comm_seconds,
             }
             for sp in plan.strategies
@@ -130,7 +133,7 @@ def _header(plan: Plan) -> list[str]:
     )
     link = f"{plan.link_gbps:g} GB/s per GPU within a node"
     if d.nodes > 1:
-        link += f", {plan.internode_gbps:g} GB/s between nodes: rings run at {plan.gbps:g} GB/s"
+        link += f", {plan.internode_gbps:g} GB/s between nodes: rings across nodes run at {plan.gbps:g} GB/s"
     lines.append(f"link         {link}")
     return lines
 
@@ -161,13 +164,18 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
     def amount(nbytes: float) -> str:
         return f"{nbytes / size:.2f}"
 
+    across = plan.derived.nodes > 1  # a column for what crosses nodes
     rows, groups = [], []
     for sp in plan.strategies:
         fits = "yes" if plan.fits(sp) else "no"
         if sp.name in blocked:
             fits += " (refused)"
         name = ("* " if sp is pick else "  ") + sp.name
-        comm = [amount(sp.comm_bytes), f"{sp.comm_seconds * 1e3:.3g}"]
+        comm = [
+            amount(sp.comm_bytes),
+            *([amount(sp.internode_bytes)] if across else []),
+            f"{sp.comm_seconds * 1e3:.3g}",
+        ]
         if compact:
             rows.append([name, amount(plan.peak(sp)), fits, *comm])
             continue
@@ -178,12 +186,13 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
             "moments": sp.layout.optimizer.where,
         }
         kinds = [amount(sp.held[where[k]][k]) + ("" if where[k] == "device" else f" {WHERE[where[k]]}") for k in KINDS]
+        shards = "G" if sp.shards == plan.derived.world_size else str(sp.shards)
         rows.append(
             [
                 name,
-                _placement(sp.layout.params),
-                _placement(sp.layout.grads),
-                _placement(sp.layout.optimizer),
+                _placement(sp.layout.params, shards),
+                _placement(sp.layout.grads, shards),
+                _placement(sp.layout.optimizer, shards),
                 *kinds,
                 amount(sp.on("device")),
                 amount(sp.on("cpu")),
@@ -195,8 +204,8 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
             ]
         )
     if compact:
-        groups = [("", 1), (f"per device, {unit}", 2), ("comm per step", 2)]
-        header = ["strategy", "peak", "fits", unit, "ms"]
+        groups = [("", 1), (f"per device, {unit}", 2), ("comm per step", 2 + across)]
+        header = ["strategy", "peak", "fits", unit, *(["nodes"] if across else []), "ms"]
     else:
         groups = [
             ("", 1),
@@ -204,7 +213,7 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
             (f"model state by kind, {unit}", 4),
             (f"state by place, {unit}", 3),
             (f"peak per device, {unit}", 3),
-            ("comm per step", 2),
+            ("comm per step", 2 + across),
         ]
         header = [
             "strategy",
@@ -219,6 +228,7 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
             "peak",
             "fits",
             unit,
+            *(["nodes"] if across else []),
             "ms",
         ]
     return _table(groups, [header, *rows])
@@ -255,7 +265,16 @@ def render(plan: Plan) -> str:
         " buckets; on device=cpu the step's runtime) + activations (without checkpointing); on device=cpu also what"
         " is offloaded to the host.",
         f"comm: bytes each rank sends per optimizer step (ring all-reduce 2(G-1)/G x P; sharded parameters add an"
-        f" all-gather in each forward and backward); ms at {plan.gbps:g} GB/s.",
+        f" all-gather in each forward and backward; hsdp: the same in its shard group of S ranks, G = S, plus an"
+        f" all-reduce of each rank's 1/S shard across the R replicas, 2(R-1)/R x P/S);"
+        f" ms at {plan.link_gbps:g} GB/s within a node"
+        + (
+            f", {plan.gbps:g} GB/s for rings that cross nodes. nodes: of those bytes, what such rings carry (a ring"
+            " over ranks of several nodes carries all its traffic over the inter-node link: fsdp's and zero's over"
+            " every rank; hsdp's shard rings stay in a node, only its all-reduce across nodes crosses)."
+            if plan.derived.nodes > 1
+            else "."
+        ),
     ]
     if len(plan.strategies) > 1:
         notes.append("* = strategy=auto's pick (unless its checks refuse it at launch): " + describe_pick(plan))
