@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, launch
+from test_strategies import two_ranks
 
 from launcher.models.gpt import GPT
 
@@ -16,26 +17,18 @@ def _n_params(**dims: int) -> int:
         return sum(p.numel() for p in GPT(**dims).parameters())
 
 
-def test_accumulation_all_reduces_the_gradient_exactly_once(tmp_path: Path) -> None:
-    run = launch(tmp_path, *TINY, "gpus=2", "batch.global_size=32", "batch.micro_size=4", "trainer.max_steps=3").check()
+def test_accumulation_all_reduces_the_gradient_exactly_once(conformance_dir: Path) -> None:
+    """The conformance suite's DDP run on 2 ranks at K = 2: every step, one all-reduce of the whole fp32 gradient
+    (without no_sync on the first micro-step it would be twice that)."""
+    run = two_ranks(conformance_dir, "ddp")
     n = _n_params(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     for m in run.metrics:
-        assert m["accumulation"] == 4
-        # Four micro-steps, one all-reduce of the whole fp32 gradient: without no_sync it would be 4x.
+        assert m["accumulation"] == 2
         assert m["comm_bytes"] == 4 * n, (m["comm_bytes"], n)
 
 
-def test_validation_loss_falls_on_python_source(tmp_path: Path) -> None:
-    overrides = [
-        *TINY,
-        "data=pysource",
-        "gpus=2",
-        "batch.global_size=16",
-        "trainer.max_steps=30",
-        "trainer.eval_every=15",
-        "optim.lr=3e-3",
-    ]
-    run = launch(tmp_path, *overrides).check()
+def test_validation_loss_falls_on_python_source(conformance_dir: Path) -> None:
+    run = two_ranks(conformance_dir, "ddp")  # padded Python source, evaluated at steps 6 and 12
     val = [m["val_loss"] for m in run.metrics if "val_loss" in m]
     assert len(val) == 2 and val[1] < val[0] - 0.15, val
     assert {"lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s", "peak_memory_bytes"} <= set(

@@ -1,6 +1,8 @@
 """What is FSDP-specific, beyond the conformance suite: options, bad input, memory, exit hygiene.
 
 Real `launch` runs with 2 gloo ranks on CPU: the conformance suite's job, and its runs where they are the same.
+Exit hygiene: FSDP2 on gloo used to abort at interpreter exit about one run in four (see the worker's teardown);
+each of the suite's FSDP and HSDP runs (over a dozen, each `.check()`ed) would show it.
 """
 
 from __future__ import annotations
@@ -150,13 +152,3 @@ def test_sync_each_microbatch_reduce_scatters_every_micro_step(tmp: Path) -> Non
     assert run.metrics[-1]["comm_calls"] == k * ref.metrics[-1]["comm_calls"]
     assert run.metrics[-1]["comm_bytes"] == k * ref.metrics[-1]["comm_bytes"]
     assert max_diff(run, ref) <= 1e-6  # the same gradients, only reduced earlier
-
-
-def test_exits_zero_over_repeated_runs(tmp_path: Path) -> None:
-    """FSDP2 on gloo used to abort at interpreter exit about one run in four (see the worker's teardown).
-
-    Every other FSDP run of the suite (a dozen) also checks its exit code: with these, a one-in-four
-    abort would pass unseen about once in a hundred suites.
-    """
-    codes = [launch(tmp_path, *FSDP, "trainer.max_steps=1", name=f"repeat{i}").returncode for i in range(3)]
-    assert codes == [0] * 3

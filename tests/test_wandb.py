@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import TINY, clean_env, launch
+from test_strategies import reference
 from wandb_records import find_run_file, read_history, read_records
 
 
@@ -20,6 +21,7 @@ def test_wandb_offline_logs_the_runners_losses(tmp_path: Path) -> None:
     assert config and any(item.key == "batch" for item in config[0].update)
 
 
-def test_logger_none_writes_no_wandb_files(tmp_path: Path) -> None:
-    run = launch(tmp_path, *TINY, "gpus=1", "trainer.max_steps=2").check()
-    assert len(run.metrics) == 2 and not (run.run_dir / "wandb").exists()
+def test_logger_none_writes_no_wandb_files(conformance_dir: Path) -> None:
+    run = reference(conformance_dir)  # the conformance suite's one-process run, logger=none
+    assert len(run.metrics) == 12 and not (run.run_dir / "wandb").exists()
+    assert not list(run.run_dir.rglob("*.wandb")), list(run.run_dir.rglob("*.wandb"))
