@@ -38,6 +38,19 @@ def _app(cfg: DictConfig) -> None:
         raise SystemExit(code)
 
 
+def console() -> None:
+    """The `launch` console script: `main`, then an exit that skips the interpreter's teardown (`exit_now`)."""
+    from launcher.lifecycle import exit_now
+
+    try:
+        main()
+    except SystemExit as e:
+        if isinstance(e.code, str):  # what Python itself would do with a message
+            print(e.code, file=sys.stderr)
+        exit_now(e.code if isinstance(e.code, int) else int(e.code is not None))
+    exit_now(0)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["convert"]:

@@ -11,10 +11,19 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.lifecycle import EXIT_STOPPED, Phase, StopRequest, die_with_parent, report_failure, watch_parent
+from launcher.lifecycle import (
+    EXIT_STOPPED,
+    Phase,
+    StopRequest,
+    die_with_parent,
+    exit_now,
+    report_failure,
+    watch_parent,
+)
 
 
-def main(path: str, stop: StopRequest, phase: Phase) -> None:
+def main(path: str, stop: StopRequest, phase: Phase) -> int:
+    """Train; the exit code: 0 finished, EXIT_STOPPED saved and stopped early on a signal."""
     from datetime import timedelta
 
     import torch
@@ -52,8 +61,7 @@ def main(path: str, stop: StopRequest, phase: Phase) -> None:
         gc.collect()
         dist.destroy_process_group()
         gc.collect()
-    if not finished:
-        sys.exit(EXIT_STOPPED)  # saved and stopped early: not a finished run
+    return 0 if finished else EXIT_STOPPED  # saved and stopped early: not a finished run
 
 
 if __name__ == "__main__":
@@ -64,6 +72,7 @@ if __name__ == "__main__":
     requested = StopRequest(on_signal=doing.flush).install()
     watch_parent()
     try:
-        main(sys.argv[1], requested, doing)
+        code = main(sys.argv[1], requested, doing)
     except Exception as error:  # one line for the launcher, the traceback in this rank's log file
         report_failure(error, int(os.environ.get("RANK", "0")), Path(sys.argv[1]).parent)
+    exit_now(code)

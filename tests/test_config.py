@@ -30,13 +30,14 @@ def _compose(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
+CUSTOM = {"model": "user_models.Classifier", "data": "user_models.images", "logger": "user_models.RecordingLogger"}
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_instantiates(group: str, option: str, tmp_path: Path) -> None:
     overrides = [f"{group}={option}"] + ([f"data.path={tmp_path / 't.bin'}"] if option == "tokens" else [])
     if option == "custom":  # one key, the target, which the user names
-        overrides.append(
-            f"{group}._target_={ {'model': 'user_models.Classifier', 'data': 'user_models.images'}[group] }"
-        )
+        overrides.append(f"{group}._target_={CUSTOM[group]}")
     cfg = _compose(*overrides)
     node = cfg[group]
     assert OmegaConf.select(node, "_target_"), f"{group}/{option} has no _target_"
