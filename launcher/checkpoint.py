@@ -228,7 +228,7 @@ class Saver:
         self.stall = 0.0
         """Seconds the caller was blocked in this saver since it last read (and reset) the figure."""
         self._group: Any = None
-        self._stager: Any = None
+        self._buffers: Any = None
 
     def save(self, position: Position, strategy: Any, manifest: dict[str, Any]) -> None:
         started = time.perf_counter()
@@ -320,12 +320,9 @@ class Saver:
         make one: then this save and the later ones are synchronous."""
         import torch
         import torch.distributed as dist
-        from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-        if self._stager is None:  # pinned: buffers allocated at the first save, copied into at each one
-            self._stager = BlockingAsyncStager(cache_staged_state_dict=self.pinned, type_check=True)
         try:
-            staged, problem = _same_containers(state, self._stager.stage(state)), None
+            staged, problem = _same_containers(state, self._copy_to_host(state)), None
         except (ValueError, TypeError, RuntimeError) as e:
             staged, problem = None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}"
         failed = torch.tensor([float(problem is not None)])
@@ -337,6 +334,19 @@ class Saver:
             print(f"launch: trainer.async_checkpoint: this state cannot be staged{why}; saving synchronously")
         self.asynchronous = False
         return None
+
+    def _copy_to_host(self, state: dict[str, Any]) -> dict[str, Any]:
+        """DCP's staging copy, into host buffers allocated at the first save (pinned on CUDA) and reused by the
+        later ones: one save in flight, so the previous write is over before they are overwritten."""
+        from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
+
+        if self._buffers is not None:
+            try:
+                return _copy_state_dict(state, self._buffers)
+            except CompanionMismatch:  # another structure: new buffers
+                pass
+        self._buffers = _create_cpu_state_dict(state, pin_memory=self.pinned)
+        return _copy_state_dict(state, self._buffers)
 
     def _background_group(self) -> Any:
         """A gloo group for the background writes (collective, made once): DCP's async save needs a CPU backend,
