@@ -93,15 +93,27 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def save_checkpoint(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, position: Position) -> Path:
+def saver(cfg: DictConfig, ctx: RunContext, run_dir: Path) -> checkpoint.Saver:
+    """This run's saves: synchronous, or asynchronous under trainer.async_checkpoint."""
+    trainer = cfg.trainer
+    return checkpoint.Saver(
+        run_dir / "checkpoints",
+        ctx.rank,
+        ctx.world_size,
+        trainer.keep_last,
+        asynchronous=bool(trainer.get("async_checkpoint", False)),
+        timeout=float(trainer.collective_timeout),
+        pinned=ctx.device_type == "cuda",
+    )
+
+
+def manifest_of(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    """What a checkpoint's manifest records of the run, beside its step and files."""
     job = cfg.job
-    manifest = {
+    return {
         "strategy": OmegaConf.select(cfg, "job.choices.strategy", default=None) or cfg.strategy._target_,
         "world_size": ctx.world_size,
         "precision": ctx.precision,
         "config_hash": job.config_hash,
         "overrides": sweep_identity(job.overrides) if job.get("sweep_dir") else None,
     }
-    return checkpoint.save(
-        run_dir / "checkpoints", position, strategy, manifest, ctx.rank, ctx.world_size, cfg.trainer.keep_last
-    )

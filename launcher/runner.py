@@ -31,7 +31,7 @@ from launcher.memory import StepMemory, rss_bytes
 from launcher.meta import build_on_meta
 from launcher.plan.costs import GPT_TARGET, flops_per_token, peak_tflops, step_comm_bytes
 from launcher.profiling import MemorySnapshots, StepProfiler
-from launcher.resume import check_shared_directory, restart_count, resume, save_checkpoint
+from launcher.resume import check_shared_directory, manifest_of, restart_count, resume, saver
 from strategies import RunContext, Strategy
 
 
@@ -268,6 +268,8 @@ def _train(
     profiler = StepProfiler(trainer.profile_steps, run_dir, ctx.rank, ctx.device_type, trainer.profile_stacks)
     metrics: dict[str, float] = {}
     window = Window()
+    saves, manifest = saver(cfg, ctx, run_dir), manifest_of(cfg, ctx)
+    stalled = False  # a save (or its finalisation) blocked the loop since the last log: its seconds go in the next
     for step in range(position.step + 1, trainer.max_steps + 1):
         lr = lr_at(step - 1, cfg.optim.lr, trainer.warmup_steps, trainer.max_steps, schedule, trainer.min_lr_ratio)
         last = step == trainer.max_steps
@@ -291,23 +293,37 @@ def _train(
             metrics |= speed.metrics(metrics.get("tokens_per_s"), ctx.world_size)
             if evaluate_now:
                 metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, B)
+            if stalled:  # the slowest rank's: every rank waits for it at the next collective
+                (metrics["checkpoint_stall_s"],) = _reduce([saves.stall], dist.ReduceOp.MAX, device)
+                saves.stall, stalled = 0.0, False
             loggers.log(metrics, step)
             window = Window()
         progress.update(step, metrics if log_now else None)
         phase(f"agreeing whether to stop after step {step}")
-        # Every rank learns of a stop signal any rank got, so all save the same step together.
-        (stopping,) = _reduce([float(stop.signal is not None)], dist.ReduceOp.MAX, device)
+        # Every rank learns of a stop signal any rank got, so all save the same step together; and whether any rank
+        # still writes the checkpoint in flight: once none does, it is made visible.
+        stopping, writing = _reduce([float(stop.signal is not None), float(saves.writing())], dist.ReduceOp.MAX, device)
+        if saves.pending is not None and not writing:
+            phase(f"making the checkpoint of step {saves.pending.position.step} visible")
+            saves.finalise()
+            stalled = True
         every = trainer.checkpoint_every > 0 and step % trainer.checkpoint_every == 0
         if (last and trainer.save_at_end) or stopping or every:
             phase(f"saving the checkpoint of step {step}")
-            saved = save_checkpoint(cfg, ctx, strategy, run_dir, position)
+            saves.save(position, strategy, manifest)
+            stalled = True
             if stopping and not last:
+                phase(f"writing the checkpoint of step {step}")
+                saves.finish()
                 if ctx.rank == 0:
-                    print(f"launch: stopped on a signal after step {step}; checkpoint {saved}", flush=True)
+                    print(f"launch: stopped on a signal after step {step}; checkpoint {saves.last}", flush=True)
                 break
     else:
         stopping = False
 
+    if saves.pending is not None:
+        phase(f"writing the checkpoint of step {saves.pending.position.step}")
+        saves.finish()  # the run ends with its last checkpoint written and visible
     phase("finishing")
     progress.close()
     loggers.finish()

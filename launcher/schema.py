@@ -80,6 +80,10 @@ class TrainerConfig:
     """Seconds workers get, after a stop signal, to finish the step and save before they are killed."""
     keep_last: int = ranged(2, COUNT)
     """Complete checkpoints kept in the run directory; older ones are deleted (0 keeps all)."""
+    async_checkpoint: bool = False
+    """Save checkpoints in the background (DCP's async_save): the state is copied to host memory, the loop goes on
+    while it is written, and the checkpoint becomes visible (manifest, `latest`) once every rank's write is over;
+    one save in flight at a time, the end of the run and a stop wait for it."""
     compile: bool = False
     """torch.compile each transformer block (the strategy's units), after activation checkpointing, before sharding."""
     peak_tflops: float | None = ranged(None, POSITIVE)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -322,3 +323,104 @@ def test_loading_runs_no_code_from_the_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(BaseException, match="Weights only load failed"):  # DCP raises a BaseException
         read_into({"optim": {"param_groups": [{"lr": 0.0}]}}, crafted)  # and the workers
     assert not marker.exists()
+
+
+def test_async_checkpoints_match_the_sync_run_and_resume_exactly(conformance_dir: Path, tmp_path: Path) -> None:
+    """trainer.async_checkpoint=true: the same losses as the suite's synchronous run, a step-6 checkpoint that
+    resumes exactly, and a loop that went on while it was written: step 7 was logged before the step-6 checkpoint
+    became visible (its manifest's time), with the seconds the save blocked the loop in step 7's metrics."""
+    sync = run_of(conformance_dir, "ddp", 2)
+    run = launch(tmp_path, *JOB, "gpus=2", "trainer.async_checkpoint=true", name="async").check()
+    assert max(abs(a - b) for a, b in zip(sync.losses(), run.losses(), strict=True)) <= 1e-6
+    checkpoints = run.run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000006", "step_00000012"]
+    assert (checkpoints / "latest").read_text() == "step_00000012"  # the end waited for the last save
+    by_step = {m["step"]: m for m in run.metrics}
+    visible = json.loads((_ckpt(run, 6) / "manifest.json").read_text())["time"]
+    assert by_step[7]["time"] < visible, (by_step[7]["time"], visible)
+    assert by_step[7]["checkpoint_stall_s"] > 0 and "checkpoint_stall_s" not in by_step[6]
+    assert {m["step"] for m in sync.metrics if "checkpoint_stall_s" in m} == {7}  # the synchronous save's, too
+    sync_visible = json.loads((_ckpt(sync, 6) / "manifest.json").read_text())["time"]
+    assert sync_visible < {m["step"]: m for m in sync.metrics}[7]["time"]
+    resumed = launch(
+        tmp_path, *JOB, "gpus=2", "trainer.async_checkpoint=true", f"resume={_ckpt(run, 6)}", name="async-resumed"
+    ).check()
+    assert f"resuming from {_ckpt(run, 6)} (step 6, sample 96)" in resumed.stdout
+    assert _max_diff(sync, resumed, range(7, 13)) <= 1e-6
+    assert (resumed.run_dir / "checkpoints" / "latest").read_text() == "step_00000012"
+
+
+ASYNC_PROBE = """
+import sys, time, torch, torch.distributed as dist
+from pathlib import Path
+from launcher import checkpoint
+root = Path(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
+w = torch.zeros(4_000_000)
+class Tiny:
+    def state_dict(self):
+        return {"model": {"w": w}, "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]}}
+ck = root / "ckpt"
+saver = checkpoint.Saver(ck, 0, 1, 0, asynchronous=True)
+run = {"world_size": 1, "config_hash": "0" * 16}
+def seen():
+    return sorted(p.name for p in ck.iterdir()), (ck / "latest").read_text() if (ck / "latest").exists() else None
+saver.save(checkpoint.Position(1, 8), Tiny(), run)
+print("SAVED 1", saver.pending is not None, seen(), flush=True)
+saver.finish()
+print("FINISHED 1", seen(), flush=True)
+w.fill_(1.0)
+saver.save(checkpoint.Position(2, 16), Tiny(), run)
+w.fill_(7.0)  # training goes on: the staged copy is what gets written
+print("SAVED 2", seen(), flush=True)
+while saver.writing():
+    time.sleep(0.001)
+print("WRITTEN 2", seen(), flush=True)
+saver.finalise()
+print("VISIBLE 2", seen(), flush=True)
+saver.save(checkpoint.Position(3, 24), Tiny(), run)
+print("WRITING 3", flush=True)
+time.sleep(120)
+"""
+
+
+def test_an_async_save_is_visible_only_once_written_and_a_kill_keeps_the_one_before(tmp_path: Path) -> None:
+    """Real DCP on a one-rank gloo group: a background save stays a .partial folder, without a manifest, with the
+    `latest` pointer unmoved, until it is finalised after its write; the state written is the one staged, not the
+    one training changed meanwhile; a SIGKILL while a save is in flight leaves the previous checkpoint as `latest`,
+    and the start of the next attempt removes the partial folder."""
+    from launcher import checkpoint
+    from launcher.convert import weights
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ASYNC_PROBE, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
+        },
+    )
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if line.startswith("WRITING 3"):
+            proc.kill()  # SIGKILL, with the step-3 save in flight (or written, never finalised)
+            break
+    proc.communicate(timeout=60)
+    out = "\n".join(lines)
+    assert lines[-1] == "WRITING 3", (out, proc.stderr)
+    said = {" ".join(line.split()[:2]): line for line in lines}
+    assert said["SAVED 1"] == "SAVED 1 True (['.step_00000001.partial'], None)", out
+    assert "(['latest', 'step_00000001'], 'step_00000001')" in said["FINISHED 1"], out
+    for moment in ("SAVED 2", "WRITTEN 2"):  # written or not, invisible until finalised
+        assert "['.step_00000002.partial', 'latest', 'step_00000001'], 'step_00000001')" in said[moment], out
+    assert "step_00000002'], 'step_00000002')" in said["VISIBLE 2"], out
+    ck = tmp_path / "ckpt"
+    assert (ck / ".step_00000003.partial").is_dir() and not (ck / "step_00000003").exists()
+    assert checkpoint.latest(ck) == ck / "step_00000002" and (ck / "latest").read_text() == "step_00000002"
+    assert torch.equal(weights(ck / "step_00000002")["w"], torch.ones(4_000_000))
+    checkpoint.remove_partial(ck)  # what a resumed run does first
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000001", "step_00000002"]

@@ -1,0 +1,76 @@
+"""How long does a checkpoint block training? Synchronous saves against trainer.async_checkpoint=true.
+
+python bench/checkpoint.py [--steps 8] [--every 3] [--seq-len 64]
+
+Two runs through the real `launch` console script, the same job (model=gpt_124m on random tokens of `--seq-len`,
+micro-batch 1, 2 CPU ranks under DDP, AdamW: about 1.5 GB of model and optimizer state per checkpoint,
+logger=none), saving every `--every` steps and not at the end. The stall is `checkpoint_stall_s`, which the
+runner logs on the step after a save: the seconds the loop was blocked by checkpointing (waiting for the save
+before, the state's copy to host memory, the write itself when synchronous, the finalisation), the slowest
+rank's. Bytes per second: the checkpoint's files (its manifest) over the seconds from the save's step to the
+checkpoint being visible (its manifest's time), so under async_checkpoint also the steps that ran meanwhile.
+Goal: async stall <= 0.2 x sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LAUNCH = str(Path(sys.executable).parent / "launch")
+
+
+def run(name: str, asynchronous: bool, a: argparse.Namespace, out: Path) -> dict[str, float]:
+    overrides = ["model=gpt_124m", "data=synthetic", f"data.seq_len={a.seq_len}", "batch.micro_size=1",
+                 "batch.global_size=2", "gpus=2", "device=cpu", "strategy=ddp",
+                 f"trainer.max_steps={a.steps}", "trainer.log_every=1", "trainer.eval_every=0", "logger=none",
+                 "trainer.progress=false", "trainer.save_at_end=false", f"trainer.checkpoint_every={a.every}",
+                 "trainer.keep_last=0", f"trainer.async_checkpoint={str(asynchronous).lower()}",
+                 f"hydra.run.dir={out / name}"]  # fmt: skip
+    proc = subprocess.run([LAUNCH, *overrides], capture_output=True, text=True, cwd=out)
+    if proc.returncode:
+        sys.exit(f"{name} failed:\n{proc.stderr[-2000:]}")
+    rows = {r["step"]: r for r in map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines())}
+    stalls, rates, sizes = [], [], []
+    for folder in sorted((out / name / "checkpoints").glob("step_*")):
+        manifest = json.loads((folder / "manifest.json").read_text())
+        step, size = manifest["step"], sum(manifest["files"].values())
+        stalls.append(rows[step + 1]["checkpoint_stall_s"])  # the step after the save
+        rates.append(size / (manifest["time"] - rows[step]["time"]))
+        sizes.append(size)
+    total = sum(r.get("checkpoint_stall_s", 0.0) for r in rows.values())
+    step_time = statistics.median(r["step_time_s"] for s, r in rows.items() if s > 1)
+    return {
+        "stall": statistics.mean(stalls),
+        "finalise": (total - sum(stalls)) / len(stalls),  # logged on later steps: rank 0's finalisation
+        "rate": statistics.mean(rates),
+        "bytes": statistics.mean(sizes),
+        "step": step_time,
+        "saves": len(stalls),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=64)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        sync = run("sync", False, a, Path(tmp))
+        asyn = run("async", True, a, Path(tmp))
+    print(f"gpt_124m, DDP on 2 CPU ranks, {sync['bytes'] / 1e9:.2f} GB per checkpoint, {sync['saves']} saves per run\n")
+    print("| trainer.async_checkpoint | stall per save (s) | finalisation later (s) | MB/s written | step time (s) |")
+    print("|---|---|---|---|---|")
+    for name, r in (("false", sync), ("true", asyn)):
+        print(f"| {name} | {r['stall']:.3f} | {r['finalise']:.3f} | {r['rate'] / 1e6:,.0f} | {r['step']:.3f} |")
+    print(f"\nasync stall / sync stall = {asyn['stall'] / sync['stall']:.3f} (goal <= 0.2)")
+
+
+if __name__ == "__main__":
+    main()
