@@ -19,6 +19,7 @@ from launcher import checkpoint
 from launcher.checkpoint import Position
 from launcher.config import sweep_identity
 from launcher.durable import write_durably
+from launcher.saving import Saver
 from launcher.untrusted import read_manifest
 from strategies import RunContext, Strategy
 
@@ -93,10 +94,10 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def saver(cfg: DictConfig, ctx: RunContext, run_dir: Path) -> checkpoint.Saver:
+def saver(cfg: DictConfig, ctx: RunContext, run_dir: Path) -> Saver:
     """This run's saves: synchronous, or asynchronous under trainer.async_checkpoint."""
     trainer = cfg.trainer
-    return checkpoint.Saver(
+    return Saver(
         run_dir / "checkpoints",
         ctx.rank,
         ctx.world_size,

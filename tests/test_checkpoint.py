@@ -353,7 +353,7 @@ def test_async_checkpoints_match_the_sync_run_and_resume_exactly(conformance_dir
 ASYNC_PROBE = """
 import sys, time, torch, torch.distributed as dist
 from pathlib import Path
-from launcher import checkpoint
+from launcher import checkpoint, saving
 root = Path(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
 w = torch.zeros(4_000_000)
@@ -361,7 +361,7 @@ class Tiny:
     def state_dict(self):
         return {"model": {"w": w}, "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]}}
 ck = root / "ckpt"
-saver = checkpoint.Saver(ck, 0, 1, 0, asynchronous=True)
+saver = saving.Saver(ck, 0, 1, 0, asynchronous=True)
 run = {"world_size": 1, "config_hash": "0" * 16}
 def seen():
     return sorted(p.name for p in ck.iterdir()), (ck / "latest").read_text() if (ck / "latest").exists() else None

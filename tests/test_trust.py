@@ -162,7 +162,7 @@ def test_free_space_is_checked_before_a_save(tmp_path: Path) -> None:
     probe = f"""
 import shutil, sys, torch, torch.distributed as dist
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from launcher import checkpoint
+from launcher import checkpoint, saving
 dist.init_process_group("gloo", init_method="file://{tmp_path / "pg"}", rank=0, world_size=1)
 class Tiny:
     def state_dict(self):
@@ -170,7 +170,7 @@ class Tiny:
 real = shutil.disk_usage
 shutil.disk_usage = lambda path: real(path)._replace(free=1_000_000)
 try:
-    checkpoint.save(checkpoint.Path({str(tmp_path / "ckpt")!r}), checkpoint.Position(1, 8), Tiny(), {{}}, 0, 1, 0)
+    saving.save(checkpoint.Path({str(tmp_path / "ckpt")!r}), checkpoint.Position(1, 8), Tiny(), {{}}, 0, 1, 0)
 except RuntimeError as e:
     print("REFUSED", e)
 dist.destroy_process_group()
