@@ -1,6 +1,6 @@
 """How long does a checkpoint block training? Synchronous saves against trainer.async_checkpoint=true.
 
-python bench/checkpoint.py [--steps 8] [--every 3] [--seq-len 64]
+python bench/checkpoint.py [--steps 13] [--every 3] [--seq-len 64]
 
 Two runs through the real `launch` console script, the same job (model=gpt_124m on random tokens of `--seq-len`,
 micro-batch 1, 2 CPU ranks under DDP, AdamW: about 1.5 GB of model and optimizer state per checkpoint,
@@ -9,6 +9,7 @@ runner logs on the step after a save: the seconds the loop was blocked by checkp
 before, the state's copy to host memory, the write itself when synchronous, the finalisation), the slowest
 rank's. Bytes per second: the checkpoint's files (its manifest) over the seconds from the save's step to the
 checkpoint being visible (its manifest's time), so under async_checkpoint also the steps that ran meanwhile.
+The first save is shown apart: under async_checkpoint it also allocates the host buffers the later saves reuse.
 Goal: async stall <= 0.2 x sync.
 """
 
@@ -46,7 +47,8 @@ def run(name: str, asynchronous: bool, a: argparse.Namespace, out: Path) -> dict
     total = sum(r.get("checkpoint_stall_s", 0.0) for r in rows.values())
     step_time = statistics.median(r["step_time_s"] for s, r in rows.items() if s > 1)
     return {
-        "stall": statistics.mean(stalls),
+        "first": stalls[0],  # async: also allocates the host buffers every later save reuses
+        "stall": statistics.mean(stalls[1:]),
         "finalise": (total - sum(stalls)) / len(stalls),  # logged on later steps: rank 0's finalisation
         "rate": statistics.mean(rates),
         "bytes": statistics.mean(sizes),
@@ -57,7 +59,7 @@ def run(name: str, asynchronous: bool, a: argparse.Namespace, out: Path) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=13)
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=64)
     a = p.parse_args()
@@ -65,11 +67,16 @@ def main() -> None:
         sync = run("sync", False, a, Path(tmp))
         asyn = run("async", True, a, Path(tmp))
     print(f"gpt_124m, DDP on 2 CPU ranks, {sync['bytes'] / 1e9:.2f} GB per checkpoint, {sync['saves']} saves per run\n")
-    print("| trainer.async_checkpoint | stall per save (s) | finalisation later (s) | MB/s written | step time (s) |")
-    print("|---|---|---|---|---|")
+    print("| trainer.async_checkpoint | first save's stall (s) | stall per later save (s) | finalisation later (s) "
+          "| MB/s written | step time (s) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for name, r in (("false", sync), ("true", asyn)):
-        print(f"| {name} | {r['stall']:.3f} | {r['finalise']:.3f} | {r['rate'] / 1e6:,.0f} | {r['step']:.3f} |")
-    print(f"\nasync stall / sync stall = {asyn['stall'] / sync['stall']:.3f} (goal <= 0.2)")
+        print(f"| {name} | {r['first']:.3f} | {r['stall']:.3f} | {r['finalise']:.3f} | {r['rate'] / 1e6:,.0f} "
+              f"| {r['step']:.3f} |")  # fmt: skip
+    print(
+        f"\nasync stall / sync stall, later saves = {asyn['stall'] / sync['stall']:.3f} (goal <= 0.2); "
+        f"first saves = {asyn['first'] / sync['first']:.3f}"
+    )
 
 
 if __name__ == "__main__":
