@@ -31,9 +31,12 @@ class StepProfiler:
         self.rank, self.device_type, self.stacks = rank, device_type, stacks
         self.profile: Any = None
 
+    def covers(self, step: int) -> bool:
+        return self.first <= step <= self.last
+
     def step(self, step: int) -> AbstractContextManager[Any]:
         """Around one optimizer step (its data, forward, backward and optimizer step)."""
-        if not self.first <= step <= self.last:
+        if not self.covers(step):
             return nullcontext()
         if step == self.first:
             from torch.profiler import ProfilerActivity, profile

@@ -279,7 +279,9 @@ def _train(
             phase(f"reading the batches of step {step}")
             started = time.perf_counter()  # from the wait for the data on: a loader that cannot keep up shows here
             micro = [next(micro_batches) for _ in range(K)]
-            with memory.measure(log_now or evaluate_now):  # the logged steps' peak; the others pay nothing
+            # The logged steps' peak; the others pay nothing. A profiled step's is sampled by a thread on CPU: the
+            # per-operator probe would be in the profile, around every op of the step.
+            with memory.measure(log_now or evaluate_now, sampled=profiler.covers(step)):
                 loss, grad_norm = optimizer_step(strategy, micro, ctx, lr, takes_num_items, step, phase)
             window.add(time.perf_counter() - started, sum(batch_tokens(b) for b in micro), log_now or evaluate_now)
         profiler.ended(step)
