@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LAUNCH, Run, assert_each_restart_resumes_the_newest, clean_env, launch
-from test_strategies import AT_TWO_RANKS, JOB, ranks, run_of, selecting, suite_run
+from test_strategies import AT_TWO_RANKS, JOB, SHAPES, ranks, run_of, selecting, suite_run
 
 
 def _ckpt(run: Run, step: int) -> Path:
@@ -58,7 +58,7 @@ CROSSINGS = [
     ("zero2", 2, "ddp", 1),
     ("zero_infinity", 2, "ddp", 1),
     ("ddp", 2, "zero1", 2),
-    ("ddp", 1, "fsdp", 2),
+    ("ddp", 1, "hsdp", 4),  # one process's checkpoint on a 2 x 2 mesh (fsdp on 2 ranks: from hsdp, below)
     ("ddp", 2, "zero_infinity", 1),
     ("hsdp", 4, "fsdp", 2),  # a 2 x 2 mesh's checkpoint (the suite's run) on a 1-D mesh of 2
 ]  # torch AdamW <-> DeepSpeed CPU Adam
@@ -69,7 +69,10 @@ def test_resume_across_strategies_and_world_sizes(
     src: str, src_gpus: int, dst: str, dst_gpus: int, conformance_dir: Path, tmp_path: Path
 ) -> None:
     full = suite_run(conformance_dir, src) if src_gpus == ranks(src) else run_of(conformance_dir, src, src_gpus)
-    resumed = launch(tmp_path, *JOB, *selecting(tmp_path, dst), f"gpus={dst_gpus}", f"resume={_ckpt(full, 6)}").check()
+    shape = SHAPES[dst][1] if dst in SHAPES and dst_gpus == ranks(dst) else []  # hsdp's 2 x 2 mesh
+    resumed = launch(
+        tmp_path, *JOB, *selecting(tmp_path, dst), f"gpus={dst_gpus}", *shape, f"resume={_ckpt(full, 6)}"
+    ).check()
     assert _max_diff(full, resumed, range(7, 13)) <= 1e-5
 
 

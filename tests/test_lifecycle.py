@@ -76,7 +76,8 @@ def test_a_signal_stops_gracefully_and_resume_continues_exactly(
 ) -> None:
     runs = tmp_path / "outputs"
     runs.mkdir()
-    proc = _start(runs, runs / "stopped")
+    # SIGUSR2 with asynchronous checkpoints: the stop waits for the background write, then says where it is.
+    proc = _start(runs, runs / "stopped", *(["trainer.async_checkpoint=true"] if sig == signal.SIGUSR2 else []))
     _wait_for_step(runs / "stopped", 5, proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
