@@ -110,6 +110,14 @@ def _nearest_multiples(value: int, unit: int) -> str:
     return f"{below} or {above}" if below > 0 else f"{above}"
 
 
+class BatchSizeError(ConfigError):
+    """A global batch that does not divide over micro-batches and ranks: `per_step` (micro x world) is the unit."""
+
+    def __init__(self, per_step: int, message: str) -> None:
+        super().__init__(message)
+        self.per_step = per_step
+
+
 def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
     """Check a frozen config (`freeze`) against the rules of a run and return the derived values.
 
@@ -134,10 +142,11 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
     world_size = gpus * cfg.nodes
     per_step = batch.micro_size * world_size
     if batch.global_size % per_step:
-        raise ConfigError(
+        raise BatchSizeError(
+            per_step,
             f"batch.global_size={batch.global_size} is not divisible by batch.micro_size={batch.micro_size} "
             f"x world size {world_size} (= {per_step}); use batch.global_size="
-            f"{_nearest_multiples(batch.global_size, per_step)}, or change batch.micro_size or gpus"
+            f"{_nearest_multiples(batch.global_size, per_step)}, or change batch.micro_size or gpus",
         )
     _check_data(cfg)
     _check_trainer(cfg.trainer)

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from launcher.checks import check_strategy
-from launcher.config import ConfigError, Derived, derive, freeze
+from launcher.config import BatchSizeError, ConfigError, Derived, derive, freeze
 from launcher.context import make_strategy
 from launcher.plan.fit import make_plan
 from launcher.plan.render import as_dict, chart, describe_pick, render, strategy_rows
@@ -116,7 +116,21 @@ def main(overrides: Sequence[str]) -> int:
     chosen, strategy_keys = _chosen_strategy(overrides)
     frozen = freeze(_compose(overrides))
     # A plan may be for GPUs this machine lacks: count the GPUs asked for as visible.
-    derived = derive(frozen, max(visible_cuda_devices(), frozen.gpus or 0))
+    devices = max(visible_cuda_devices(), frozen.gpus or 0)
+    try:
+        derived = derive(frozen, devices)
+    except BatchSizeError as e:
+        if any(o.lstrip("+").startswith("batch.global_size=") for o in overrides):
+            raise  # the user's own size: theirs to fix
+        # The default global batch (32) rarely divides over a cluster's ranks: plan one micro-batch per rank.
+        with read_write(frozen):
+            frozen.batch.global_size = e.per_step
+        print(
+            f"launch plan: note: planned at batch.global_size={e.per_step} (batch.micro_size x world size, "
+            "accumulation 1): the default does not divide over these ranks; set batch.global_size to plan another",
+            file=sys.stderr,
+        )
+        derived = derive(frozen, devices)
     size = measure(build_on_meta(frozen.model))
     if chosen is None:  # every preset side by side
         if strategy_keys:
