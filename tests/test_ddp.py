@@ -37,10 +37,18 @@ def test_validation_loss_falls_on_python_source(conformance_dir: Path) -> None:
 
 
 def test_multirun_runs_each_job_as_its_own_distributed_run(tmp_path: Path) -> None:
-    run = launch(tmp_path, "-m", *TINY, "gpus=2", "trainer.max_steps=2,3", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    """Also DDP under precision=fp16: torch's loss scaler runs (its scale, 2^16 at the start, halved on an
+    overflow, is logged) and the losses stay finite."""
+    import json
+    import math
+
+    sweep = tmp_path / "sweep"
+    run = launch(tmp_path, "-m", *TINY, "gpus=2", "precision=fp16", "trainer.max_steps=2,3", f"hydra.sweep.dir={sweep}")
     assert run.returncode == 0, run.stderr
-    steps = sorted(len((tmp_path / "sweep" / str(j) / "metrics.jsonl").read_text().splitlines()) for j in (0, 1))
-    assert steps == [2, 3]
+    jobs = [[json.loads(line) for line in (sweep / str(j) / "metrics.jsonl").read_text().splitlines()] for j in (0, 1)]
+    assert sorted(len(m) for m in jobs) == [2, 3]
+    for m in (step for job in jobs for step in job):
+        assert math.isfinite(m["loss"]) and m["loss_scale"] in (2.0**16, 2.0**15, 2.0**14), m
 
 
 def test_a_model_that_cannot_be_built_is_refused_before_workers_start(tmp_path: Path) -> None:
