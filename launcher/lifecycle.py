@@ -47,7 +47,8 @@ class StopRequest:
         self.signal: int | None = None
         self.at = 0.0
         self.on_signal = on_signal
-        """Called on each stop signal: the worker writes its phase (where it was when asked to stop)."""
+        """Called on each stop signal, from the handler (so it must neither block nor raise): the worker writes its
+        phase (where it was when asked to stop)."""
 
     def install(self) -> StopRequest:
         for sig in STOP_SIGNALS:
@@ -118,7 +119,7 @@ class Phase:
         self.state = (time.time(), "starting")  # one attribute, replaced whole: the thread never reads half of it
         self.writes = 0
         self._written: tuple[float, str] | None = None
-        self._lock = threading.RLock()  # a signal handler may flush while the main thread is flushing
+        self._lock = threading.Lock()
         self._every = every
         threading.Thread(target=self._flush_every, name="phase-writer", daemon=True).start()
 
@@ -132,13 +133,29 @@ class Phase:
     def flush(self) -> None:
         """Write the phase now, if it changed since the last write."""
         with self._lock:
-            state = self.state
-            if state == self._written:
-                return
-            partial = self.path.with_name(f".{self.path.name}.partial")
-            partial.write_text(f"{state[0]:.3f} {state[1]}")
-            os.replace(partial, self.path)  # a reader sees the old line or the new one, never half of one
-            self._written, self.writes = state, self.writes + 1
+            self._write()
+
+    def try_flush(self) -> None:
+        """`flush` that never blocks or raises: for signal handlers and error paths. A handler can interrupt this
+        very thread inside a write (SLURM and the agent send the same signal twice within milliseconds), or find the
+        writer thread writing; then the write in progress, or the thread's next one, carries the phase. An error
+        path must not hide its own error behind one of this file's."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._write()
+            except OSError:
+                pass
+            finally:
+                self._lock.release()
+
+    def _write(self) -> None:
+        state = self.state
+        if state == self._written:
+            return
+        partial = self.path.with_name(f".{self.path.name}.partial")
+        partial.write_text(f"{state[0]:.3f} {state[1]}")
+        os.replace(partial, self.path)  # a reader sees the old line or the new one, never half of one
+        self._written, self.writes = state, self.writes + 1
 
     def _flush_every(self) -> None:
         while True:
@@ -169,7 +186,7 @@ class Phase:
         stacks = self.dir.parent / "stacks" / f"rank{self.rank}"
         stacks.parent.mkdir(parents=True, exist_ok=True)
         self._stacks = open(stacks, "a")  # faulthandler writes to this descriptor: it stays open for the process
-        signal.signal(DUMP_SIGNAL, lambda _signum, _frame: self.flush())
+        signal.signal(DUMP_SIGNAL, lambda _signum, _frame: self.try_flush())
         faulthandler.register(DUMP_SIGNAL, file=self._stacks, all_threads=True, chain=True)
 
 

@@ -200,12 +200,12 @@ def train(
     try:
         return _train(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase, snapshots)
     except torch.OutOfMemoryError as e:
-        phase.flush()
+        phase.try_flush()
         error = snapshots.out_of_memory(e)
         error.launch_phase = phase.now  # type: ignore[attr-defined]
         raise error from e
     except Exception as e:
-        phase.flush()  # where this rank was, for the other ranks' messages
+        phase.try_flush()  # where this rank was, for the other ranks' messages
         if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
             # Say who is stuck and where, not only that a collective gave up.
             recorder = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") if ctx.device_type == "cuda" else None

@@ -69,7 +69,7 @@ if __name__ == "__main__":
     # What this rank is doing, in memory from the start; written when asked (SIGUSR1, a stop signal) or now and then.
     doing = Phase(Path(sys.argv[1]).parent, int(os.environ.get("RANK", "0")))
     doing.answer_dump_signal()
-    requested = StopRequest(on_signal=doing.flush).install()
+    requested = StopRequest(on_signal=doing.try_flush).install()
     watch_parent()
     try:
         code = main(sys.argv[1], requested, doing)
