@@ -3,7 +3,8 @@
 Layout of `<run dir>/checkpoints/`:
     step_00000006/        .metadata + one .distcp per rank (torch.distributed.checkpoint), rng_<rank>.pt,
                           manifest.json (written last: step, samples, identity, and every file with its size)
-    latest                the name of the newest complete checkpoint (moved after the rename)
+    latest                the name of the newest complete checkpoint, moved after the rename (for people and
+                          tools: the launcher orders checkpoints by their manifests' times)
 
 Model and optimizer state are whatever `strategy.state_dict()` returns: torch's state-dict shape keyed by
 parameter names (plain tensors for replicated strategies, DTensor shards for FSDP, full tensors exported by
@@ -54,14 +55,15 @@ def is_complete(path: Path) -> bool:
 
 
 def complete(checkpoints: Path) -> list[Path]:
-    """The complete checkpoints under `checkpoints/`, newest first (the `latest` pointer's first)."""
-    done = sorted((p for p in checkpoints.glob("step_*") if is_complete(p)), reverse=True)
-    pointer = checkpoints / LATEST
-    try:
-        named = checkpoints / pointer.read_text().strip()
-    except OSError:
-        return done
-    return [named, *(p for p in done if p != named)] if named in done else done
+    """The complete checkpoints under `checkpoints/`, newest first by the time each one's manifest records, then by
+    step. Not by the `latest` pointer, which is moved last: a save killed between its rename and the pointer's move
+    is complete and the newest. Not by step alone: a run resumed from further back saves steps older than ones
+    already there, and those it saves are the newer."""
+    done = []
+    for path in checkpoints.glob("step_*"):
+        if is_complete(path):
+            done.append((float(read_manifest(path)["time"]), path.name, path))
+    return [path for *_, path in sorted(done, reverse=True)]
 
 
 def latest(checkpoints: Path) -> Path | None:

@@ -427,3 +427,24 @@ def test_an_async_save_is_visible_only_once_written_and_a_kill_keeps_the_one_bef
     assert torch.equal(weights(ck / "step_00000002")["w"], torch.ones(4_000_000))
     checkpoint.remove_partial(ck)  # what a resumed run does first
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000001", "step_00000002"]
+
+
+def test_the_newest_checkpoint_is_the_last_saved_whatever_its_step_or_the_pointer(tmp_path: Path) -> None:
+    """Resume order: by the time each manifest records. A kill between a save's rename and the `latest` pointer's
+    move leaves the pointer one behind the newest complete checkpoint; a run resumed from further back saves steps
+    older than ones still there, and those are the newer."""
+    from launcher.checkpoint import complete, latest
+
+    def saved(name: str, step: int, at: float) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "rng_0.pt").write_bytes(b"x" * 7)
+        record = {"step": step, "samples": 16 * step, "world_size": 1, "time": at, "config_hash": "0" * 16}
+        (folder / "manifest.json").write_text(json.dumps({**record, "files": {"rng_0.pt": 7}}))
+        return folder
+
+    first, second = saved("step_00000001", 1, 100.0), saved("step_00000002", 2, 200.0)
+    (tmp_path / "latest").write_text("step_00000001")  # the kill landed before the pointer moved
+    assert complete(tmp_path) == [second, first] and latest(tmp_path) == second
+    stale, again = saved("step_00000012", 12, 150.0), saved("step_00000007", 7, 300.0)
+    assert complete(tmp_path) == [again, second, stale, first]
