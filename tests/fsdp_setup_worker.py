@@ -54,3 +54,6 @@ def main(overrides: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    from launcher.lifecycle import exit_now
+
+    exit_now(0)  # as the launcher's own workers end: a gloo thread can abort the interpreter's teardown (SIGABRT)

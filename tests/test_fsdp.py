@@ -130,6 +130,8 @@ with strategy.sync(True):
 print(len(calls))
 strategy.teardown()
 dist.destroy_process_group()
+from launcher.lifecycle import exit_now
+exit_now(0)  # as the launcher's own workers end: a gloo thread can abort the interpreter's teardown
 """
 
 
