@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,13 +80,19 @@ class Saver:
         self._group: Any = None
         self._buffers: Any = None
 
-    def save(self, position: Position, strategy: Any, manifest: dict[str, Any]) -> None:
+    @contextmanager
+    def _stalling(self) -> Iterator[None]:
+        """The block's seconds, added to `stall`: the loop waits for them."""
         started = time.perf_counter()
         try:
-            self._finish()  # at most one save in flight
-            self._save(position, strategy, manifest)
+            yield
         finally:
             self.stall += time.perf_counter() - started
+
+    def save(self, position: Position, strategy: Any, manifest: dict[str, Any]) -> None:
+        with self._stalling():
+            self._finish()  # at most one save in flight
+            self._save(position, strategy, manifest)
 
     def writing(self) -> bool:
         """This rank's background write is still going (no collective: the caller agrees over ranks)."""
@@ -92,19 +100,13 @@ class Saver:
 
     def finalise(self) -> None:
         """Every rank, once no rank is writing (the caller agreed on it): rank 0 makes the checkpoint visible."""
-        started = time.perf_counter()
-        try:
+        with self._stalling():
             self._finalise()
-        finally:
-            self.stall += time.perf_counter() - started
 
     def finish(self) -> None:
         """Collective: wait for the save in flight, if any, on every rank; then make it visible."""
-        started = time.perf_counter()
-        try:
+        with self._stalling():
             self._finish()
-        finally:
-            self.stall += time.perf_counter() - started
 
     def _finalise(self) -> None:
         if self.pending is None:
