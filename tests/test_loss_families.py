@@ -1,5 +1,5 @@
 """The loss contract for every model family: a masked LM and a seq2seq model log the loss of one plain forward over
-the whole global batch, and their gradients, under every strategy and world size, are those of one process — on
+the whole global batch, and their gradients on 2 ranks under DDP, FSDP and ZeRO-3 are those of one process — on
 samples that hold different numbers of targets. How a model counts its labels is decided once, in the launcher.
 
 The causal LM's launches are tests/test_user_models.py's (a transformers GPT-2 on padded data under every
