@@ -10,11 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
 from launcher.config import ConfigError
+
+if TYPE_CHECKING:
+    from launcher.loss import LabelRule
 
 
 @dataclass(frozen=True)
@@ -24,10 +27,12 @@ class ModelSize:
     largest_layer: int
     """Parameters of the largest single module, its own only: DeepSpeed's definition of the largest layer."""
     takes_num_items: bool = False
-    """Its forward divides a summed loss by `num_items_in_batch` itself (transformers models do)."""
+    """Its forward divides its summed loss by `num_items_in_batch` when handed it (`label_rule`)."""
     largest_unit: int = 0
     """Parameters of its largest layer-sized unit (a module of its `_no_split_modules`, with its children): what
     FSDP and ZeRO-3 gather at a time; the whole model when it declares none."""
+    label_shift: int | None = None
+    """How it counts its batch's `labels` (`launcher.loss.LabelRule`): 1 shifted, 0 as they stand, None unknown."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,17 +100,76 @@ def _from_config_twin(model_cfg: DictConfig) -> Any:
 
 
 def measure(model: Any) -> ModelSize:
-    import inspect
-
     params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied parameter once
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        parameters = {}
-    # transformers models take **kwargs and hand num_items_in_batch to their `loss_function`.
-    kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    takes = "num_items_in_batch" in parameters or (kwargs and hasattr(type(model), "loss_function"))
     declared = set(getattr(model, "_no_split_modules", None) or ())
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in declared]
-    return ModelSize(params, largest, takes, max(units, default=params))
+    rule = label_rule(model)
+    return ModelSize(params, largest, rule.takes_num_items, max(units, default=params), rule.label_shift)
+
+
+def label_rule(model: Any) -> LabelRule:
+    """How a model counts its batch's `labels` (`launcher.loss.LabelRule`), decided here once for every rank.
+
+    Known for a transformers model only (a model of one's own counts as it likes: return its count). It takes
+    `num_items_in_batch` when transformers does not say otherwise (`accepts_loss_kwargs`) and its loss, in one
+    forward of a small batch on the meta device, depends on it: many models take `**kwargs` but return a mean of
+    their own (BERT's masked LM, T5), which, taken for a sum divided by N/G, made the loss K times too large. Its
+    label shift is that of the loss function it uses, measured; a seq2seq model's own loss
+    (`config.is_encoder_decoder`) is over its labels as they stand; otherwise it is the loss function's that its
+    `loss_type` maps to, measured; unknown when it names none (a loss of its own that no `loss_type` describes).
+    """
+    from launcher.loss import LabelRule
+
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # a peft model
+    config = getattr(base, "config", None)
+    if not hasattr(type(base), "loss_function") or config is None:
+        return LabelRule()
+    if getattr(base, "accepts_loss_kwargs", True) and _loss_uses_num_items(model, config):
+        shift = _label_shift(base.loss_function)
+        return LabelRule(shift is not None, shift)
+    if getattr(config, "is_encoder_decoder", False):
+        return LabelRule(False, 0)
+    if getattr(base, "loss_type", None) is None:
+        return LabelRule()
+    return LabelRule(False, _label_shift(base.loss_function))
+
+
+def _loss_uses_num_items(model: Any, config: Any) -> bool:
+    """Whether the loss of one forward of a small text batch on the meta device depends on `num_items_in_batch`
+    (its gradient reaches it). False when such a batch does not go through (the model wants other inputs)."""
+    import torch
+
+    from launcher.loss import NUM_ITEMS, model_loss
+
+    length = min(8, getattr(config, "max_position_embeddings", None) or 8)
+    ids = torch.zeros(2, length, dtype=torch.long, device="meta")
+    items = torch.ones((), device="meta", requires_grad=True)
+    try:
+        with torch.enable_grad():
+            loss, _ = model_loss(model(input_ids=ids, labels=ids, **{NUM_ITEMS: items}))
+            return loss.requires_grad and torch.autograd.grad(loss, items, allow_unused=True)[0] is not None
+    except Exception:
+        return False
+
+
+def _label_shift(loss_function: Any) -> int | None:
+    """How a transformers loss function counts labels, measured on one row of 4 labels over zero logits: each
+    target costs log V, so its sum (`num_items_in_batch=1`) is (4 - shift) log V. None if it is no such function."""
+    import math
+
+    import torch
+
+    vocab, length = 8, 4
+    try:
+        loss = loss_function(
+            logits=torch.zeros(1, length, vocab),
+            labels=torch.arange(length).view(1, length),
+            vocab_size=vocab,
+            num_items_in_batch=torch.tensor(1.0),
+        )
+        targets = float(loss) / math.log(vocab)
+    except Exception:
+        return None
+    shift = length - round(targets)
+    return shift if shift in (0, 1) and abs(targets - round(targets)) < 1e-4 else None

@@ -26,7 +26,17 @@ from launcher.checkpoint import Position
 from launcher.data import GlobalBatches, StepBatches, build_dataset, collate, feed, rank_micro_batches
 from launcher.lifecycle import Phase, StopRequest
 from launcher.logs import Loggers, Progress
-from launcher.loss import NUM_ITEMS, batch_tokens, count_targets, micro_loss, model_loss, target_tokens
+from launcher.loss import (
+    NUM_ITEMS,
+    LabelRule,
+    batch_tokens,
+    count_targets,
+    micro_loss,
+    model_loss,
+    say_once,
+    target_tokens,
+    usual_recipe_line,
+)
 from launcher.memory import StepMemory, rss_bytes
 from launcher.meta import build_on_meta
 from launcher.plan.costs import GPT_TARGET, flops_per_token, peak_tflops, step_comm_bytes
@@ -115,9 +125,12 @@ def _reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> lis
     return t.tolist()
 
 
-def evaluate(strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, global_size: int) -> float:
-    """The loss over `batches` fixed global batches of the validation split: Σ token losses / Σ targets where the
-    model returns sums or the batch has labels to count, else the mean of the micro-batches' means."""
+def evaluate(
+    strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, global_size: int, rule: LabelRule
+) -> float:
+    """The loss over `batches` fixed global batches of the validation split, by the training step's rule
+    (`launcher.loss`): Σ token losses / Σ targets where the model returns sums or its mean is over targets the
+    launcher counts (its labels, by `rule`), else the mean of the micro-batches' means."""
     device = torch.device(ctx.device)
     strategy.train(False)
     total, count = 0.0, 0.0
@@ -127,9 +140,9 @@ def evaluate(strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, gl
             for micro in rank_micro_batches(indices, ctx.rank, ctx.world_size, ctx.accumulation):
                 batch = collate(val_set, micro, device)
                 loss, tokens = model_loss(strategy.forward(batch))
-                targets, labels = target_tokens(batch)
-                if tokens is None and labels and targets:  # a Hugging Face mean over its own labels
-                    loss, tokens = loss * targets, torch.tensor(targets)
+                targets, known = target_tokens(batch, rule.label_shift)
+                if tokens is None and known:  # a mean over the counted targets: back to their sum (none: 0, not NaN)
+                    loss, tokens = (loss * targets if targets else torch.zeros(())), torch.tensor(targets)
                 total, count = total + float(loss), count + (float(tokens) if tokens is not None else 1.0)
     strategy.train(True)
     total, count = _reduce([total, count], dist.ReduceOp.SUM, device)
@@ -137,15 +150,15 @@ def evaluate(strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, gl
 
 
 def optimizer_step(
-    strategy: Strategy, micro: list[Any], ctx: RunContext, lr: float, takes_num_items: bool, step: int, phase: Phase
+    strategy: Strategy, micro: list[Any], ctx: RunContext, lr: float, rule: LabelRule, step: int, phase: Phase
 ) -> tuple[torch.Tensor, float]:
     """One optimizer step over this rank's K micro-batches; returns this rank's part of the step's loss (summed over
     ranks it is the loss of the whole global batch: `launcher.loss`) and the pre-clip gradient norm."""
     device, K = torch.device(ctx.device), len(micro)
     # The global batch's targets, counted before the first forward: each micro-step's loss is scaled so that the
     # step's gradient is that of one forward over the whole global batch.
-    targets = count_targets(micro, ctx.world_size, lambda v: _reduce(v, dist.ReduceOp.SUM, device))
-    divided = targets.counted and takes_num_items and all(targets.labels)
+    targets = count_targets(micro, ctx.world_size, lambda v: _reduce(v, dist.ReduceOp.SUM, device), rule.label_shift)
+    divided = targets.counted and rule.takes_num_items and all(targets.labels)
     loss_sum, normalised = torch.zeros((), dtype=torch.float64, device=device), False
     for k, batch in enumerate(micro):
         phase(f"in forward/backward of step {step}, micro-step {k + 1}/{K}")
@@ -156,6 +169,8 @@ def optimizer_step(
             backward, part, normalised = micro_loss(strategy.forward(batch), k, targets, K, divided)
             strategy.backward(backward)
         loss_sum += part.double()
+    if not normalised and ctx.rank == 0:
+        say_once(usual_recipe_line(targets))
     phase(f"in the optimizer step {step}")
     grad_norm = strategy.step(lr)
     return loss_sum / (targets.total if normalised else ctx.world_size), grad_norm
@@ -261,7 +276,7 @@ def _train(
     loggers = Loggers.create(cfg, ctx.rank, run_dir)
     progress = Progress(ctx.rank, trainer.max_steps - position.step, trainer.progress)
     schedule = str(trainer.schedule)
-    takes_num_items = bool(OmegaConf.select(cfg, "derived.model.takes_num_items", default=False))
+    rule = LabelRule.of(cfg.derived.model)  # how the model counts its labels: decided once, in the launcher
     steps = StepBatches(batches, position.samples, trainer.max_steps - position.step, ctx.rank, ctx.world_size, K)
     micro_batches = feed(train_set, steps, int(cfg.data.get("workers", 0)), device)
 
@@ -282,7 +297,7 @@ def _train(
             # The logged steps' peak; the others pay nothing. A profiled step's is sampled by a thread on CPU: the
             # per-operator probe would be in the profile, around every op of the step.
             with memory.measure(log_now or evaluate_now, sampled=profiler.covers(step)):
-                loss, grad_norm = optimizer_step(strategy, micro, ctx, lr, takes_num_items, step, phase)
+                loss, grad_norm = optimizer_step(strategy, micro, ctx, lr, rule, step, phase)
             window.add(time.perf_counter() - started, sum(batch_tokens(b) for b in micro), log_now or evaluate_now)
         profiler.ended(step)
         snapshots.after_step(step)
@@ -294,7 +309,7 @@ def _train(
             metrics |= window.figures(B, lambda v: _reduce(v, dist.ReduceOp.SUM, device))
             metrics |= speed.metrics(metrics.get("tokens_per_s"), ctx.world_size)
             if evaluate_now:
-                metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, B)
+                metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, B, rule)
             if stalled:  # the slowest rank's: every rank waits for it at the next collective
                 (metrics["checkpoint_stall_s"],) = _reduce([saves.stall], dist.ReduceOp.MAX, device)
                 saves.stall, stalled = 0.0, False
