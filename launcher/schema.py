@@ -190,6 +190,9 @@ class DDPStrategyConfig:
     compile_units: list[str] | None = None
     """Class names of the modules trainer.compile=true compiles one by one; unset: the model's own
     `_no_split_modules` (transformers models, the built-in GPT's Block), else the whole model."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to synchronised ones (torch's SyncBatchNorm; on CPU an all-reduce of the same
+    statistics): each normalises with the whole micro-batch of every rank, and the running statistics follow it."""
 
 
 class FSDPOffload(Enum):
@@ -219,6 +222,9 @@ class FSDPStrategyConfig:
     replicate_size: int | None = ranged(1, SIZE)
     """Shard groups holding replicas of each other (dim 0), their gradient shards all-reduced each step; 1: plain
     FSDP over every rank; unset: world size / shard_size (strategy=hsdp: the number of nodes)."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to synchronised ones (torch's SyncBatchNorm; on CPU an all-reduce of the same
+    statistics): each normalises with the whole micro-batch of every rank, and the running statistics follow it."""
 
 
 class ZeroOffload(Enum):
@@ -246,6 +252,8 @@ class DeepSpeedStrategyConfig:
     is an error."""
     optimizer: str = "${optim._target_}"
     """The optimizer class, read from optim (the checks need it before workers start); do not set."""
+    sync_batchnorm: bool = False
+    """Refused: DeepSpeed strategies keep each rank's own BatchNorm statistics (use ddp, fsdp or hsdp to sync)."""
 
 
 @dataclass

@@ -200,6 +200,68 @@ def unit_modules(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
     return [m for m in model.modules() if m is not model and type(m).__name__ in class_names]
 
 
+@dataclass(frozen=True)
+class SplitTie:
+    """One parameter reachable under several names (tied weights) whose names fall in different units."""
+
+    names: tuple[str, ...]
+    units: tuple[str, ...]
+    """Per name, the class of the innermost unit holding it; "" for the root."""
+
+    def describe(self) -> str:
+        where = [f"{name} (in {unit or 'the root'})" for name, unit in zip(self.names, self.units)]
+        return " = ".join(where)
+
+
+def split_ties(model: nn.Module, class_names: list[str]) -> list[SplitTie]:
+    """Tied parameters (the same Parameter under two module paths) that units of these classes would hold apart:
+    FSDP gathers and shards a parameter with the one unit that claims it, so its other users, in another unit or
+    the root, would meet it sharded."""
+    units = {
+        path: type(m).__name__
+        for path, m in model.named_modules(remove_duplicate=False)
+        if path and type(m).__name__ in class_names
+    }
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    found = []
+    for tied in (n for n in names.values() if len(n) > 1):
+        holders = [max((u for u in units if name.startswith(u + ".")), key=len, default="") for name in tied]
+        if len(set(holders)) > 1:
+            found.append(SplitTie(tuple(tied), tuple(units.get(h, "") for h in holders)))
+    return found
+
+
+def shard_unit_classes(model: nn.Module, explicit: list[str] | None) -> tuple[list[str], list[str]]:
+    """The unit classes a sharding strategy gathers one at a time (`unit_classes`), never splitting a tied
+    parameter, and a line for each of the model's own classes left out.
+
+    From the model's own `_no_split_modules`: a class whose units hold a parameter that is also reachable outside
+    them (BERT's word embedding, tied to its decoder in the root) is left out, and its modules go with the unit around
+    them (the root). Explicit classes (`strategy.shard_units`) that split a tie are a ValueError naming the tied
+    names and the classes that would do."""
+    classes, left_out, lines = unit_classes(model, explicit), [], []
+    while ties := split_ties(model, classes):
+        for cls in sorted({unit for tie in ties for unit in tie.units if unit}):
+            tie = next(t for t in ties if cls in t.units)
+            left_out.append(cls)
+            lines.append(
+                f"{cls} is not a unit here, though {type(model).__name__} lists it in _no_split_modules: its "
+                f"parameter is tied, {tie.describe()}, and a unit must hold every use of its parameters; its modules "
+                "go with the unit around them"
+            )
+        classes = [c for c in classes if c not in left_out]
+    if explicit is not None and left_out:
+        ties = split_ties(model, list(explicit))
+        raise ValueError(
+            f"strategy.shard_units=[{','.join(explicit)}] splits tied parameters between units: "
+            f"{'; '.join(t.describe() for t in ties)}; use strategy.shard_units=[{','.join(classes)}] (units that "
+            "keep each tied parameter together)"
+        )
+    return classes, lines
+
+
 def compile_units(units: list[nn.Module]) -> None:
     """torch.compile each unit in place (`nn.Module.compile`): its class, names and state-dict keys stay the same.
 

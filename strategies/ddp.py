@@ -27,6 +27,7 @@ from strategies.base import (
     unit_classes,
     unit_modules,
 )
+from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
 
 
@@ -44,11 +45,13 @@ class DDP:
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         compile_units: list[str] | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.compile_units = None if compile_units is None else [str(name) for name in compile_units]
+        self.sync_batchnorm = sync_batchnorm
         self._counter = CommCounter()
         self._last_step: dict[str, float] = {}
 
@@ -72,6 +75,8 @@ class DDP:
         self.ctx = ctx
         self._counter.world_size = ctx.world_size
         module = build_model().to(ctx.device)
+        if self.sync_batchnorm:
+            module = sync_batchnorm(module, ctx.device_type)
         if ctx.compile:
             # Before wrapping: DDP's bucketed all-reduce hooks stay outside the compiled graphs (as under FSDP).
             # Unit by unit where the model has units (the model's _no_split_modules, or strategy.compile_units).

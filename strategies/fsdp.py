@@ -33,10 +33,12 @@ from strategies.base import (
     load_torch_state_dict,
     optimizer_step,
     scaler_figures,
+    shard_unit_classes,
     torch_state_dict,
     unit_classes,
     unit_modules,
 )
+from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,6 +107,7 @@ class FSDP:
         sync_each_microbatch: bool = False,
         shard_size: int | None = None,
         replicate_size: int | None = 1,
+        sync_batchnorm: bool = False,
     ) -> None:
         self.mesh = Mesh(shard_size, replicate_size)
         self.shard_units = None if shard_units is None else [str(name) for name in shard_units]
@@ -113,6 +116,7 @@ class FSDP:
         self.reduce_dtype = reduce_dtype
         self.activation_checkpointing = activation_checkpointing
         self.sync_each_microbatch = sync_each_microbatch
+        self.sync_batchnorm = sync_batchnorm
         self._counter = CommCounter()
         self._last_step: dict[str, float] = {}
 
@@ -144,6 +148,9 @@ class FSDP:
                     f"strategy.shard_units: no module of class '{name}' in {type(model).__name__} "
                     f"(its classes: {', '.join(present)}); e.g. strategy.shard_units=[{guess}]"
                 )
+        units, left_out = shard_unit_classes(model, self.shard_units)  # tied parameters stay in one unit
+        for line in left_out:
+            print(f"launch: fsdp: {line}", flush=True)
         for asked, what in (
             (ctx.compile, "trainer.compile=true compiles"),
             (self.activation_checkpointing, "strategy.activation_checkpointing=true checkpoints"),
@@ -181,7 +188,9 @@ class FSDP:
         # materialises only its own shards, filled from rank 0's tensors one at a time.
         whole = build_model() if ctx.rank == 0 else None
         model = build_model(meta=True)
-        units = unit_modules(model, unit_classes(model, self.shard_units))
+        if self.sync_batchnorm:  # over every rank (HSDP: every replica's too): the statistics of the global micro-batch
+            model = sync_batchnorm(model, ctx.device_type)
+        units = unit_modules(model, shard_unit_classes(model, self.shard_units)[0])
         if self.activation_checkpointing:
             # Before sharding (torchtitan's order): FSDP's hooks then surround the checkpointed unit, so its
             # parameters are gathered again when backward recomputes it. The composable form keeps

@@ -51,6 +51,7 @@ class DeepSpeed:
         sync_each_microbatch: bool = False,
         ds_config: dict[str, Any] | None = None,
         optimizer: str = "torch.optim.AdamW",
+        sync_batchnorm: bool = False,
     ) -> None:
         self.stage = stage
         self.offload_optimizer = offload_optimizer
@@ -59,6 +60,7 @@ class DeepSpeed:
         self.sync_each_microbatch = sync_each_microbatch
         self.ds_config: dict[str, Any] = dict(ds_config or {})
         self.optimizer_target = optimizer
+        self.sync_batchnorm = sync_batchnorm
         self._counter = CommCounter()
         self._accumulating: ExitStack | None = None
         self._swap_dir: str | None = None
@@ -101,6 +103,11 @@ class DeepSpeed:
             raise ValueError(
                 "trainer.compile=true is not supported by DeepSpeed strategies here; "
                 "use trainer.compile=false, or strategy=fsdp or ddp"
+            )
+        if self.sync_batchnorm:
+            raise ValueError(
+                "strategy.sync_batchnorm=true is not supported by DeepSpeed strategies here; use strategy=ddp, fsdp "
+                "or hsdp for synchronised BatchNorm, or strategy.sync_batchnorm=false (each rank's own statistics)"
             )
         for name, value in (("offload_optimizer", self.offload_optimizer), ("offload_params", self.offload_params)):
             if value not in OFFLOAD_DEVICES:
