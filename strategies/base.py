@@ -188,9 +188,14 @@ def call_model(model: nn.Module, batch: Any) -> Any:
 def unit_classes(model: nn.Module, explicit: list[str] | None) -> list[str]:
     """Class names of a model's layer-sized units (what FSDP shards one by one, what compile compiles): the explicit
     list when given; else the model's own `_no_split_modules` that occur in it (transformers models declare them, as
-    Accelerate reads them; so does the built-in GPT); else none: the whole model is one unit."""
+    Accelerate reads them; so does the built-in GPT), less those whose units would split a tied parameter
+    (`untied_units`); else none: the whole model is one unit."""
     if explicit is not None:
         return list(explicit)
+    return untied_units(model, _declared_units(model))[0]
+
+
+def _declared_units(model: nn.Module) -> list[str]:
     present = {type(m).__name__ for m in model.modules()}
     return sorted(name for name in getattr(model, "_no_split_modules", None) or () if name in present)
 
@@ -233,33 +238,39 @@ def split_ties(model: nn.Module, class_names: list[str]) -> list[SplitTie]:
     return found
 
 
-def shard_unit_classes(model: nn.Module, explicit: list[str] | None) -> tuple[list[str], list[str]]:
-    """The unit classes a sharding strategy gathers one at a time (`unit_classes`), never splitting a tied
-    parameter, and a line for each of the model's own classes left out.
+def untied_units(model: nn.Module, classes: list[str]) -> tuple[list[str], list[tuple[str, SplitTie]]]:
+    """The unit classes less those whose units would split a tied parameter, and each class left out with its tie.
 
-    From the model's own `_no_split_modules`: a class whose units hold a parameter that is also reachable outside
-    them (BERT's word embedding, tied to its decoder in the root) is left out, and its modules go with the unit around
-    them (the root). Explicit classes (`strategy.shard_units`) that split a tie are a ValueError naming the tied
-    names and the classes that would do."""
-    classes, left_out, lines = unit_classes(model, explicit), [], []
+    A class whose units hold a parameter that is also reachable outside them (BERT's word embedding, tied to its
+    decoder in the root; one weight shared by two blocks) is left out, and its modules go with the unit around
+    them (at last the root); until no tie is split."""
+    left_out: list[tuple[str, SplitTie]] = []
     while ties := split_ties(model, classes):
         for cls in sorted({unit for tie in ties for unit in tie.units if unit}):
-            tie = next(t for t in ties if cls in t.units)
-            left_out.append(cls)
-            lines.append(
-                f"{cls} is not a unit here, though {type(model).__name__} lists it in _no_split_modules: its "
-                f"parameter is tied, {tie.describe()}, and a unit must hold every use of its parameters; its modules "
-                "go with the unit around them"
-            )
-        classes = [c for c in classes if c not in left_out]
-    if explicit is not None and left_out:
-        ties = split_ties(model, list(explicit))
+            left_out.append((cls, next(t for t in ties if cls in t.units)))
+        classes = [c for c in classes if c not in {cls for cls, _ in left_out}]
+    return classes, left_out
+
+
+def tied_unit_lines(model: nn.Module, explicit: list[str] | None) -> list[str]:
+    """For a sharding strategy's check: one line for each of the model's own unit classes that `unit_classes` leaves
+    out for a tie; explicit classes (`strategy.shard_units`) that split a tie are a ValueError naming the tied
+    names and the classes that would do."""
+    if explicit is None:
+        return [
+            f"{cls} is not a unit, though {type(model).__name__}._no_split_modules lists it: its parameter is tied, "
+            f"{tie.describe()}, and a unit must hold every use of its parameters; its modules go with the unit "
+            "around them"
+            for cls, tie in untied_units(model, _declared_units(model))[1]
+        ]
+    kept, left_out = untied_units(model, list(explicit))
+    if left_out:
+        ties = "; ".join(t.describe() for t in split_ties(model, list(explicit)))
         raise ValueError(
-            f"strategy.shard_units=[{','.join(explicit)}] splits tied parameters between units: "
-            f"{'; '.join(t.describe() for t in ties)}; use strategy.shard_units=[{','.join(classes)}] (units that "
-            "keep each tied parameter together)"
+            f"strategy.shard_units=[{','.join(explicit)}] splits tied parameters between units: {ties}; use "
+            f"strategy.shard_units=[{','.join(kept)}] (units that keep each tied parameter together)"
         )
-    return classes, lines
+    return []
 
 
 def compile_units(units: list[nn.Module]) -> None:

@@ -33,7 +33,7 @@ from strategies.base import (
     load_torch_state_dict,
     optimizer_step,
     scaler_figures,
-    shard_unit_classes,
+    tied_unit_lines,
     torch_state_dict,
     unit_classes,
     unit_modules,
@@ -101,22 +101,22 @@ class FSDP:
         self,
         shard_units: list[str] | None = None,
         reshard_after_forward: bool = True,
+        sync_batchnorm: bool = False,
         offload: str = "none",
         reduce_dtype: str = "fp32",
         activation_checkpointing: bool = False,
         sync_each_microbatch: bool = False,
         shard_size: int | None = None,
         replicate_size: int | None = 1,
-        sync_batchnorm: bool = False,
     ) -> None:
         self.mesh = Mesh(shard_size, replicate_size)
         self.shard_units = None if shard_units is None else [str(name) for name in shard_units]
         self.reshard_after_forward = reshard_after_forward
+        self.sync_batchnorm = sync_batchnorm
         self.offload = offload
         self.reduce_dtype = reduce_dtype
         self.activation_checkpointing = activation_checkpointing
         self.sync_each_microbatch = sync_each_microbatch
-        self.sync_batchnorm = sync_batchnorm
         self._counter = CommCounter()
         self._last_step: dict[str, float] = {}
 
@@ -141,6 +141,8 @@ class FSDP:
             )
         present = sorted({type(m).__name__ for m in model.modules() if m is not model})
         units = unit_classes(model, self.shard_units)
+        for line in tied_unit_lines(model, self.shard_units):  # tied parameters stay in one unit
+            print(f"launch: fsdp: {line}", flush=True)
         for name in units:
             if name not in present:
                 guess = (difflib.get_close_matches(name, present, n=1) or present[:1] or ["<class name>"])[0]
@@ -148,9 +150,6 @@ class FSDP:
                     f"strategy.shard_units: no module of class '{name}' in {type(model).__name__} "
                     f"(its classes: {', '.join(present)}); e.g. strategy.shard_units=[{guess}]"
                 )
-        units, left_out = shard_unit_classes(model, self.shard_units)  # tied parameters stay in one unit
-        for line in left_out:
-            print(f"launch: fsdp: {line}", flush=True)
         for asked, what in (
             (ctx.compile, "trainer.compile=true compiles"),
             (self.activation_checkpointing, "strategy.activation_checkpointing=true checkpoints"),
@@ -188,9 +187,7 @@ class FSDP:
         # materialises only its own shards, filled from rank 0's tensors one at a time.
         whole = build_model() if ctx.rank == 0 else None
         model = build_model(meta=True)
-        if self.sync_batchnorm:  # over every rank (HSDP: every replica's too): the statistics of the global micro-batch
-            model = sync_batchnorm(model, ctx.device_type)
-        units = unit_modules(model, shard_unit_classes(model, self.shard_units)[0])
+        units = unit_modules(model, unit_classes(model, self.shard_units))
         if self.activation_checkpointing:
             # Before sharding (torchtitan's order): FSDP's hooks then surround the checkpointed unit, so its
             # parameters are gathered again when backward recomputes it. The composable form keeps
@@ -202,6 +199,8 @@ class FSDP:
             # forward with its recomputation boundary already in place, and FSDP's all-gather/reduce-scatter hooks
             # stay outside the graph, around the compiled unit, where they can overlap with compute.
             compile_units(units)
+        if self.sync_batchnorm:  # over every rank (HSDP: every replica's too): the statistics of the global micro-batch
+            model = sync_batchnorm(model, ctx.device_type)
         precision = MixedPrecisionPolicy(
             param_dtype=autocast_dtype(ctx.precision), reduce_dtype=DTYPES[self.reduce_dtype]
         )

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import launch, launch_once
 
-from strategies.base import RunContext, shard_unit_classes, split_ties
+from strategies.base import RunContext, split_ties, tied_unit_lines, unit_classes
 
 BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
         "vocab_size": 256, "max_position_embeddings": 32, "hidden_dropout_prob": 0.0,
@@ -36,20 +36,21 @@ def bert() -> torch.nn.Module:
 
 def test_bert_leaves_its_tied_embeddings_to_the_root_and_keeps_its_layers() -> None:
     model = bert()
-    classes, lines = shard_unit_classes(model, None)
+    lines = tied_unit_lines(model, None)
     assert sorted(model._no_split_modules) == ["BertEmbeddings", "BertLayer"]
-    assert classes == ["BertLayer"]
-    assert len(lines) == 1 and lines[0].startswith("BertEmbeddings is not a unit here"), lines
+    assert unit_classes(model, None) == ["BertLayer"]  # what FSDP's setup shards by: the same rule
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("BertEmbeddings is not a unit, though BertForMaskedLM._no_split_modules lists it")
     assert (
         "bert.embeddings.word_embeddings.weight (in BertEmbeddings) = cls.predictions.decoder.weight (in the root)"
         in lines[0]
     )
-    assert shard_unit_classes(model, ["BertLayer"]) == (["BertLayer"], [])
+    assert tied_unit_lines(model, ["BertLayer"]) == [] and unit_classes(model, ["BertLayer"]) == ["BertLayer"]
 
 
 def test_explicit_units_that_split_a_tie_are_refused_naming_the_tied_parameters_and_a_fix() -> None:
     with pytest.raises(ValueError) as e:
-        shard_unit_classes(bert(), ["BertEmbeddings", "BertLayer"])
+        tied_unit_lines(bert(), ["BertEmbeddings", "BertLayer"])
     line = str(e.value)
     assert "\n" not in line
     assert line.startswith("strategy.shard_units=[BertEmbeddings,BertLayer] splits tied parameters"), line
@@ -79,7 +80,7 @@ def test_tied_lms_whose_ties_stay_in_the_root_keep_their_blocks() -> None:
     for model, block in ((gpt2, "GPT2Block"), (llama, "LlamaDecoderLayer")):
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         assert len(names) == len(list(model.parameters())) + 1  # one tied pair
-        assert shard_unit_classes(model, None) == ([block], []), type(model).__name__
+        assert unit_classes(model, None) == [block] and tied_unit_lines(model, None) == [], type(model).__name__
 
 
 def test_ties_between_two_units_of_a_class_and_between_a_unit_and_the_root_drop_those_classes_only() -> None:
@@ -89,7 +90,7 @@ def test_ties_between_two_units_of_a_class_and_between_a_unit_and_the_root_drop_
     ties = split_ties(model, ["Block", "Embedding", "Plain"])
     assert sorted(t.names for t in ties) == [("blocks.0.linear.weight", "blocks.1.linear.weight"),
                                              ("embed.table.weight", "head.weight")]  # fmt: skip
-    classes, lines = shard_unit_classes(model, None)
+    classes, lines = unit_classes(model, None), tied_unit_lines(model, None)
     assert classes == ["Plain"]
     assert [line.split()[0] for line in lines] == ["Block", "Embedding"], lines
     assert "blocks.0.linear.weight (in Block) = blocks.1.linear.weight (in Block)" in lines[0]
@@ -139,7 +140,7 @@ def test_bert_trains_under_fsdp_from_its_own_units_as_one_process(conformance_di
                       name="units-bert-fsdp").check()  # fmt: skip
     one = launch_once(conformance_dir, "+sweep=smoke", *BERT_RUN, "strategy=ddp", "gpus=1", "batch.micro_size=4",
                       name="units-bert-one")  # fmt: skip
-    assert "launch: fsdp: BertEmbeddings is not a unit here" in run.stdout, run.stdout
+    assert "launch: fsdp: BertEmbeddings is not a unit, though" in run.stdout, run.stdout
     assert run.losses() == pytest.approx(one.check().losses(), abs=1e-5), (run.losses(), one.losses())
     assert len(run.losses()) == 3
     assert run.metrics[-1]["comm_calls"] == BERT["num_hidden_layers"] + 1  # one reduce-scatter per BertLayer, the root

@@ -49,18 +49,18 @@ class DeepSpeed:
         offload_params: str = "none",
         nvme_path: str | None = None,
         sync_each_microbatch: bool = False,
+        sync_batchnorm: bool = False,
         ds_config: dict[str, Any] | None = None,
         optimizer: str = "torch.optim.AdamW",
-        sync_batchnorm: bool = False,
     ) -> None:
         self.stage = stage
         self.offload_optimizer = offload_optimizer
         self.offload_params = offload_params
         self.nvme_path = nvme_path
         self.sync_each_microbatch = sync_each_microbatch
+        self.sync_batchnorm = sync_batchnorm
         self.ds_config: dict[str, Any] = dict(ds_config or {})
         self.optimizer_target = optimizer
-        self.sync_batchnorm = sync_batchnorm
         self._counter = CommCounter()
         self._accumulating: ExitStack | None = None
         self._swap_dir: str | None = None
