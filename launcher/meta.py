@@ -26,9 +26,8 @@ class ModelSize:
     takes_num_items: bool = False
     """Its forward divides a summed loss by `num_items_in_batch` itself (transformers models do)."""
     largest_unit: int = 0
-    """Parameters of its largest layer-sized unit (a module of its `_no_split_modules`, with its children, less the
-    classes that would split a tied parameter: `strategies.base.unit_classes`): what FSDP and ZeRO-3 gather at a time;
-    the whole model when it declares none."""
+    """Parameters of its largest layer-sized unit (a module of its `_no_split_modules`, with its children): what
+    FSDP and ZeRO-3 gather at a time; the whole model when it declares none."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,8 +106,6 @@ def measure(model: Any) -> ModelSize:
     # transformers models take **kwargs and hand num_items_in_batch to their `loss_function`.
     kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     takes = "num_items_in_batch" in parameters or (kwargs and hasattr(type(model), "loss_function"))
-    from strategies.base import unit_classes
-
-    declared = set(unit_classes(model, None))  # the units FSDP shards by when none are named
+    declared = set(getattr(model, "_no_split_modules", None) or ())
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in declared]
     return ModelSize(params, largest, takes, max(units, default=params))
