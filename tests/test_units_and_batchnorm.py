@@ -70,14 +70,18 @@ def test_fsdp_and_hsdp_check_the_same_rule_in_the_parent(replicate_size, capsys)
 
 
 def test_tied_lms_whose_ties_stay_in_the_root_keep_their_blocks() -> None:
-    """GPT-2 and Llama tie the input embedding to the LM head, both in the root: every block stays a unit."""
+    """GPT-2, Llama and the built-in GPT tie the input embedding to the LM head, both in the root: every block stays
+    a unit."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from launcher.models.gpt import GPT
 
     gpt2 = on_meta(lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)))
     llama = on_meta(lambda: LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                                          intermediate_size=64, vocab_size=64, tie_word_embeddings=True,
                                                          bos_token_id=1, eos_token_id=2)))  # fmt: skip
-    for model, block in ((gpt2, "GPT2Block"), (llama, "LlamaDecoderLayer")):
+    ours = on_meta(lambda: GPT(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16))
+    for model, block in ((gpt2, "GPT2Block"), (llama, "LlamaDecoderLayer"), (ours, "Block")):
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         assert len(names) == len(list(model.parameters())) + 1  # one tied pair
         assert unit_classes(model, None) == [block] and tied_unit_lines(model, None) == [], type(model).__name__
@@ -135,7 +139,8 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_bert_trains_under_fsdp_from_its_own_units_as_one_process(conformance_dir: Path) -> None:
-    """K=1 in both runs: BERT's masked-LM loss is its own mean, whatever `num_items_in_batch` it is handed."""
+    """K=1 in both runs, so that the comparison rests on the units alone, not on how a masked LM's loss is counted
+    over micro-steps."""
     run = launch_once(conformance_dir, "+sweep=smoke", *BERT_RUN, "strategy=fsdp", "batch.micro_size=2",
                       name="units-bert-fsdp").check()  # fmt: skip
     one = launch_once(conformance_dir, "+sweep=smoke", *BERT_RUN, "strategy=ddp", "gpus=1", "batch.micro_size=4",
