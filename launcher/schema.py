@@ -184,6 +184,9 @@ class SGDConfig:
 @dataclass
 class DDPStrategyConfig:
     _target_: str = "strategies.ddp.DDP"
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to synchronised ones (torch's SyncBatchNorm; on CPU an all-reduce of the same
+    statistics): each normalises with the whole micro-batch of every rank, and the running statistics follow it."""
     bucket_cap_mb: float = ranged(25.0, POSITIVE)
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
@@ -213,6 +216,9 @@ class FSDPStrategyConfig:
     """Recompute each shard unit's activations in backward instead of storing them."""
     sync_each_microbatch: bool = False
     """Reduce-scatter on every micro-step: K x the communication, but no unsharded gradients kept between."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to synchronised ones (torch's SyncBatchNorm; on CPU an all-reduce of the same
+    statistics): each normalises with the whole micro-batch of every rank, and the running statistics follow it."""
     shard_size: int | None = ranged(None, SIZE)
     """Ranks each shard group splits the state over (the 2-D mesh's dim 1); unset: world size / replicate_size, or
     with both unset the GPUs of a node (strategy=hsdp)."""
@@ -241,6 +247,8 @@ class DeepSpeedStrategyConfig:
     """Folder on a local NVMe disk for offload=nvme; each rank swaps into its own subfolder, removed at the end."""
     sync_each_microbatch: bool = False
     """ZeRO-2/3: reduce-scatter on every micro-step: K x the communication, but no unsharded gradients kept between."""
+    sync_batchnorm: bool = False
+    """Refused: DeepSpeed strategies keep each rank's own BatchNorm statistics (use ddp, fsdp or hsdp to sync)."""
     ds_config: dict[str, Any] = field(default_factory=dict)
     """Extra DeepSpeed config keys; one that contradicts a derived value (batch, precision, clipping, optimizer)
     is an error."""

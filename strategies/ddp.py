@@ -27,6 +27,7 @@ from strategies.base import (
     unit_classes,
     unit_modules,
 )
+from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
 
 
@@ -41,11 +42,13 @@ class DDP:
     def __init__(
         self,
         bucket_cap_mb: float = 25.0,
+        sync_batchnorm: bool = False,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         compile_units: list[str] | None = None,
     ) -> None:
         self.bucket_cap_mb = bucket_cap_mb
+        self.sync_batchnorm = sync_batchnorm
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.compile_units = None if compile_units is None else [str(name) for name in compile_units]
@@ -76,6 +79,8 @@ class DDP:
             # Before wrapping: DDP's bucketed all-reduce hooks stay outside the compiled graphs (as under FSDP).
             # Unit by unit where the model has units (the model's _no_split_modules, or strategy.compile_units).
             compile_units(unit_modules(module, unit_classes(module, self.compile_units)) or [module])
+        if self.sync_batchnorm:
+            module = sync_batchnorm(module, ctx.device_type)
         self.model = DistributedDataParallel(
             module,
             device_ids=[torch.device(ctx.device).index] if ctx.device_type == "cuda" else None,

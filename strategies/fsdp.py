@@ -33,10 +33,12 @@ from strategies.base import (
     load_torch_state_dict,
     optimizer_step,
     scaler_figures,
+    tied_unit_lines,
     torch_state_dict,
     unit_classes,
     unit_modules,
 )
+from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,6 +101,7 @@ class FSDP:
         self,
         shard_units: list[str] | None = None,
         reshard_after_forward: bool = True,
+        sync_batchnorm: bool = False,
         offload: str = "none",
         reduce_dtype: str = "fp32",
         activation_checkpointing: bool = False,
@@ -109,6 +112,7 @@ class FSDP:
         self.mesh = Mesh(shard_size, replicate_size)
         self.shard_units = None if shard_units is None else [str(name) for name in shard_units]
         self.reshard_after_forward = reshard_after_forward
+        self.sync_batchnorm = sync_batchnorm
         self.offload = offload
         self.reduce_dtype = reduce_dtype
         self.activation_checkpointing = activation_checkpointing
@@ -137,6 +141,8 @@ class FSDP:
             )
         present = sorted({type(m).__name__ for m in model.modules() if m is not model})
         units = unit_classes(model, self.shard_units)
+        for line in tied_unit_lines(model, self.shard_units):  # tied parameters stay in one unit
+            print(f"launch: fsdp: {line}", flush=True)
         for name in units:
             if name not in present:
                 guess = (difflib.get_close_matches(name, present, n=1) or present[:1] or ["<class name>"])[0]
@@ -193,6 +199,8 @@ class FSDP:
             # forward with its recomputation boundary already in place, and FSDP's all-gather/reduce-scatter hooks
             # stay outside the graph, around the compiled unit, where they can overlap with compute.
             compile_units(units)
+        if self.sync_batchnorm:  # over every rank (HSDP: every replica's too): the statistics of the global micro-batch
+            model = sync_batchnorm(model, ctx.device_type)
         precision = MixedPrecisionPolicy(
             param_dtype=autocast_dtype(ctx.precision), reduce_dtype=DTYPES[self.reduce_dtype]
         )

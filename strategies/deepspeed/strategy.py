@@ -49,6 +49,7 @@ class DeepSpeed:
         offload_params: str = "none",
         nvme_path: str | None = None,
         sync_each_microbatch: bool = False,
+        sync_batchnorm: bool = False,
         ds_config: dict[str, Any] | None = None,
         optimizer: str = "torch.optim.AdamW",
     ) -> None:
@@ -57,6 +58,7 @@ class DeepSpeed:
         self.offload_params = offload_params
         self.nvme_path = nvme_path
         self.sync_each_microbatch = sync_each_microbatch
+        self.sync_batchnorm = sync_batchnorm
         self.ds_config: dict[str, Any] = dict(ds_config or {})
         self.optimizer_target = optimizer
         self._counter = CommCounter()
@@ -101,6 +103,11 @@ class DeepSpeed:
             raise ValueError(
                 "trainer.compile=true is not supported by DeepSpeed strategies here; "
                 "use trainer.compile=false, or strategy=fsdp or ddp"
+            )
+        if self.sync_batchnorm:
+            raise ValueError(
+                "strategy.sync_batchnorm=true is not supported by DeepSpeed strategies here; use strategy=ddp, fsdp "
+                "or hsdp for synchronised BatchNorm, or strategy.sync_batchnorm=false (each rank's own statistics)"
             )
         for name, value in (("offload_optimizer", self.offload_optimizer), ("offload_params", self.offload_params)):
             if value not in OFFLOAD_DEVICES:
