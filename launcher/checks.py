@@ -205,8 +205,8 @@ def _meta_artefact(e: BaseException) -> str | None:
     message = str(e).lower()
     if isinstance(e, NotImplementedError) or "meta" in message:
         return "an operation that needs real values or has no meta kernel"
-    frames = traceback.extract_tb(e.__traceback__)
-    in_meta_kernel = bool(frames) and frames[-1].filename.endswith("_meta_registrations.py")
+    frames = traceback.extract_tb(e.__traceback__)[-4:]  # the kernel's frame, under torch's own _check helpers
+    in_meta_kernel = any(frame.filename.endswith("_meta_registrations.py") for frame in frames)
     if in_meta_kernel and ("dtype" in message or " type" in message):
         return "a meta kernel stricter about dtypes than the real one"
     return None
