@@ -100,7 +100,7 @@ class SameModulesCheck:
         self.named = [
             (name, m)
             for name, m in model.named_modules()
-            if id(m) not in inside and any(True for _ in m.parameters(recurse=False))
+            if id(m) not in inside and any(p.requires_grad for p in m.parameters(recurse=False))
         ]
         self.done = not self.named
         self._ran: set[int] = set()
@@ -138,7 +138,7 @@ class SameModulesCheck:
         did = [r for r in range(len(every)) if ran[r, i]]
         did_not = [r for r in range(len(every)) if not ran[r, i]]
         name, module = named[i]
-        first = next(n for n, _ in module.named_parameters(recurse=False))
+        first = next(n for n, p in module.named_parameters(recurse=False) if p.requires_grad)
         raise RuntimeError(
             f"parameter {f'{name}.{first}' if name else first} got no gradient on rank(s) {_ranks(did_not)} in the "
             f"first micro-step (its module did not run there) but did on rank(s) {_ranks(did)}: the ranks' "
