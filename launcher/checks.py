@@ -90,7 +90,7 @@ def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] =
 
 def check_built(frozen: DictConfig, model: Any) -> None:
     """Build in the parent what the workers will build, and refuse in one line what fails: the optimizer over the
-    model's (meta) parameters, both datasets and one sample of each, a forward of that sample on the meta device,
+    model's (meta) parameters, both datasets and their first samples, a forward of one micro-batch on the meta device,
     the logger's settings. Nothing here allocates a model's memory."""
     _check_optimizer(frozen, model)
     sample = _check_datasets(frozen)
@@ -115,8 +115,9 @@ def _check_optimizer(frozen: DictConfig, model: Any) -> None:
 
 
 def _check_datasets(frozen: DictConfig) -> Any:
-    """Both splits built, non-empty, their first sample readable; a micro-batch of one train sample, or None when
-    the data opts out (`+data._check_=false`)."""
+    """Both splits built, non-empty, their first sample readable; the train split's first micro-batch
+    (`batch.micro_size` samples, as a rank's forward gets them), or None when the data opts out
+    (`+data._check_=false`)."""
     from torch.utils.data import default_collate
 
     from launcher.data import SKIP_CHECK, build_dataset
@@ -137,10 +138,13 @@ def _check_datasets(frozen: DictConfig) -> Any:
         if size == 0:
             fix = "raise data.val_fraction, or set trainer.eval_every=0" if split == "val" else "give it samples"
             raise ConfigError(f"data: the {split} split is empty (0 samples); {fix}")
+        count = min(size, int(frozen.batch.micro_size)) if first is None else 1
         try:
-            item = default_collate([dataset[0]])
+            item = default_collate([dataset[i] for i in range(count)])
         except Exception as e:
-            raise _fail("data", e, f"fix the dataset (sample 0 of the {split} split does not read and collate)") from e
+            raise _fail(
+                "data", e, f"fix the dataset (the {split} split's first samples do not read and collate)"
+            ) from e
         first = item if first is None else first
     return first
 
@@ -171,11 +175,41 @@ def _check_forward(frozen: DictConfig, model: Any, batch: Any) -> None:
         )
     try:
         with torch.no_grad():
-            model_loss(call_model(model, to_device(batch, torch.device("meta"))))
-    except Exception as e:
-        if "meta" in str(e).lower() or isinstance(e, NotImplementedError):
-            return  # an operation without a meta kernel: the shapes cannot be checked here, the workers will see
+            output = call_model(model, to_device(batch, torch.device("meta")))
+    except TypeError as e:  # the batch's keys or arguments against the forward's parameters
         raise _fail("model", e, "make the model's forward take the data's batch and return the loss") from e
+    except Exception as e:
+        why = _meta_artefact(e)
+        if why is None:
+            raise _fail("model", e, "make the model's forward take the data's batch and return the loss") from e
+        message = " ".join(str(e).split()).split(". ")[0][:200]
+        print(
+            f"launch: could not check the model's forward on the meta device ({why}: {type(e).__name__}: {message}); "
+            "its first step checks it",
+            flush=True,
+        )
+        return
+    try:
+        model_loss(output)
+    except Exception as e:
+        raise _fail("model", e, "make the model's forward take the data's batch and return the loss") from e
+
+
+def _meta_artefact(e: BaseException) -> str | None:
+    """Why a forward that failed on the meta device may well run on a real one, or None when the failure is the
+    model's or the data's (a shape that does not fit, a value the model refuses): an operation with no meta kernel
+    or one that needs values (data-dependent routing, `.item()`), or a meta kernel that checks dtypes its real kernel
+    converts (`torch._grouped_mm`'s rejects fp32 inputs: transformers' MoE experts)."""
+    import traceback
+
+    message = str(e).lower()
+    if isinstance(e, NotImplementedError) or "meta" in message:
+        return "an operation that needs real values or has no meta kernel"
+    frames = traceback.extract_tb(e.__traceback__)[-4:]  # the kernel's frame, under torch's own _check helpers
+    in_meta_kernel = any(frame.filename.endswith("_meta_registrations.py") for frame in frames)
+    if in_meta_kernel and ("dtype" in message or " type" in message):
+        return "a meta kernel stricter about dtypes than the real one"
+    return None
 
 
 def _check_logger(frozen: DictConfig) -> None:

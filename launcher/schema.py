@@ -189,10 +189,15 @@ class DDPStrategyConfig:
     statistics): each normalises with the whole micro-batch of every rank, and the running statistics follow it."""
     bucket_cap_mb: float = ranged(25.0, POSITIVE)
     find_unused_parameters: bool = False
+    """All-reduce zeros for the parameters a rank did not use in a step (beyond mixture-of-experts blocks, whose
+    parameters always get a gradient: strategy.moe_blocks)."""
     gradient_as_bucket_view: bool = True
     compile_units: list[str] | None = None
     """Class names of the modules trainer.compile=true compiles one by one; unset: the model's own
     `_no_split_modules` (transformers models, the built-in GPT's Block), else the whole model."""
+    moe_blocks: list[str] | None = None
+    """Class names of the mixture-of-experts blocks (each gives every parameter a gradient, zero where a rank used no
+    expert of it); unset: the modules with a child named `experts`."""
 
 
 class FSDPOffload(Enum):
@@ -225,6 +230,9 @@ class FSDPStrategyConfig:
     replicate_size: int | None = ranged(1, SIZE)
     """Shard groups holding replicas of each other (dim 0), their gradient shards all-reduced each step; 1: plain
     FSDP over every rank; unset: world size / shard_size (strategy=hsdp: the number of nodes)."""
+    moe_blocks: list[str] | None = None
+    """Class names of the mixture-of-experts blocks (each gives every parameter a gradient, zero where a rank used no
+    expert of it); unset: the modules with a child named `experts`."""
 
 
 class ZeroOffload(Enum):
@@ -254,6 +262,9 @@ class DeepSpeedStrategyConfig:
     is an error."""
     optimizer: str = "${optim._target_}"
     """The optimizer class, read from optim (the checks need it before workers start); do not set."""
+    moe_blocks: list[str] | None = None
+    """Class names of the mixture-of-experts blocks (each gives every parameter a gradient, zero where a rank used no
+    expert of it; ZeRO-3 gathers each as a whole, a leaf module); unset: the modules with a child named `experts`."""
 
 
 @dataclass

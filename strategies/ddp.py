@@ -29,6 +29,10 @@ from strategies.base import (
 )
 from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
+from strategies.moe import SameModulesCheck, check_moe_blocks, moe_blocks, use_every_parameter
+
+UNUSED = "Expected to have finished reduction in the prior iteration"
+"""The start of torch's error when a parameter got no gradient on a rank and find_unused_parameters was off."""
 
 
 # DDP checks hook annotations against the real GradBucket/Future classes; string annotations
@@ -46,12 +50,14 @@ class DDP:
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         compile_units: list[str] | None = None,
+        moe_blocks: list[str] | None = None,
     ) -> None:
         self.bucket_cap_mb = bucket_cap_mb
         self.sync_batchnorm = sync_batchnorm
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.compile_units = None if compile_units is None else [str(name) for name in compile_units]
+        self.moe_blocks = None if moe_blocks is None else [str(name) for name in moe_blocks]
         self._counter = CommCounter()
         self._last_step: dict[str, float] = {}
 
@@ -65,6 +71,7 @@ class DDP:
         return Layout(params=replicated, grads=replicated, optimizer=replicated, transients=transients)
 
     def check(self, ctx: RunContext, model: nn.Module) -> None:
+        check_moe_blocks(model, self.moe_blocks)
         if ctx.compile and self.compile_units == []:
             raise ValueError(
                 "trainer.compile=true compiles each unit, but strategy.compile_units is empty; "
@@ -75,6 +82,10 @@ class DDP:
         self.ctx = ctx
         self._counter.world_size = ctx.world_size
         module = build_model().to(ctx.device)
+        # Every parameter of a mixture-of-experts block gets a gradient on every rank (zero for an expert this rank
+        # routed nothing to), as under FSDP and ZeRO: the same gradients, and no unused parameters to find.
+        blocks = moe_blocks(module, self.moe_blocks)
+        use_every_parameter(blocks)
         if ctx.compile:
             # Before wrapping: DDP's bucketed all-reduce hooks stay outside the compiled graphs (as under FSDP).
             # Unit by unit where the model has units (the model's _no_split_modules, or strategy.compile_units).
@@ -89,19 +100,31 @@ class DDP:
             gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
         self.model.register_comm_hook(self._counter, _counting_allreduce)
+        # With find_unused_parameters off, a module one rank skips is named once, not a collective that never ends.
+        self._same_modules = SameModulesCheck(module, [module] if self.find_unused_parameters else blocks)
         self.optimizer = build_optimizer(self.model.parameters())
         self.dtype = autocast_dtype(ctx.precision)
         # fp16 needs loss scaling; bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler(ctx.device_type, enabled=ctx.precision == "fp16")
 
     def forward(self, batch: Any) -> torch.Tensor:
-        with torch.autocast(self.ctx.device_type, dtype=self.dtype, enabled=self.dtype is not None):
-            return call_model(self.model, batch)
+        autocast = torch.autocast(self.ctx.device_type, dtype=self.dtype, enabled=self.dtype is not None)
+        try:
+            with autocast, self._same_modules.watch():
+                return call_model(self.model, batch)
+        except RuntimeError as e:
+            if UNUSED not in str(e):
+                raise
+            raise RuntimeError(
+                "some parameters got no gradient on a rank in the previous step (a module its forward skipped: an "
+                "expert no token was routed to?); set strategy.find_unused_parameters=true"
+            ) from e
 
     def sync(self, enabled: bool) -> AbstractContextManager[None]:
         return nullcontext() if enabled else self.model.no_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._same_modules.compare(torch.device(self.ctx.device), "set strategy.find_unused_parameters=true")
         self.scaler.scale(loss).backward()
 
     def step(self, lr: float) -> float:

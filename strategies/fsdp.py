@@ -40,6 +40,14 @@ from strategies.base import (
 )
 from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
+from strategies.moe import (
+    SameModulesCheck,
+    block_classes,
+    check_moe_blocks,
+    moe_blocks,
+    units_inside,
+    use_every_parameter,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 UNIT_WEIGHT_BUFFERS = 2
@@ -108,6 +116,7 @@ class FSDP:
         sync_each_microbatch: bool = False,
         shard_size: int | None = None,
         replicate_size: int | None = 1,
+        moe_blocks: list[str] | None = None,
     ) -> None:
         self.mesh = Mesh(shard_size, replicate_size)
         self.shard_units = None if shard_units is None else [str(name) for name in shard_units]
@@ -117,6 +126,7 @@ class FSDP:
         self.reduce_dtype = reduce_dtype
         self.activation_checkpointing = activation_checkpointing
         self.sync_each_microbatch = sync_each_microbatch
+        self.moe_blocks = None if moe_blocks is None else [str(name) for name in moe_blocks]
         self._counter = CommCounter()
         self._last_step: dict[str, float] = {}
 
@@ -150,6 +160,16 @@ class FSDP:
                     f"strategy.shard_units: no module of class '{name}' in {type(model).__name__} "
                     f"(its classes: {', '.join(present)}); e.g. strategy.shard_units=[{guess}]"
                 )
+        check_moe_blocks(model, self.moe_blocks)
+        blocks = moe_blocks(model, self.moe_blocks)
+        split = units_inside(model, blocks, units)
+        if split:
+            raise ValueError(
+                f"strategy.shard_units=[{', '.join(split)}] makes units inside the mixture-of-experts block "
+                f"{', '.join(block_classes(blocks))}, whose experts some ranks skip (their all-gathers and "
+                "reduce-scatters would not match); shard the block or a layer around it instead, e.g. "
+                f"strategy.shard_units=[{block_classes(blocks)[0]}]"
+            )
         for asked, what in (
             (ctx.compile, "trainer.compile=true compiles"),
             (self.activation_checkpointing, "strategy.activation_checkpointing=true checkpoints"),
@@ -188,6 +208,11 @@ class FSDP:
         whole = build_model() if ctx.rank == 0 else None
         model = build_model(meta=True)
         units = unit_modules(model, unit_classes(model, self.shard_units))
+        # Inside a unit, FSDP2 reduce-scatters only the gradients its rank has: an expert a rank skipped must still
+        # get one (zero), or the ranks' reduce-scatters differ in size.
+        blocks = moe_blocks(model, self.moe_blocks)
+        use_every_parameter(blocks)
+        self._same_modules = SameModulesCheck(model, blocks)
         if self.activation_checkpointing:
             # Before sharding (torchtitan's order): FSDP's hooks then surround the checkpointed unit, so its
             # parameters are gathered again when backward recomputes it. The composable form keeps
@@ -238,7 +263,8 @@ class FSDP:
 
     def forward(self, batch: Any) -> torch.Tensor:
         # No autocast: MixedPrecisionPolicy already runs each unit in the parameter dtype.
-        return call_model(self.model, batch)
+        with self._same_modules.watch():
+            return call_model(self.model, batch)
 
     def sync(self, enabled: bool) -> AbstractContextManager[None]:
         return self._sync(enabled or self.sync_each_microbatch)
@@ -253,6 +279,8 @@ class FSDP:
             self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def backward(self, loss: torch.Tensor) -> None:
+        fix = "name its class in strategy.moe_blocks (the block around the modules its router skips)"
+        self._same_modules.compare(torch.device(self.ctx.device), fix)
         self.scaler.scale(loss).backward()
 
     def step(self, lr: float) -> float:

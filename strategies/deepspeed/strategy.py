@@ -31,6 +31,7 @@ from strategies.base import (
 from strategies.comm import CommCounter
 from strategies.deepspeed import zero
 from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config
+from strategies.moe import SameModulesCheck, check_moe_blocks, moe_blocks, use_every_parameter
 
 ADAM_OPTIMIZERS = {"torch.optim.AdamW": True, "torch.optim.Adam": False}
 """Optimizers DeepSpeed's CPU Adam can stand in for under optimizer offload: class -> adamw_mode."""
@@ -52,6 +53,7 @@ class DeepSpeed:
         sync_batchnorm: bool = False,
         ds_config: dict[str, Any] | None = None,
         optimizer: str = "torch.optim.AdamW",
+        moe_blocks: list[str] | None = None,
     ) -> None:
         self.stage = stage
         self.offload_optimizer = offload_optimizer
@@ -61,6 +63,7 @@ class DeepSpeed:
         self.sync_batchnorm = sync_batchnorm
         self.ds_config: dict[str, Any] = dict(ds_config or {})
         self.optimizer_target = optimizer
+        self.moe_blocks = None if moe_blocks is None else [str(name) for name in moe_blocks]
         self._counter = CommCounter()
         self._accumulating: ExitStack | None = None
         self._swap_dir: str | None = None
@@ -127,6 +130,7 @@ class DeepSpeed:
                 f"strategy.offload_optimizer={self.offload_optimizer} runs DeepSpeed's CPU Adam, which cannot stand in "
                 f"for {self.optimizer_target}; use optim=adamw or strategy.offload_optimizer=none"
             )
+        check_moe_blocks(model, self.moe_blocks)
         build_ds_config(ctx, self.stage, self.offload_optimizer, self.offload_params, self.nvme_path, self.ds_config)
         if "nvme" in (self.offload_optimizer, self.offload_params):
             self._check_nvme(ctx, sum(p.numel() for p in model.parameters()))
@@ -176,6 +180,15 @@ class DeepSpeed:
             # A folder of this rank's own, removed in teardown: swap files never pile up across runs.
             self._swap_dir = tempfile.mkdtemp(prefix=f"launch-swap-rank{ctx.rank}-", dir=self.nvme_path)
         model = build_model()
+        # Every parameter of an MoE block gets a gradient (zero where this rank routed no token to it), so every rank
+        # fills the same reduce buckets; ZeRO-3 gathers each block whole, so no rank gathers an expert others skip.
+        blocks = moe_blocks(model, self.moe_blocks)
+        use_every_parameter(blocks)
+        self._same_modules = SameModulesCheck(model, blocks)
+        if blocks and self.stage == 3:
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, list({type(block) for block in blocks}))
         params = sum(p.numel() for p in model.parameters())
         largest = max((p.numel() for p in model.parameters()), default=0)
         config = build_ds_config(
@@ -211,7 +224,8 @@ class DeepSpeed:
         return DeepSpeedCPUAdam(model.parameters(), adamw_mode=ADAM_OPTIMIZERS[self.optimizer_target], **keywords)
 
     def forward(self, batch: Any) -> torch.Tensor:
-        return call_model(self.engine, batch)
+        with self._same_modules.watch():
+            return call_model(self.engine, batch)
 
     def sync(self, enabled: bool) -> AbstractContextManager[None]:
         return self._micro_step(enabled)
@@ -234,6 +248,8 @@ class DeepSpeed:
                 self._accumulating = None
 
     def backward(self, loss: torch.Tensor) -> None:
+        fix = "name its class in strategy.moe_blocks (the block around the modules its router skips)"
+        self._same_modules.compare(torch.device(self.ctx.device), fix)
         # The runner already divided the loss by the accumulation steps.
         self.engine.backward(loss, scale_wrt_gas=False)
 
