@@ -70,9 +70,12 @@ def checksum_cost(folder: Path) -> dict[str, float]:
     from launcher.checkpoint import damage
 
     buffer = bytes(256 << 20)
-    started = time.perf_counter()
-    xxhash.xxh3_128(buffer).hexdigest()
-    memory = len(buffer) / (time.perf_counter() - started)
+    seconds = []
+    for _ in range(4):  # the first pass also maps the buffer's pages: the best of the others
+        started = time.perf_counter()
+        xxhash.xxh3_128(buffer).hexdigest()
+        seconds.append(time.perf_counter() - started)
+    memory = len(buffer) / min(seconds[1:])
     started = time.perf_counter()
     assert damage(folder) is None, folder
     return {"memory": memory, "verify": time.perf_counter() - started}
