@@ -71,7 +71,7 @@ def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) 
         given = OmegaConf.select(cfg, "job.resume_from", default=None)
         ordered = checkpoint.by_time(folder)
         for broken in sorted(set(folder.glob("step_*")) - set(ordered)):
-            print(checkpoint.skipped(broken, "its manifest does not parse"), flush=True)
+            print(checkpoint.skipped(broken, checkpoint.damage(broken) or "its manifest does not parse"), flush=True)
         paths = [str(p) for p in ordered] or ([given] if given else [])
     paths = _broadcast(paths)
     for i, path in enumerate(map(Path, paths)):

@@ -141,6 +141,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise UntrustedDataError(f"{file} is unreadable ({type(e).__name__}: {e})") from e
     if not isinstance(manifest, dict):
         raise UntrustedDataError(f"{file} is not a manifest (a JSON object)")
+    if "xxh3_128" not in manifest:
+        raise UntrustedDataError(f"{file} records no checksums: a launch before checksums wrote it")
     for key, kind in _MANIFEST_FIELDS.items():
         value = manifest.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0):

@@ -373,3 +373,17 @@ def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None
     assert survivor.returncode == 1 and len(lines) == 1, err
     assert f"; rank {gone[0]}) went away at step " in lines[0] and lines[0].startswith("launch: error: node "), err
     assert "did not all join" not in err and "frame #" not in err + out, (out, err)
+
+
+def test_a_manifest_without_checksums_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    from launcher.checkpoint import newest_intact
+
+    ck = tmp_path / "checkpoints"
+    kept, old = _made(ck, 2, 100.0), _made(ck, 4, 200.0)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["xxh3_128"]  # as a launch before checksums wrote it
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    said: list[str] = []
+    assert newest_intact(ck, said.append) == kept
+    why = "records no checksums: a launch before checksums wrote it"
+    assert said == [f"launch: skipping checkpoint {old}: {old / 'manifest.json'} {why}"]
