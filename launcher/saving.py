@@ -124,7 +124,11 @@ class Saver:
         try:
             yield
         except BaseException as e:
-            if _no_space(e) is None:
+            # torch.save's writer reports a short write as "unexpected pos", not as the OSError behind it: a disk
+            # left with less than a megabyte is full too
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or (
+                _no_space(e) is None and shutil.disk_usage(self.checkpoints).free >= 1 << 20
+            ):
                 raise
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -387,3 +387,51 @@ def test_a_manifest_without_checksums_is_skipped_with_the_reason(tmp_path: Path)
     assert newest_intact(ck, said.append) == kept
     why = "records no checksums: a launch before checksums wrote it"
     assert said == [f"launch: skipping checkpoint {old}: {old / 'manifest.json'} {why}"]
+
+
+FULL_PROBE = r"""
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from launcher import saving
+from launcher.checkpoint import Position
+
+root, ck = Path(sys.argv[1]), Path(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
+
+class State:
+    def __init__(self, n):
+        self.w = torch.ones(n)
+
+    def state_dict(self):
+        return {"model": {"w": self.w}}
+
+saver = saving.Saver(ck, 0, 1, keep_last=0)
+saver.save(Position(1, 8), State(1000), {"world_size": 1, "config_hash": "0" * 16})
+saving.check_space = lambda *args: None  # another process takes the room after the check: the write meets ENOSPC
+try:
+    saver.save(Position(2, 16), State(1_000_000), {"world_size": 1, "config_hash": "0" * 16})
+except RuntimeError as e:
+    print("REFUSED", e)
+dist.destroy_process_group()
+"""
+
+
+def test_a_disk_that_fills_during_a_write_is_one_line_and_keeps_the_intact_checkpoint(tmp_path: Path, tmpfs) -> None:
+    """A real DCP write onto a tmpfs too small for it (the check before it bypassed, as when another process takes
+    the room meanwhile): one line naming the disk, the checkpoint and the one still intact; the partial removed."""
+    from launcher.checkpoint import damage
+
+    disk = tmpfs(1 << 20)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", FULL_PROBE, str(tmp_path), str(disk / "ckpt")], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    ck = disk / "ckpt"
+    assert proc.stdout.startswith(f"REFUSED no space left on tmpfs at {disk} ("), (proc.stdout, proc.stderr)
+    assert proc.stdout.strip().endswith(
+        f"while writing the checkpoint of step 2 ({ck / '.step_00000002.partial'}, removed); the newest intact "
+        f"checkpoint is {ck / 'step_00000001'}; free space there, lower trainer.keep_last, or choose another "
+        "hydra.run.dir"
+    ), proc.stdout
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000001"] and damage(ck / "step_00000001") is None
