@@ -9,6 +9,8 @@ runner logs on the step after a save: the seconds the loop was blocked by checkp
 before, the state's copy to host memory, the write itself when synchronous, the finalisation), the slowest
 rank's. Bytes per second: the checkpoint's files (its manifest) over the seconds from the save's step to the
 checkpoint being visible (its manifest's time), so under async_checkpoint also the steps that ran meanwhile.
+Checksums: xxh3-128's rate in memory (what hashing as the bytes are written adds) and the seconds to verify one
+checkpoint before a resume.
 The first save is shown apart: under async_checkpoint it also allocates the host buffers the later saves reuse.
 Goal: async stall <= 0.2 x sync.
 """
@@ -57,6 +59,28 @@ def run(name: str, asynchronous: bool, a: argparse.Namespace, out: Path) -> dict
     }
 
 
+def checksum_cost(folder: Path) -> dict[str, float]:
+    """xxh3-128's rate on bytes in memory (what saving adds), and the seconds to verify `folder` (what a resume
+    adds: `launcher.checkpoint.damage` reads and hashes every file)."""
+    import time
+
+    import xxhash
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from launcher.checkpoint import damage
+
+    buffer = bytes(256 << 20)
+    seconds = []
+    for _ in range(4):  # the first pass also maps the buffer's pages: the best of the others
+        started = time.perf_counter()
+        xxhash.xxh3_128(buffer).hexdigest()
+        seconds.append(time.perf_counter() - started)
+    memory = len(buffer) / min(seconds[1:])
+    started = time.perf_counter()
+    assert damage(folder) is None, folder
+    return {"memory": memory, "verify": time.perf_counter() - started}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=13)
@@ -66,6 +90,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sync = run("sync", False, a, Path(tmp))
         asyn = run("async", True, a, Path(tmp))
+        hashing = checksum_cost(next((Path(tmp) / "sync" / "checkpoints").glob("step_*")))
     print(f"gpt_124m, DDP on 2 CPU ranks, {sync['bytes'] / 1e9:.2f} GB per checkpoint, {sync['saves']} saves per run\n")
     print("| trainer.async_checkpoint | first save's stall (s) | stall per later save (s) | finalisation later (s) "
           "| MB/s written | step time (s) |")  # fmt: skip
@@ -73,6 +98,11 @@ def main() -> None:
     for name, r in (("false", sync), ("true", asyn)):
         print(f"| {name} | {r['first']:.3f} | {r['stall']:.3f} | {r['finalise']:.3f} | {r['rate'] / 1e6:,.0f} "
               f"| {r['step']:.3f} |")  # fmt: skip
+    print(
+        f"\nchecksums: xxh3-128 hashes {hashing['memory'] / 1e9:.2f} GB/s in memory, so hashing a checkpoint as it is "
+        f"written adds {sync['bytes'] / hashing['memory']:.3f} s to a synchronous save (in the background writer "
+        f"under async); verifying one before a resume (reading and hashing its files) takes {hashing['verify']:.3f} s"
+    )
     print(
         f"\nasync stall / sync stall, later saves = {asyn['stall'] / sync['stall']:.3f} (goal <= 0.2); "
         f"first saves = {asyn['first'] / sync['first']:.3f}"

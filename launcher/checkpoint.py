@@ -2,7 +2,8 @@
 
 Layout of `<run dir>/checkpoints/`:
     step_00000006/        .metadata + one .distcp per rank (torch.distributed.checkpoint), rng_<rank>.pt,
-                          manifest.json (written last: step, samples, identity, and every file with its size)
+                          manifest.json (written last: step, samples, identity, and every file with its size and its
+                          xxh3-128 checksum, computed as the bytes were written)
     latest                the name of the newest complete checkpoint, moved after the rename (for people and
                           tools: the launcher orders checkpoints by their manifests' times)
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,8 @@ class Position:
 
 
 def is_complete(path: Path) -> bool:
-    """A checkpoint whose manifest parses and whose every listed file is there, at its recorded size."""
+    """A checkpoint whose manifest parses and whose every listed file is there, at its recorded size (cheap: no file
+    is read; `damage` also verifies the contents)."""
     try:
         files = read_manifest(path)["files"]
     except UntrustedDataError:
@@ -54,21 +57,94 @@ def is_complete(path: Path) -> bool:
         return False
 
 
-def complete(checkpoints: Path) -> list[Path]:
-    """The complete checkpoints under `checkpoints/`, newest first by the time each one's manifest records, then by
-    step. Not by the `latest` pointer, which is moved last: a save killed between its rename and the pointer's move
-    is complete and the newest. Not by step alone: a run resumed from further back saves steps older than ones
-    already there, and those it saves are the newer."""
-    done = []
+def by_time(checkpoints: Path) -> list[Path]:
+    """The checkpoints under `checkpoints/` whose manifests parse, newest first: by the time each manifest records,
+    then by step. Not by the `latest` pointer, which is moved last: a save killed between its rename and the
+    pointer's move is the newest. Not by step alone: a run resumed from further back saves steps older than ones
+    already there, and those it saves are the newer. The one order of checkpoints: resume and pruning both use it."""
+    found = []
     for path in checkpoints.glob("step_*"):
-        if is_complete(path):
-            done.append((float(read_manifest(path)["time"]), path.name, path))
-    return [path for *_, path in sorted(done, reverse=True)]
+        try:
+            found.append((float(read_manifest(path)["time"]), path.name, path))
+        except UntrustedDataError:
+            continue
+    return [path for *_, path in sorted(found, reverse=True)]
+
+
+def complete(checkpoints: Path) -> list[Path]:
+    """The complete checkpoints under `checkpoints/`, newest first (`by_time`)."""
+    return [path for path in by_time(checkpoints) if is_complete(path)]
 
 
 def latest(checkpoints: Path) -> Path | None:
     found = complete(checkpoints)
     return found[0] if found else None
+
+
+CHUNK = 8 << 20
+
+
+def checksum(path: Path) -> str:
+    """The xxh3-128 checksum of a file's bytes, as `launcher.saving` records it while writing."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be used, naming the file: an unreadable manifest, a file missing,
+    truncated (its recorded and actual sizes) or unreadable, or whose bytes fail the checksum its manifest records.
+    None when every file verifies. Reads every file once."""
+    try:
+        manifest = read_manifest(path)
+    except UntrustedDataError as e:
+        return str(e)
+    for name, size in manifest["files"].items():
+        file = path / name
+        try:
+            actual = file.stat().st_size
+            if actual != size:
+                return (
+                    f"{name} is truncated: {size} bytes recorded, {actual} on disk"
+                    if actual < size
+                    else (f"{name} has {actual} bytes, {size} recorded")
+                )
+            if checksum(file) != manifest["xxh3_128"][name]:
+                return f"{name} fails its checksum (xxh3-128): its bytes changed after they were written"
+        except OSError as e:
+            return f"{name} is unreadable ({e.strerror or type(e).__name__})"
+    return None
+
+
+def skipped(path: Path, why: str) -> str:
+    """The line a fallback prints."""
+    return f"launch: skipping checkpoint {path}: {why}"
+
+
+def newest_intact(checkpoints: Path, say: Callable[[str], None] = print) -> Path | None:
+    """The newest checkpoint under `checkpoints/` (`by_time`) that verifies (`damage`); `say` is told one line for
+    each newer one skipped, and for each folder whose manifest does not parse."""
+    ordered = by_time(checkpoints)
+    for broken in sorted(set(checkpoints.glob("step_*")) - set(ordered)):
+        say(skipped(broken, damage(broken) or "its manifest does not parse"))
+    for path in ordered:
+        why = damage(path)
+        if why is None:
+            return path
+        say(skipped(path, why))
+    return None
+
+
+def intact(path: Path) -> Path:
+    """`path` if the checkpoint there verifies; else CheckpointError, the line that names the file and why."""
+    why = damage(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {path} is damaged: {why}; resume from another one")
+    return path
 
 
 def find_resume(resume: str | None, run_dir: Path, identity: dict[str, Any]) -> Path | None:
@@ -82,9 +158,9 @@ def find_resume(resume: str | None, run_dir: Path, identity: dict[str, Any]) -> 
     if resume == "auto":
         return _auto(run_dir, identity)
     path = Path(resume).expanduser()
-    if is_complete(path):
-        return path
-    found = latest(path / "checkpoints") if path.is_dir() else None
+    if (path / MANIFEST).exists():  # a checkpoint folder: this one or none
+        return intact(path)
+    found = newest_intact(path / "checkpoints") if path.is_dir() else None
     if found is None:
         raise CheckpointError(
             f"resume={resume}: no complete checkpoint there; give a run directory or a checkpoints/step_* folder"
@@ -115,7 +191,8 @@ def _auto(run_dir: Path, identity: dict[str, Any]) -> Path | None:
             if mine and manifest.get("overrides") == identity.get("overrides"):
                 seen[path] = float(manifest["time"])
             break
-    return max(seen, key=seen.__getitem__, default=None)
+    found = max(seen, key=seen.__getitem__, default=None)
+    return newest_intact(found.parent) if found is not None else None
 
 
 def check_fits(checkpoint: Path, model: Any) -> None:

@@ -6,6 +6,7 @@ never pay for torch, deepspeed or wandb; the run itself is imported when a job s
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -52,6 +53,10 @@ def console() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # torch's C++ warnings (a store or a peer gone: a stack of C++ frames each) stay off the terminal, in the launcher
+    # and its workers: what failed is said in one line, the agent's account in <run dir>/logs/agent.log. Read by
+    # torch when it is imported, so set before; a value of the user's own stands.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["convert"]:
         return convert(argv[1:])

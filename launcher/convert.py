@@ -17,15 +17,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.checkpoint import CheckpointError, is_complete, latest
+from launcher.checkpoint import MANIFEST, CheckpointError, intact, newest_intact
 from launcher.untrusted import UntrustedDataError, dcp_load, read_metadata
 
 
 def find_checkpoint(path: Path) -> Path:
-    """A checkpoint folder, or the newest complete one of a run directory or checkpoints folder."""
-    if is_complete(path):
-        return path
-    found = latest(path / "checkpoints") if (path / "checkpoints").is_dir() else latest(path)
+    """A checkpoint folder that verifies, or the newest one that does of a run directory or checkpoints folder (a
+    line for each newer one skipped)."""
+    if (path / MANIFEST).exists():
+        return intact(path)
+    found = newest_intact(path / "checkpoints") if (path / "checkpoints").is_dir() else newest_intact(path)
     if found is None:
         raise CheckpointError(
             f"{path} is not a complete checkpoint (no valid manifest.json and files); "

@@ -9,6 +9,7 @@ the launcher looks at the out-of-memory kill counters of its cgroup and of the k
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from collections.abc import Callable
@@ -35,12 +36,15 @@ def oom_kills() -> int:
     return total
 
 
-def rank_lines(error: Any, oom_before: int, advice: Callable[[], str] = str) -> list[str]:
-    """One line per failing rank of a ChildFailedError, the first failure first; `advice` (what would fit in
-    memory) is asked for only when the out-of-memory killer is named."""
+def rank_lines(error: Any, oom_before: int, advice: Callable[[], str] = str, spare: Path | None = None) -> list[str]:
+    """One line per failing rank of a ChildFailedError, the first failure first, ranks that failed alike in one line;
+    `advice` (what would fit in memory) is asked for only when the out-of-memory killer is named. A report a worker
+    could not write where the agent reads it (a full disk) is read from `spare`, the launcher's own folder."""
+    for rank, failure in error.failures.items():
+        _read_spare(failure, spare / f"rank{rank}.json" if spare else None)
     ranks = sorted(error.failures, key=lambda r: _order(r, error.failures[r]))
     oom = oom_kills() > oom_before
-    lines = [_line(rank, error.failures[rank], oom) for rank in ranks]
+    lines = _merged([_line(rank, error.failures[rank], oom) for rank in ranks])
     if any(OOM in line for line in lines):
         note = advice()
         lines = [f"{line}: {note}" if OOM in line and note else line for line in lines]
@@ -50,8 +54,79 @@ def rank_lines(error: Any, oom_before: int, advice: Callable[[], str] = str) -> 
 OOM = "was killed by the out-of-memory killer"
 
 
+def _read_spare(failure: Any, file: Path | None) -> None:
+    """The worker's report from the spare folder, where the agent found none of its own."""
+    if file is None or failure.error_file_data.get("message") not in (None, "<NONE>") or not file.is_file():
+        return  # torch's own placeholder for no report: {"message": "<NONE>"}
+    try:
+        record = json.loads(file.read_text())
+        failure.error_file_data, failure.message = record, record["message"]["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+
+
+def _merged(lines: list[str]) -> list[str]:
+    """Ranks that failed with the same words (every rank hits the same full disk) in one line: `ranks 0, 1 ...`,
+    their tracebacks' paths as `rank<N>.traceback`."""
+    ranks: dict[str, list[tuple[str, str]]] = {}
+    for line in lines:
+        rank, _, rest = line.removeprefix("rank ").partition(" ")
+        key = rest.replace(f"/rank{rank}.traceback)", "/rank<N>.traceback)")
+        ranks.setdefault(key, []).append((rank, rest))
+    return [
+        f"rank {alike[0][0]} {alike[0][1]}"
+        if len(alike) == 1
+        else f"ranks {', '.join(r for r, _ in alike)} {re.sub(r'^was ', 'were ', key)}"
+        for key, alike in ranks.items()
+    ]
+
+
 SECONDARY = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe")
 """What a rank says when another one died first: it is not the cause."""
+
+
+def secondary(line: str) -> bool:
+    """A rank's line that says a peer was gone, not why."""
+    return any(s in line.lower() for s in SECONDARY) or line.endswith("was killed by SIGTERM")
+
+
+def lost_node(run_dir: Path, since: float, world_size: int, me: str) -> str | None:
+    """One line naming the node that went away after every rank had joined (the ranks' `logs/ranks/` records
+    since `since`), and where its ranks were last (their phase files: the stalest node is the one gone); None if
+    the group never joined whole, or no other node's rank is known."""
+    records: dict[int, dict[str, Any]] = {}
+    for file in (run_dir / "logs" / "ranks").glob("rank*.json"):
+        try:
+            if file.stat().st_mtime >= since:
+                records[int(file.stem.removeprefix("rank"))] = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+    others: dict[int, list[int]] = {}
+    for rank, record in sorted(records.items()):
+        if record.get("launcher") != me:
+            others.setdefault(int(record.get("node", -1)), []).append(rank)
+    if len(records) < world_size or not others:
+        return None
+    phases = run_dir / "logs" / "phase"
+
+    def heard(rank: int) -> float:
+        try:
+            return (phases / f"rank{rank}").stat().st_mtime
+        except OSError:
+            return 0.0
+
+    node, ranks = min(others.items(), key=lambda item: max(heard(r) for r in item[1]))
+    try:
+        what = (phases / f"rank{ranks[0]}").read_text().partition(" ")[2]
+    except OSError:
+        what = "unknown"
+    step = re.search(r"step (\d+)", what)
+    where = f"at step {step.group(1)}" if step else f"while {what}"
+    return (
+        f"node {node} ({records[ranks[0]].get('host')}; rank{'s' if len(ranks) > 1 else ''} "
+        f"{', '.join(map(str, ranks))}) went away {where}: rank {ranks[0]} was last {what}; the job stopped without "
+        "it (each node's lines are in <run dir>/logs/agent.log); start launch again on every node to resume"
+    )
 
 
 def _order(rank: int, failure: Any) -> tuple[int, float, int]:

@@ -10,9 +10,13 @@ the strategies, and below the CLI; the planner (`launcher.plan`), the checks and
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +26,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.checks import check_built, check_keys, check_resume, check_strategy
 from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze, identity_hash
-from launcher.failures import oom_kills, rank_lines
-from launcher.lifecycle import DUMP_SIGNAL, FLIGHT_RECORDER, STOP_SIGNALS, flight_recorder_env
+from launcher.durable import disk_error
+from launcher.failures import lost_node, oom_kills, rank_lines, secondary
+from launcher.lifecycle import (
+    DUMP_SIGNAL,
+    FAILURE_DIR_ENV,
+    FLIGHT_RECORDER,
+    NODE_ID_ENV,
+    STOP_REPEAT_GRACE,
+    STOP_SIGNALS,
+    flight_recorder_env,
+)
 from launcher.machine import loopback_interface, memory_available, usable_cpus, visible_cuda_devices
 from launcher.rendezvous import LOOPBACK, Rendezvous, rendezvous
-from launcher.rundir import Ownership, claim
+from launcher.rundir import Ownership, claim, remove_made
 
 
 @dataclass(frozen=True)
@@ -154,36 +167,19 @@ def run_job(cfg: DictConfig) -> int:
 
 
 def _run(cfg: DictConfig, run_dir: Path, job: dict[str, Any]) -> Outcome:
-    fresh = _empty(run_dir)  # Hydra made it just now: a refused run leaves nothing behind
     try:
         prepared = prepare(cfg, run_dir, job)
-    except ConfigError as e:
-        if fresh and "sweep_dir" not in job:
-            _remove_empty(run_dir)
+    except (ConfigError, OSError) as e:
+        if "sweep_dir" not in job:
+            remove_made(run_dir)  # a refused run leaves nothing behind, and removes nothing it did not make
+        if isinstance(e, OSError):  # the run directory cannot be written: a full disk, a read-only mount
+            return Outcome(EXIT_FAILED, disk_error(e, run_dir))
         return Outcome(EXIT_BAD_INPUT, str(e))
     print(describe(cfg, prepared.derived, prepared.rdzv, run_dir), flush=True)
     try:
         return start_workers(prepared.resolved, prepared.derived, prepared.rdzv, cfg.trainer, run_dir)
     finally:
         prepared.ownership.release()
-
-
-def _empty(run_dir: Path) -> bool:
-    """Nothing in it but Hydra's log file, still empty."""
-    return (
-        all(p.name == "launch.log" and p.stat().st_size == 0 for p in run_dir.iterdir()) if run_dir.is_dir() else True
-    )
-
-
-def _remove_empty(run_dir: Path) -> None:
-    log = run_dir / "launch.log"
-    if log.is_file() and log.stat().st_size == 0:
-        log.unlink()
-    for folder in (run_dir, run_dir.parent):  # the run's folder, and the date folder above it if that is empty too
-        try:
-            folder.rmdir()
-        except OSError:
-            break
 
 
 def _worker_environment(derived: Derived, rdzv: Rendezvous, run_dir: Path) -> None:
@@ -200,6 +196,7 @@ def _worker_environment(derived: Derived, rdzv: Rendezvous, run_dir: Path) -> No
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
     # Workers end themselves when this process is gone, from their first instruction (launcher.worker).
     os.environ["LAUNCH_PARENT_PID"] = str(os.getpid())
+    os.environ[NODE_ID_ENV] = f"{socket.gethostname()}:{os.getpid()}:{time.time():.6f}"  # names this node's ranks
     if derived.device == "cuda":  # NCCL's flight recorder: each rank's last collectives, dumped on a timeout
         recorder = flight_recorder_env(run_dir, dict(os.environ))
         if recorder:
@@ -245,14 +242,26 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         shutdown_timeout=trainer.stop_timeout,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
     )
+    _failed_group_grace(min(trainer.stop_timeout, STOP_REPEAT_GRACE))
     previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, DUMP_SIGNAL)}
     signal.signal(DUMP_SIGNAL, _ask_workers)
     oom_before, (_, available) = oom_kills(), memory_available()
+    spare = Path(tempfile.mkdtemp(prefix="launch-failures-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    os.environ[FAILURE_DIR_ENV] = str(spare)  # failure reports that cannot be written into the run directory
+    started = time.time()
+
+    def lost() -> str | None:  # the group had joined, and another node went away
+        if derived.nodes == 1:
+            return None
+        return lost_node(run_dir, started - 1, derived.world_size, os.environ[NODE_ID_ENV])
+
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "launcher.worker", str(resolved))
     except SignalException as e:
         return _stopped(e.sigval, run_dir, previous)
     except RendezvousError as e:
+        if gone := lost():
+            return Outcome(EXIT_FAILED, gone)
         return Outcome(
             EXIT_FAILED,
             f"the {derived.nodes} nodes did not all join rendezvous {rdzv.endpoint} (id {rdzv.run_id}) "
@@ -262,30 +271,66 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
     except ChildFailedError as e:
         from launcher.plan.commands import memory_advice
 
-        lines = rank_lines(e, oom_before, lambda: memory_advice(OmegaConf.load(resolved), available))
+        lines = rank_lines(e, oom_before, lambda: memory_advice(OmegaConf.load(resolved), available), spare)
+        if all(secondary(line) for line in lines) and (gone := lost()):
+            return Outcome(EXIT_FAILED, gone)  # this node's ranks only lost their peers
         return Outcome(EXIT_FAILED, lines[0], tuple(lines[1:]))
+    except Exception as e:  # the agent's own store gone (it was on the node that went away)
+        if gone := lost():
+            logging.getLogger("torch.distributed.elastic").warning("the agent failed: %r", e)
+            return Outcome(EXIT_FAILED, gone)
+        raise
     finally:
+        shutil.rmtree(spare, ignore_errors=True)
         for sig, handler in previous.items():  # the agent leaves its own handlers behind
             signal.signal(sig, handler)
     return Outcome(0)
 
 
+def _failed_group_grace(seconds: float) -> None:
+    """Once a worker failed, torch's agent stops the others with SIGTERM and waits a fixed 30 s before SIGKILL
+    (`PContext.close()` and `LocalElasticAgent._stop_workers` take no setting; only a stop signal's shutdown uses
+    `shutdown_timeout`, trainer.stop_timeout). A worker of a failed group has nothing to save (its peers are gone),
+    and one that is hung or stopped never answers SIGTERM: the job ends `seconds` after the failure, not 30 s."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = getattr(PContext.close, "launch_original", PContext.close)
+
+    def close_failed(context: Any, death_sig: Any = None, timeout: float = seconds) -> None:
+        close(context, death_sig, timeout)
+
+    def stop_workers(agent: Any, worker_group: Any, *args: Any, **kwargs: Any) -> None:
+        agent._shutdown(timeout=seconds)
+
+    close_failed.launch_original = close  # type: ignore[attr-defined]
+    PContext.close = close_failed  # type: ignore[method-assign]
+    LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
+
+
 def _agent_logs_to_file(run_dir: Path) -> None:
     """The elastic agent's own log lines ("Sending process ... SIGTERM", "failed (exitcode: 1)") go to
     `<run dir>/logs/agent.log`, not the terminal: there the launcher says it once, one line per failing rank."""
-    import logging
-
-    agent = logging.getLogger("torch.distributed.elastic")
-    agent.propagate = False  # torch's own handler would print them on the terminal
-    for handler in list(agent.handlers):
-        if getattr(handler, "launch_run_log", False):
-            agent.removeHandler(handler)  # the previous job's, in a sweep
-            handler.close()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    file = logging.FileHandler(run_dir / "logs" / "agent.log", delay=True)
+    file = _QuietFileHandler(run_dir / "logs" / "agent.log", delay=True)
     file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     file.launch_run_log = True  # type: ignore[attr-defined]
-    agent.addHandler(file)
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):  # the agent, and what launches it
+        agent = logging.getLogger(name)
+        agent.propagate = False  # torch's own handler would print them on the terminal
+        for handler in list(agent.handlers):
+            if getattr(handler, "launch_run_log", False):
+                agent.removeHandler(handler)  # the previous job's, in a sweep
+                handler.close()
+        agent.addHandler(file)
+
+
+class _QuietFileHandler(logging.FileHandler):
+    """A log file that cannot be written (a full disk) loses the agent's lines, without a traceback per line on the
+    terminal: the launcher says what failed in its own line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
 
 
 def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, Any]) -> Outcome:

@@ -17,10 +17,12 @@
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -109,7 +111,8 @@ def watch_parent(interval: float = 0.5) -> None:
 
 class Phase:
     """What this rank is doing now, kept in memory; `<run dir>/logs/phase/rank<N>` (one line: the time the phase
-    began, then the phase) is written by a thread at most every `every` seconds when the phase changed, and by
+    began, then the phase) is written by a thread at most every `every` seconds when the phase changed (and touched
+    when it did not, so that its time says when the rank was last heard from), and by
     `flush` (a stop signal, SIGUSR1, a timeout about to be reported). Setting the phase costs two stores, no I/O."""
 
     def __init__(self, run_dir: Path, rank: int, every: float = PHASE_FLUSH_EVERY) -> None:
@@ -151,6 +154,7 @@ class Phase:
     def _write(self) -> None:
         state = self.state
         if state == self._written:
+            os.utime(self.path)  # alive, still in this phase: the file's time says how fresh it is
             return
         partial = self.path.with_name(f".{self.path.name}.partial")
         partial.write_text(f"{state[0]:.3f} {state[1]}")
@@ -171,11 +175,13 @@ class Phase:
         for path in self.dir.glob("rank*"):
             if path != self.path:
                 stamp, _, what = path.read_text().partition(" ")
+                now, heard = time.time(), path.stat().st_mtime  # touched by its writer while the rank runs
                 seen.append(
                     (
                         float(stamp),
-                        f"{path.name.replace('rank', 'rank ')} was last {what} "
-                        f"({time.time() - float(stamp):.0f} s ago)",
+                        f"{path.name.replace('rank', 'rank ')} was last {what} (entered {now - float(stamp):.0f} s "
+                        f"ago; its last report, written every {self._every:g} s while it runs, is {now - heard:.0f} s "
+                        "old)",
                     )
                 )
         return "; ".join(text for _, text in sorted(seen)) or "no other rank reported"
@@ -210,10 +216,30 @@ def flight_recorder_env(run_dir: Path, environ: dict[str, str]) -> dict[str, str
     }
 
 
+NODE_ID_ENV = "LAUNCH_NODE_ID"
+"""Set by each node's launcher for its workers: which launcher started a rank (`joined`)."""
+
+
+def joined(run_dir: Path, rank: int) -> None:
+    """Once the process group is made: `<run dir>/logs/ranks/rank<N>.json` says which node and launcher run this
+    rank, so that a node that goes away later can be named by the others (`launcher.failures.lost_node`)."""
+    import socket
+
+    record = {"node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(),
+              "launcher": os.environ.get(NODE_ID_ENV)}  # fmt: skip
+    try:
+        folder = run_dir / "logs" / "ranks"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{rank}.json").write_text(json.dumps(record))
+    except OSError:  # a full disk: the run goes on, a lost node is then named less precisely
+        pass
+
+
 def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
     """A worker's exception, told once: its whole traceback into `<run dir>/logs/rank<N>.traceback`, one line (where
     in the run, the exception, the traceback's path) into the error file torch's elastic agent reads, from which the
-    launcher prints one line per failing rank. Nothing on the terminal; exit 1."""
+    launcher prints one line per failing rank; where that file cannot be written (`<run dir>/logs/` on a full disk),
+    into the launcher's spare folder (`FAILURE_DIR_ENV`), else on stderr: never lost. Exit 1."""
     phase = getattr(error, "launch_phase", None) or "starting"
     log = run_dir / "logs" / f"rank{rank}.traceback"
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
@@ -223,11 +249,26 @@ def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
     except OSError:
         log = Path("(not written)")
     message = " ".join(str(error).split())[:500]
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):  # a log, a metric: a full disk
+        from launcher.durable import disk_error
+
+        message = disk_error(error, run_dir)
     line = f"while {phase}: {type(error).__name__}: {message} (traceback: {log})"
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        info = {"py_callstack": text, "timestamp": str(int(time.time())), "time": time.time()}
-        record = {"message": {"message": line, "extraInfo": info}}
-        with open(error_file, "w") as f:
-            json.dump(record, f)
+    info = {"py_callstack": text, "timestamp": str(int(time.time())), "time": time.time()}
+    record = json.dumps({"message": {"message": line, "extraInfo": info}})
+    spare = os.environ.get(FAILURE_DIR_ENV)
+    for file in filter(None, [os.environ.get("TORCHELASTIC_ERROR_FILE"), spare and f"{spare}/rank{rank}.json"]):
+        try:
+            Path(file).write_text(record)
+            break
+        except OSError:  # the run directory's disk is full: the launcher's spare folder, else stderr
+            Path(file).unlink(missing_ok=True)  # never half a report
+            continue
+    else:
+        print(f"launch: error: rank {rank} failed {line}", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+FAILURE_DIR_ENV = "LAUNCH_FAILURE_DIR"
+"""A folder the launcher makes off the run directory's disk (in memory where it can): a worker whose failure report
+cannot be written where the elastic agent expects it (`<run dir>/logs/` on a full disk) writes it there."""

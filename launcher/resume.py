@@ -19,7 +19,7 @@ from launcher import checkpoint
 from launcher.checkpoint import Position
 from launcher.config import sweep_identity
 from launcher.durable import write_durably
-from launcher.saving import Saver
+from launcher.saving import Saver, check_space, checkpoint_bytes
 from launcher.untrusted import read_manifest
 from strategies import RunContext, Strategy
 
@@ -59,19 +59,33 @@ def check_shared_directory(run_dir: Path, ctx: RunContext, nodes: int) -> None:
 def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -> Position:
     """Continue from this run's own newest checkpoint (an elastic restart, a requeue), else from `resume=`.
 
-    Rank 0 lists the candidates and broadcasts them. The run's own newest checkpoint that does not load falls back
-    to the one before it, with a line saying so; a checkpoint named by `resume=` does not fall back.
+    Rank 0 verifies each candidate's files against their checksums before any rank reads it (`checkpoint.damage`)
+    and broadcasts its decision. The run's own newest checkpoint that fails, or does not load, falls back to the one
+    before it, with a line naming the checkpoint skipped, the file and why; a checkpoint named by `resume=` (verified
+    by the launcher moments ago) does not fall back.
     """
     folder = run_dir / "checkpoints"
-    candidates: list[tuple[str, dict[str, Any]]] | None = None
+    paths: list[str] | None = None
     if ctx.rank == 0:
         checkpoint.remove_partial(folder)  # saves that never finished: nobody else writes here (the run's claim)
         given = OmegaConf.select(cfg, "job.resume_from", default=None)
-        paths = checkpoint.complete(folder) or ([Path(given)] if given else [])
-        candidates = [(str(p), read_manifest(p)) for p in paths]
-    chosen = [(Path(p), manifest) for p, manifest in _broadcast(candidates)]
-    paths = [p for p, _ in chosen]
-    for i, (path, manifest) in enumerate(chosen):
+        ordered = checkpoint.by_time(folder)
+        for broken in sorted(set(folder.glob("step_*")) - set(ordered)):
+            print(checkpoint.skipped(broken, checkpoint.damage(broken) or "its manifest does not parse"), flush=True)
+        paths = [str(p) for p in ordered] or ([given] if given else [])
+    paths = _broadcast(paths)
+    for i, path in enumerate(map(Path, paths)):
+        manifest: dict[str, Any] | None = None
+        if ctx.rank == 0:
+            own = path.is_relative_to(folder)
+            why = checkpoint.damage(path) if own else None
+            if why is None:
+                manifest = read_manifest(path)
+            else:
+                print(checkpoint.skipped(path, why), flush=True)
+        manifest = _broadcast(manifest)
+        if manifest is None:
+            continue
         try:
             position = checkpoint.load(path, manifest, strategy, ctx.rank, ctx.world_size)
         except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank alike
@@ -79,13 +93,18 @@ def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) 
                 raise
             if ctx.rank == 0:
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-                print(f"launch: {path} does not load ({reason[:200]}); falling back to {paths[i + 1]}", flush=True)
+                print(checkpoint.skipped(path, f"it does not load ({reason[:200]})"), flush=True)
             continue
         if ctx.rank == 0:
             attempt = restart_count()
-            why = f"restart {attempt} of the worker group: " if attempt else ""
-            print(f"launch: {why}resuming from {path} (step {position.step}, sample {position.samples})", flush=True)
+            again = f"restart {attempt} of the worker group: " if attempt else ""
+            print(f"launch: {again}resuming from {path} (step {position.step}, sample {position.samples})", flush=True)
         return position
+    if paths:
+        raise RuntimeError(
+            f"none of the {len(paths)} checkpoint(s) in {folder} verifies (the lines above say why); move them away "
+            "to start this run afresh"
+        )
     return Position(step=0, samples=0)
 
 
@@ -94,9 +113,18 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def saver(cfg: DictConfig, ctx: RunContext, run_dir: Path) -> Saver:
-    """This run's saves: synchronous, or asynchronous under trainer.async_checkpoint."""
+def saver(cfg: DictConfig, ctx: RunContext, run_dir: Path, strategy: Strategy, position: Position) -> Saver:
+    """This run's saves: synchronous, or asynchronous under trainer.async_checkpoint; collective: the room for as many
+    checkpoints as the run will hold at once (`held_at_once`) is checked first."""
     trainer = cfg.trainer
+    folder = run_dir / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    held = _broadcast(len(checkpoint.complete(folder)) if ctx.rank == 0 else None)
+    count = held_at_once(trainer, position.step, held)
+    if count:
+        keep = f"trainer.keep_last={trainer.keep_last}" if trainer.keep_last > 0 else "trainer.keep_last=0: all kept"
+        what = f"the {count} checkpoint(s) this run holds at once ({keep}, {held} saved before)"
+        check_space(folder, checkpoint_bytes(strategy.state_dict(), ctx.world_size), count, what)
     return Saver(
         run_dir / "checkpoints",
         ctx.rank,
@@ -106,6 +134,18 @@ def saver(cfg: DictConfig, ctx: RunContext, run_dir: Path) -> Saver:
         timeout=float(trainer.collective_timeout),
         pinned=ctx.device_type == "cuda",
     )
+
+
+def held_at_once(trainer: DictConfig, step: int, held: int) -> int:
+    """How many more checkpoints the run's folder holds at its fullest, beside the `held` already there, when the run
+    goes on from `step`: its saves until trainer.max_steps, up to trainer.keep_last plus the one being written (the
+    oldest is pruned once the new one is complete)."""
+    every = int(trainer.checkpoint_every)
+    saves = {s for s in range(step + 1, trainer.max_steps + 1) if every > 0 and s % every == 0}
+    saves |= {trainer.max_steps} if trainer.save_at_end and trainer.max_steps > step else set()
+    if trainer.keep_last <= 0:
+        return len(saves)
+    return max(0, min(len(saves), trainer.keep_last + 1 - held))
 
 
 def manifest_of(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:

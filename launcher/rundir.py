@@ -22,10 +22,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
 from launcher.config import ConfigError
 
 CLAIM = "claim.json"
 LOCK = ".lock"
+
+MADE: list[Path] = []
+"""The run directory and those of its parents that did not exist before this launch, deepest first: the only
+folders a refused run removes."""
+
+
+class NewFolders(Callback):
+    """Hydra callback: before Hydra makes the run directory, which folders of its path are new (`MADE`)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        run_dir = Path(str(config.hydra.run.dir)).absolute()
+        MADE[:] = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+
+
+def remove_made(run_dir: Path) -> None:
+    """Remove what this launch made of `run_dir` (it and everything in it, if the launch made the folder; then each
+    parent the launch made, once empty), and nothing else."""
+    import shutil
+
+    made = [p for p in MADE if p == run_dir.absolute() or p in run_dir.absolute().parents]
+    if not made or made[0] != run_dir.absolute():
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for folder in made[1:]:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 @dataclass

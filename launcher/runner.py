@@ -283,7 +283,7 @@ def _train(
     profiler = StepProfiler(trainer.profile_steps, run_dir, ctx.rank, ctx.device_type, trainer.profile_stacks)
     metrics: dict[str, float] = {}
     window = Window()
-    saves, manifest = saver(cfg, ctx, run_dir), manifest_of(cfg, ctx)
+    saves, manifest = saver(cfg, ctx, run_dir, strategy, position), manifest_of(cfg, ctx)
     stalled = False  # a save (or its finalisation) blocked the loop since the last log: its seconds go in the next
     for step in range(position.step + 1, trainer.max_steps + 1):
         lr = lr_at(step - 1, cfg.optim.lr, trainer.warmup_steps, trainer.max_steps, schedule, trainer.min_lr_ratio)

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,12 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.checkpoint import LATEST, MANIFEST, Position, is_complete
-from launcher.durable import fsync_dir, write_durably
-from strategies.base import local_bytes, tensors
-
-SPACE_MARGIN = 1.1
-"""Free space asked for before a save: the state's bytes and a tenth more (DCP's per-file headers, the manifest)."""
+from launcher.checkpoint import LATEST, MANIFEST, Position, checksum, complete, latest
+from launcher.durable import disk, fsync_dir, write_durably
 
 
 def save(
@@ -48,6 +46,8 @@ class _Pending:
     manifest: dict[str, Any]
     future: Any
     """DCP's: done on this rank when its write (and DCP's collective finish) is over; its result is the metadata."""
+    sums: dict[str, str]
+    """This rank's files and their checksums, filled by the background writer as it writes them."""
 
 
 class Saver:
@@ -112,8 +112,33 @@ class Saver:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        metadata = pending.future.result()  # DCP raises a failed write on every rank alike
-        self._make_visible(pending.tmp, pending.final, pending.position, pending.manifest, metadata)
+        with self._writing(pending.position.step, pending.tmp):
+            metadata = pending.future.result()  # DCP raises a failed write on every rank alike
+            sums = self._gathered(pending.sums)
+            self._make_visible(pending.tmp, pending.final, pending.position, pending.manifest, metadata, sums)
+
+    @contextmanager
+    def _writing(self, step: int, tmp: Path) -> Iterator[None]:
+        """A full disk while the checkpoint of `step` is written, on any rank: its partial folder removed, and one
+        line naming the disk, this checkpoint and the newest one still intact."""
+        try:
+            yield
+        except BaseException as e:
+            # torch.save's writer reports a short write as "unexpected pos", not as the OSError behind it: a disk
+            # left with less than a megabyte is full too
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or (
+                _no_space(e) is None and shutil.disk_usage(self.checkpoints).free >= 1 << 20
+            ):
+                raise
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            intact = self.last or latest(self.checkpoints)
+            kept = f"the newest intact checkpoint is {intact}" if intact else "no checkpoint was saved before it"
+            # a full disk that the check before the save did not foresee: another process wrote meanwhile
+            raise RuntimeError(
+                f"no space left on {disk(self.checkpoints)} while writing the checkpoint of step {step} ({tmp}, "
+                f"removed); {kept}; free space there, lower trainer.keep_last, or choose another hydra.run.dir"
+            ) from None
 
     def _finish(self) -> None:
         import torch.distributed as dist
@@ -132,20 +157,35 @@ class Saver:
         self._finalise()
 
     def _save(self, position: Position, strategy: Any, manifest: dict[str, Any]) -> None:
+        name = f"step_{position.step:08d}"
+        final, tmp = self.checkpoints / name, self.checkpoints / f".{name}.partial"
+        with self._writing(position.step, tmp):
+            self._write(position, strategy, manifest, final, tmp)
+
+    def _write(self, position: Position, strategy: Any, manifest: dict[str, Any], final: Path, tmp: Path) -> None:
         import torch
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        name = f"step_{position.step:08d}"
-        final, tmp = self.checkpoints / name, self.checkpoints / f".{name}.partial"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
             tmp.mkdir(parents=True)
         dist.barrier()
         state = strategy.state_dict()
-        _check_space(self.checkpoints, state)
+        intact = self.last or latest(self.checkpoints)
+        check_space(
+            self.checkpoints,
+            checkpoint_bytes(state, self.world_size),
+            1,
+            f"the checkpoint of step {position.step}",
+            f"; the newest intact checkpoint is {intact}" if intact else "; no checkpoint was saved before it",
+        )
+        sums: dict[str, str] = {}
+        rng = io.BytesIO()
+        torch.save(_rng_state(), rng)
+        sums[f"rng_{self.rank}.pt"] = _xxh3(rng.getbuffer())
         with open(tmp / f"rng_{self.rank}.pt", "wb") as f:
-            torch.save(_rng_state(), f)
+            f.write(rng.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         staged = self._stage(state) if self.asynchronous else None
@@ -153,17 +193,25 @@ class Saver:
             del state  # training may change the live tensors now: the staged copy is what gets written
             future = dcp.async_save(
                 staged,
-                storage_writer=dcp.FileSystemWriter(str(tmp)),  # fsyncs every file it writes
+                storage_writer=hashing_writer(tmp, sums),  # fsyncs every file it writes, hashes it meanwhile
                 process_group=self._background_group(),
                 async_stager=_Staged(),
             )
-            self.pending = _Pending(tmp, final, position, manifest, future)
+            self.pending = _Pending(tmp, final, position, manifest, future, sums)
             return
-        metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))  # fsyncs every file it writes
+        metadata = dcp.save(state, storage_writer=hashing_writer(tmp, sums))  # fsyncs and hashes every file
         del state
-        dist.barrier()  # every shard and RNG file is on disk before the checkpoint becomes visible
-        self._make_visible(tmp, final, position, manifest, metadata)
+        sums = self._gathered(sums)  # every shard and RNG file is on disk before the checkpoint becomes visible
+        self._make_visible(tmp, final, position, manifest, metadata, sums)
         dist.barrier()
+
+    def _gathered(self, sums: dict[str, str]) -> dict[str, str]:
+        """Collective: every rank's checksums, on rank 0 (once every rank's write is over)."""
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * self.world_size if self.rank == 0 else []
+        dist.gather_object(sums, every if self.rank == 0 else None, dst=0)
+        return {name: digest for rank_sums in every for name, digest in rank_sums.items()}
 
     def _stage(self, state: dict[str, Any]) -> dict[str, Any] | None:
         """A host copy of `state` that training cannot change (collective); None, with a note, where a rank cannot
@@ -210,9 +258,10 @@ class Saver:
         return self._group
 
     def _make_visible(
-        self, tmp: Path, final: Path, position: Position, manifest: dict[str, Any], metadata: Any
+        self, tmp: Path, final: Path, position: Position, manifest: dict[str, Any], metadata: Any, sums: dict[str, str]
     ) -> None:
-        """Rank 0, once every rank's files are on disk: manifest, rename, `latest`, pruning."""
+        """Rank 0, once every rank's files are on disk: manifest (sizes and the checksums computed as the files were
+        written), rename, `latest`, pruning."""
         if self.rank == 0:
             names = {info.relative_path for info in metadata.storage_data.values()} | {".metadata"}
             names |= {f"rng_{r}.pt" for r in range(self.world_size)}
@@ -230,6 +279,7 @@ class Saver:
                 "samples": position.samples,
                 "time": time.time(),
                 "files": files,
+                "xxh3_128": {n: sums.get(n) or checksum(tmp / n) for n in sorted(names)},  # read only if not hashed
             }
             write_durably(tmp / MANIFEST, json.dumps(record, indent=2))
             shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run's last step)
@@ -255,6 +305,84 @@ class _Staged:
         pass
 
 
+def _no_space(error: BaseException) -> OSError | None:
+    """The no-space error behind `error`, if that is what it is: DCP wraps each rank's failure in its own
+    CheckpointException (`failures`: rank -> (exception, stack))."""
+    import errno
+
+    seen: list[BaseException] = [error]
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict):
+        seen += [f[0] for f in failures.values() if isinstance(f, tuple) and isinstance(f[0], BaseException)]
+    for e in list(seen):
+        while e.__cause__ or e.__context__:
+            e = e.__cause__ or e.__context__  # type: ignore[assignment]
+            seen.append(e)
+    return next((e for e in seen if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)), None)
+
+
+def _xxh3(data: Any) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+class _Hashing:
+    """A file being written, hashed as its bytes go through `write`: no second read. A stream that moves (`seek`)
+    is hashed from the file once closed."""
+
+    def __init__(self, raw: Any) -> None:
+        import xxhash
+
+        self.raw, self.digest, self.moved = raw, xxhash.xxh3_128(), False
+
+    def write(self, data: Any) -> int:
+        written = self.raw.write(data)
+        self.digest.update(memoryview(data).cast("B")[:written] if written is not None else data)
+        return written
+
+    def seek(self, *args: Any) -> int:
+        self.moved = True
+        return self.raw.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's own
+        return getattr(self.raw, name)
+
+
+def hashing_writer(path: Path, sums: dict[str, str]) -> Any:
+    """DCP's file-system writer into `path` (fsyncs every file) that records each file's xxh3-128 checksum in `sums`
+    as it writes it: in the thread that writes, the background one under `dcp.async_save`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    lock = threading.Lock()
+
+    class HashingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, file: str | os.PathLike, mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with super().create_stream(file, mode) as stream:
+                    yield stream
+                return
+            with super().create_stream(file, mode) as stream:
+                hashing = _Hashing(stream)
+                yield hashing
+            name = Path(file).name
+            digest = checksum(Path(file)) if hashing.moved else hashing.digest.hexdigest()
+            with lock:
+                sums[name] = digest
+
+        def rename(self, file: str | os.PathLike, new: str | os.PathLike) -> None:
+            super().rename(file, new)
+            with lock:  # DCP writes `.metadata.tmp`, then renames it
+                if Path(file).name in sums:
+                    sums[Path(new).name] = sums.pop(Path(file).name)
+
+    writer = dcp.FileSystemWriter(str(path))
+    writer.fs = HashingFileSystem()
+    return writer
+
+
 def _same_containers(original: Any, staged: Any) -> Any:
     """DCP's staging turns tuples (AdamW's betas) into lists: give them back the original's containers."""
     if isinstance(original, dict):
@@ -264,29 +392,59 @@ def _same_containers(original: Any, staged: Any) -> Any:
     return staged
 
 
-def _check_space(checkpoints: Path, state: dict[str, Any]) -> None:
-    """Collective: every rank's state bytes summed, against the free space rank 0 sees; one line if short."""
+ENTRY_BYTES = 2048
+"""Bytes DCP writes per state entry beyond its data: torch.save's archive around each one (about 1.6 kB) and its
+record in `.metadata`."""
+BLOCK = 4096
+"""A file's last, partly used block, per file of a checkpoint."""
+
+
+def checkpoint_bytes(state: dict[str, Any], world_size: int) -> int:
+    """The bytes a checkpoint of `state` takes on disk, counted as DCP writes them: each tensor once (a replicated
+    tensor by one rank, each shard of a DTensor once: its global size), each entry's header, every rank's RNG file
+    and every file's last block. The same figure on every rank."""
+    import torch
+
+    entries = list(_leaves(state))
+    data = sum(t.numel() * t.element_size() for t in entries if isinstance(t, torch.Tensor))  # DTensor: global
+    rng = io.BytesIO()
+    torch.save(_rng_state(), rng)
+    files = 2 * world_size + 2  # a .distcp and an RNG file per rank, .metadata, manifest.json
+    return data + ENTRY_BYTES * len(entries) + world_size * len(rng.getbuffer()) + BLOCK * files
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, (list, tuple)) and obj and all(isinstance(v, (dict, list, tuple)) for v in obj):
+        for v in obj:
+            yield from _leaves(v)
+    else:
+        yield obj
+
+
+def check_space(checkpoints: Path, size: int, count: int, what: str, after: str = "") -> None:
+    """Collective: room for `count` checkpoints of `size` bytes in the free space rank 0 sees (the folder is shared);
+    RuntimeError (one line: the disk, `what` needs room, `after`) on every rank if there is not."""
     import torch
     import torch.distributed as dist
 
-    local = sum(local_bytes(t) for t in tensors(state))
-    figures = torch.tensor([float(local), float(shutil.disk_usage(checkpoints).free)], dtype=torch.float64)
-    needed = figures[:1].clone()
-    dist.all_reduce(needed)
-    dist.broadcast(figures, src=0)  # rank 0's free space: the folder is shared
-    needed_bytes, free = SPACE_MARGIN * float(needed.item()), float(figures[1].item())
-    if free < needed_bytes:
+    free = torch.tensor([float(shutil.disk_usage(checkpoints).free)], dtype=torch.float64)
+    dist.broadcast(free, src=0)
+    if free.item() < size * count:
         raise RuntimeError(
-            f"{checkpoints} has {free / 1e6:,.0f} MB free but the checkpoint needs about {needed_bytes / 1e6:,.0f} MB; "
-            "free space there, lower trainer.keep_last, or choose another hydra.run.dir"
+            f"no room on {disk(checkpoints)} for {what} ({count} x {size / 1e6:,.1f} MB){after}; free space there, "
+            "lower trainer.keep_last, or choose another hydra.run.dir"
         )
 
 
 def _prune(checkpoints: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` complete checkpoints, newest by the order resume uses (`checkpoint.by_time`): after
+    a fallback, an abandoned folder of a higher step is older than the saves made since, and goes first."""
     if keep_last <= 0:
         return
-    done = sorted(p for p in checkpoints.glob("step_*") if is_complete(p))
-    for old in done[:-keep_last]:
+    for old in complete(checkpoints)[keep_last:]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -17,6 +17,7 @@ from launcher.lifecycle import (
     StopRequest,
     die_with_parent,
     exit_now,
+    joined,
     report_failure,
     watch_parent,
 )
@@ -50,6 +51,7 @@ def main(path: str, stop: StopRequest, phase: Phase) -> int:
         backend="nccl" if ctx.device_type == "cuda" else "gloo",
         timeout=timedelta(seconds=cfg.trainer.collective_timeout),
     )
+    joined(Path(path).parent, rank)
     strategy = make_strategy(cfg.strategy)
     try:
         finished = train(cfg, ctx, strategy, Path(path).parent, stop, phase)

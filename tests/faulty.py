@@ -47,3 +47,20 @@ class OutOfMemoryGPT(_Faulty):
     def fail(self) -> None:
         # What the CUDA caching allocator raises (torch.cuda.OutOfMemoryError is torch.OutOfMemoryError).
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+class DiskFillingGPT(_Faulty):
+    """Fills the file system of `fill` but `leave` bytes (as another process writing to the run's disk would), then
+    trains on."""
+
+    def __init__(self, *args, fill: str = "", leave: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fill, self.leave = fill, leave
+
+    def fail(self) -> None:
+        with open(self.fill, "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(bytes(1 << 12))
+            except OSError:  # full
+                f.truncate(max(0, f.tell() - self.leave))

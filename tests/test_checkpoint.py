@@ -114,12 +114,15 @@ def test_a_checkpoint_of_another_model_is_refused_before_workers_start(conforman
 def test_a_corrupted_checkpoint_is_a_one_line_error(conformance_dir: Path, tmp_path: Path) -> None:
     import shutil
 
+    from launcher import checkpoint
+
     broken = tmp_path / "broken"
     shutil.copytree(_ckpt(run_of(conformance_dir, "ddp", 2), 6), broken)
     (broken / ".metadata").write_bytes(b"not a checkpoint")  # its size no longer matches the manifest's
-    assert "no complete checkpoint there" in launch(tmp_path, *JOB, "gpus=2", f"resume={broken}").refused()
+    assert ".metadata is truncated" in launch(tmp_path, *JOB, "gpus=2", f"resume={broken}").refused()
     manifest = json.loads((broken / "manifest.json").read_text())
     manifest["files"][".metadata"] = len(b"not a checkpoint")  # complete by the manifest, garbage inside
+    manifest["xxh3_128"][".metadata"] = checkpoint.checksum(broken / ".metadata")
     (broken / "manifest.json").write_text(json.dumps(manifest))
     assert "has unreadable metadata" in launch(tmp_path, *JOB, "gpus=2", f"resume={broken}", name="garbage").refused()
     missing = launch(tmp_path, *JOB, "gpus=2", f"resume={tmp_path / 'nowhere'}", name="missing").refused()
@@ -433,6 +436,7 @@ def test_the_newest_checkpoint_is_the_last_saved_whatever_its_step_or_the_pointe
     """Resume order: by the time each manifest records. A kill between a save's rename and the `latest` pointer's
     move leaves the pointer one behind the newest complete checkpoint; a run resumed from further back saves steps
     older than ones still there, and those are the newer."""
+    from launcher import checkpoint
     from launcher.checkpoint import complete, latest
 
     def saved(name: str, step: int, at: float) -> Path:
@@ -440,7 +444,8 @@ def test_the_newest_checkpoint_is_the_last_saved_whatever_its_step_or_the_pointe
         folder.mkdir()
         (folder / "rng_0.pt").write_bytes(b"x" * 7)
         record = {"step": step, "samples": 16 * step, "world_size": 1, "time": at, "config_hash": "0" * 16}
-        (folder / "manifest.json").write_text(json.dumps({**record, "files": {"rng_0.pt": 7}}))
+        sums = {"rng_0.pt": checkpoint.checksum(folder / "rng_0.pt")}
+        (folder / "manifest.json").write_text(json.dumps({**record, "files": {"rng_0.pt": 7}, "xxh3_128": sums}))
         return folder
 
     first, second = saved("step_00000001", 1, 100.0), saved("step_00000002", 2, 200.0)

@@ -39,10 +39,14 @@ def _ckpt(run: Run, step: int) -> Path:
 
 
 def _restamp(folder: Path) -> None:
-    """Make the manifest list the folder's files at their sizes again, as an attacker who edits a checkpoint would."""
+    """Make the manifest list the folder's files at their sizes and checksums again, as an attacker who edits a
+    checkpoint would."""
+    from launcher.checkpoint import checksum
+
     manifest = json.loads((folder / "manifest.json").read_text())
     names = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
     manifest["files"] = {name: (folder / name).stat().st_size for name in names}
+    manifest["xxh3_128"] = {name: checksum(folder / name) for name in names}
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -102,6 +106,8 @@ def test_a_crafted_entry_never_runs_on_resume_or_convert(conformance_dir: Path, 
     shutil.copytree(source, forged)
     for shard in forged.glob("__*.distcp"):
         shard.write_bytes(pickle.dumps(_Payload(marker)).ljust(shard.stat().st_size, b"\0"))
+    assert "__0_0.distcp fails its checksum" in _one_line(_convert(tmp_path, forged))  # refused before it is read
+    _restamp(forged)
     assert "does not load as data" in _one_line(_convert(tmp_path, forged))
     assert not marker.exists()
 
@@ -177,5 +183,7 @@ dist.destroy_process_group()
 """
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert "REFUSED" in proc.stdout, proc.stderr
-    assert "has 1 MB free but the checkpoint needs about 4 MB" in proc.stdout, proc.stdout
+    assert "(1.0 MB free) for the checkpoint of step 1 (1 x 4.0 MB); no checkpoint was saved" in proc.stdout, (
+        proc.stdout
+    )
     assert not list((tmp_path / "ckpt").glob("step_*"))  # nothing visible

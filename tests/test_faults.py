@@ -1,0 +1,437 @@
+"""Faults that tell the truth: checkpoints that prove themselves (checksums, one order), space counted as written,
+a full disk, a refused run, a lost node and a hung rank, each said in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import LAUNCH, TINY, clean_env, launch
+
+REPO = Path(__file__).parents[1]
+
+SAVE_PROBE = r"""
+import json, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from launcher.checkpoint import Position
+from launcher.saving import Saver, checkpoint_bytes
+
+root = Path(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
+
+class State:
+    def __init__(self):
+        torch.manual_seed(0)
+        self.model = {f"layer{i}.weight": torch.randn(64, 64) for i in range(4)}
+        self.optim = {"state": {k: {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 64)} for k in self.model},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": list(self.model)}]}
+
+    def state_dict(self):
+        return {"model": self.model, "optim": self.optim}
+
+state = State()
+ck = root / "ckpt"
+ck.mkdir()
+sync = Saver(ck, 0, 1, keep_last=0)
+sync.save(Position(1, 8), state, {"world_size": 1, "config_hash": "0" * 16})
+asyn = Saver(ck, 0, 1, keep_last=0, asynchronous=True)
+asyn.save(Position(2, 16), state, {"world_size": 1, "config_hash": "0" * 16})
+asyn.finish()
+print(json.dumps({"estimate": checkpoint_bytes(state.state_dict(), 1)}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """Two checkpoints of one process, step 1 saved synchronously and step 2 asynchronously; the space estimate."""
+    root = tmp_path_factory.mktemp("saved")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, "-c", SAVE_PROBE, str(root)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    return root / "ckpt", json.loads(proc.stdout.strip().splitlines()[-1])["estimate"]
+
+
+def _copy(saved: tuple[Path, int], tmp_path: Path) -> Path:
+    shutil.copytree(saved[0], tmp_path / "checkpoints")
+    return tmp_path / "checkpoints"
+
+
+def _flip(file: Path, at: float = 0.5, count: int = 16) -> None:
+    """Flip `count` bytes at fraction `at` of the file: its size stays, its contents do not."""
+    data = bytearray(file.read_bytes())
+    start = int(len(data) * at)
+    data[start : start + count] = bytes(b ^ 0xFF for b in data[start : start + count])
+    file.write_bytes(bytes(data))
+
+
+def test_every_file_has_the_checksum_of_its_bytes_computed_as_written(saved: tuple[Path, int]) -> None:
+    from launcher.checkpoint import checksum, damage
+
+    for step in (1, 2):  # synchronous, then asynchronous (hashed by the background writer)
+        folder = saved[0] / f"step_{step:08d}"
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert set(manifest["xxh3_128"]) == set(manifest["files"]) == {".metadata", "__0_0.distcp", "rng_0.pt"}
+        assert all(manifest["xxh3_128"][n] == checksum(folder / n) for n in manifest["files"]), folder
+        assert damage(folder) is None
+
+
+def test_space_is_counted_as_written(saved: tuple[Path, int]) -> None:
+    """The estimate covers what a checkpoint takes on disk (its blocks), with less than a tenth to spare."""
+    folder, estimate = saved[0] / "step_00000001", saved[1]
+    on_disk = sum(os.stat(p).st_blocks * 512 for p in folder.iterdir())
+    assert on_disk <= estimate <= 1.1 * on_disk, (on_disk, estimate)
+
+
+@pytest.mark.parametrize(
+    ("harm", "file", "why"),
+    [
+        (
+            "flip",
+            "__0_0.distcp",
+            "__0_0.distcp fails its checksum (xxh3-128): its bytes changed after they were written",
+        ),
+        ("truncate", "__0_0.distcp", "__0_0.distcp is truncated: {size} bytes recorded, {cut} on disk"),
+        ("header", ".metadata", ".metadata fails its checksum (xxh3-128): its bytes changed after they were written"),
+        ("header", "rng_0.pt", "rng_0.pt fails its checksum (xxh3-128): its bytes changed after they were written"),
+        ("remove", "rng_0.pt", "rng_0.pt is unreadable (No such file or directory)"),
+    ],
+)
+def test_a_damaged_checkpoint_is_never_used_and_each_fallback_says_why(
+    saved: tuple[Path, int], tmp_path: Path, harm: str, file: str, why: str
+) -> None:
+    from launcher.checkpoint import CheckpointError, find_resume, newest_intact
+    from launcher.convert import find_checkpoint
+
+    checkpoints = _copy(saved, tmp_path)
+    newest, older = checkpoints / "step_00000002", checkpoints / "step_00000001"
+    target = newest / file
+    size = target.stat().st_size if target.exists() else 0
+    if harm == "flip":
+        _flip(target)
+    elif harm == "header":
+        _flip(target, at=0.0, count=4)
+    elif harm == "truncate":
+        os.truncate(target, size // 2)
+    else:
+        target.unlink()
+    line = f"launch: skipping checkpoint {newest}: {why.format(size=size, cut=size // 2)}"
+    said: list[str] = []
+    assert newest_intact(checkpoints, said.append) == older and said == [line]
+    # resume=<run dir> falls back, saying so; resume=<the step folder> and convert refuse it with the same words
+    assert find_resume(str(tmp_path), tmp_path / "new", {"config_hash": "0" * 16}) == older
+    for refuse in (lambda: find_resume(str(newest), tmp_path / "new", {}), lambda: find_checkpoint(newest)):
+        with pytest.raises(CheckpointError) as refused:
+            refuse()
+        assert (
+            str(refused.value) == f"checkpoint {newest} is damaged: {line.split(': ', 2)[2]}; resume from another one"
+        )
+
+
+def _made(checkpoints: Path, step: int, at: float) -> Path:
+    """A checkpoint folder as a save leaves it (one small file, its manifest), saved at time `at`."""
+    from launcher.checkpoint import checksum
+
+    folder = checkpoints / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "rng_0.pt").write_bytes(bytes([step]) * 7)
+    record = {"step": step, "samples": 8 * step, "world_size": 1, "time": at, "config_hash": "0" * 16}
+    files = {"rng_0.pt": 7}, {"rng_0.pt": checksum(folder / "rng_0.pt")}
+    (folder / "manifest.json").write_text(json.dumps({**record, "files": files[0], "xxh3_128": files[1]}))
+    return folder
+
+
+def test_pruning_keeps_the_newest_by_the_order_resume_uses(tmp_path: Path) -> None:
+    """After a fallback: step 20 was abandoned (damaged, say, and then repaired by hand, or the run resumed from
+    step 10 on purpose); the run saves 12 and 14 since. Keeping two keeps 14 and 12, the ones resume would take,
+    not 20 and 14 (by step name)."""
+    from launcher.checkpoint import complete, newest_intact
+    from launcher.saving import _prune
+
+    ck = tmp_path / "checkpoints"
+    _made(ck, 10, 100.0), _made(ck, 20, 200.0), _made(ck, 12, 300.0), _made(ck, 14, 400.0)
+    assert newest_intact(ck) == ck / "step_00000014"
+    _prune(ck, keep_last=2)
+    assert complete(ck) == [ck / "step_00000014", ck / "step_00000012"]
+    assert sorted(p.name for p in ck.iterdir()) == ["step_00000012", "step_00000014"]
+
+
+def test_room_is_asked_for_the_checkpoints_the_run_holds_at_once() -> None:
+    from omegaconf import OmegaConf
+
+    from launcher.resume import held_at_once
+
+    def trainer(**kw: object) -> object:
+        return OmegaConf.create({"max_steps": 10, "checkpoint_every": 2, "save_at_end": True, "keep_last": 1, **kw})
+
+    assert held_at_once(trainer(), 0, 0) == 2  # keep_last + the one being written
+    assert held_at_once(trainer(), 0, 1) == 1  # one already there: pruned once the next is complete
+    assert held_at_once(trainer(keep_last=0), 0, 0) == 5  # all kept: steps 2, 4, 6, 8, 10
+    assert held_at_once(trainer(keep_last=3), 8, 0) == 1  # from step 8: only step 10 is left to save
+    assert held_at_once(trainer(checkpoint_every=0, save_at_end=False), 0, 0) == 0
+
+
+RESUMED = [*TINY, "gpus=2", "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6",
+           "trainer.checkpoint_every=2", "trainer.keep_last=0"]  # fmt: skip
+
+
+def test_a_run_resumes_from_the_newest_checkpoint_that_verifies(tmp_path: Path) -> None:
+    """16 bytes flipped in the middle of a tensor file of the newest checkpoint (its size unchanged): the same
+    command again skips it, saying which file and why, and resumes from the one before, exactly."""
+    first = launch(tmp_path, *RESUMED).check()
+    losses = first.losses()
+    ck = first.run_dir / "checkpoints"
+    newest, before = ck / "step_00000006", ck / "step_00000004"
+    _flip(newest / "__0_0.distcp")
+    line = (
+        f"launch: error: checkpoint {newest} is damaged: __0_0.distcp fails its checksum (xxh3-128): its bytes "
+        "changed after they were written; resume from another one"
+    )
+    assert launch(tmp_path, *RESUMED, f"resume={newest}", name="refused").refused() == line
+    again = launch(tmp_path, *RESUMED).check()
+    assert f"launch: skipping checkpoint {newest}: __0_0.distcp fails its checksum" in again.stdout, again.stdout
+    assert f"resuming from {before} (step 4" in again.stdout, again.stdout
+    assert [m["step"] for m in again.metrics][-2:] == [5, 6]  # appended to the first run's
+    assert again.losses()[-2:] == pytest.approx(losses[4:6], abs=1e-6), (again.losses(), losses)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """Mount a small tmpfs of the given size under tmp_path (root can; skipped with the reason where it cannot)."""
+    mounted: list[Path] = []
+
+    def mount(size: int) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+        if proc.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip() or proc.returncode}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _fill(where: Path) -> None:
+    with open(where / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(1 << 16))
+        except OSError:
+            pass
+
+
+def test_a_full_disk_at_start_is_one_line_and_leaves_no_run_directory(tmp_path: Path, tmpfs) -> None:
+    disk = tmpfs(1 << 20)
+    _fill(disk)
+    run = launch(tmp_path, *TINY, "gpus=1", "trainer.max_steps=1", name=f"{disk.name}/new/run")
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1, run.stderr
+    assert lines[0].startswith(f"launch: error: no space left on tmpfs at {disk} (0.0 MB free) while writing "), lines
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]  # new/ and new/run removed: the launch made them
+
+
+def test_a_refused_run_removes_only_the_folders_it_made(tmp_path: Path) -> None:
+    (tmp_path / "x").mkdir()
+    line = launch(tmp_path, *TINY, "gpus=2", "batch.global_size=30", name="x/run").refused()
+    assert "batch.global_size=30" in line
+    assert (tmp_path / "x").is_dir()  # it was there before the launch
+    launch(tmp_path, *TINY, "gpus=2", "batch.global_size=30", name="y/z/run").refused()
+    assert not (tmp_path / "y").exists()  # the launch made y/ and y/z/: gone with the run's folder
+
+
+def _state_bytes(world_size: int) -> int:
+    """What `launcher.saving.checkpoint_bytes` counts for the TINY model (2 layers, 64 wide) under AdamW."""
+    import torch
+
+    from launcher.models.gpt import GPT
+    from launcher.saving import checkpoint_bytes
+
+    model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
+    optim = torch.optim.AdamW(model.parameters())
+    tokens = torch.zeros(1, 32, dtype=torch.long)
+    model(tokens, tokens)["loss"].backward()
+    optim.step()
+    return checkpoint_bytes({"model": model.state_dict(), "optim": optim.state_dict()}, world_size)
+
+
+def test_room_for_exactly_two_checkpoints_and_a_disk_that_fills_during_the_run(tmp_path: Path, tmpfs) -> None:
+    """2 ranks under DDP, keep_last=1: at its fullest the run holds two checkpoints. With room for exactly two (and
+    the run's logs) both are saved. Then another writer fills the disk at step 5: the save of step 6 is refused in
+    one line for both ranks, naming the disk, the checkpoint and the one still intact."""
+    size = _state_bytes(2)
+    disk = tmpfs(2 * size + (512 << 10))
+    filler = disk / "filler"
+    run = launch(
+        tmp_path, *TINY, "gpus=2", "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6",
+        "trainer.checkpoint_every=2", "trainer.keep_last=1", "model._target_=faulty.DiskFillingGPT",
+        f"+model.fill={filler}", "+model.leave=262144", "+model.bad_rank=0", "+model.at_call=9",
+        name=f"{disk.name}/run",
+    )  # fmt: skip
+    ck = run.run_dir / "checkpoints"
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1, run.stderr
+    assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5, 6]
+    assert lines[0].startswith(
+        f"launch: error: ranks 0, 1 failed while saving the checkpoint of step 6: RuntimeError: no room on tmpfs at "
+        f"{disk} ("
+    ), lines
+    assert f"for the checkpoint of step 6 (1 x {size / 1e6:,.1f} MB); the newest intact checkpoint is " in lines[0]
+    assert f"{ck / 'step_00000004'}; free space there" in lines[0]
+    assert [p.name for p in ck.glob("step_*")] == ["step_00000004"]
+
+
+def test_a_failure_report_the_run_directory_cannot_hold_reaches_the_launcher(tmp_path: Path, tmpfs) -> None:
+    """The worker's report goes where the elastic agent reads it, else to the launcher's spare folder, else to
+    stderr; the launcher reads it from there, and ranks that failed alike are one line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from launcher.failures import rank_lines
+
+    disk, spare = tmpfs(1 << 20), tmp_path / "spare"
+    spare.mkdir()
+    _fill(disk)
+    report = "from pathlib import Path; from launcher.lifecycle import report_failure; import sys; " + (
+        "report_failure(OSError(28, 'No space left on device', sys.argv[2]), int(sys.argv[1]), Path(sys.argv[3]))"
+    )
+    errors = {}
+    for rank in (0, 1):
+        errors[rank] = disk / f"error{rank}.json"
+        env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(errors[rank]), "LAUNCH_FAILURE_DIR": str(spare)}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        args = [sys.executable, "-c", report, str(rank), str(disk / "metrics.jsonl"), str(disk)]
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and proc.stderr == "", proc.stderr  # told to the spare folder, not the terminal
+        assert not errors[rank].exists()  # no half-written report for the agent to choke on
+    failures = {r: ProcessFailure(local_rank=r, pid=1, exitcode=1, error_file=str(errors[r])) for r in (0, 1)}
+    lines = rank_lines(ChildFailedError("launcher.worker", failures), 0, spare=spare)
+    assert lines == [
+        f"ranks 0, 1 failed while starting: OSError: no space left on tmpfs at {disk} (0.0 MB free) while writing "
+        f"{disk / 'metrics.jsonl'}; free space there or choose another hydra.run.dir (traceback: (not written))"
+    ], lines
+    proc = subprocess.run(args, env={**env, "LAUNCH_FAILURE_DIR": str(disk)}, capture_output=True, text=True)
+    assert proc.stderr.strip() == f"launch: error: rank 1 failed {lines[0].split(' failed ', 1)[1]}", proc.stderr
+
+
+def _node(tmp_path: Path, port: int, name: str) -> subprocess.Popen[str]:
+    """One node of a two-node job on loopback, one rank, in a session of its own (to be killed whole)."""
+    overrides = [*TINY, "batch.global_size=8", "trainer.max_steps=100000", "trainer.checkpoint_every=0",
+                 "trainer.save_at_end=false", "nodes=2", "gpus=1", f"rdzv.endpoint=127.0.0.1:{port}", f"rdzv.id={name}",
+                 f"hydra.run.dir={tmp_path / name}"]  # fmt: skip
+    return subprocess.Popen(
+        [LAUNCH, *overrides], cwd=tmp_path, env=clean_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("lost", ["the other node", "the store's node"])
+def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None:
+    """Two one-rank nodes on loopback train together; one is killed whole (launcher and worker) mid-run. The
+    survivor's one line names the node and rank that went away and its step, whether or not the rendezvous store
+    lived on the node that vanished; never "did not join", no C++ frames."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    name = "lost" if lost == "the other node" else "lost-store"
+    host = _node(tmp_path, port, name)  # binds the rendezvous store: the first on the endpoint
+    for _ in range(600):
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    other = _node(tmp_path, port, name)
+    run_dir, killed = tmp_path / name, (other if lost == "the other node" else host)
+    survivor = host if killed is other else other
+    metrics = run_dir / "metrics.jsonl"
+    for _ in range(3000):  # both have trained a few steps together
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        assert survivor.poll() is None and killed.poll() is None, (survivor.communicate(), killed.communicate())
+        time.sleep(0.1)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.communicate()
+    out, err = survivor.communicate(timeout=300)
+    records = {p.name: json.loads(p.read_text()) for p in (run_dir / "logs" / "ranks").glob("rank*.json")}
+    gone = [int(n.removeprefix("rank").removesuffix(".json")) for n, r in records.items()
+            if r["launcher"].split(":")[1] == str(killed.pid)]  # fmt: skip
+    lines = err.strip().splitlines()
+    assert survivor.returncode == 1 and len(lines) == 1, err
+    assert f"; rank {gone[0]}) went away at step " in lines[0] and lines[0].startswith("launch: error: node "), err
+    assert "did not all join" not in err and "frame #" not in err + out, (out, err)
+
+
+def test_a_manifest_without_checksums_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    from launcher.checkpoint import newest_intact
+
+    ck = tmp_path / "checkpoints"
+    kept, old = _made(ck, 2, 100.0), _made(ck, 4, 200.0)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["xxh3_128"]  # as a launch before checksums wrote it
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    said: list[str] = []
+    assert newest_intact(ck, said.append) == kept
+    why = "records no checksums: a launch before checksums wrote it"
+    assert said == [f"launch: skipping checkpoint {old}: {old / 'manifest.json'} {why}"]
+
+
+FULL_PROBE = r"""
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from launcher import saving
+from launcher.checkpoint import Position
+
+root, ck = Path(sys.argv[1]), Path(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
+
+class State:
+    def __init__(self, n):
+        self.w = torch.ones(n)
+
+    def state_dict(self):
+        return {"model": {"w": self.w}}
+
+saver = saving.Saver(ck, 0, 1, keep_last=0)
+saver.save(Position(1, 8), State(1000), {"world_size": 1, "config_hash": "0" * 16})
+saving.check_space = lambda *args: None  # another process takes the room after the check: the write meets ENOSPC
+try:
+    saver.save(Position(2, 16), State(1_000_000), {"world_size": 1, "config_hash": "0" * 16})
+except RuntimeError as e:
+    print("REFUSED", e)
+dist.destroy_process_group()
+"""
+
+
+def test_a_disk_that_fills_during_a_write_is_one_line_and_keeps_the_intact_checkpoint(tmp_path: Path, tmpfs) -> None:
+    """A real DCP write onto a tmpfs too small for it (the check before it bypassed, as when another process takes
+    the room meanwhile): one line naming the disk, the checkpoint and the one still intact; the partial removed."""
+    from launcher.checkpoint import damage
+
+    disk = tmpfs(1 << 20)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", FULL_PROBE, str(tmp_path), str(disk / "ckpt")], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    ck = disk / "ckpt"
+    assert proc.stdout.startswith(f"REFUSED no space left on tmpfs at {disk} ("), (proc.stdout, proc.stderr)
+    assert proc.stdout.strip().endswith(
+        f"while writing the checkpoint of step 2 ({ck / '.step_00000002.partial'}, removed); the newest intact "
+        f"checkpoint is {ck / 'step_00000001'}; free space there, lower trainer.keep_last, or choose another "
+        "hydra.run.dir"
+    ), proc.stdout
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000001"] and damage(ck / "step_00000001") is None
