@@ -40,7 +40,13 @@ def rank_lines(error: Any, oom_before: int, advice: Callable[[], str] = str) -> 
     memory) is asked for only when the out-of-memory killer is named."""
     ranks = sorted(error.failures, key=lambda r: _order(r, error.failures[r]))
     oom = oom_kills() > oom_before
-    lines = [_line(rank, error.failures[rank], oom) for rank in ranks]
+    lines, told = [], set()
+    for rank in ranks:
+        line = _line(rank, error.failures[rank], oom)
+        said = re.sub(r"^rank \d+ |\(traceback: [^)]*\)$", "", line) if "(traceback: " in line else line
+        if said not in told:  # the same error raised on every rank (a step that was not finite) is said once
+            lines.append(line)
+            told.add(said)
     if any(OOM in line for line in lines):
         note = advice()
         lines = [f"{line}: {note}" if OOM in line and note else line for line in lines]
