@@ -126,7 +126,7 @@ def PySource(
     tokens = _memmap(path, np.uint8)
     if packing:
         return TokenWindows(tokens, seq_len, format, source=path)
-    return DocumentChunks(tokens, np.load(spans), seq_len, format)
+    return DocumentChunks(tokens, np.load(spans), seq_len, format, source=path)
 
 
 def _build_pysource(root: Path, val_fraction: float, out: Path, tag: str) -> None:
@@ -163,7 +163,9 @@ class DocumentChunks(Dataset):
     format="tuple": (inputs, targets); format="hf": {"input_ids", "labels"} with labels unshifted (-100 where padded).
     """
 
-    def __init__(self, tokens: np.ndarray, spans: np.ndarray, seq_len: int, format: str = "tuple") -> None:
+    def __init__(
+        self, tokens: np.ndarray, spans: np.ndarray, seq_len: int, format: str = "tuple", source: Path | None = None
+    ) -> None:
         if format not in FORMATS:
             raise ValueError(f"data.format={format} is not one of {', '.join(FORMATS)}")
         begin, end = spans[:, 0], spans[:, 1]
@@ -175,6 +177,11 @@ class DocumentChunks(Dataset):
         first, ends = begin[doc] + nth * seq_len, end[doc]
         self.tokens, self.seq_len, self.format = tokens, seq_len, format
         self.chunks = np.stack([first, np.minimum(seq_len + 1, ends - first)], axis=1)
+        self.source = source
+
+    def largest_id(self) -> int:
+        """The largest token id it can give (padding is 0): of its file, scanned once and cached."""
+        return largest_id(self.source, self.tokens.dtype) if self.source else int(self.tokens.max(initial=0))
 
     def __len__(self) -> int:
         return len(self.chunks)
