@@ -218,7 +218,7 @@ def check_overrides(overrides: Sequence[str]) -> str | None:
         problem = schema.check_ranges(composed) or _run_dir_problem(hydra_node, overrides, parsed)
         if problem or not _multirun(parsed):
             return problem  # a single run: the launcher checks the rest before it writes anything
-        return _check_sweep(user, hydra_node)
+        return _check_sweep(user, hydra_node, overrides)
     return None
 
 
@@ -229,7 +229,7 @@ def _multirun(parsed: Sequence[Any]) -> bool:
     return any(o.is_sweep_override() for o in parsed) or "--multirun" in sys.argv or "-m" in sys.argv
 
 
-def _check_sweep(user: list[str], hydra_node: DictConfig) -> str | None:
+def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[str]) -> str | None:
     """Every job of a sweep whose jobs are known in advance (Hydra's basic sweeper: every combination), checked as a
     single run would be, before the first one starts and before Hydra writes anything. Sweepers that choose values
     as they go (Optuna) have their jobs checked one by one, as each starts."""
@@ -241,7 +241,8 @@ def _check_sweep(user: list[str], hydra_node: DictConfig) -> str | None:
 
     from launcher.config import ConfigError
 
-    if OmegaConf.select(hydra_node, "sweeper._target_") != BASIC_SWEEPER:
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra/sweeper=")]
+    if OmegaConf.select(hydra_node, "sweeper._target_") != BASIC_SWEEPER or chosen[-1:] not in ([], ["basic"]):
         return None
     params = hydra_node.sweeper.get("params")
     try:
@@ -251,8 +252,8 @@ def _check_sweep(user: list[str], hydra_node: DictConfig) -> str | None:
     given = [f"{key}={value}" for key, value in plain.items()] + user  # the basic sweeper's order: yours win
     try:
         (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(given), None)
-    except HydraException as e:
-        return _one_line(e)
+    except HydraException:  # a sweep the basic sweeper cannot list (an interval): Hydra says so itself
+        return None
     swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in other for other in jobs) < len(jobs)}
     from launcher.launch import check_job  # imports torch: only for a sweep
 
