@@ -66,7 +66,7 @@ class Guard:
         mine = next(((k, float(v)) for k, v in enumerate(torch.stack(losses).tolist()) if not math.isfinite(v)), None)
         seen: list[Any] = [None] * self.world_size
         dist.all_gather_object(seen, mine)  # every rank is here: they all saw the same non-finite norm
-        bad = [(rank, k, value) for rank, found in enumerate(seen) if found for k, value in [found]]
+        bad = [(rank, *found) for rank, found in enumerate(seen) if found is not None]  # (rank, micro-step, loss)
         if self.fp16 and not bad:
             return True  # the loss scaler's overflow: it skipped the step and lowered its scale, as it always does
         K = len(losses)
