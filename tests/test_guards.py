@@ -66,6 +66,8 @@ def test_a_nan_step_stops_the_run_and_the_last_finite_checkpoint_resumes(tmp_pat
     folder = run.run_dir / "checkpoints"
     assert sorted(p.name for p in folder.glob("step_*")) == ["step_00000001", "step_00000002"]
     assert (folder / "latest").read_text().strip().endswith("step_00000002")
+    tensors = [v for v in _flat(_state(folder / "step_00000002", tmp_path / "2.pt")).values() if hasattr(v, "isfinite")]
+    assert tensors and all(bool(t.isfinite().all()) for t in tensors)  # every weight and moment of it is finite
     assert [m["step"] for m in _strict(run.run_dir / "metrics.jsonl")] == [1, 2]
 
     resumed = launch(tmp_path, *TINY, "gpus=2", "strategy=fsdp", "batch.global_size=8", "batch.micro_size=2",
