@@ -6,6 +6,9 @@ never pay for torch, deepspeed or wandb; the run itself is imported when a job s
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -244,9 +247,11 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
     chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra/sweeper=")]
     if OmegaConf.select(hydra_node, "sweeper._target_") != BASIC_SWEEPER or chosen[-1:] not in ([], ["basic"]):
         return None
-    params = hydra_node.sweeper.get("params")
-    try:
-        plain = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else {}
+    params, env_set = hydra_node.sweeper.get("params"), OmegaConf.select(hydra_node, "job.env_set")
+    try:  # quietly: the job's own resolution says what it has to say (the smoke sweep's strategies left out)
+        with contextlib.redirect_stderr(io.StringIO()):
+            plain = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else {}
+            env = OmegaConf.to_container(env_set, resolve=True) if isinstance(env_set, DictConfig) else {}
     except OmegaConfBaseException:  # values only Hydra's job can resolve: each job is checked as it starts
         return None
     given = [f"{key}={value}" for key, value in plain.items()] + user  # the basic sweeper's order: yours win
@@ -257,19 +262,28 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
     swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in other for other in jobs) < len(jobs)}
     from launcher.launch import check_job  # imports torch: only for a sweep
 
-    for n, job in enumerate(jobs):
-        where = " ".join(o for o in job if o.split("=", 1)[0] in swept) or " ".join(job)
-        try:
-            cfg = compose(CONFIG_NAME, overrides=job)
-            problem = schema.check_ranges(cfg)
-            if problem is None:
-                check_job(cfg)
-        except (HydraException, OmegaConfBaseException) as e:
-            problem = _one_line(e)
-        except ConfigError as e:
-            problem = str(e)
-        if problem:
-            return f"sweep job {n + 1} of {len(jobs)} ({where}): {problem}; nothing of the sweep has run"
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update({key: str(value) for key, value in env.items()})  # each job runs with hydra.job.env_set
+    try:
+        for n, job in enumerate(jobs):
+            where = " ".join(o for o in job if o.split("=", 1)[0] in swept) or " ".join(job)
+            try:
+                cfg = compose(CONFIG_NAME, overrides=job)
+                problem = schema.check_ranges(cfg)
+                if problem is None:
+                    check_job(cfg)
+            except (HydraException, OmegaConfBaseException) as e:
+                problem = _one_line(e)
+            except ConfigError as e:
+                problem = str(e)
+            if problem:
+                return f"sweep job {n + 1} of {len(jobs)} ({where}): {problem}; nothing of the sweep has run"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return None
 
 
