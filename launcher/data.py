@@ -228,6 +228,7 @@ def Tokens(
         raise ValueError(
             f"data.path={path}: its {split} split holds {len(tokens)} tokens, which cannot make one sample of "
             f"data.seq_len={seq_len} (+1 for the targets); lower data.seq_len or give a longer file"
+            + (", or raise data.val_fraction" if split == "val" else "")
         )
     return TokenWindows(tokens, seq_len, format, source=Path(file))
 
