@@ -34,11 +34,27 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Path | None:
         found = find_resume(frozen.resume, run_dir, identity)
         if found is not None:
             check_fits(found, model)
+            _check_steps_left(found, frozen.trainer.max_steps)
     except CheckpointError as e:
         raise ConfigError(str(e)) from e
     if frozen.resume == "auto":
         print(f"launch: resume=auto: {f'resuming from {found}' if found else 'no earlier checkpoint, starting fresh'}")
     return found
+
+
+def _check_steps_left(checkpoint: Path, max_steps: int) -> None:
+    """A checkpoint at or past trainer.max_steps leaves nothing to train: refused, not a run that says nothing."""
+    from launcher.untrusted import UntrustedDataError, read_manifest
+
+    try:
+        step = read_manifest(checkpoint)["step"]
+    except UntrustedDataError as e:
+        raise ConfigError(f"{e}; resume from another one") from e
+    if step >= max_steps:
+        raise ConfigError(
+            f"resume={checkpoint} is at step {step}, and trainer.max_steps={max_steps} leaves nothing to train; "
+            f"raise trainer.max_steps above {step}"
+        )
 
 
 # What the launcher itself passes to each group's target, besides the keys in its config node.
@@ -97,6 +113,48 @@ def check_built(frozen: DictConfig, model: Any) -> None:
     if sample is not None:
         _check_forward(frozen, model, sample)
     _check_logger(frozen)
+    _check_vocabulary(frozen, model)
+
+
+def vocabulary(model: Any) -> int | None:
+    """The number of token ids the model embeds, where it says so: a transformers model's input embeddings or
+    config, or a `vocab_size` attribute (the built-in GPT); None for a model without one (an image classifier)."""
+    embeddings = getattr(model, "get_input_embeddings", None)
+    if callable(embeddings):
+        try:
+            rows = getattr(embeddings(), "num_embeddings", None)
+        except Exception:  # a model that has the method but no embeddings
+            rows = None
+        if isinstance(rows, int):
+            return rows
+    for size in (getattr(getattr(model, "config", None), "vocab_size", None), getattr(model, "vocab_size", None)):
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+    return None
+
+
+def _check_vocabulary(frozen: DictConfig, model: Any) -> None:
+    """The built-in token data's largest id against the model's vocabulary (user data is checked batch by batch in
+    the workers, `launcher.data.check_token_ids`)."""
+    from launcher.data import BUILT_IN_DATA, SKIP_CHECK, build_dataset
+
+    vocab = vocabulary(model)
+    if vocab is None or not str(frozen.data._target_).startswith(BUILT_IN_DATA) or frozen.data.get(SKIP_CHECK) is False:
+        return
+    for split in ["train"] + (["val"] if frozen.trainer.eval_every > 0 else []):
+        try:
+            bound = getattr(build_dataset(frozen.data, split), "largest_id", None)
+        except Exception:  # the dataset checks say why it does not build
+            return
+        if bound is None:
+            return
+        largest = bound()
+        if largest >= vocab:
+            where = f"data.path={frozen.data.path}" if "path" in frozen.data else f"data={frozen.data._target_}"
+            raise ConfigError(
+                f"{where} holds token id {largest}, but the model's vocabulary has {vocab} ids (0..{vocab - 1}); "
+                f"raise the model's vocab_size to at least {largest + 1}, or check data.dtype and the tokenizer"
+            )
 
 
 def _fail(group: str, e: BaseException, fix: str) -> ConfigError:
@@ -108,10 +166,21 @@ def _fail(group: str, e: BaseException, fix: str) -> ConfigError:
 def _check_optimizer(frozen: DictConfig, model: Any) -> None:
     from hydra.utils import instantiate
 
+    def build(node: DictConfig) -> None:
+        instantiate(node, _partial_=True, _convert_="all")(model.parameters())
+
     try:
-        instantiate(frozen.optim, _partial_=True, _convert_="all")(model.parameters())
+        build(frozen.optim)
     except Exception as e:  # torch's optimizers check their hyperparameters in the constructor
-        raise _fail("optim", e, f"fix the optim.* values that {frozen.optim._target_} refuses") from e
+        target = frozen.optim._target_
+        for key in [str(k) for k in frozen.optim if not str(k).startswith("_")]:
+            try:  # the key whose value it refuses: without it (the optimizer's default), it builds
+                build(OmegaConf.masked_copy(frozen.optim, [k for k in frozen.optim if k != key]))
+            except Exception:
+                continue
+            value = OmegaConf.to_container(frozen.optim)[key]  # type: ignore[index]
+            raise _fail("optim", e, f"fix optim.{key}={value}, which {target} refuses") from e
+        raise _fail("optim", e, f"fix the optim.* values that {target} refuses") from e
 
 
 def _check_datasets(frozen: DictConfig) -> Any:
@@ -222,5 +291,7 @@ def _check_logger(frozen: DictConfig) -> None:
         settings = {k: v for k, v in OmegaConf.to_container(frozen.logger).items() if not str(k).startswith("_")}
         try:
             check(**settings)
+        except ConnectionError as e:  # the logger's service cannot be reached: the message says what to do
+            raise ConfigError(str(e)) from e
         except (TypeError, ValueError) as e:
             raise _fail("logger", e, "fix the logger.* values") from e

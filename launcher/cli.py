@@ -6,6 +6,8 @@ never pay for torch, deepspeed or wandb; the run itself is imported when a job s
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import sys
@@ -220,7 +222,72 @@ def check_overrides(overrides: Sequence[str]) -> str | None:
             return _unknown_key(e, first) or _one_line(e)
         with open_dict(composed):
             hydra_node = composed.pop("hydra")
-        return schema.check_ranges(composed) or _run_dir_problem(hydra_node, overrides, parsed)
+        problem = schema.check_ranges(composed) or _run_dir_problem(hydra_node, overrides, parsed)
+        if problem or not _multirun(parsed):
+            return problem  # a single run: the launcher checks the rest before it writes anything
+        return _check_sweep(user, hydra_node, overrides)
+    return None
+
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def _multirun(parsed: Sequence[Any]) -> bool:
+    return any(o.is_sweep_override() for o in parsed) or "--multirun" in sys.argv or "-m" in sys.argv
+
+
+def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[str]) -> str | None:
+    """Every job of a sweep whose jobs are known in advance (Hydra's basic sweeper: every combination), checked as a
+    single run would be, before the first one starts and before Hydra writes anything. Sweepers that choose values
+    as they go (Optuna) have their jobs checked one by one, as each starts."""
+    from hydra import compose
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from launcher.config import ConfigError
+
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra/sweeper=")]
+    if OmegaConf.select(hydra_node, "sweeper._target_") != BASIC_SWEEPER or chosen[-1:] not in ([], ["basic"]):
+        return None
+    params, env_set = hydra_node.sweeper.get("params"), OmegaConf.select(hydra_node, "job.env_set")
+    try:  # quietly: the job's own resolution says what it has to say (the smoke sweep's strategies left out)
+        with contextlib.redirect_stderr(io.StringIO()):
+            plain = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else {}
+            env = OmegaConf.to_container(env_set, resolve=True) if isinstance(env_set, DictConfig) else {}
+    except OmegaConfBaseException:  # values only Hydra's job can resolve: each job is checked as it starts
+        return None
+    given = [f"{key}={value}" for key, value in plain.items()] + user  # the basic sweeper's order: yours win
+    try:
+        (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(given), None)
+    except HydraException:  # a sweep the basic sweeper cannot list (an interval): Hydra says so itself
+        return None
+    swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in other for other in jobs) < len(jobs)}
+    from launcher.launch import check_job  # imports torch: only for a sweep
+
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update({key: str(value) for key, value in env.items()})  # each job runs with hydra.job.env_set
+    try:
+        for n, job in enumerate(jobs):
+            where = " ".join(o for o in job if o.split("=", 1)[0] in swept) or " ".join(job)
+            try:
+                cfg = compose(CONFIG_NAME, overrides=job)
+                problem = schema.check_ranges(cfg)
+                if problem is None:
+                    check_job(cfg)
+            except (HydraException, OmegaConfBaseException) as e:
+                problem = _one_line(e)
+            except ConfigError as e:
+                problem = str(e)
+            if problem:
+                return f"sweep job {n + 1} of {len(jobs)} ({where}): {problem}; nothing of the sweep has run"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return None
 
 
@@ -229,8 +296,7 @@ def _run_dir_problem(hydra_node: DictConfig, overrides: Sequence[str], parsed: S
     import os
     from pathlib import Path
 
-    multirun = any(o.is_sweep_override() for o in parsed) or "--multirun" in sys.argv or "-m" in sys.argv
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    key = "hydra.sweep.dir" if _multirun(parsed) else "hydra.run.dir"
     given = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")]
     try:
         folder = Path(given[-1] if given else str(OmegaConf.select(hydra_node, key.removeprefix("hydra.")))).absolute()

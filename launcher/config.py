@@ -128,6 +128,12 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
     if device == "auto":
         device = "cuda" if cuda_devices > 0 else "cpu"
     if device == "cuda" and cuda_devices == 0:
+        chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if chosen is not None:  # the usual cause: GPUs hidden from this process
+            raise ConfigError(
+                f"device=cuda but no CUDA device is visible with CUDA_VISIBLE_DEVICES={chosen!r}; name the GPUs in "
+                "CUDA_VISIBLE_DEVICES or unset it, or use device=cpu"
+            )
         raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu or device=auto")
     if device == "cuda":
         gpus = cfg.gpus if cfg.gpus is not None else cuda_devices

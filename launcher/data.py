@@ -35,13 +35,20 @@ class TokenWindows(Dataset):
     shifts its labels itself, so shifting them here too would teach it the token after next.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, format: str = "tuple") -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, format: str = "tuple", source: Path | None = None) -> None:
         if len(tokens) < seq_len + 1:
             raise ValueError(f"{len(tokens)} tokens cannot make one sample of data.seq_len={seq_len}")
         if format not in FORMATS:
             raise ValueError(f"data.format={format} is not one of {', '.join(FORMATS)}")
-        self.tokens, self.seq_len, self.format = tokens, seq_len, format
+        self.tokens, self.seq_len, self.format, self.source = tokens, seq_len, format, source
         self.n = (len(tokens) - 1) // seq_len
+
+    def largest_id(self) -> int:
+        """The largest token id it can give: of its whole file when it has one (scanned once, cached), else of its
+        tokens."""
+        if self.source is not None:
+            return largest_id(self.source, self.tokens.dtype)
+        return int(self.tokens.max(initial=0))
 
     def __len__(self) -> int:
         return self.n
@@ -53,6 +60,34 @@ class TokenWindows(Dataset):
             inputs = chunk[:-1]
             return {"input_ids": inputs, "labels": inputs.clone()}
         return chunk[:-1], chunk[1:]
+
+
+def largest_id(path: Path, dtype: Any = None) -> int:
+    """The largest id in a token file of `dtype` (uint16 unless given), scanned once and cached beside it in
+    `<file>.max-id.json`, keyed by the file's size and modification time so that a changed file is scanned again.
+    Where that folder is read-only it is scanned every time."""
+    import json
+
+    stat = path.stat()
+    key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(np.dtype(dtype or np.uint16))}
+    cache = path.with_name(f"{path.name}.max-id.json")
+    try:
+        cached = json.loads(cache.read_text())
+        if {k: cached.get(k) for k in key} == key:
+            return int(cached["max_id"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    tokens = _memmap(path, np.dtype(key["dtype"]))
+    largest = 0
+    for start in range(0, len(tokens), 1 << 26):  # 64M tokens a time: bounded memory on any file size
+        largest = max(largest, int(tokens[start : start + (1 << 26)].max(initial=0)))
+    try:
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({**key, "max_id": largest}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only folder: nothing cached
+    return largest
 
 
 def _memmap(path: Path, dtype: Any) -> np.ndarray:
@@ -90,8 +125,8 @@ def PySource(
         _build_pysource(root, val_fraction, path.parent, tag)
     tokens = _memmap(path, np.uint8)
     if packing:
-        return TokenWindows(tokens, seq_len, format)
-    return DocumentChunks(tokens, np.load(spans), seq_len, format)
+        return TokenWindows(tokens, seq_len, format, source=path)
+    return DocumentChunks(tokens, np.load(spans), seq_len, format, source=path)
 
 
 def _build_pysource(root: Path, val_fraction: float, out: Path, tag: str) -> None:
@@ -128,7 +163,9 @@ class DocumentChunks(Dataset):
     format="tuple": (inputs, targets); format="hf": {"input_ids", "labels"} with labels unshifted (-100 where padded).
     """
 
-    def __init__(self, tokens: np.ndarray, spans: np.ndarray, seq_len: int, format: str = "tuple") -> None:
+    def __init__(
+        self, tokens: np.ndarray, spans: np.ndarray, seq_len: int, format: str = "tuple", source: Path | None = None
+    ) -> None:
         if format not in FORMATS:
             raise ValueError(f"data.format={format} is not one of {', '.join(FORMATS)}")
         begin, end = spans[:, 0], spans[:, 1]
@@ -140,6 +177,11 @@ class DocumentChunks(Dataset):
         first, ends = begin[doc] + nth * seq_len, end[doc]
         self.tokens, self.seq_len, self.format = tokens, seq_len, format
         self.chunks = np.stack([first, np.minimum(seq_len + 1, ends - first)], axis=1)
+        self.source = source
+
+    def largest_id(self) -> int:
+        """The largest token id it can give (padding is 0): of its file, scanned once and cached."""
+        return largest_id(self.source, self.tokens.dtype) if self.source else int(self.tokens.max(initial=0))
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -181,8 +223,14 @@ def Tokens(
             f"data.path={path} holds {size} bytes, not a whole number of {dtype} tokens ({item} bytes each); "
             "check data.dtype"
         )
-    tokens = _memmap(Path(file), np.dtype(dtype))
-    return TokenWindows(_split(tokens, split, val_fraction), seq_len, format)
+    tokens = _split(_memmap(Path(file), np.dtype(dtype)), split, val_fraction)
+    if len(tokens) < seq_len + 1:
+        raise ValueError(
+            f"data.path={path}: its {split} split holds {len(tokens)} tokens, which cannot make one sample of "
+            f"data.seq_len={seq_len} (+1 for the targets); lower data.seq_len or give a longer file"
+            + (", or raise data.val_fraction" if split == "val" else "")
+        )
+    return TokenWindows(tokens, seq_len, format, source=Path(file))
 
 
 class GlobalBatches:
@@ -213,6 +261,25 @@ def rank_micro_batches(indices: np.ndarray, rank: int, world_size: int, accumula
     """This rank's K micro-batches of a global batch: rank r owns the r-th contiguous 1/G of it."""
     mine = np.array_split(indices, world_size)[rank]
     return np.array_split(mine, accumulation)
+
+
+BUILT_IN_DATA = "launcher.data."
+"""The prefix of the launcher's own data targets: their largest token id is checked before start
+(`TokenWindows.largest_id`); batches of any other data are checked as they come (`check_token_ids`)."""
+
+
+def check_token_ids(batch: Any, vocab: int, step: int) -> None:
+    """ValueError (one line: the id, the vocabulary, the step) when a batch's integer `input_ids` (a dict's, or a
+    tuple's first tensor) holds an id the model does not embed. Read on the host, before the copy to the device."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else None
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.numel() == 0:
+        return
+    largest = int(ids.max())
+    if largest >= vocab:
+        raise ValueError(
+            f"token id {largest} in a batch of step {step} is outside the model's vocabulary of {vocab} ids "
+            f"(0..{vocab - 1}); fix the data's tokenizer or raise the model's vocab_size to at least {largest + 1}"
+        )
 
 
 SKIP_CHECK = "_check_"
@@ -266,9 +333,10 @@ class StepBatches:
                 yield micro.tolist()
 
 
-def feed(dataset: Dataset, sampler: StepBatches, workers: int, device: torch.device) -> Any:
+def feed(dataset: Dataset, sampler: StepBatches, workers: int, device: torch.device, check: Any = None) -> Any:
     """This rank's micro-batches in order, read by `workers` DataLoader processes ahead of the loop (0: in the loop),
-    collated, pinned and copied without blocking on CUDA. The order is the sampler's whatever `workers` is."""
+    collated, pinned and copied without blocking on CUDA. The order is the sampler's whatever `workers` is.
+    `check(batch, n)` is called with each host batch and its index before it is copied."""
     from torch.utils.data import DataLoader
 
     loader = DataLoader(
@@ -282,5 +350,7 @@ def feed(dataset: Dataset, sampler: StepBatches, workers: int, device: torch.dev
         # would shift dropout's draws in a resumed run (it starts iterating at the resumed step, not at step 1).
         generator=torch.Generator().manual_seed(0),
     )
-    for batch in loader:
+    for n, batch in enumerate(loader):
+        if check is not None:
+            check(batch, n)
         yield to_device(batch, device)

@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.checks import check_built, check_keys, check_resume, check_strategy
+from launcher.checks import check_built, check_keys, check_resume, check_strategy, vocabulary
 from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze, identity_hash
 from launcher.durable import disk_error
 from launcher.failures import lost_node, oom_kills, rank_lines, secondary
@@ -79,6 +79,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         **derived.as_dict(),
         "model": size.as_dict(),
         "plan_peak_bytes": planned_peak(frozen, derived, size),
+        "vocab_size": vocabulary(model),  # the workers check user data's token ids against it
     }
     resolved["job"] = {**(job or {}), "config_hash": identity_hash(frozen)}
     _name_logger_run(resolved)
@@ -93,6 +94,26 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     OmegaConf.save(frozen, tmp)
     os.replace(tmp, path)
     return Prepared(path, derived, rdzv, ownership)
+
+
+def check_job(cfg: DictConfig) -> None:
+    """The checks `prepare` makes, for a config composed outside of a job: a sweep's jobs, each checked before the
+    first one starts. ConfigError (one line) for the first that fails; nothing is written, nothing printed."""
+    import contextlib
+    import io
+
+    from launcher.meta import build_on_meta
+    from launcher.plan.commands import choose, is_auto
+
+    with contextlib.redirect_stdout(io.StringIO()):  # strategy=auto's table is for the job itself to print
+        frozen = freeze(cfg)
+        derived = derive(frozen, visible_cuda_devices())
+        check_keys(frozen)
+        model = build_on_meta(frozen.model)
+        check_built(frozen, model)
+        if is_auto(frozen):
+            _, frozen = choose(frozen, derived, model)
+        check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), model)
 
 
 def _name_logger_run(resolved: dict[str, Any]) -> None:

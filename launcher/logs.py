@@ -7,6 +7,7 @@ own config keys plus `run_config` (the resolved run config as a dict) and `run_d
 from __future__ import annotations
 
 import json
+import math
 import netrc
 import os
 import sys
@@ -34,7 +35,9 @@ class JsonlLogger:
         self.file = open(path, "a", buffering=1)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        # Strict JSON: a NaN or Inf figure is null (json.dumps would write the bare NaN that strict readers refuse).
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, "time": time.time(), **record}, allow_nan=False) + "\n")
 
     def finish(self) -> None:
         self.file.close()
@@ -47,6 +50,35 @@ def _has_api_key() -> bool:
         return netrc.netrc().authenticators("api.wandb.ai") is not None
     except (FileNotFoundError, netrc.NetrcParseError):
         return False
+
+
+def _wandb_mode(mode: str | None) -> str:
+    """logger.mode, else WANDB_MODE, else online with an API key and offline without one."""
+    return mode or os.environ.get("WANDB_MODE") or ("online" if _has_api_key() else "offline")
+
+
+WANDB_REACH_TIMEOUT = 5.0
+"""Seconds the launcher waits for wandb's server before it says it cannot be reached (wandb itself would hang for
+minutes in a worker)."""
+
+
+def _reach_wandb() -> None:
+    """ConnectionError (one line naming WANDB_MODE=offline) when wandb's server does not answer within
+    WANDB_REACH_TIMEOUT seconds; any HTTP answer, even an error status, means it can be reached."""
+    import urllib.error
+    import urllib.request
+
+    url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    try:
+        urllib.request.urlopen(url, timeout=WANDB_REACH_TIMEOUT).close()
+    except urllib.error.HTTPError:
+        return
+    except (OSError, ValueError) as e:  # URLError, a refused connection, a timeout, a malformed URL
+        reason = getattr(e, "reason", None) or e
+        raise ConnectionError(
+            f"logger=wandb runs online but {url} cannot be reached ({reason}); log offline with WANDB_MODE=offline "
+            "(upload later with wandb sync), or use logger=none"
+        ) from e
 
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -77,6 +109,8 @@ class WandbLogger:
         for tag in tags or []:
             if not 0 < len(str(tag)) <= 64:
                 raise ValueError(f"logger.tags holds {tag!r}: wandb tags are 1 to 64 characters")
+        if _wandb_mode(mode) == "online":
+            _reach_wandb()
 
     def __init__(
         self,
@@ -91,7 +125,7 @@ class WandbLogger:
     ) -> None:
         import wandb  # heavy: only rank 0 of a run that asked for wandb pays for it
 
-        mode = mode or os.environ.get("WANDB_MODE") or ("online" if _has_api_key() else "offline")
+        mode = _wandb_mode(mode)
         self.run = wandb.init(
             project=project,
             entity=entity,

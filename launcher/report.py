@@ -38,7 +38,7 @@ class Job:
 
     @property
     def losses(self) -> list[tuple[int, float]]:
-        return [(m["step"], m["loss"]) for m in self.metrics if "loss" in m]
+        return [(m["step"], m["loss"]) for m in self.metrics if m.get("loss") is not None]  # null: not finite
 
     @property
     def samples_per_s(self) -> float | None:

@@ -23,7 +23,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.checkpoint import Position
-from launcher.data import GlobalBatches, StepBatches, build_dataset, collate, feed, rank_micro_batches
+from launcher.data import (
+    BUILT_IN_DATA,
+    GlobalBatches,
+    StepBatches,
+    build_dataset,
+    check_token_ids,
+    collate,
+    feed,
+    rank_micro_batches,
+)
+from launcher.guard import Guard
 from launcher.lifecycle import Phase, StopRequest
 from launcher.logs import Loggers, Progress
 from launcher.loss import (
@@ -221,7 +231,7 @@ def train(
         raise error from e
     except Exception as e:
         phase.try_flush()  # where this rank was, for the other ranks' messages
-        if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
+        if _collective_timeout(e, time.time() - phase.state[0], float(cfg.trainer.collective_timeout)):
             # Say who is stuck and where, not only that a collective gave up.
             recorder = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") if ctx.device_type == "cuda" else None
             dumps = (
@@ -235,6 +245,22 @@ def train(
             raise stuck from e
         e.launch_phase = getattr(e, "launch_phase", None) or phase.now  # type: ignore[attr-defined]
         raise
+
+
+def _collective_timeout(error: BaseException, waited: float, timeout: float) -> bool:
+    """A collective that gave up after trainer.collective_timeout: torch's own error types for it (NCCL's
+    DistBackendError, the store's DistNetworkError and DistStoreError), or gloo's, a plain RuntimeError, raised from
+    torch's code (a collective, or the backward that runs DDP's); and this rank waited that long in its phase. Never
+    an error of a library that merely says "timed out" (wandb, a dataset's download)."""
+    if waited < timeout:
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    inner = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return type(error) is RuntimeError and inner.split(".")[0] == "torch"
 
 
 def _train(
@@ -278,12 +304,22 @@ def _train(
     schedule = str(trainer.schedule)
     rule = LabelRule.of(cfg.derived.model)  # how the model counts its labels: decided once, in the launcher
     steps = StepBatches(batches, position.samples, trainer.max_steps - position.step, ctx.rank, ctx.world_size, K)
-    micro_batches = feed(train_set, steps, int(cfg.data.get("workers", 0)), device)
+    vocab = OmegaConf.select(cfg, "derived.vocab_size", default=None)
+    check = None  # the built-in data's largest id was checked before start; other data's ids are checked here
+    if vocab is not None and not str(cfg.data._target_).startswith(BUILT_IN_DATA):
+
+        def check(batch: Any, n: int, first: int = position.step + 1) -> None:
+            check_token_ids(batch, vocab, first + n // K)
+
+    micro_batches = feed(train_set, steps, int(cfg.data.get("workers", 0)), device, check)
 
     profiler = StepProfiler(trainer.profile_steps, run_dir, ctx.rank, ctx.device_type, trainer.profile_stacks)
     metrics: dict[str, float] = {}
     window = Window()
     saves, manifest = saver(cfg, ctx, run_dir, strategy, position), manifest_of(cfg, ctx)
+    nonfinite = str(trainer.get("nonfinite", "stop"))
+    guard = Guard(strategy, nonfinite, int(trainer.get("max_skipped", 10)), ctx.precision == "fp16", ctx.rank,
+                  ctx.world_size)  # fmt: skip
     stalled = False  # a save (or its finalisation) blocked the loop since the last log: its seconds go in the next
     for step in range(position.step + 1, trainer.max_steps + 1):
         lr = lr_at(step - 1, cfg.optim.lr, trainer.warmup_steps, trainer.max_steps, schedule, trainer.min_lr_ratio)
@@ -297,7 +333,9 @@ def _train(
             # The logged steps' peak; the others pay nothing. A profiled step's is sampled by a thread on CPU: the
             # per-operator probe would be in the profile, around every op of the step.
             with memory.measure(log_now or evaluate_now, sampled=profiler.covers(step)):
-                loss, grad_norm = optimizer_step(strategy, micro, ctx, lr, rule, step, phase)
+                loss, grad_norm = optimizer_step(guard, micro, ctx, lr, rule, step, phase)  # type: ignore[arg-type]
+            # Before anything is logged or saved: a step that is not finite was not applied, and may end the run.
+            guard.judge(step, grad_norm)
             window.add(time.perf_counter() - started, sum(batch_tokens(b) for b in micro), log_now or evaluate_now)
         profiler.ended(step)
         snapshots.after_step(step)
@@ -308,6 +346,8 @@ def _train(
             metrics = _step_metrics(ctx, strategy, loss, grad_norm, lr, memory, setup_peak, device)
             metrics |= window.figures(B, lambda v: _reduce(v, dist.ReduceOp.SUM, device))
             metrics |= speed.metrics(metrics.get("tokens_per_s"), ctx.world_size)
+            if nonfinite == "skip":
+                metrics["skipped_steps"] = guard.skipped
             if evaluate_now:
                 metrics["val_loss"] = evaluate(strategy, val_set, ctx, trainer.eval_batches, B, rule)
             if stalled:  # the slowest rank's: every rank waits for it at the next collective

@@ -34,6 +34,13 @@ class Precision(Enum):
     fp16 = "fp16"
 
 
+class NonFinite(Enum):
+    stop = "stop"
+    """End the run with one line (step, micro-step, ranks); the newest checkpoint stays the last finite one."""
+    skip = "skip"
+    """Drop the step (no parameter or optimizer-state change), log skipped_steps; stop after max_skipped in a row."""
+
+
 class Schedule(Enum):
     cosine = "cosine"
     linear = "linear"
@@ -98,6 +105,11 @@ class TrainerConfig:
     memory_snapshot_step and on an out-of-memory error (view it at pytorch.org/memory_viz)."""
     memory_snapshot_step: int | None = ranged(None, SIZE)
     """The optimizer step after which a snapshot is dumped; unset: only on an out-of-memory error."""
+    nonfinite: NonFinite = NonFinite.stop
+    """A step whose loss (on any rank) or gradient norm is NaN or Inf is never applied; then stop the run, or skip
+    the step. Under precision=fp16 a gradient overflow with finite losses is the loss scaler's own skip, not this."""
+    max_skipped: int = ranged(10, SIZE)
+    """trainer.nonfinite=skip: stop after this many non-finite steps in a row."""
 
 
 @dataclass

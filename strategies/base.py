@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -156,7 +157,11 @@ class Strategy(Protocol):
         """Accumulate gradients of `loss` (already divided by the accumulation steps)."""
 
     def step(self, lr: float) -> float:
-        """Clip, apply the optimizer at learning rate `lr`, zero the gradients; return the pre-clip global grad norm."""
+        """Clip, apply the optimizer at learning rate `lr`, zero the gradients; return the pre-clip global grad norm.
+
+        A step whose global norm is NaN or Inf is not committed: the gradients are zeroed and no parameter and no
+        optimizer state changes, on any rank (under fp16 the loss scaler skips it and lowers its scale). The runner
+        makes a non-finite loss on any rank show in that norm, and decides what it means for the run."""
 
     def train(self, mode: bool) -> None:
         """Switch the wrapped model between training and evaluation."""
@@ -338,7 +343,8 @@ def optimizer_step(
     offloaded_to_host: Callable[[torch.Tensor], bool] | None = None,
 ) -> tuple[float, int, int]:
     """The optimizer step of the torch strategies (DDP, FSDP): set the learning rate, unscale, clip to the global
-    norm, step, update the loss scaler, zero the gradients.
+    norm, step, update the loss scaler, zero the gradients. A non-finite global norm is not committed: the optimizer
+    does not step (under fp16 the scaler skips it itself, and lowers its scale).
 
     Returns the pre-clip global gradient norm, the model-state bytes this rank held at the step (measured before the
     gradients are released: the step's peak), and of those the bytes of the parameters `offloaded_to_host` selects.
@@ -350,12 +356,14 @@ def optimizer_step(
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    scaler.step(optimizer)
-    scaler.update()
+    norm = float(norm)  # the same on every rank: they all commit the step, or none does
+    if math.isfinite(norm) or scaler.is_enabled():
+        scaler.step(optimizer)
+        scaler.update()
     held = model_state_bytes(model.parameters(), optimizer)
     offloaded = model_state_bytes(model.parameters(), optimizer, offloaded_to_host) if offloaded_to_host else 0
     optimizer.zero_grad(set_to_none=True)
-    return float(norm), held, offloaded
+    return norm, held, offloaded
 
 
 def scaler_figures(scaler: Any) -> dict[str, float]:

@@ -53,6 +53,8 @@ BAD = {
     "token file of odd bytes": (["data=tokens", "data.path={odd}"], "not a whole number of uint16 tokens"),
     "token file too short": (["data=tokens", "data.path={short}", "data.seq_len=64"],
                              "cannot make one sample of data.seq_len=64"),  # fmt: skip
+    "token file too short, named": (["data=tokens", "data.path={short}", "data.seq_len=64"],
+                                    "short.bin: its train split holds 40 tokens"),  # fmt: skip
     "seq longer than model": (["data.seq_len=64", "model.block_size=32"],
                               "data: data.seq_len=64 exceeds the model's 32 positions (model.block_size)"),  # fmt: skip
     "empty validation split": (["data=pysource", "data.val_fraction=0", "trainer.eval_every=5"], "data: 0 tokens"),
@@ -63,6 +65,7 @@ BAD = {
     "forward does not fit the data": ([*CUSTOM_CLASSIFIER, "+model.channels=5"], "model: "),
     # the optimizer, built over the model's meta parameters: torch checks its own hyperparameters
     "betas out of range": (["optim.betas=[1.5,0.9]"], "optim: Invalid beta parameter at index 0: 1.5"),
+    "betas of one value": (["+optim.betas=[0.9]"], "fix optim.betas=[0.9]"),
     "nesterov without momentum": (["optim=sgd", "optim.momentum=0", "+optim.nesterov=true"], "optim: Nesterov"),
     # the logger's settings, checked without starting a run
     "unknown wandb mode": (["logger=wandb", "logger.mode=sometimes"], "logger: logger.mode=sometimes"),

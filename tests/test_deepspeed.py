@@ -33,7 +33,7 @@ def test_config_is_derived_from_the_run() -> None:
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert config["gradient_accumulation_steps"] == 8
     assert config["train_batch_size"] == 2 * 8 * 4
-    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["bf16"] == {"enabled": True, "check_grad_overflow": True} and config["fp16"] == {"enabled": False}
     assert config["gradient_clipping"] == 0.5
     zero = config["zero_optimization"]
     assert zero["stage"] == 3

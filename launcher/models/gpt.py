@@ -60,7 +60,7 @@ class GPT(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        self.block_size = block_size
+        self.block_size, self.vocab_size = block_size, vocab_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)

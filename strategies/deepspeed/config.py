@@ -22,6 +22,7 @@ DERIVED_FROM = {
     "gradient_accumulation_steps": "batch.global_size / (batch.micro_size x world size)",
     "gradient_clipping": "trainer.grad_clip",
     "bf16.enabled": "precision",
+    "bf16.check_grad_overflow": "the rule that a NaN or Inf step is never applied",
     "fp16.enabled": "precision",
     "optimizer": "optim",
     "scheduler": "trainer.schedule",
@@ -124,7 +125,9 @@ def build_ds_config(
         "train_batch_size": ctx.micro_size * ctx.accumulation * ctx.world_size,
         # Always written: DeepSpeed clips at 1.0 when the key is absent; 0 disables.
         "gradient_clipping": ctx.grad_clip,
-        "bf16": {"enabled": ctx.precision == "bf16"},
+        # DeepSpeed's own default, written so that it holds: under bf16 a NaN or Inf gradient norm is an overflow,
+        # and the step is discarded (in fp32 and fp16 it always is).
+        "bf16": {"enabled": ctx.precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": ctx.precision == "fp16"},
         "zero_optimization": zero,
         # The client optimizer comes from optim (SGD included): DeepSpeed only tests its own.

@@ -259,6 +259,9 @@ class DeepSpeed:
         # block restores the flag it saw when it opened, on the first micro-step).
         self.engine.set_gradient_accumulation_boundary(True)
         grads = zero.gradient_bytes(self.engine, self.stage)
+        # A non-finite global norm is not committed by DeepSpeed itself: ZeRO-1/2/3 take it for an overflow (fp32;
+        # bf16 with its default bf16.check_grad_overflow; fp16's loss scaler), zero the gradients, leave parameters
+        # and optimizer state as they were, and report the norm as inf.
         with zero.counting_collectives(self._counter, gathers_only=True):  # ZeRO-1/2 gather the updated parameters
             self.engine.step()
         norm = self.engine.get_global_grad_norm()
