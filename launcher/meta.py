@@ -66,7 +66,7 @@ def build_on_meta(model_cfg: DictConfig) -> Any:
             return instantiate(model_cfg)
     except Exception as e:  # the model's own one-line complaint, not Hydra's wrapper
         cause = e.__cause__ or e
-        twin = _from_config_twin(model_cfg)
+        twin = _from_config_twin(model_cfg) or _pretrained_as_config(model_cfg)
         if twin is None:
             raise ConfigError(f"model {model_cfg.get('_target_')} could not be built: {cause}") from e
     try:
@@ -94,6 +94,31 @@ def _from_config_twin(model_cfg: DictConfig) -> Any:
     return lambda: owner(config_class.from_pretrained(str(path)))
 
 
+def _pretrained_as_config(model_cfg: DictConfig) -> Any:
+    """A function of the user's that calls a transformers `from_pretrained` inside (a PEFT model over a pretrained
+    one): built again with `from_pretrained` building the folder's architecture from its config, as the twin does."""
+    import sys
+
+    if "transformers" not in sys.modules:  # imported by the failed attempt, if it got that far
+        return None
+    from hydra.utils import instantiate
+    from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+    def from_config(cls: Any, path: Any, *args: Any, config: Any = None, **kwargs: Any) -> Any:
+        config = config if isinstance(config, PretrainedConfig) else AutoConfig.from_pretrained(str(config or path))
+        return cls._from_config(config)
+
+    def build() -> Any:
+        original = PreTrainedModel.__dict__["from_pretrained"]
+        PreTrainedModel.from_pretrained = classmethod(from_config)  # type: ignore[method-assign,assignment]
+        try:
+            return instantiate(model_cfg)
+        finally:
+            PreTrainedModel.from_pretrained = original  # type: ignore[method-assign]
+
+    return build
+
+
 def measure(model: Any) -> ModelSize:
     import inspect
 
@@ -105,7 +130,9 @@ def measure(model: Any) -> ModelSize:
         parameters = {}
     # transformers models take **kwargs and hand num_items_in_batch to their `loss_function`.
     kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    takes = "num_items_in_batch" in parameters or (kwargs and hasattr(type(model), "loss_function"))
+    # A PEFT model hands its keywords to the model it wraps.
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    takes = "num_items_in_batch" in parameters or (kwargs and hasattr(type(inner), "loss_function"))
     declared = set(getattr(model, "_no_split_modules", None) or ())
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in declared]
     return ModelSize(params, largest, takes, max(units, default=params))
