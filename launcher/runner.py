@@ -84,33 +84,43 @@ class Speed:
 
 
 def optimizer_factory(cfg: DictConfig, ctx: RunContext) -> functools.partial[Any]:
-    """The configured optimizer as a partial over parameters (strategies may read its keywords).
+    """The configured optimizer as a partial over parameters (strategies may read its keywords), built by
+    `build_optimizer`.
 
     The fused kernel where the optimizer has one (torch's Adam, AdamW, SGD, Adagrad), the user did not choose, and
-    the parameters it is given take it (`fused_where_supported`): one pass over each parameter, in place, on CUDA
-    and on the CPU alike. The per-tensor loop it replaces allocates temporaries as large as the tensor it steps,
-    which for DeepSpeed's flat partitions is the whole partition.
+    the parameters take it: one pass over each parameter, in place, on CUDA and on the CPU alike. The per-tensor loop
+    it replaces allocates temporaries as large as the tensor it steps, which for DeepSpeed's flat partitions is the
+    whole partition.
     """
     partial = instantiate(cfg.optim, _partial_=True, _convert_="all")
+    if partial.args:  # positional hyperparameters: called as configured
+        return partial
     fusable = "fused" in inspect.signature(partial.func).parameters and "fused" not in partial.keywords
     # Not under fp16's loss scaler on the CPU: the fused CPU kernels reject the scaler's found-inf tensor's shape.
-    fusable = fusable and not partial.args  # `fused_where_supported` takes the parameters first
-    if fusable and (ctx.device_type == "cuda" or (ctx.device_type == "cpu" and ctx.precision != "fp16")):
-        return functools.partial(fused_where_supported, partial.func, **partial.keywords)
-    return partial
+    fuse = fusable and (ctx.device_type == "cuda" or (ctx.device_type == "cpu" and ctx.precision != "fp16"))
+    return functools.partial(build_optimizer, partial.func, fuse=fuse, **partial.keywords)
 
 
-def fused_where_supported(optimizer: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> torch.optim.Optimizer:
-    """`optimizer(params, fused=True, **kwargs)`, unless a parameter is a DTensor (FSDP's shards) and DTensor has no
-    sharding rule for the optimizer's fused kernel (torch 2.13: Adam's and AdamW's only; SGD's and Adagrad's fail in
-    the first step). Decided from the parameters themselves, whichever strategy built them."""
+def build_optimizer(
+    optimizer: type[torch.optim.Optimizer], params: Any, fuse: bool = False, **kwargs: Any
+) -> torch.optim.Optimizer:
+    """`optimizer(params, **kwargs)` over the trainable parameters only, as DeepSpeed's ZeRO optimizers hold them: a
+    frozen parameter has no optimizer state in any strategy, and a checkpoint's param groups load under every one.
+
+    With `fuse`, the fused kernel, unless a parameter is a DTensor (FSDP's shards) and DTensor has no sharding rule
+    for the optimizer's fused kernel (torch 2.13: Adam's and AdamW's only; SGD's and Adagrad's fail in the first
+    step). Decided from the parameters themselves, whichever strategy built them."""
     from torch.distributed.tensor import DTensor
 
-    params = list(params)
-    flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
-    if any(isinstance(p, DTensor) for p in flat) and not _dtensor_fuses(optimizer):
-        return optimizer(params, **kwargs)
-    return optimizer(params, fused=True, **kwargs)
+    groups = [
+        {**item, "params": [p for p in item["params"] if p.requires_grad]} if isinstance(item, dict) else item
+        for item in params
+        if isinstance(item, dict) or item.requires_grad
+    ]
+    flat = [p for item in groups for p in (item["params"] if isinstance(item, dict) else [item])]
+    if fuse and (not any(isinstance(p, DTensor) for p in flat) or _dtensor_fuses(optimizer)):
+        kwargs["fused"] = True
+    return optimizer(groups, **kwargs)
 
 
 def _dtensor_fuses(optimizer: type) -> bool:

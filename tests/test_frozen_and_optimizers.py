@@ -118,6 +118,16 @@ def test_a_resume_from_the_mid_run_checkpoint_is_exact(trained, conformance_dir,
             assert loss == pytest.approx(full[step], abs=1e-6), (strategy, step, loss, full[step])
 
 
+def test_ddp_resumes_the_lora_from_a_zero3_checkpoint(trained, conformance_dir, base_folder) -> None:
+    """ZeRO-3's checkpoint holds the frozen weights and the adapters' state in the param groups torch's optimizers
+    have (the trainable parameters): DDP continues it as its own run went on."""
+    resume = f"resume={checkpoint(trained['zero3'], CHECKPOINT_STEP)}"
+    run = lora_run(conformance_dir, base_folder, "lora-ddp-from-zero3", "strategy=ddp", resume).check()
+    full = {m["step"]: m["loss"] for m in metrics(trained["ddp"])}
+    assert [m["step"] for m in run.metrics] == list(range(CHECKPOINT_STEP + 1, STEPS + 1)), run.metrics
+    assert run.losses() == pytest.approx([full[m["step"]] for m in run.metrics], abs=1e-6)
+
+
 def test_convert_writes_the_adapters_peft_loads_and_merged_the_whole_model(trained, base_folder, tmp_path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -172,13 +182,14 @@ def test_bucket_sizes_are_multiples_of_deepspeeds_alignment_for_any_parameter_co
 # ------------------------------------------------------------------ optimizers
 
 
-def test_the_fused_kernel_is_chosen_from_the_parameters() -> None:
+def test_the_optimizer_holds_the_trainable_parameters_with_the_kernel_they_take() -> None:
     """On plain tensors every fused kernel; on DTensors (FSDP's shards) only where DTensor dispatches it."""
-    from launcher.runner import _dtensor_fuses, fused_where_supported
+    from launcher.runner import _dtensor_fuses, build_optimizer
 
-    params = [torch.nn.Parameter(torch.ones(3))]
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2), requires_grad=False)]
     for optimizer in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adagrad):
-        assert fused_where_supported(optimizer, params, lr=0.1).param_groups[0]["fused"] is True
+        (group,) = build_optimizer(optimizer, iter(params), fuse=True, lr=0.1).param_groups
+        assert group["fused"] is True and group["params"] == params[:1]  # the trainable parameter only
     assert _dtensor_fuses(torch.optim.Adam) and _dtensor_fuses(torch.optim.AdamW)
     assert not _dtensor_fuses(torch.optim.SGD) and not _dtensor_fuses(torch.optim.Adagrad)
 
