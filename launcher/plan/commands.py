@@ -217,6 +217,7 @@ def planned_peak(frozen: DictConfig, derived: Derived, size: Any) -> float | Non
     try:
         plan = make_plan(frozen, derived, size, {"run": make_strategy(frozen.strategy).layout()})
     except UnknownOptimizer:
+        print(f"launch: no plan_peak_bytes: the planner cannot size the state of {frozen.optim._target_}", flush=True)
         return None
     (sp,) = plan.strategies
     return plan.peak(sp)
