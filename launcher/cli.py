@@ -98,18 +98,25 @@ def plan(overrides: list[str]) -> int:
 
 
 def convert(args: Sequence[str]) -> None:
-    """launch convert CHECKPOINT out=FILE.safetensors | out=DIR [model overrides]: consolidated model weights."""
+    """launch convert CHECKPOINT out=FILE.safetensors | out=DIR [merge=true] [model overrides]: consolidated model
+    weights."""
     paths = [a for a in args if "=" not in a]
     outs = [a.split("=", 1)[1] for a in args if a.startswith("out=")]
-    overrides = [a for a in args if "=" in a and not a.startswith("out=")]
-    usage = "usage: launch convert CHECKPOINT out=FILE.safetensors, or out=DIR [the run's model overrides]"
-    if len(paths) != 1 or len(outs) != 1 or any(a.startswith("-") for a in args):
+    merges = [a.split("=", 1)[1] for a in args if a.startswith("merge=")]
+    overrides = [a for a in args if "=" in a and not a.startswith(("out=", "merge="))]
+    usage = "usage: launch convert CHECKPOINT out=FILE.safetensors, or out=DIR [merge=true] [the run's model overrides]"
+    if len(paths) != 1 or len(outs) != 1 or len(merges) > 1 or any(a.startswith("-") for a in args):
         fail(usage)
+    if merges and merges[0] not in ("true", "false"):
+        fail(f"merge={merges[0]} is not a boolean; use merge=true (a PEFT model's adapters merged) or merge=false")
+    merge = merges == ["true"]
     from pathlib import Path
 
     out = Path(outs[0])
     if out.suffix == ".safetensors" and overrides:
         fail(f"out={out} writes the weights alone; model overrides ({overrides[0]}) are for out=DIR")
+    if out.suffix == ".safetensors" and merge:
+        fail(f"merge=true writes a model folder; use out=DIR (not out={out}) with the run's model overrides")
     from launcher.checkpoint import CheckpointError
     from launcher.config import ConfigError, freeze
     from launcher.convert import convert as write
@@ -124,10 +131,10 @@ def convert(args: Sequence[str]) -> None:
                 fail(error)
             with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
                 model = freeze(compose(CONFIG_NAME, overrides=overrides)).model
-        n = write(Path(paths[0]), out, model)
+        written = write(Path(paths[0]), out, model, merge)
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         fail(str(e).splitlines()[0])
-    print(f"launch: wrote {n:,} parameters to {out}")
+    print(f"launch: wrote {written}")
 
 
 # One elastic agent per node starts the node's workers, so a submitit job has one task per node

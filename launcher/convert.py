@@ -3,7 +3,9 @@
     launch convert CHECKPOINT out=model.safetensors             the weights, for model.load_state_dict(...)
     launch convert CHECKPOINT out=DIR [model overrides]         a folder: save_pretrained's (weights + config.json)
                                                                 for a model that has it, else model.safetensors +
-                                                                model.yaml
+                                                                model.yaml; for a PEFT model, its adapters
+    launch convert CHECKPOINT out=DIR merge=true [overrides]    a PEFT model's adapters merged into its base model:
+                                                                the whole model's folder
 
 The checkpoint is read as data (`launcher.untrusted`); the model a folder needs comes from the overrides given on
 this command line, as for `launch` itself, never from files next to the checkpoint: a config is code.
@@ -67,8 +69,11 @@ def write_file(tensors: dict[str, Any], out: Path, checkpoint: Path) -> None:
     os.replace(tmp, out)
 
 
-def write_folder(tensors: dict[str, Any], out: Path, model_cfg: DictConfig, checkpoint: Path) -> None:
-    """The model of `model_cfg` with the checkpoint's weights, saved as a folder its own loader reads back."""
+def write_folder(
+    tensors: dict[str, Any], out: Path, model_cfg: DictConfig, checkpoint: Path, merge: bool = False
+) -> str:
+    """The model of `model_cfg` with the checkpoint's weights, saved as a folder its own loader reads back; returns
+    what was written, and how to load it, in words."""
     from hydra.utils import instantiate
 
     try:
@@ -76,6 +81,12 @@ def write_folder(tensors: dict[str, Any], out: Path, model_cfg: DictConfig, chec
     except Exception as e:  # the model's own complaint, in one line
         cause = e.__cause__ or e
         raise CheckpointError(f"model {model_cfg.get('_target_')} could not be built: {cause}") from e
+    peft = hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")  # a PEFT model (LoRA, ...)
+    if merge and not peft:
+        raise CheckpointError(
+            f"merge=true merges a PEFT model's adapters into its base model; model {model_cfg.get('_target_')} "
+            "is not a PEFT model: leave merge out"
+        )
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise CheckpointError(
@@ -84,20 +95,42 @@ def write_folder(tensors: dict[str, Any], out: Path, model_cfg: DictConfig, chec
             "give the model overrides the run was launched with"
         )
     out.mkdir(parents=True, exist_ok=True)
+    if peft and merge:
+        merged = model.merge_and_unload()
+        merged.save_pretrained(str(out))
+        return (
+            f"the whole model, its adapters merged ({_count(merged):,} parameters), to {out}: "
+            f"{type(merged).__name__}.from_pretrained({str(out)!r}) loads it"
+        )
+    if peft:  # PEFT's own format: the adapters and adapter_config.json, over a base model loaded separately
+        model.save_pretrained(str(out))
+        trained = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad)
+        base = next(iter(model.peft_config.values())).base_model_name_or_path or "<the base model>"
+        return (
+            f"the adapters ({trained:,} parameters) to {out}: PeftModel.from_pretrained(base, {str(out)!r}) loads "
+            f"them over base = {type(model.get_base_model()).__name__}.from_pretrained({base!r}); "
+            "merge=true writes the whole model, adapters merged"
+        )
     if hasattr(model, "save_pretrained"):  # a transformers model: weights and config.json, for from_pretrained
         model.save_pretrained(str(out))
-        return
-    write_file(tensors, out / "model.safetensors", checkpoint)
-    OmegaConf.save(model_cfg, out / "model.yaml")
+    else:
+        write_file(tensors, out / "model.safetensors", checkpoint)
+        OmegaConf.save(model_cfg, out / "model.yaml")
+    return f"{_count(tensors):,} parameters to {out}"
 
 
-def convert(path: Path, out: Path, model_cfg: DictConfig | None) -> int:
-    """Write the checkpoint's weights to `out` (a .safetensors file, or a folder with `model_cfg`'s model)."""
+def _count(weights: Any) -> int:
+    """Elements of a state dict's tensors, or a module's parameters (a tied one once)."""
+    return sum(t.numel() for t in (weights.values() if isinstance(weights, dict) else weights.parameters()))
+
+
+def convert(path: Path, out: Path, model_cfg: DictConfig | None, merge: bool = False) -> str:
+    """Write the checkpoint's weights to `out` (a .safetensors file, or a folder with `model_cfg`'s model); returns
+    what was written, in words."""
     checkpoint = find_checkpoint(path)
     tensors = weights(checkpoint)
     if out.suffix == ".safetensors":
         write_file(tensors, out, checkpoint)
-    else:
-        assert model_cfg is not None, "a folder needs the model's config"
-        write_folder(tensors, out, model_cfg, checkpoint)
-    return sum(t.numel() for name, t in tensors.items())
+        return f"{_count(tensors):,} parameters to {out}"
+    assert model_cfg is not None, "a folder needs the model's config"
+    return write_folder(tensors, out, model_cfg, checkpoint, merge)

@@ -71,7 +71,7 @@ def build_on_meta(model_cfg: DictConfig) -> Any:
             return instantiate(model_cfg)
     except Exception as e:  # the model's own one-line complaint, not Hydra's wrapper
         cause = e.__cause__ or e
-        twin = _from_config_twin(model_cfg)
+        twin = _from_config_twin(model_cfg) or _pretrained_as_config(model_cfg)
         if twin is None:
             raise ConfigError(f"model {model_cfg.get('_target_')} could not be built: {cause}") from e
     try:
@@ -97,6 +97,31 @@ def _from_config_twin(model_cfg: DictConfig) -> Any:
     if hasattr(owner, "from_config"):
         return lambda: owner.from_config(config_class.from_pretrained(str(path)))
     return lambda: owner(config_class.from_pretrained(str(path)))
+
+
+def _pretrained_as_config(model_cfg: DictConfig) -> Any:
+    """A function of the user's that calls a transformers `from_pretrained` inside (a PEFT model over a pretrained
+    one): built again with `from_pretrained` building the folder's architecture from its config, as the twin does."""
+    import sys
+
+    if "transformers" not in sys.modules:  # imported by the failed attempt, if it got that far
+        return None
+    from hydra.utils import instantiate
+    from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+    def from_config(cls: Any, path: Any, *args: Any, config: Any = None, **kwargs: Any) -> Any:
+        config = config if isinstance(config, PretrainedConfig) else AutoConfig.from_pretrained(str(config or path))
+        return cls._from_config(config)
+
+    def build() -> Any:
+        original = PreTrainedModel.__dict__["from_pretrained"]
+        PreTrainedModel.from_pretrained = classmethod(from_config)  # type: ignore[method-assign,assignment]
+        try:
+            return instantiate(model_cfg)
+        finally:
+            PreTrainedModel.from_pretrained = original  # type: ignore[method-assign]
+
+    return build
 
 
 def measure(model: Any) -> ModelSize:

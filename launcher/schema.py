@@ -194,6 +194,15 @@ class SGDConfig:
 
 
 @dataclass
+class CustomOptimConfig:
+    """optim=custom: any optimizer class, optim._target_=torch.optim.Adagrad or one of your own, called with the
+    parameters, lr and the keys you add with +optim.KEY=VALUE. lr is the schedule's peak."""
+
+    _target_: str = MISSING
+    lr: float = ranged(1e-3, COUNT)
+
+
+@dataclass
 class DDPStrategyConfig:
     _target_: str = "strategies.ddp.DDP"
     sync_batchnorm: bool = False
@@ -387,7 +396,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "base_synthetic": SyntheticDataConfig,
         "base_tokens": TokensDataConfig,
     },
-    "optim": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig},
+    "optim": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig, "base_custom": CustomOptimConfig},
     "logger": {"base_wandb": WandbConfig, "base_none": NoLoggerConfig, "base_custom": CustomConfig},
 }
 

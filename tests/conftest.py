@@ -118,7 +118,7 @@ def run_launch(tmp_path: Path):
     return _run
 
 
-def launch_once(tmp_path: Path, *overrides: str, name: str) -> Run:
+def launch_once(tmp_path: Path, *overrides: str, name: str, timeout: float = 300) -> Run:
     """`launch` once per test session, whichever test process asks first; the others wait for it and read its result."""
     record = tmp_path / f"{name}.run.json"
     with open(tmp_path / f"{name}.lock", "w") as lock:
@@ -126,7 +126,7 @@ def launch_once(tmp_path: Path, *overrides: str, name: str) -> Run:
         if record.exists():
             saved = json.loads(record.read_text())
             return Run(**{**saved, "run_dir": Path(saved["run_dir"])})
-        run = launch(tmp_path, *overrides, name=name)
+        run = launch(tmp_path, *overrides, name=name, timeout=timeout)
         record.write_text(json.dumps(asdict(run), default=str))
         return run
 

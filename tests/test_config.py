@@ -30,7 +30,8 @@ def _compose(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-CUSTOM = {"model": "user_models.Classifier", "data": "user_models.images", "logger": "user_models.RecordingLogger"}
+CUSTOM = {"model": "user_models.Classifier", "data": "user_models.images", "logger": "user_models.RecordingLogger",
+          "optim": "torch.optim.Adagrad"}  # fmt: skip
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from launcher.checks import check_strategy
 from launcher.config import BatchSizeError, ConfigError, Derived, derive, freeze
 from launcher.context import make_strategy
+from launcher.plan.costs import UnknownOptimizer
 from launcher.plan.fit import make_plan
 from launcher.plan.render import as_dict, chart, describe_pick, render, strategy_rows
 from strategies.base import Layout
@@ -209,9 +210,14 @@ def memory_advice(resolved: DictConfig, available: float) -> str:
     )
 
 
-def planned_peak(frozen: DictConfig, derived: Derived, size: Any) -> float:
+def planned_peak(frozen: DictConfig, derived: Derived, size: Any) -> float | None:
     """The plan's peak per rank for the run's own strategy (logged as plan_peak_bytes beside the measured peak):
-    on the device, and with device=cpu also what it offloads to host memory (the same memory there)."""
-    plan = make_plan(frozen, derived, size, {"run": make_strategy(frozen.strategy).layout()})
+    on the device, and with device=cpu also what it offloads to host memory (the same memory there). None for an
+    optimizer of the user's whose state the planner cannot size: the run goes on, without the planned figure."""
+    try:
+        plan = make_plan(frozen, derived, size, {"run": make_strategy(frozen.strategy).layout()})
+    except UnknownOptimizer:
+        print(f"launch: no plan_peak_bytes: the planner cannot size the state of {frozen.optim._target_}", flush=True)
+        return None
     (sp,) = plan.strategies
     return plan.peak(sp)

@@ -60,16 +60,22 @@ def bytes_per_param(
     )
 
 
+class UnknownOptimizer(ConfigError):
+    """An optimizer whose state the planner cannot size: `launch plan` refuses it, a run logs no planned peak."""
+
+
 def optimizer_moments(target: str, momentum: float = 0.0) -> int:
     """fp32 tensors the optimizer keeps per parameter: Adam/AdamW 2 (first and second moment), SGD 1 with
-    momentum and 0 without. Raises ConfigError for an optimizer whose state the planner cannot size."""
+    momentum and 0 without, Adagrad 1 (its sum of squares). Raises UnknownOptimizer for any other."""
     name = target.rsplit(".", 1)[-1]
     if name in ("Adam", "AdamW"):
         return 2
     if name == "SGD":
         return 1 if momentum else 0
-    raise ConfigError(
-        f"optim._target_={target}: the planner knows the state of Adam, AdamW and SGD only; "
+    if name == "Adagrad":
+        return 1
+    raise UnknownOptimizer(
+        f"optim._target_={target}: the planner knows the state of Adam, AdamW, SGD and Adagrad only; "
         "plan with optim=adamw or optim=sgd"
     )
 

@@ -61,14 +61,19 @@ BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's own default for its reduce and all-gather buckets (5e8 elements: 2 GB in fp32, whatever the model)."""
 BUCKET_SHARE = 8
 """Buckets of at most 1/8 of the model's parameters: a small model's buckets are no larger than its state."""
+BUCKET_ALIGNMENT = 2
+"""ZeRO-1/2 assert that the all-gather bucket is a multiple of their `nccl_start_alignment_factor` (deepspeed 0.19:
+2 elements, a 4-byte boundary in 16-bit, on every accelerator and in every dtype; `DeepSpeedZeroOptimizer.__init__`).
+Both gradient buckets are sized in its multiples."""
 
 
 def buffers(stage: int, params: int) -> dict[str, Any]:
     """DeepSpeed's buffer sizes for a model of `params` parameters: its defaults (5e8 elements for the gradient
     buckets, 1e9 for ZeRO-3's live parameters and optimizer sub-groups) hold gigabytes beyond the sharding rule
-    for any model under a few billion parameters. Each is capped at 1/BUCKET_SHARE of the model; a key in
-    strategy.ds_config overrides it."""
-    bucket = max(1, min(BUCKET_ELEMENTS, params // BUCKET_SHARE))
+    for any model under a few billion parameters. Each is capped at 1/BUCKET_SHARE of the model, rounded down to
+    DeepSpeed's alignment (at least one multiple of it); a key in strategy.ds_config overrides it."""
+    share = min(BUCKET_ELEMENTS, params // BUCKET_SHARE)
+    bucket = max(BUCKET_ALIGNMENT, share - share % BUCKET_ALIGNMENT)
     sized: dict[str, Any] = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if stage == 3:
         sized |= {"stage3_prefetch_bucket_size": bucket, "stage3_max_live_parameters": bucket,

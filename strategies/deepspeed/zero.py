@@ -165,14 +165,16 @@ def export_state(engine: Any, stage: int, offload_optimizer: str) -> dict[str, A
     for n, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)  # a tied parameter under every name, its state under the first
     for p in params:
-        full = safe_get_full_fp32_param(p)  # collective under ZeRO-3
-        moments = {k: safe_get_full_optimizer_state(p, k) for k in keys}
+        # Collectives under ZeRO-3. A frozen parameter has no fp32 master and no optimizer state: its weight is the
+        # module's own (gathered under ZeRO-3, where frozen parameters are partitioned too).
+        full = safe_get_full_fp32_param(p) if p.requires_grad else _gathered(p, stage)
+        moments = {k: safe_get_full_optimizer_state(p, k) for k in keys} if p.requires_grad else {}
         if owner[id(p)] != rank:
             continue
         full = full.cpu()
         for n in aliases[id(p)]:
             model[n] = full
-        if keys:
+        if keys and p.requires_grad:
             first = aliases[id(p)][0]
             state[first] = {k: v.cpu() for k, v in moments.items()}
             if step is not None:
@@ -187,6 +189,14 @@ def export_state(engine: Any, stage: int, offload_optimizer: str) -> dict[str, A
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
+def _gathered(p: torch.Tensor, stage: int) -> torch.Tensor:
+    """A parameter's full value in fp32, as the module holds it (collective under ZeRO-3)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p]) if stage == 3 else nullcontext():
+        return p.detach().to(torch.float32, copy=True)
+
+
 def _group_members(engine: Any, stage: int) -> list[set[int]]:
     """The module parameters of each of the optimizer's param groups (ZeRO-3 splits a group into sub-groups)."""
     zero = engine.optimizer
@@ -199,7 +209,8 @@ def _group_members(engine: Any, stage: int) -> list[set[int]]:
 
 
 def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params: str, state: dict[str, Any]) -> None:
-    """Restore what `export_state` returned (each rank holding its owned entries), from any strategy and world size.
+    """Restore what `export_state` returned (each rank holding its owned entries), from any strategy and world size:
+    the weights of every parameter, the fp32 masters and optimizer state of the trainable ones.
 
     Streamed one parameter at a time: its owner broadcasts the full value, every rank writes its own partition.
     """
@@ -222,7 +233,7 @@ def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params
         return buffer
 
     keys = sorted({k for s in moments.values() for k in s if k != "step"}) if moments else []
-    keys = _broadcast_list(keys)
+    keys = sorted({k for ks in _every_rank(keys) for k in ks})
     for name, p in params:  # the working copies (rounded, under bf16/fp16)
         value = full(name, p)
         # ZeRO-3: write into the gathered parameter; it is re-partitioned on leaving the block.
@@ -232,22 +243,24 @@ def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params
     if offload_params != "nvme":  # NVMe-offloaded working copies are not in host memory to copy from
         zero.refresh_fp32_params()
     for name, p in params:
+        if not p.requires_grad:  # frozen: its weight above is all there is
+            continue
         safe_set_full_fp32_param(p, full(name, p))  # the exact fp32 master
         for key in keys:
             safe_set_full_optimizer_state(p, full(name, p, key), key)
     steps = [s["step"] for s in moments.values() if "step" in s]
-    step = _broadcast_list([float(steps[0])] if steps else [])
+    step = next((s for s in _every_rank([float(steps[0])] if steps else []) if s), None)
     if step:
         _set_step(zero.optimizer, int(step[0]))
 
 
-def _broadcast_list(values: list[Any]) -> list[Any]:
-    """Rank 0's list on every rank (rank 0 always owns the largest parameter, so it holds an entry of each kind)."""
+def _every_rank(values: list[Any]) -> list[list[Any]]:
+    """Each rank's list, on every rank: a rank may own no trainable parameter, and so no optimizer state."""
     import torch.distributed as dist
 
-    box = [values]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return gathered
 
 
 def create_optimizer_state(engine: Any, stage: int, offload_optimizer: str) -> None:
