@@ -86,8 +86,9 @@ BATCHNORM = ["model=custom", "model._target_=moe_models.BatchNormNet", "data=cus
 
 def test_a_batchnorm_cnn_starts_and_a_micro_batch_of_one_is_refused(tmp_path: Path) -> None:
     """BatchNorm in training needs more than one value per channel: with micro-batches of 2 the preflight's forward
-    passes and the run trains; with micro-batches of 1 every real step would fail, and the preflight says so."""
-    run = launch(tmp_path, "+sweep=smoke", *BATCHNORM, "strategy=ddp", "batch.micro_size=2", "trainer.max_steps=1")
+    passes and the run trains (under a ZeRO stage: ddp and fsdp train BatchNorm in tests/test_units_and_batchnorm.py);
+    with micro-batches of 1 every real step would fail, and the preflight says so."""
+    run = launch(tmp_path, "+sweep=smoke", *BATCHNORM, "strategy=zero2", "batch.micro_size=2", "trainer.max_steps=1")
     assert run.check().losses() and CANNOT_CHECK not in run.stdout
     line = launch(tmp_path, "+sweep=smoke", *BATCHNORM, name="one").refused()
     assert "model: Expected more than 1 value per channel when training" in line, line
