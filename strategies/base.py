@@ -375,7 +375,13 @@ def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     """Model and optimizer state keyed by parameter names, whatever the wrapper (DDP, FSDP2): the checkpoint shape."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    fresh = not optimizer.state
     model_state, optim_state = get_state_dict(model, optimizer)
+    if fresh:
+        # Before the first step torch makes the optimizer's state to describe it: a zero-gradient step at lr 0, which
+        # counts as a step (AdamW's bias correction would then be one step ahead). Asked before training (the room a
+        # checkpoint needs), the optimizer is left as fresh as it was; what was returned still describes the state.
+        optimizer.state.clear()
     return {"model": model_state, "optim": optim_state}
 
 
