@@ -249,6 +249,7 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
     as they go (Optuna) have their jobs checked one by one, as each starts."""
     from hydra import compose
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -273,13 +274,16 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
     swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in other for other in jobs) < len(jobs)}
     from launcher.launch import check_job  # imports torch: only for a sweep
 
-    saved = {key: os.environ.get(key) for key in env}
+    saved, hydra_before = {key: os.environ.get(key) for key in env}, HydraConfig.instance().cfg
     os.environ.update({key: str(value) for key, value in env.items()})  # each job runs with hydra.job.env_set
     try:
         for n, job in enumerate(jobs):
             where = " ".join(o for o in job if o.split("=", 1)[0] in swept) or " ".join(job)
             try:
-                cfg = compose(CONFIG_NAME, overrides=job)
+                cfg = compose(CONFIG_NAME, overrides=job, return_hydra_config=True)
+                HydraConfig.instance().set_config(cfg)  # the job's own ${hydra:...} values resolve as in the job
+                with open_dict(cfg):
+                    cfg.pop("hydra")
                 problem = schema.check_ranges(cfg)
                 if problem is None:
                     check_job(cfg)
@@ -290,6 +294,7 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
             if problem:
                 return f"sweep job {n + 1} of {len(jobs)} ({where}): {problem}; nothing of the sweep has run"
     finally:
+        HydraConfig.instance().cfg = hydra_before
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
