@@ -159,27 +159,31 @@ class Saver:
     def _save(self, position: Position, strategy: Any, manifest: dict[str, Any]) -> None:
         name = f"step_{position.step:08d}"
         final, tmp = self.checkpoints / name, self.checkpoints / f".{name}.partial"
-        with self._writing(position.step, tmp):
-            self._write(position, strategy, manifest, final, tmp)
-
-    def _write(self, position: Position, strategy: Any, manifest: dict[str, Any], final: Path, tmp: Path) -> None:
-        import torch
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
-            tmp.mkdir(parents=True)
-        dist.barrier()
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed: their room is free again
+            self.checkpoints.mkdir(parents=True, exist_ok=True)
         state = strategy.state_dict()
         intact = self.last or latest(self.checkpoints)
-        check_space(
+        check_space(  # collective: it also orders the removal above before any rank writes
             self.checkpoints,
             checkpoint_bytes(state, self.world_size),
             1,
             f"the checkpoint of step {position.step}",
             f"; the newest intact checkpoint is {intact}" if intact else "; no checkpoint was saved before it",
         )
+        with self._writing(position.step, tmp):  # a disk that fills while it is written (another writer)
+            self._write(position, state, manifest, final, tmp)
+
+    def _write(
+        self, position: Position, state: dict[str, Any], manifest: dict[str, Any], final: Path, tmp: Path
+    ) -> None:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if self.rank == 0:
+            tmp.mkdir(parents=True)
+        dist.barrier()
         sums: dict[str, str] = {}
         rng = io.BytesIO()
         torch.save(_rng_state(), rng)
@@ -430,7 +434,8 @@ def check_space(checkpoints: Path, size: int, count: int, what: str, after: str 
     import torch
     import torch.distributed as dist
 
-    free = torch.tensor([float(shutil.disk_usage(checkpoints).free)], dtype=torch.float64)
+    here = shutil.disk_usage(checkpoints).free if dist.get_rank() == 0 else 0
+    free = torch.tensor([float(here)], dtype=torch.float64)
     dist.broadcast(free, src=0)
     if free.item() < size * count:
         raise RuntimeError(
