@@ -130,6 +130,11 @@ class DeepSpeed:
                 f"strategy.offload_optimizer={self.offload_optimizer} runs DeepSpeed's CPU Adam, which cannot stand in "
                 f"for {self.optimizer_target}; use optim=adamw or strategy.offload_optimizer=none"
             )
+        if ctx.precision == "fp16" and ctx.device_type == "cpu" and not cpu_fp16():
+            raise ValueError(
+                "precision=fp16 under DeepSpeed on CPU needs a processor with float16 support, which this one lacks "
+                "(DeepSpeed's CPU accelerator refuses it); use precision=bf16 or fp32, or strategy=ddp or fsdp"
+            )
         check_moe_blocks(model, self.moe_blocks)
         build_ds_config(ctx, self.stage, self.offload_optimizer, self.offload_params, self.nvme_path, self.ds_config)
         if "nvme" in (self.offload_optimizer, self.offload_params):
@@ -298,6 +303,14 @@ class DeepSpeed:
             gc.collect()  # the swappers hold open files in the folder until collected
             shutil.rmtree(self._swap_dir, ignore_errors=True)
             self._swap_dir = None
+
+
+def cpu_fp16() -> bool:
+    """DeepSpeed's own test on CPU (`CPU_Accelerator.is_fp16_supported`): oneDNN's float16 kernels."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def async_io_problem(device_type: str) -> str | None:
