@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,6 +111,40 @@ def launch(
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
 
+def launch_here(tmp_path: Path, *overrides: str, name: str = "run") -> Run:
+    """`launch` in this test process, through the entry point the console script calls (`launcher.cli.main`), for
+    runs that end before any worker starts: its exit status and what it printed, as `launch` would give them."""
+    import contextlib
+    import io
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from launcher.cli import main
+
+    run_dir = tmp_path / name
+    out, err, argv, cwd = io.StringIO(), io.StringIO(), sys.argv, os.getcwd()
+    saved = {key: os.environ.get(key) for key in ("HYDRA_FULL_ERROR", "WANDB_SILENT")}
+    os.environ.update(HYDRA_FULL_ERROR="0", WANDB_SILENT="true")
+    os.chdir(tmp_path)
+    code: int | str | None = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main([*overrides, f"hydra.run.dir={run_dir}"])
+            except SystemExit as e:
+                code = e.code
+    finally:
+        sys.argv = argv
+        os.chdir(cwd)
+        GlobalHydra.instance().clear()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return Run(code if isinstance(code, int) else int(code is not None), out.getvalue(), err.getvalue(), run_dir)
+
+
 @pytest.fixture
 def run_launch(tmp_path: Path):
     def _run(*overrides: str, name: str = "run", **kw) -> Run:
@@ -164,3 +199,18 @@ def assert_each_restart_resumes_the_newest(run_dir: Path, out: str, every: int, 
         after = [r["step"] for r in records if r["restart"] == n]
         assert before and before[-1] - every <= checkpoint <= before[-1], (n, checkpoint, before)
         assert after and after[0] == checkpoint + 1, (n, checkpoint, after)
+
+
+def saved_gpt2(folder_root: Path, name: str, config: dict[str, Any]) -> Path:
+    """A tiny random GPT-2 of `config` (seed 0), saved with save_pretrained under `folder_root/name` once per session,
+    whichever test process asks first: what a user's local pretrained folder looks like."""
+    folder = folder_root / name
+    with open(folder_root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "config.json").exists():
+            import torch
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            torch.manual_seed(0)
+            GPT2LMHeadModel(GPT2Config(**config)).save_pretrained(str(folder))
+    return folder

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch
+from conftest import LAUNCH, TINY, clean_env, launch_here
 
 CUSTOM_CLASSIFIER = ["model=custom", "model._target_=user_models.Classifier", "data=custom",
                      "data._target_=user_models.images"]  # fmt: skip
@@ -120,7 +120,7 @@ def test_bad_input_is_one_line_before_any_worker(case: str, tmp_path: Path, file
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
     base = NOT_GPT if "model=custom" in overrides else NOT_DATA if "data=custom" in overrides else TINY
-    run = launch(tmp_path, *base, *(o.format(**files) for o in overrides), timeout=120)
+    run = launch_here(tmp_path, *base, *(o.format(**files) for o in overrides))
     line = run.refused()  # one line, exit 2, nothing written (not even the run directory)
     assert expected in line, line
     assert "Traceback" not in run.stdout + run.stderr
