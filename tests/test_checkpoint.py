@@ -272,9 +272,8 @@ def test_kills_during_saves_never_leave_a_broken_latest_checkpoint(tmp_path: Pat
 
 
 def test_a_raising_rank_ends_the_job_with_its_own_error_first(tmp_path: Path) -> None:
-    started = time.monotonic()
-    run = launch(tmp_path, *JOB, "gpus=2", "model._target_=faulty.RaisingGPT")
-    assert run.returncode == 1 and time.monotonic() - started < 120
+    run = launch(tmp_path, *JOB, "gpus=2", "model._target_=faulty.RaisingGPT")  # a hang fails by its timeout
+    assert run.returncode == 1, run.stderr
     lines = run.stderr.strip().splitlines()
     # One line per failing rank, the rank that raised first, where it was, its traceback in its own log file.
     assert lines[0].startswith("launch: error: rank 1 failed while in forward/backward of step 2, micro-step 1/2: "

@@ -160,7 +160,6 @@ def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_pa
     launcher makes every rank write its phase and its Python stacks (rank 1's in the model's sleep, rank 0's in the
     collective); then the timeout ends the job, naming the stuck rank."""
     run_dir = tmp_path / "hang"
-    started = time.monotonic()
     proc = _start(tmp_path, run_dir, "model._target_=faulty.HangingGPT", "trainer.collective_timeout=10")
     stuck = "in forward/backward of step 2, micro-step 1/2"
     _wait_for(run_dir / "logs" / "phase" / "rank1", stuck, proc)  # written by its thread within seconds
@@ -169,28 +168,27 @@ def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_pa
     assert "faulty.py" in stacks and "optimizer_step" in stacks, stacks
     assert "optimizer_step" in _wait_for(run_dir / "logs" / "stacks" / "rank0", "optimizer_step", proc)
     out, err = proc.communicate(timeout=90)
-    assert proc.returncode == 1 and time.monotonic() - started < 120, (proc.returncode, err)
+    assert proc.returncode == 1, (proc.returncode, err)
     assert "rank 0 waited 10 s in a collective" in err, err
     assert f"rank 1 was last {stuck}" in err, err
     assert _worker_pids(run_dir) == {}
 
 
 def test_the_phase_is_kept_in_memory_and_written_now_and_then(tmp_path: Path) -> None:
-    """A phase a micro-step costs no I/O: 20,000 phases in a second are at most a few writes, the newest last."""
+    """A phase a micro-step costs no I/O: 20,000 phases between two of the writer's rounds are not written (at most
+    the first phase, by the writer's first round); a flush writes the newest, with the time it began."""
     from launcher.lifecycle import Phase
 
-    phase = Phase(tmp_path, 0, every=0.5)
-    started = time.monotonic()
-    calls = 0
-    while time.monotonic() - started < 1.0:
-        phase(f"in forward/backward of step {calls}")
-        calls += 1
-    elapsed = time.monotonic() - started
-    assert calls >= 20_000 and phase.writes <= elapsed / 0.5 + 2, (calls, phase.writes)
+    phase = Phase(tmp_path, 0, every=3600.0)
+    for n in range(20_000):
+        phase(f"in forward/backward of step {n}")
+    assert phase.writes <= 1, phase.writes
     phase("saving the checkpoint of step 7")
+    began = phase.state[0]
     phase.flush()
     stamp, _, what = (tmp_path / "logs" / "phase" / "rank0").read_text().partition(" ")
-    assert what == "saving the checkpoint of step 7" and abs(float(stamp) - time.time()) < 5
+    assert what == "saving the checkpoint of step 7" and float(stamp) == pytest.approx(began, abs=1e-3)
+    assert phase.writes <= 2, phase.writes
     # From a signal handler: one that interrupts a write of its own thread neither waits nor raises (a second
     # SIGTERM within milliseconds once killed a rank mid-save here), nor does a folder that is gone.
     phase("stopping")

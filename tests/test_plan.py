@@ -14,7 +14,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -278,19 +277,6 @@ def test_plan_imports_neither_deepspeed_nor_wandb(tmp_path: Path) -> None:
         timeout=300,
     )
     assert "HEAVY []" in proc.stderr, proc.stderr  # torch._dynamo: seconds, pulled in by meta-device init
-
-
-def test_plan_is_fast(tmp_path: Path) -> None:
-    """Under 3 s on a laptop, where torch imports in about 1 s; a busy machine gets the same budget scaled by
-    how long torch's own import takes on it right now."""
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True)
-    torch_import = time.perf_counter() - start
-    start = time.perf_counter()
-    proc = _cli(tmp_path, "plan", "model=gpt_7b", "gpus=8")
-    wall = time.perf_counter() - start
-    assert proc.returncode == 0, proc.stderr
-    assert wall < 3.0 * max(1.0, torch_import / 1.0), (wall, torch_import)
 
 
 # ---------------------------------------------------------------------------------------------
