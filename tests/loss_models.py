@@ -35,9 +35,8 @@ def seq2seq(seed: int = 0) -> T5ForConditionalGeneration:
     return T5ForConditionalGeneration(config)
 
 
-class MaskedText(Dataset):
-    """Random token rows with 1 to SEQ_LEN/2 positions masked, how many and where seeded by the sample's index:
-    `labels` hold the original token there and -100 elsewhere."""
+class _Seeded(Dataset):
+    """`count` samples of a split, each drawn from a generator seeded by its index (the splits' seeds apart)."""
 
     def __init__(self, split: str, count: int) -> None:
         self.offset, self.count = (0 if split == "train" else 1_000_000), count
@@ -45,8 +44,16 @@ class MaskedText(Dataset):
     def __len__(self) -> int:
         return self.count
 
+    def generator(self, i: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.offset + i)
+
+
+class MaskedText(_Seeded):
+    """Random token rows with 1 to SEQ_LEN/2 positions masked, how many and where seeded by the sample's index:
+    `labels` hold the original token there and -100 elsewhere."""
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.offset + i)
+        g = self.generator(i)
         ids = torch.randint(2, VOCAB, (SEQ_LEN,), generator=g)
         masked = torch.randperm(SEQ_LEN, generator=g)[: int(torch.randint(1, SEQ_LEN // 2 + 1, (1,), generator=g))]
         labels = torch.full_like(ids, -100)
@@ -56,18 +63,12 @@ class MaskedText(Dataset):
         return {"input_ids": inputs, "labels": labels}
 
 
-class Reversal(Dataset):
+class Reversal(_Seeded):
     """Source rows of 2 to SEQ_LEN tokens (padded, `attention_mask` 0 there) whose target is the source reversed:
     `labels` as long as the source, -100 after it. Lengths seeded by the sample's index."""
 
-    def __init__(self, split: str, count: int) -> None:
-        self.offset, self.count = (0 if split == "train" else 1_000_000), count
-
-    def __len__(self) -> int:
-        return self.count
-
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.offset + i)
+        g = self.generator(i)
         n = int(torch.randint(2, SEQ_LEN + 1, (1,), generator=g))
         source = torch.randint(2, VOCAB, (n,), generator=g)
         inputs, mask, labels = (

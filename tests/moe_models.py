@@ -1,5 +1,5 @@
 """Models for tests of mixture-of-experts and of the preflight: a hand-written MoE whose ranks route to different
-experts, the data it reads, a tiny transformers MoE built from a config, and a CNN with BatchNorm.
+experts, the data it reads, and a tiny transformers MoE built from a config.
 
 `model=custom model._target_=moe_models.TopOneMoE data=custom data._target_=moe_models.points`
 (tests/ is on the workers' PYTHONPATH).
@@ -78,28 +78,6 @@ class Points(Dataset):
 
 def points(split: str, count: int = 64, dim: int = DIM) -> Points:
     return Points(split, count if split == "train" else count // 4, dim)
-
-
-class BatchNormNet(nn.Module):
-    """A CNN with BatchNorm, as torchvision's ResNets are: in training mode BatchNorm needs more than one value per
-    channel, so a forward of a single 1 x 1 sample fails."""
-
-    def __init__(self, channels: int = 3, classes: int = 3, width: int = 8) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(channels, width, 3, padding=1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(width, width),
-            nn.BatchNorm1d(width),
-            nn.ReLU(),
-        )
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, image: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.head(self.features(image)), label)
 
 
 MIXTRAL = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2,

@@ -8,7 +8,6 @@ ZeRO-1/2 refuse a bucket size that is not a multiple of their alignment.
 
 from __future__ import annotations
 
-import fcntl
 import inspect
 import json
 import re
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH, TINY, clean_env, launch_once
+from conftest import LAUNCH, TINY, clean_env, launch_once, saved_gpt2
 from test_user_models import jobs, metrics
 
 # 126,456 parameters with the adapters: params // 8 = 15,807, odd.
@@ -31,15 +30,7 @@ CHECKPOINT_STEP, STEPS = 2, 4
 @pytest.fixture(scope="session")
 def base_folder(conformance_dir: Path) -> Path:
     """A tiny random GPT-2, saved with save_pretrained: the pretrained model the adapters train over."""
-    folder = conformance_dir / "lora-base"
-    with open(conformance_dir / "lora-base.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "config.json").exists():
-            from transformers import GPT2Config, GPT2LMHeadModel
-
-            torch.manual_seed(0)
-            GPT2LMHeadModel(GPT2Config(**BASE)).save_pretrained(str(folder))
-    return folder
+    return saved_gpt2(conformance_dir, "lora-base", BASE)
 
 
 def lora(folder: Path) -> list[str]:

@@ -80,8 +80,8 @@ def test_a_module_that_one_rank_skips_is_named_not_a_collective_that_aborts(tmp_
     assert "strategy.moe_blocks" in errors[0] and "SIGABRT" not in run.stderr, run.stderr
 
 
-BATCHNORM = ["model=custom", "model._target_=moe_models.BatchNormNet", "data=custom",
-             "data._target_=user_models.images"]  # fmt: skip
+BATCHNORM = ["model=custom", "model._target_=units_models.BatchNormNet", "data=custom",
+             "data._target_=units_models.images", "+data.size=1"]  # fmt: skip  # 1 x 1 images: one value per sample
 
 
 def test_a_batchnorm_cnn_starts_and_a_micro_batch_of_one_is_refused(tmp_path: Path) -> None:

@@ -7,13 +7,12 @@ The smoke sweep's jobs are run once per session and shared by the tests that rea
 
 from __future__ import annotations
 
-import fcntl
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH, Run, launch, launch_once, require_async_io
+from conftest import LAUNCH, Run, launch, launch_once, require_async_io, saved_gpt2
 from test_strategies import STRATEGIES
 
 SEED = 1337
@@ -24,15 +23,7 @@ NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 @pytest.fixture(scope="session")
 def gpt2_folder(conformance_dir: Path) -> Path:
     """A tiny random GPT-2, saved with save_pretrained: what a user's local pretrained folder looks like."""
-    folder = conformance_dir / "gpt2"
-    with open(conformance_dir / "gpt2.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "config.json").exists():
-            from transformers import GPT2Config, GPT2LMHeadModel
-
-            torch.manual_seed(0)
-            GPT2LMHeadModel(GPT2Config(**GPT2, **NO_DROPOUT)).save_pretrained(str(folder))
-    return folder
+    return saved_gpt2(conformance_dir, "gpt2", GPT2 | NO_DROPOUT)
 
 
 def hf(folder: Path) -> list[str]:
