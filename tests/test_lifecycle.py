@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -192,10 +193,18 @@ def test_the_phase_is_kept_in_memory_and_written_now_and_then(tmp_path: Path) ->
     # From a signal handler: one that interrupts a write of its own thread neither waits nor raises (a second
     # SIGTERM within milliseconds once killed a rank mid-save here), nor does a folder that is gone.
     phase("stopping")
-    with phase._lock:
-        phase.try_flush()
-    shutil.rmtree(tmp_path / "logs")
+    written = phase.writes
+    with phase._lock:  # the writer busy: try_flush returns at once, leaving the phase to the writer's next round
+        attempt = threading.Thread(target=phase.try_flush, daemon=True)
+        attempt.start()
+        attempt.join(60)  # a try_flush that waits for the lock never returns while it is held here
+        assert not attempt.is_alive() and phase.writes == written, phase.writes
     phase.try_flush()
+    assert phase.writes == written + 1 and (tmp_path / "logs" / "phase" / "rank0").read_text().endswith(" stopping")
+    shutil.rmtree(tmp_path / "logs")
+    phase("gone")
+    phase.try_flush()  # the folder is gone: nothing raised, nothing made
+    assert phase.writes == written + 1 and not (tmp_path / "logs").exists()
 
 
 def test_an_out_of_memory_error_says_how_to_see_where_the_memory_went(tmp_path: Path) -> None:
