@@ -194,34 +194,23 @@ def test_a_node_that_never_arrives_ends_the_job_with_a_clear_error(tmp_path: Pat
     assert run.returncode == 1 and "did not all join rendezvous" in run.stderr, run.stderr
 
 
-def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The script Hydra's submitit_slurm launcher would submit, built by submitit itself from our config."""
-    import submitit
-    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-
-    # submitit only looks for srun on PATH to believe it is on a cluster; nothing is run or submitted.
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
-    (tmp_path / "bin" / "srun").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-
-    argv = [
-        "hydra/launcher=submitit_slurm",
-        "nodes=2",
-        "gpus=8",
-        "batch.global_size=64",
-        "hydra.launcher.partition=gpu",
-    ]
-    cfg = _compose(*argv, *submitit_overrides(argv), f"hydra.sweep.dir={tmp_path}", hydra=True)
-    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
-    # The plugin's own mapping of its config onto the executor (hydra_submitit_launcher.submitit_launcher.launch).
-    executor = submitit.AutoExecutor(
-        folder=params.pop("submitit_folder"), cluster="slurm", slurm_max_num_timeout=params.pop("max_num_timeout")
+def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path) -> None:
+    """The script Hydra's submitit_slurm launcher submits, made by the plugin and submitit from our config: an
+    `sbatch` on PATH keeps a copy of what it is given and refuses it (there is no cluster here)."""
+    bin_dir, script = tmp_path / "bin", tmp_path / "submitted.sh"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/sh\nfor a in "$@"; do case "$a" in *.sh) cp "$a" "$SBATCH_COPY";; esac; done\nexit 1\n'
     )
-    base = set(OmegaConf.structured(BaseQueueConf).keys())
-    params.pop("_target_")
-    executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
-    text = executor._executor._make_submission_file_text("python -m launcher", "uid")
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")  # submitit believes it is on a cluster when srun is there
+    for tool in ("sbatch", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = clean_env(tmp_path) | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SBATCH_COPY": str(script)}
+    argv = ["-m", "hydra/launcher=submitit_slurm", *TINY, "nodes=2", "gpus=8", "batch.global_size=64",
+            "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    proc = subprocess.run([LAUNCH, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert script.exists(), proc.stderr
+    text = script.read_text()
     for line in (
         "#SBATCH --nodes=2",
         "#SBATCH --ntasks-per-node=1",
