@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from importlib import resources
@@ -36,12 +37,22 @@ CUSTOM = {"model": "user_models.Classifier", "data": "user_models.images", "logg
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_instantiates(group: str, option: str, tmp_path: Path) -> None:
+    from hydra.utils import get_object
+
     overrides = [f"{group}={option}"] + ([f"data.path={tmp_path / 't.bin'}"] if option == "tokens" else [])
-    if option == "custom":  # one key, the target, which the user names
+    if option == "custom":  # one key, the target, which the user names: until then it has none
+        assert OmegaConf.is_missing(_compose(*overrides)[group], "_target_"), f"{group}/custom has a _target_"
         overrides.append(f"{group}._target_={CUSTOM[group]}")
     cfg = _compose(*overrides)
     node = cfg[group]
-    assert OmegaConf.select(node, "_target_"), f"{group}/{option} has no _target_"
+    target = OmegaConf.select(node, "_target_")
+    assert target and (option != "custom" or target == CUSTOM[group]), (group, option, target)
+    built = instantiate(node, _partial_=True)  # the target imports, and takes the option's keys as keywords
+    assert built.func is get_object(target), (built.func, target)
+    from launcher.data import LOADER_KEYS
+
+    taken = {k: v for k, v in built.keywords.items() if group != "data" or k not in LOADER_KEYS}  # the loader's own
+    inspect.signature(built.func).bind_partial(*built.args, **taken)  # TypeError for a key the target does not take
     if group == "strategy":
         make_strategy(freeze(cfg).strategy)  # constructors take plain values and import nothing heavy
     if group == "model" and option == "gpt_tiny":
