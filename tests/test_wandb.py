@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from conftest import TINY, clean_env, launch
+from omegaconf import OmegaConf
 from test_strategies import reference
 from wandb_records import find_run_file, read_history, read_records
 
@@ -18,7 +20,10 @@ def test_wandb_offline_logs_the_runners_losses(tmp_path: Path) -> None:
     assert [h["loss"] for h in history] == run.losses()
     assert "wandb sync" in run.stderr
     config = [r.run.config for r in read_records(find_run_file(run.run_dir / "wandb")) if r.HasField("run")]
-    assert config and any(item.key == "batch" for item in config[0].update)
+    logged = {item.key: json.loads(item.value_json) for item in config[0].update}
+    resolved = OmegaConf.to_container(OmegaConf.load(run.run_dir / "resolved.yaml"))
+    for section in ("batch", "trainer", "optim", "model", "derived"):  # the run's whole resolved config, as it ran
+        assert logged[section] == resolved[section], (section, logged.get(section), resolved[section])
 
 
 def test_logger_none_writes_no_wandb_files(conformance_dir: Path) -> None:
