@@ -170,14 +170,14 @@ def test_a_worker_killed_for_memory_is_named(tmp_path: Path) -> None:
 
 
 def test_a_worker_killed_otherwise_is_not_blamed_on_memory(tmp_path: Path) -> None:
-    from test_checkpoint import _wait_for_step, _worker_pids
+    from processes import wait_for_step, worker_pids
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([LAUNCH, *TINY, "gpus=2", "trainer.max_steps=400", f"hydra.run.dir={run_dir}"],
                             cwd=tmp_path, env=clean_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
-    _wait_for_step(run_dir, 2, proc)
-    os.kill(_worker_pids(run_dir)[1], signal.SIGKILL)
+    wait_for_step(run_dir, 2, proc)
+    os.kill(worker_pids(run_dir)[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "launch: error: rank 1 was killed by SIGKILL" in err and "out-of-memory" not in err, err

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LAUNCH, Run, assert_each_restart_resumes_the_newest, clean_env, launch
-from test_strategies import AT_TWO_RANKS, JOB, SHAPES, ranks, run_of, selecting, suite_run
+from processes import wait_for_step, worker_pids
+from runs import AT_TWO_RANKS, JOB, SHAPES, ranks, run_of, selecting, suite_run
 
 
 def _ckpt(run: Run, step: int) -> Path:
@@ -157,33 +158,6 @@ def test_convert_writes_weights_the_plain_model_loads(conformance_dir: Path, tmp
     ]
 
 
-def _worker_pids(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of the live workers of a run."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            if (
-                proc.name.isdigit()
-                and "launcher.worker" in (cmd := (proc / "cmdline").read_bytes().decode())
-                and str(run_dir) in cmd
-            ):
-                env = dict(e.split("=", 1) for e in (proc / "environ").read_bytes().decode().split("\0") if "=" in e)
-                found[int(env["RANK"])] = int(proc.name)
-        except (OSError, KeyError, ValueError):
-            pass
-    return found
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the run never reached step {step}")
-
-
 def test_a_killed_worker_is_restarted_and_the_run_matches(conformance_dir: Path, tmp_path: Path) -> None:
     full = run_of(conformance_dir, "ddp", 2)
     run_dir = tmp_path / "restarted"
@@ -195,8 +169,8 @@ def test_a_killed_worker_is_restarted_and_the_run_matches(conformance_dir: Path,
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for_step(run_dir, 7, proc)  # checkpoints of steps 3 and 6: the restart must take the newer
-    os.kill(_worker_pids(run_dir)[1], signal.SIGKILL)
+    wait_for_step(run_dir, 7, proc)  # checkpoints of steps 3 and 6: the restart must take the newer
+    os.kill(worker_pids(run_dir)[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "restart 1 of the worker group: resuming from" in out, out
@@ -247,7 +221,7 @@ def test_kills_during_saves_never_leave_a_broken_latest_checkpoint(tmp_path: Pat
         final = checkpoints / partial.name.removeprefix(".").removesuffix(".partial")
         while moment == "renamed" and partial.exists() and proc.poll() is None:
             time.sleep(0.0005)
-        os.kill(_worker_pids(run_dir)[0], signal.SIGKILL)  # rank 0: the one that renames a save into place
+        os.kill(worker_pids(run_dir)[0], signal.SIGKILL)  # rank 0: the one that renames a save into place
         proc.communicate(timeout=120)
         if (partial.exists() and not final.exists()) if moment == "writing" else final.exists():
             landed.add(moment)
@@ -282,7 +256,7 @@ def test_a_raising_rank_ends_the_job_with_its_own_error_first(tmp_path: Path) ->
     assert "Traceback (most recent call last)" not in run.stderr + run.stdout
     log = Path(lines[0].split("(traceback: ")[1].rstrip(")"))
     assert log == run.run_dir / "logs" / "rank1.traceback" and "in forward" in log.read_text()
-    assert _worker_pids(run.run_dir) == {}
+    assert worker_pids(run.run_dir) == {}
 
 
 class _Payload:

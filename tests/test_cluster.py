@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from conftest import LAUNCH, TINY, clean_env, launch, launch_once
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
+from processes import free_port
 
 from launcher import schema
 from launcher.cli import submitit_overrides
@@ -22,12 +22,6 @@ from launcher.rendezvous import expand_hostlist, rendezvous
 
 schema.register()
 JOB = [*TINY, "batch.global_size=16", "trainer.max_steps=5"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compose(*overrides: str, hydra: bool = False):
@@ -147,13 +141,13 @@ def test_two_nodes_on_loopback_match_one_node_and_resume_from_their_shared_direc
     conformance_dir: Path, tmp_path: Path
 ) -> None:
     env = lambda n: clean_env(tmp_path)  # noqa: E731
-    results = _two_nodes(tmp_path, env, f"rdzv.endpoint=127.0.0.1:{_free_port()}", "rdzv.id=loopback")
+    results = _two_nodes(tmp_path, env, f"rdzv.endpoint=127.0.0.1:{free_port()}", "rdzv.id=loopback")
     assert [r[0] for r in results] == [0, 0], results
     two = list(_losses(tmp_path / "shared").values())
     one_node = _one_node(conformance_dir)
     assert max(abs(a - b) for a, b in zip(one_node, two, strict=True)) <= 1e-6, (one_node, two)
     # The same job, longer: both nodes continue from the checkpoint they wrote together.
-    again = _two_nodes(tmp_path, env, f"rdzv.endpoint=127.0.0.1:{_free_port()}", "rdzv.id=loopback2",
+    again = _two_nodes(tmp_path, env, f"rdzv.endpoint=127.0.0.1:{free_port()}", "rdzv.id=loopback2",
                        "trainer.max_steps=7")  # fmt: skip
     assert [r[0] for r in again] == [0, 0], again
     out = "".join(r[1] for r in again)
@@ -163,7 +157,7 @@ def test_two_nodes_on_loopback_match_one_node_and_resume_from_their_shared_direc
 
 def test_nodes_without_a_shared_directory_stop_at_start(tmp_path: Path) -> None:
     """Each node with a folder of its own: rank 1 cannot see what rank 0 writes, so no checkpoint would be whole."""
-    results = _two_nodes(tmp_path, lambda n: clean_env(tmp_path), f"rdzv.endpoint=127.0.0.1:{_free_port()}",
+    results = _two_nodes(tmp_path, lambda n: clean_env(tmp_path), f"rdzv.endpoint=127.0.0.1:{free_port()}",
                          "rdzv.id=apart", dirs=("node0", "node1"))  # fmt: skip
     assert [r[0] for r in results] == [1, 1], results
     err = "".join(r[2] for r in results)
@@ -175,7 +169,7 @@ def test_a_slurm_allocation_needs_no_rendezvous_settings(conformance_dir: Path, 
     """Two launchers with the environment SLURM gives each node's task; nothing set by hand."""
     env = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NTASKS_PER_NODE": "1"}
     results = _two_nodes(tmp_path, lambda n: clean_env(tmp_path) | env | {"SLURM_NODEID": str(n)},
-                         f"rdzv.port={_free_port()}")  # fmt: skip
+                         f"rdzv.port={free_port()}")  # fmt: skip
     assert [r[0] for r in results] == [0, 0], results
     two, one_node = list(_losses(tmp_path / "shared").values()), _one_node(conformance_dir)
     assert max(abs(a - b) for a, b in zip(one_node, two, strict=True)) <= 1e-6, (one_node, two)
@@ -187,7 +181,7 @@ def test_a_node_that_never_arrives_ends_the_job_with_a_clear_error(tmp_path: Pat
         *JOB,
         "nodes=2",
         "gpus=1",
-        f"rdzv.endpoint=127.0.0.1:{_free_port()}",
+        f"rdzv.endpoint=127.0.0.1:{free_port()}",
         "rdzv.id=alone",
         "rdzv.join_timeout=5",
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, launch
-from test_strategies import two_ranks
+from runs import two_ranks
 
 from launcher.models.gpt import GPT
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LAUNCH, TINY, clean_env, launch_once, saved_gpt2
-from test_user_models import jobs, metrics
+from runs import jobs, metrics
 
 # 126,456 parameters with the adapters: params // 8 = 15,807, odd.
 BASE = {"n_layer": 2, "n_embd": 66, "n_head": 3, "vocab_size": 256, "n_positions": 16,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Run, launch
-from test_strategies import JOB, run_of
+from runs import JOB, run_of
 
 FSDP = [*JOB, "strategy=fsdp", "gpus=2"]  # the conformance job: K = 2 micro-steps per optimizer step
 N_LAYER = 2  # TINY's model.n_layer

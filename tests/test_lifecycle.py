@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LAUNCH, TINY, Run, assert_each_restart_resumes_the_newest, clean_env, launch, launch_once
-from test_checkpoint import _wait_for_step, _worker_pids
-from test_cluster import _free_port
+from processes import free_port, wait_for_step, worker_pids
 
 JOB = [
     *TINY,
@@ -80,14 +79,14 @@ def test_a_signal_stops_gracefully_and_resume_continues_exactly(
     runs.mkdir()
     # SIGUSR2 with asynchronous checkpoints: the stop waits for the background write, then says where it is.
     proc = _start(runs, runs / "stopped", *(["trainer.async_checkpoint=true"] if sig == signal.SIGUSR2 else []))
-    _wait_for_step(runs / "stopped", 5, proc)
+    wait_for_step(runs / "stopped", 5, proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, (proc.returncode, err)
     assert f"launch: stopped by {sig.name}: checkpoint" in err and "resume=" in err, err
     stopped_at = max(_losses(runs / "stopped"))
     assert 5 <= stopped_at < 30 and (runs / "stopped" / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
-    assert _worker_pids(runs / "stopped") == {}
+    assert worker_pids(runs / "stopped") == {}
     # SIGTERM: resume=auto finds it; SIGUSR2: the command the stop message suggests, resume=<run dir>.
     suggested = re.search(r"plus (resume=\S+)", err).group(1)
     assert suggested == f"resume={runs / 'stopped'}", err
@@ -108,11 +107,11 @@ def test_killing_the_launcher_leaves_no_worker_behind(tmp_path: Path, when: str)
     run_dir = tmp_path / "run"
     proc = _start(tmp_path, run_dir, "trainer.max_steps=400")
     if when == "at start":  # before the workers have even imported torch: the parent-death signal ends them
-        while len(_worker_pids(run_dir)) < 2 and proc.poll() is None:
+        while len(worker_pids(run_dir)) < 2 and proc.poll() is None:
             time.sleep(0.01)
     else:
-        _wait_for_step(run_dir, 3, proc)
-        workers = _worker_pids(run_dir)
+        wait_for_step(run_dir, 3, proc)
+        workers = worker_pids(run_dir)
         assert len(workers) == 2
         # One node: the rendezvous and the process group on loopback, never on an external interface.
         env = _environ(workers[0])
@@ -120,13 +119,13 @@ def test_killing_the_launcher_leaves_no_worker_behind(tmp_path: Path, when: str)
         # The run owns its directory while it runs: a second launch there is refused, and writes nothing.
         second = launch(tmp_path, *JOB, "trainer.max_steps=400", name="run")
         assert second.returncode == 2 and "is in use by another launch (pid" in second.stderr, second.stderr
-        assert _worker_pids(run_dir).keys() == workers.keys()
+        assert worker_pids(run_dir).keys() == workers.keys()
     proc.kill()
     proc.communicate()
     deadline = time.monotonic() + 5
-    while _worker_pids(run_dir) and time.monotonic() < deadline:
+    while worker_pids(run_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _worker_pids(run_dir) == {}
+    assert worker_pids(run_dir) == {}
 
 
 def test_every_restart_recovers(reference: Run, tmp_path: Path) -> None:
@@ -134,10 +133,10 @@ def test_every_restart_recovers(reference: Run, tmp_path: Path) -> None:
     kills, run_dir = 6, tmp_path / "run"
     proc = _start(tmp_path, run_dir, "trainer.checkpoint_every=2", f"trainer.max_restarts={kills}")
     for n in range(kills):
-        _wait_for_step(run_dir, 4 * n + 3, proc)
-        pids = _worker_pids(run_dir)
+        wait_for_step(run_dir, 4 * n + 3, proc)
+        pids = worker_pids(run_dir)
         os.kill(pids[n % 2], signal.SIGKILL)
-        while _worker_pids(run_dir).get(n % 2) == pids[n % 2]:
+        while worker_pids(run_dir).get(n % 2) == pids[n % 2]:
             time.sleep(0.05)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
@@ -172,7 +171,7 @@ def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_pa
     assert proc.returncode == 1, (proc.returncode, err)
     assert "rank 0 waited 10 s in a collective" in err, err
     assert f"rank 1 was last {stuck}" in err, err
-    assert _worker_pids(run_dir) == {}
+    assert worker_pids(run_dir) == {}
 
 
 def test_the_phase_is_kept_in_memory_and_written_now_and_then(tmp_path: Path) -> None:
@@ -215,7 +214,7 @@ def test_an_out_of_memory_error_says_how_to_see_where_the_memory_went(tmp_path: 
     assert "while in forward/backward of step 2, micro-step 1/2" in line, line
     assert "out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)" in line, line
     assert "rerun with trainer.memory_snapshot=true" in line and "pytorch.org/memory_viz" in line, line
-    assert _worker_pids(run.run_dir) == {}
+    assert worker_pids(run.run_dir) == {}
 
 
 def test_nccl_s_flight_recorder_is_on_unless_the_user_chose(tmp_path: Path) -> None:
@@ -234,7 +233,7 @@ def test_nccl_s_flight_recorder_is_on_unless_the_user_chose(tmp_path: Path) -> N
 
 def test_a_requeued_slurm_job_resumes_by_itself(reference: Run, tmp_path: Path) -> None:
     """What SLURM does on preemption: SIGTERM to the job, then the same job again with SLURM_RESTART_COUNT + 1."""
-    run_dir, port = tmp_path / "job", _free_port()
+    run_dir, port = tmp_path / "job", free_port()
     slurm = {
         "SLURM_JOB_ID": "31337",
         "SLURM_NNODES": "1",
@@ -245,7 +244,7 @@ def test_a_requeued_slurm_job_resumes_by_itself(reference: Run, tmp_path: Path) 
     first = _start(
         tmp_path, run_dir, f"rdzv.port={port}", env=clean_env(tmp_path) | slurm | {"SLURM_RESTART_COUNT": "0"}
     )
-    _wait_for_step(run_dir, 5, first)
+    wait_for_step(run_dir, 5, first)
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)
     assert first.returncode == 128 + signal.SIGTERM
@@ -278,7 +277,7 @@ def test_slurm_style_signals_during_a_long_save_end_with_a_complete_checkpoint(t
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.01)
     saving = int(partial.name.removeprefix(".step_").removesuffix(".partial"))
-    for pid in [proc.pid, *_worker_pids(run_dir).values()]:
+    for pid in [proc.pid, *worker_pids(run_dir).values()]:
         os.kill(pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err)

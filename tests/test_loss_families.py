@@ -116,7 +116,7 @@ def test_a_seq2seq_model_logs_the_loss_of_one_forward_its_gradient_and_its_valid
 def test_a_model_whose_mean_stays_a_mean_is_named_once(conformance_dir: Path) -> None:
     """A classifier's (image, label) batch: the labels can be counted, but the launcher does not know its mean is
     over them, so the usual recipe scales it, and rank 0 says so once (K=4 micro-steps, 2 steps)."""
-    from test_user_models import CLASSIFIER
+    from runs import CLASSIFIER
 
     # test_user_models' run, shared with it
     one = launch_once(conformance_dir, "+sweep=smoke", *CLASSIFIER, "gpus=1", "logger=custom",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY, Run, clean_env, launch_once
-from test_strategies import two_ranks
+from runs import two_ranks
 
 PEAKED = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 TOLERANCE = 0.15

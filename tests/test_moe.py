@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import launch, launch_once
-from test_user_models import jobs, metrics, smoke
+from runs import jobs, metrics, smoke
 
 MOE = ["model=custom", "model._target_=moe_models.TopOneMoE", "data=custom", "data._target_=moe_models.points",
        "trainer.max_steps=3"]  # fmt: skip

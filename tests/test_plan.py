@@ -22,7 +22,7 @@ from conftest import LAUNCH, TINY, Run, clean_env, launch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from test_strategies import JOB, SHAPES, STRATEGIES, suite_run
+from runs import JOB, SHAPES, STRATEGIES, suite_run
 
 from launcher import schema
 from launcher.config import derive, freeze

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, clean_env, launch
-from test_strategies import JOB, two_ranks
+from runs import JOB, two_ranks
 
 from launcher.models.gpt import GPT
 from launcher.plan.costs import flops_per_token, peak_tflops

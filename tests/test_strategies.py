@@ -4,100 +4,35 @@ The job is padded data (one sample per file chunk, so samples hold different num
 process there is the batch contract on real data, the loss normalised by the global batch's targets.
 
 Real gloo ranks on CPU. A new strategy is tested by adding its config file; a strategy whose
-numerics legitimately differ (DeepSpeed's own Adam kernels) names its tolerance below.
+numerics legitimately differ (DeepSpeed's own Adam kernels) names its tolerance in tests/runs.py, with the runs every suite shares.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-from importlib import resources
 from pathlib import Path
 
 import pytest
-from conftest import TINY, Run, launch_once, require_async_io
-
-STRATEGIES = sorted(
-    p.name.removesuffix(".yaml")
-    for p in (resources.files("launcher.conf") / "strategy").iterdir()
-    if p.name.endswith(".yaml")
+from runs import (
+    AT_TWO_RANKS,
+    PARITY_TOLERANCE,
+    SHAPES,
+    STEPS,
+    STRATEGIES,
+    ranks,
+    reference,
+    run_of,
+    selecting,
+    shared_run,
+    suite_run,
+    two_ranks,
 )
-STRATEGIES.remove("auto")  # a request, not a strategy: launch.prepare() swaps in a preset (tests/test_plan.py)
-PARITY_TOLERANCE: dict[str, float] = {  # strategy -> max abs loss difference; default 1e-6 (fp32, torch optimizer)
-    "zero2_offload": 1e-5,
-    "zero3_offload": 1e-5,
-    "zero_infinity": 1e-5,  # DeepSpeed's CPU Adam kernel
-}
-REQUIRED: dict[str, list[str]] = {"zero_infinity": ["strategy.nvme_path={tmp}"]}  # settings a preset cannot run without
-SHAPES: dict[
-    str, tuple[int, list[str]]
-] = {  # strategy -> the suite's ranks and overrides for it; default 2 ranks, none
-    # 2 ranks at the default sizes would be one shard group (plain FSDP): 4 ranks as 2 replicas x 2 shards, micro 2 for
-    # the same K = 2 as the others. The suite's one 4-rank run: every hsdp check reads it.
-    "hsdp": (4, ["strategy.shard_size=2", "batch.micro_size=2"]),
-}
-AT_TWO_RANKS = [s for s in STRATEGIES if s not in SHAPES]
-NEEDS_ASYNC_IO = {"zero_infinity"}  # NVMe offload: DeepSpeed's async I/O op, which needs libaio
-
-STEPS = 12
-# One job for every suite that needs a whole run of a strategy: these runs also save at step 6,
-# so the checkpoint tests resume from them instead of repeating them.
-JOB = [
-    *(o for o in TINY if not o.startswith("trainer.eval_every")),
-    "trainer.eval_every=6",  # the validation loss at steps 6 and 12, over one global batch
-    "trainer.eval_batches=1",
-    "data=pysource",
-    "data.packing=false",  # padded samples: each holds its own number of targets (the batch contract on real data)
-    "batch.global_size=16",
-    "batch.micro_size=4",
-    f"trainer.max_steps={STEPS}",
-    "trainer.warmup_steps=4",
-    "optim.lr=3e-3",
-    "trainer.checkpoint_every=6",
-    "trainer.keep_last=0",
-]
-
-
-@functools.cache
-def _run(tmp: Path, *overrides: str) -> Run:
-    name = "-".join(o.replace("/", "_").replace("=", "_") for o in overrides) or "default"
-    return launch_once(tmp, *JOB, *overrides, name=name).check()
-
-
-def run_of(tmp: Path, strategy: str, gpus: int, *extra: str) -> Run:
-    """The suite's one run of `strategy` on `gpus` ranks (with `extra` overrides), made on first use."""
-    return _run(tmp, *selecting(tmp, strategy), f"gpus={gpus}", *extra)
 
 
 @pytest.fixture
 def tmp(conformance_dir: Path) -> Path:
     return conformance_dir
-
-
-def reference(tmp: Path) -> Run:
-    """One process, plain DDP, the same global batch: K = 4."""
-    return run_of(tmp, "ddp", 1)
-
-
-def selecting(tmp: Path, strategy: str) -> tuple[str, ...]:
-    if strategy in NEEDS_ASYNC_IO:
-        require_async_io()
-    return (f"strategy={strategy}", *(o.format(tmp=tmp) for o in REQUIRED.get(strategy, [])))
-
-
-def ranks(strategy: str) -> int:
-    return SHAPES.get(strategy, (2, []))[0]
-
-
-def suite_run(tmp: Path, strategy: str) -> Run:
-    """The suite's run of `strategy`: on 2 ranks, or in the shape SHAPES gives it."""
-    gpus, extra = SHAPES.get(strategy, (2, []))
-    return run_of(tmp, strategy, gpus, *extra)
-
-
-def two_ranks(tmp: Path, strategy: str) -> Run:
-    return run_of(tmp, strategy, 2)
 
 
 def _leftover_processes(marker: str) -> list[int]:
@@ -155,7 +90,7 @@ def test_the_gradient_norm_is_one_process_s(tmp: Path, strategy: str) -> None:
 @pytest.mark.parametrize("strategy", AT_TWO_RANKS)  # hsdp: test_hsdp_syncs_once_per_step_in_both_groups
 def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str) -> None:
     accumulating = two_ranks(tmp, strategy).metrics  # K = 2
-    single = _run(tmp, *selecting(tmp, strategy), "gpus=2", "batch.global_size=8").metrics  # K = 1
+    single = shared_run(tmp, *selecting(tmp, strategy), "gpus=2", "batch.global_size=8").metrics  # K = 1
     assert accumulating[-1]["accumulation"] == 2 and single[-1]["accumulation"] == 1
     for key in ("comm_calls", "comm_bytes"):
         assert accumulating[-1][key] > 0
@@ -168,7 +103,9 @@ def test_hsdp_syncs_once_per_step_in_both_groups(tmp: Path) -> None:
     step. The bytes each rank sends, written out from the ring formula at S = 2, R = 2, K = 2 in fp32: the shard
     group's (1 + 2K)(S-1)/S x 4P plus the all-reduce's 2(R-1)/R x 4P/S, = 10P + 2P; the planner's figure is that."""
     hsdp = suite_run(tmp, "hsdp").metrics[-1]
-    fsdp = _run(tmp, *selecting(tmp, "fsdp"), "gpus=2", "batch.global_size=8").metrics[-1]  # the fsdp check's K = 1
+    fsdp = shared_run(tmp, *selecting(tmp, "fsdp"), "gpus=2", "batch.global_size=8").metrics[
+        -1
+    ]  # the fsdp check's K = 1
     assert hsdp["accumulation"] == 2 and fsdp["accumulation"] == 1 and hsdp["world_size"] == 4
     assert hsdp["comm_calls"] == 2 * fsdp["comm_calls"], (hsdp, fsdp)
     assert hsdp["comm_bytes"] == 1.5 * fsdp["comm_bytes"], (hsdp, fsdp)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LAUNCH, Run, clean_env, launch
-from test_strategies import JOB, run_of
+from runs import JOB, run_of
 
 from launcher.untrusted import UntrustedDataError
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LAUNCH, Run, launch, launch_once, require_async_io, saved_gpt2
-from test_strategies import STRATEGIES
+from runs import CLASSIFIER, STRATEGIES, jobs, metrics, smoke
 
 SEED = 1337
 GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 16}
@@ -31,22 +31,6 @@ def hf(folder: Path) -> list[str]:
     return ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_pretrained",
             f"+model.pretrained_model_name_or_path={folder}", "data=pysource", "data.packing=false",
             "data.seq_len=16", "data.format=hf"]  # fmt: skip
-
-
-def smoke(tmp: Path, name: str, *overrides: str) -> tuple[Run, Path]:
-    """`launch -m +sweep=smoke ...` once per session; its sweep directory."""
-    sweep = tmp / name
-    run = launch_once(tmp, "-m", "+sweep=smoke", *overrides, f"hydra.sweep.dir={sweep}", name=name)
-    return run, sweep
-
-
-def jobs(sweep: Path) -> dict[str, Path]:
-    """strategy -> job folder."""
-    return {json.loads((d / "outcome.json").read_text())["strategy"]: d for d in sweep.iterdir() if d.is_dir()}
-
-
-def metrics(job: Path) -> list[dict]:
-    return [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture
@@ -124,10 +108,6 @@ def test_convert_writes_a_folder_that_from_pretrained_loads(hf_sweep, gpt2_folde
     saved = weights(checkpoint)
     assert sorted(loaded) == sorted(saved)
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
-
-
-CLASSIFIER = ["model=custom", "model._target_=user_models.Classifier", "+model.width=8", "data=custom",
-              "data._target_=user_models.images"]  # fmt: skip
 
 
 def test_a_classifier_of_images_trains_under_ddp_fsdp_and_zero3(conformance_dir: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import TINY, clean_env, launch
 from omegaconf import OmegaConf
-from test_strategies import reference
+from runs import reference
 from wandb_records import find_run_file, read_history, read_records
 
 
