@@ -38,9 +38,10 @@ LARGE = [
 ]
 
 
-@pytest.fixture(scope="module")
-def large_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("large")
+@pytest.fixture
+def large_dir(conformance_dir: Path) -> Path:
+    """The large runs live with the conformance runs: made once per session, whichever test process asks first."""
+    return conformance_dir
 
 
 @functools.cache

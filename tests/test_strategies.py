@@ -4,7 +4,8 @@ The job is padded data (one sample per file chunk, so samples hold different num
 process there is the batch contract on real data, the loss normalised by the global batch's targets.
 
 Real gloo ranks on CPU. A new strategy is tested by adding its config file; a strategy whose
-numerics legitimately differ (DeepSpeed's own Adam kernels) names its tolerance in tests/runs.py, with the runs every suite shares.
+numerics legitimately differ (DeepSpeed's own Adam kernels) names its tolerance in tests/runs.py,
+with the runs every suite shares.
 """
 
 from __future__ import annotations
