@@ -179,6 +179,25 @@ def conformance_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+BUILD_OPS = """
+from deepspeed.ops.op_builder import AsyncIOBuilder
+from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
+for builder in (ShareMemCommBuilder(), CPUAdamBuilder(), AsyncIOBuilder()):
+    if builder.is_compatible(verbose=False):
+        builder.load(verbose=False)
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_ops() -> None:
+    """DeepSpeed's CPU ops (its shared-memory collectives, CPU Adam, and async I/O where libaio is installed) compiled
+    once, before any test starts a run that loads them, as `.ci/run` does: a first compile inside a run would count
+    against that run's timeout, and a compile killed there leaves torch's lock file for every later run to wait on.
+    Each test process asks; torch's own lock lets one compile while the others wait, and a compiled op just loads."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    subprocess.run([sys.executable, "-c", BUILD_OPS], env=env, capture_output=True, timeout=1500)
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: each test runs 2-rank jobs, so about one test process per two CPUs, and at least two
     (a test spends much of its time starting processes and waiting on them)."""
