@@ -120,13 +120,22 @@ def lost_node(run_dir: Path, since: float, world_size: int, me: str) -> str | No
         what = (phases / f"rank{ranks[0]}").read_text().partition(" ")[2]
     except OSError:
         what = "unknown"
-    step = re.search(r"step (\d+)", what)
-    where = f"at step {step.group(1)}" if step else f"while {what}"
+    # The lost rank's phase can be older than the group's (it is written every 2 s): the group was at the newest
+    # step that any rank's phase names, the ranks being in lockstep.
+    steps = [int(m.group(1)) for r in records if (m := re.search(r"step (\d+)", _read(phases / f"rank{r}")))]
+    where = f"at step {max(steps)}" if steps else f"while {what}"
     return (
         f"node {node} ({records[ranks[0]].get('host')}; rank{'s' if len(ranks) > 1 else ''} "
         f"{', '.join(map(str, ranks))}) went away {where}: rank {ranks[0]} was last {what}; the job stopped without "
         "it (each node's lines are in <run dir>/logs/agent.log); start launch again on every node to resume"
     )
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _order(rank: int, failure: Any) -> tuple[int, float, int]:

@@ -126,6 +126,7 @@ def launch_here(tmp_path: Path, *overrides: str, name: str = "run") -> Run:
     saved = {key: os.environ.get(key) for key in ("HYDRA_FULL_ERROR", "WANDB_SILENT")}
     os.environ.update(HYDRA_FULL_ERROR="0", WANDB_SILENT="true")
     os.chdir(tmp_path)
+    loggers = _logging_state()
     code: int | str | None = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -136,6 +137,7 @@ def launch_here(tmp_path: Path, *overrides: str, name: str = "run") -> Run:
     finally:
         sys.argv = argv
         os.chdir(cwd)
+        _restore_logging(loggers)
         GlobalHydra.instance().clear()
         for key, value in saved.items():
             if value is None:
@@ -143,6 +145,33 @@ def launch_here(tmp_path: Path, *overrides: str, name: str = "run") -> Run:
             else:
                 os.environ[key] = value
     return Run(code if isinstance(code, int) else int(code is not None), out.getvalue(), err.getvalue(), run_dir)
+
+
+def _logging_state() -> dict[Any, tuple[list[Any], int, bool]]:
+    import logging
+
+    every = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    return {lg: (list(lg.handlers), lg.level, lg.disabled) for lg in every}
+
+
+def _restore_logging(saved: dict[Any, tuple[list[Any], int, bool]]) -> None:
+    """Hydra's job logging, set up by an in-process launch, points handlers at that run's launch.log: they are closed
+    and the loggers put back as they were, or a later test's log line would write into (or fail on) a removed folder."""
+    import logging
+
+    for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        if not isinstance(lg, logging.Logger):
+            continue
+        handlers, level, disabled = saved.get(lg, ([], logging.NOTSET, False))
+        for handler in lg.handlers:
+            if handler not in handlers:
+                handler.close()
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.disabled = disabled
 
 
 @pytest.fixture
