@@ -65,6 +65,10 @@ def _read_spare(failure: Any, file: Path | None) -> None:
         pass
 
 
+def _rank_order(item: tuple[str, str]) -> tuple[int, str]:
+    return (int(item[0]), "") if item[0].isdigit() else (1 << 30, item[0])
+
+
 def _merged(lines: list[str]) -> list[str]:
     """Ranks that failed with the same words (every rank hits the same full disk) in one line: `ranks 0, 1 ...`,
     their tracebacks' paths as `rank<N>.traceback`."""
@@ -76,7 +80,7 @@ def _merged(lines: list[str]) -> list[str]:
     return [
         f"rank {alike[0][0]} {alike[0][1]}"
         if len(alike) == 1
-        else f"ranks {', '.join(r for r, _ in alike)} {re.sub(r'^was ', 'were ', key)}"
+        else f"ranks {', '.join(r for r, _ in sorted(alike, key=_rank_order))} {re.sub(r'^was ', 'were ', key)}"
         for key, alike in ranks.items()
     ]
 

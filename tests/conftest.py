@@ -227,6 +227,31 @@ def deepspeed_ops() -> None:
     subprocess.run([sys.executable, "-c", BUILD_OPS], env=env, capture_output=True, timeout=1500)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Two tiers: a test marked `unit` runs in this process (`python -m pytest -m unit`, for quick work); every other
+    test is `integration` (real launches, worker processes)."""
+    for item in items:
+        if item.get_closest_marker("unit") is None:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_python(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `unit` test that starts a Python process (a launch, a worker, torchrun) fails, naming the command: the tier
+    stays in-process. Other programs (a compiler DeepSpeed's checks call, mount) may run."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    real = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kw):  # type: ignore[no-untyped-def]
+        first = str(args if isinstance(args, (str, os.PathLike)) else args[0])
+        if Path(first).name.startswith(("python", "launch", "torchrun")) or first == sys.executable:
+            raise AssertionError(f"a unit test started a process: {args!r}; mark it integration (leave it unmarked)")
+        real(self, args, *rest, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: each test runs 2-rank jobs, so about one test process per two CPUs, and at least two
     (a test spends much of its time starting processes and waiting on them)."""

@@ -105,6 +105,7 @@ def files(tmp_path: Path) -> dict[str, str]:
     return {"odd": str(odd), "short": str(short), "tmp": str(tmp_path)}
 
 
+@pytest.mark.unit
 def test_the_table_covers_every_group_and_built_object() -> None:
     """Every config group (a folder of conf/) and every top-level section of the schema has a bad value in the table,
     set by an override of its own; and so does a resume."""
@@ -123,6 +124,7 @@ NOT_GPT = [o for o in TINY if not o.startswith(("model", "data"))]  # TINY witho
 NOT_DATA = [o for o in TINY if not o.startswith("data")]  # TINY without its data's keys
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_line_before_any_worker(case: str, tmp_path: Path, files: dict[str, str]) -> None:
     overrides, expected = BAD[case]

@@ -269,6 +269,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.unit
 def test_loading_runs_no_code_from_the_checkpoint(tmp_path: Path) -> None:
     """Non-tensor entries (hyperparameters) are read with weights_only=True: plain values load, a crafted pickle
     is refused."""
@@ -405,6 +406,7 @@ def test_an_async_save_is_visible_only_once_written_and_a_kill_keeps_the_one_bef
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000001", "step_00000002"]
 
 
+@pytest.mark.unit
 def test_the_newest_checkpoint_is_the_last_saved_whatever_its_step_or_the_pointer(tmp_path: Path) -> None:
     """Resume order: by the time each manifest records. A kill between a save's rename and the `latest` pointer's
     move leaves the pointer one behind the newest complete checkpoint; a run resumed from further back saves steps

@@ -30,6 +30,7 @@ def _compose(*overrides: str, hydra: bool = False):
     return cfg if hydra else freeze(cfg)
 
 
+@pytest.mark.unit
 def test_expand_hostlist() -> None:
     """SLURM's documented forms (`scontrol show hostnames`): ranges and lists, zero padding, several bracket
     groups (the first varies slowest), text after a bracket, several expressions."""
@@ -59,6 +60,7 @@ SLURM = {
 }
 
 
+@pytest.mark.unit
 def test_rendezvous_inside_a_slurm_allocation() -> None:
     cfg = _compose("nodes=2", "gpus=8", "batch.global_size=64", "batch.micro_size=4", "rdzv.secret=5ec2e7")
     derived = derive(cfg, cuda_devices=8)
@@ -74,6 +76,7 @@ def test_rendezvous_inside_a_slurm_allocation() -> None:
     assert static.configs["rank"] == 1
 
 
+@pytest.mark.unit
 def test_one_node_stays_on_loopback_even_inside_slurm() -> None:
     """Two single-node launches in one allocation must not meet on a port derived from the job id."""
     cfg = _compose("gpus=2", "batch.global_size=64")
@@ -83,6 +86,7 @@ def test_one_node_stays_on_loopback_even_inside_slurm() -> None:
     assert first.run_id != second.run_id
 
 
+@pytest.mark.unit
 def test_submission_adds_a_rendezvous_secret() -> None:
     first, second = (submitit_overrides(["hydra/launcher=submitit_slurm", "nodes=2"]) for _ in range(2))
     secrets = [o for o in first + second if o.startswith("rdzv.secret=")]
@@ -99,6 +103,7 @@ def test_submission_adds_a_rendezvous_secret() -> None:
         ({"SLURM_GPUS_ON_NODE": "4"}, "gpus=8 but SLURM gave this node 4 GPU(s)"),
     ],
 )
+@pytest.mark.unit
 def test_slurm_mismatches_are_one_line_errors(env: dict[str, str], message: str) -> None:
     cfg = _compose("nodes=2", "gpus=8", "batch.global_size=64")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -263,6 +268,7 @@ def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:
     assert (sweep / "summary.md").read_text() == expected and (sweep / "summary.png").stat().st_size > 10_000
 
 
+@pytest.mark.unit
 def test_sweep_configs_name_only_existing_choices() -> None:
     from importlib import resources
 

@@ -35,6 +35,7 @@ CUSTOM = {"model": "user_models.Classifier", "data": "user_models.images", "logg
           "optim": "torch.optim.Adagrad"}  # fmt: skip
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_instantiates(group: str, option: str, tmp_path: Path) -> None:
     from hydra.utils import get_object
@@ -63,6 +64,7 @@ def test_every_option_composes_and_instantiates(group: str, option: str, tmp_pat
         assert 0.5e6 < n < 2e6, n  # "about 1M parameters"
 
 
+@pytest.mark.unit
 def test_model_presets_have_their_advertised_size() -> None:
     import torch
 
@@ -116,6 +118,7 @@ def test_bad_input_in_a_sweep_is_caught_before_the_first_job(tmp_path: Path) -> 
     assert not (tmp_path / "multirun").exists()
 
 
+@pytest.mark.unit
 def test_derive_rules() -> None:
     def frozen(*overrides: str):
         return freeze(_compose(*overrides))
@@ -129,6 +132,7 @@ def test_derive_rules() -> None:
         derive(frozen("gpus=8", "batch.global_size=64"), cuda_devices=2)
 
 
+@pytest.mark.unit
 def test_freeze_turns_enums_into_strings_once() -> None:
     frozen = freeze(_compose("device=cpu", "precision=bf16", "strategy=fsdp", "strategy.offload=cpu"))
     assert (frozen.device, frozen.precision, frozen.trainer.schedule, frozen.strategy.offload) == (

@@ -10,6 +10,7 @@ from launcher.data import GlobalBatches, PySource, Synthetic, Tokens, rank_micro
 from launcher.runner import lr_at
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("world_size,accumulation", [(1, 1), (1, 4), (2, 2), (4, 1), (2, 4)])
 def test_every_step_sees_the_same_samples_whatever_g_and_k(world_size: int, accumulation: int) -> None:
     batches = GlobalBatches(num_samples=1000, global_size=32, seed=7)
@@ -23,6 +24,7 @@ def test_every_step_sees_the_same_samples_whatever_g_and_k(world_size: int, accu
     assert not np.array_equal(GlobalBatches(1000, 32, 8).at(160), batches.at(160))
 
 
+@pytest.mark.unit
 def test_an_epoch_visits_every_sample_once() -> None:
     batches = GlobalBatches(num_samples=96, global_size=32, seed=1)
     epoch = np.concatenate([batches.at(32 * s) for s in range(3)])
@@ -30,6 +32,7 @@ def test_an_epoch_visits_every_sample_once() -> None:
     assert not np.array_equal(np.concatenate([batches.at(32 * s) for s in range(3, 6)]), epoch)  # reshuffled
 
 
+@pytest.mark.unit
 def test_pysource_is_the_standard_library_split_without_overlap() -> None:
     train, val = PySource("train", seq_len=64), PySource("val", seq_len=64)
     assert len(train) > 10 * len(val) > 0  # about 5% of the files, by hash of their path
@@ -40,6 +43,7 @@ def test_pysource_is_the_standard_library_split_without_overlap() -> None:
     assert bytes(train.tokens[:4096]) not in bytes(val.tokens)
 
 
+@pytest.mark.unit
 def test_tokens_reads_a_memory_mapped_file(tmp_path) -> None:
     ids = np.arange(10_000, dtype=np.uint32) * 7 % 70_000
     ids.tofile(tmp_path / "t.bin")
@@ -50,6 +54,7 @@ def test_tokens_reads_a_memory_mapped_file(tmp_path) -> None:
     assert val[0][0].tolist() == ids[9000:9100].tolist()
 
 
+@pytest.mark.unit
 def test_synthetic_is_fixed_and_in_range() -> None:
     a, b = (
         Synthetic("train", seq_len=16, vocab_size=50, num_samples=64),
@@ -58,6 +63,7 @@ def test_synthetic_is_fixed_and_in_range() -> None:
     assert torch.equal(a[5][0], b[5][0]) and int(a[5][0].max()) < 50
 
 
+@pytest.mark.unit
 def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
     lrs = [lr_at(s, 1.0, warmup=10, max_steps=100, schedule="cosine", min_ratio=0.1) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
@@ -73,6 +79,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
     assert lr_at(4, 1.0, 10, 91, "cosine", 0.1) == pytest.approx(0.5)  # warmup: (step + 1) / warmup
 
 
+@pytest.mark.unit
 def test_unpacked_pysource_pads_the_last_chunk_of_each_document() -> None:
     packed, padded = PySource("train", seq_len=32), PySource("train", seq_len=32, packing=False)
     assert bytes(packed.tokens[:1000]) == bytes(padded.tokens[:1000])  # the same bytes, cut differently
@@ -86,6 +93,7 @@ def test_unpacked_pysource_pads_the_last_chunk_of_each_document() -> None:
     assert torch.equal(row["labels"][row["labels"] != -100], row["input_ids"][: int((row["labels"] != -100).sum())])
 
 
+@pytest.mark.unit
 def test_the_loader_reads_the_same_batches_in_the_same_order_with_workers() -> None:
     from launcher.data import StepBatches, feed
 

@@ -28,6 +28,7 @@ FEW_STEPS = ["batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=3"]
 # ------------------------------------------------------------------ the generated config
 
 
+@pytest.mark.unit
 def test_config_is_derived_from_the_run() -> None:
     config = build_ds_config(CTX, stage=3, offload_optimizer="cpu", offload_params="nvme", swap_path="/swap")
     assert config["train_micro_batch_size_per_gpu"] == 2
@@ -42,6 +43,7 @@ def test_config_is_derived_from_the_run() -> None:
     assert "optimizer" not in config and "scheduler" not in config  # the client optimizer and our LR schedule
 
 
+@pytest.mark.unit
 def test_clipping_is_always_written() -> None:
     """DeepSpeed clips at 1.0 when the key is absent: grad_clip=0 must reach it as 0."""
     from dataclasses import replace
@@ -49,6 +51,7 @@ def test_clipping_is_always_written() -> None:
     assert build_ds_config(replace(CTX, grad_clip=0.0), stage=1)["gradient_clipping"] == 0.0
 
 
+@pytest.mark.unit
 def test_extra_keys_are_merged_and_equal_values_accepted() -> None:
     extra = {
         "zero_optimization": {"reduce_bucket_size": 1000},
@@ -76,6 +79,7 @@ def test_extra_keys_are_merged_and_equal_values_accepted() -> None:
         ({"zero_optimization": {"stage": 1}}, ["zero_optimization.stage=1", "zero_optimization.stage=2"]),
     ],
 )
+@pytest.mark.unit
 def test_conflicting_keys_are_rejected_naming_both_values(extra: dict, named: list[str]) -> None:
     with pytest.raises(ValueError) as error:
         build_ds_config(CTX, stage=2, extra=extra)

@@ -150,6 +150,7 @@ def _made(checkpoints: Path, step: int, at: float) -> Path:
     return folder
 
 
+@pytest.mark.unit
 def test_pruning_keeps_the_newest_by_the_order_resume_uses(tmp_path: Path) -> None:
     """After a fallback: step 20 was abandoned (damaged, say, and then repaired by hand, or the run resumed from
     step 10 on purpose); the run saves 12 and 14 since. Keeping two keeps 14 and 12, the ones resume would take,
@@ -165,6 +166,7 @@ def test_pruning_keeps_the_newest_by_the_order_resume_uses(tmp_path: Path) -> No
     assert sorted(p.name for p in ck.iterdir()) == ["step_00000012", "step_00000014"]
 
 
+@pytest.mark.unit
 def test_room_is_asked_for_the_checkpoints_the_run_holds_at_once() -> None:
     from omegaconf import OmegaConf
 
@@ -375,6 +377,7 @@ def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None
     assert "did not all join" not in err and "frame #" not in err + out, (out, err)
 
 
+@pytest.mark.unit
 def test_a_manifest_without_checksums_is_skipped_with_the_reason(tmp_path: Path) -> None:
     from launcher.checkpoint import newest_intact
 
@@ -435,3 +438,12 @@ def test_a_disk_that_fills_during_a_write_is_one_line_and_keeps_the_intact_check
         "hydra.run.dir"
     ), proc.stdout
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000001"] and damage(ck / "step_00000001") is None
+
+
+@pytest.mark.unit
+def test_ranks_that_failed_alike_are_named_in_rank_order_whichever_failed_first() -> None:
+    from launcher.failures import _merged
+
+    tail = "failed while saving: OSError: disk full (traceback: logs/rank{}.traceback)"
+    lines = [f"rank {r} {tail.format(r)}" for r in (10, 1, 0)] + ["rank 2 failed: something else"]
+    assert _merged(lines) == [f"ranks 0, 1, 10 {tail.format('<N>')}", "rank 2 failed: something else"]

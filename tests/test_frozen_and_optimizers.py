@@ -151,6 +151,7 @@ def test_convert_writes_the_adapters_peft_loads_and_merged_the_whole_model(train
 # ------------------------------------------------------------------ DeepSpeed's buckets
 
 
+@pytest.mark.unit
 def test_bucket_sizes_are_multiples_of_deepspeeds_alignment_for_any_parameter_count() -> None:
     """DeepSpeed's own rule, read from its source: ZeRO-1/2 assert allgather_bucket_size % nccl_start_alignment_factor
     == 0 in their constructor."""
@@ -173,6 +174,7 @@ def test_bucket_sizes_are_multiples_of_deepspeeds_alignment_for_any_parameter_co
 # ------------------------------------------------------------------ optimizers
 
 
+@pytest.mark.unit
 def test_the_optimizer_holds_the_trainable_parameters_with_the_kernel_they_take() -> None:
     """On plain tensors every fused kernel; on DTensors (FSDP's shards) only where DTensor dispatches it."""
     from launcher.runner import _dtensor_fuses, build_optimizer

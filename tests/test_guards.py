@@ -165,6 +165,7 @@ def test_the_environment_is_named(tmp_path: Path) -> None:
     assert "no CUDA device is visible with CUDA_VISIBLE_DEVICES=''" in line, line
 
 
+@pytest.mark.unit
 def test_a_collective_timeout_is_known_by_its_type_and_wait() -> None:
     """Not by words: a library's error saying "timed out" is not a collective's; torch's own errors are, once the
     rank waited trainer.collective_timeout in its phase."""

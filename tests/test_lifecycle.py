@@ -174,6 +174,7 @@ def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_pa
     assert worker_pids(run_dir) == {}
 
 
+@pytest.mark.unit
 def test_the_phase_is_kept_in_memory_and_written_now_and_then(tmp_path: Path) -> None:
     """A phase a micro-step costs no I/O: 20,000 phases between two of the writer's rounds are not written (at most
     the first phase, by the writer's first round); a flush writes the newest, with the time it began."""
@@ -217,6 +218,7 @@ def test_an_out_of_memory_error_says_how_to_see_where_the_memory_went(tmp_path: 
     assert worker_pids(run.run_dir) == {}
 
 
+@pytest.mark.unit
 def test_nccl_s_flight_recorder_is_on_unless_the_user_chose(tmp_path: Path) -> None:
     """What the launcher puts in a CUDA run's worker environment (there is no GPU here: the function it calls)."""
     from launcher.lifecycle import flight_recorder_env

@@ -137,6 +137,7 @@ def _rule(target: str, **keys: Any) -> LabelRule:
     return LabelRule.of(size.as_dict())
 
 
+@pytest.mark.unit
 def test_how_a_model_counts_its_labels_is_decided_from_the_model() -> None:
     assert _rule("loss_models.masked_lm") == LabelRule(takes_num_items=False, label_shift=0)
     assert _rule("loss_models.seq2seq") == LabelRule(takes_num_items=False, label_shift=0)
@@ -152,6 +153,7 @@ def test_how_a_model_counts_its_labels_is_decided_from_the_model() -> None:
     assert _rule("user_models.Classifier") == LabelRule()  # a model of one's own counts as it likes
 
 
+@pytest.mark.unit
 def test_labels_are_counted_as_the_model_counts_them() -> None:
     labels = torch.tensor([[5, 6, -100, 7], [-100, 8, 9, -100]])
     batch = {"input_ids": labels.clamp(min=0), "labels": labels}
@@ -163,6 +165,7 @@ def test_labels_are_counted_as_the_model_counts_them() -> None:
     assert target_tokens({"input_ids": labels}, label_shift=1) == (None, False)
 
 
+@pytest.mark.unit
 def test_means_over_uneven_micro_batches_add_up_to_the_global_mean() -> None:
     """One rank, K=3 micro-batches of 1, 4 and 0 targets: the backward values add up to Σ sums / N, the logged parts
     to Σ sums, where the usual recipe (Σ means / K) would weigh a 1-target micro-batch as much as a 4-target one,

@@ -36,6 +36,7 @@ def _routes(step: int) -> list[list[list[int]]]:
     return [[model.route(data.x[mb]).tolist() for mb in rank_micro_batches(indices, r, 2, 2)] for r in range(2)]
 
 
+@pytest.mark.unit
 def test_the_ranks_route_to_different_experts() -> None:
     """What the runs below rest on: in the first micro-step the ranks run different experts, and some expert runs
     on no rank in the first step."""

@@ -71,6 +71,7 @@ def _plan_json(tmp_path: Path, *overrides: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_exercise_1_mixed_precision_adam_is_18_bytes_per_parameter() -> None:
     bpp = bytes_per_param("bf16", optimizer_moments("torch.optim.AdamW"))
     assert (bpp.weights, bpp.master, bpp.grads, bpp.moments, bpp.total) == (2, 4, 4, 8, 18)
@@ -82,6 +83,7 @@ def test_exercise_1_mixed_precision_adam_is_18_bytes_per_parameter() -> None:
     assert optimizer_moments("torch.optim.SGD", momentum=0.0) == 0
 
 
+@pytest.mark.unit
 def test_exercise_1_126_gb_under_ddp_and_15_75_gb_sharded_over_8() -> None:
     bpp = bytes_per_param("bf16", 2)
     ddp = per_rank_bytes(LESSON_PARAMS, bpp, _layout("ddp"), world_size=8)
@@ -99,6 +101,7 @@ def test_exercise_1_126_gb_under_ddp_and_15_75_gb_sharded_over_8() -> None:
         assert sum(held["device"].values()) == pytest.approx(15.75 * GB), strategy
 
 
+@pytest.mark.unit
 def test_exercise_2_a_7b_bf16_all_reduce_on_8_gpus_at_600_gb_s_takes_41_ms() -> None:
     seconds = comm_seconds(ring_allreduce_elements(LESSON_PARAMS, 8) * 2, bound_gbps(600, 200, nodes=1))
     assert seconds == pytest.approx(0.041, abs=0.0005)
@@ -119,6 +122,7 @@ def test_exercise_3_micro_4_x_accumulation_8_x_16_gpus_is_512(tmp_path: Path) ->
     assert "micro 4 x accumulation 8 x world 16 (2 node(s) x 8 GPUs) = global 512" in proc.stdout
 
 
+@pytest.mark.unit
 def test_activation_formula_is_korthikantis_per_layer_count() -> None:
     s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B's layer in the paper
     shape = dict(seq=s, micro=b, hidden=h, heads=a, vocab=0)
@@ -474,6 +478,7 @@ def _planner_per_rank(strategy: str, *overrides: str) -> dict[str, float]:
     return {"gpu": sp.on("device") + sp.gathered, "cpu": GPUS * (sp.on("cpu") + sp.on("nvme"))}
 
 
+@pytest.mark.unit
 def test_within_5_percent_of_deepspeeds_estimators() -> None:
     import torch
     from deepspeed.runtime.zero import stage3, stage_1_and_2

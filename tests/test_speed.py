@@ -20,6 +20,7 @@ def _n_params() -> int:
         return sum(p.numel() for p in GPT(**DIMS).parameters())
 
 
+@pytest.mark.unit
 def test_flops_per_token_and_the_peak_table() -> None:
     # nanoGPT's gpt2 (124M, 12 x 768, T=1024): 6N + 12 x 12 x 768 x 1024.
     assert flops_per_token(124_000_000, 12, 768, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024

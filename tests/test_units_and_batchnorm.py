@@ -34,6 +34,7 @@ def bert() -> torch.nn.Module:
     return on_meta(lambda: BertForMaskedLM(BertConfig(**BERT)))
 
 
+@pytest.mark.unit
 def test_bert_leaves_its_tied_embeddings_to_the_root_and_keeps_its_layers() -> None:
     model = bert()
     lines = tied_unit_lines(model, None)
@@ -48,6 +49,7 @@ def test_bert_leaves_its_tied_embeddings_to_the_root_and_keeps_its_layers() -> N
     assert tied_unit_lines(model, ["BertLayer"]) == [] and unit_classes(model, ["BertLayer"]) == ["BertLayer"]
 
 
+@pytest.mark.unit
 def test_explicit_units_that_split_a_tie_are_refused_naming_the_tied_parameters_and_a_fix() -> None:
     with pytest.raises(ValueError) as e:
         tied_unit_lines(bert(), ["BertEmbeddings", "BertLayer"])
@@ -58,6 +60,7 @@ def test_explicit_units_that_split_a_tie_are_refused_naming_the_tied_parameters_
     assert line.endswith("use strategy.shard_units=[BertLayer] (units that keep each tied parameter together)"), line
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("replicate_size", [1, None], ids=["fsdp", "hsdp"])
 def test_fsdp_and_hsdp_check_the_same_rule_in_the_parent(replicate_size, capsys) -> None:  # type: ignore[no-untyped-def]
     from strategies.fsdp import FSDP
@@ -69,6 +72,7 @@ def test_fsdp_and_hsdp_check_the_same_rule_in_the_parent(replicate_size, capsys)
         FSDP(shard_units=["BertEmbeddings"], replicate_size=replicate_size).check(CTX, bert())
 
 
+@pytest.mark.unit
 def test_tied_lms_whose_ties_stay_in_the_root_keep_their_blocks() -> None:
     """GPT-2, Llama and the built-in GPT tie the input embedding to the LM head, both in the root: every block stays
     a unit."""
@@ -87,6 +91,7 @@ def test_tied_lms_whose_ties_stay_in_the_root_keep_their_blocks() -> None:
         assert unit_classes(model, None) == [block] and tied_unit_lines(model, None) == [], type(model).__name__
 
 
+@pytest.mark.unit
 def test_ties_between_two_units_of_a_class_and_between_a_unit_and_the_root_drop_those_classes_only() -> None:
     from units_models import TiedAcrossBlocks
 
@@ -101,6 +106,7 @@ def test_ties_between_two_units_of_a_class_and_between_a_unit_and_the_root_drop_
     assert split_ties(model, classes) == []
 
 
+@pytest.mark.unit
 def test_deepspeed_refuses_sync_batchnorm_in_one_line() -> None:
     from units_models import BatchNormNet
 
@@ -111,6 +117,7 @@ def test_deepspeed_refuses_sync_batchnorm_in_one_line() -> None:
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.unit
 def test_all_reduce_batchnorm_is_plain_batchnorm_in_one_process_and_keeps_its_state_dict() -> None:
     from units_models import BatchNormNet
 

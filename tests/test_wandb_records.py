@@ -74,6 +74,7 @@ def test_corruption_is_reported(offline_run, tmp_path: Path):
             list(read_records(f))
 
 
+@pytest.mark.unit
 def test_find_run_file_errors(tmp_path: Path):
     with pytest.raises(FileNotFoundError):
         find_run_file(tmp_path)
