@@ -120,10 +120,7 @@ def lost_node(run_dir: Path, since: float, world_size: int, me: str) -> str | No
             return 0.0
 
     node, ranks = min(others.items(), key=lambda item: max(heard(r) for r in item[1]))
-    try:
-        what = (phases / f"rank{ranks[0]}").read_text().partition(" ")[2]
-    except OSError:
-        what = "unknown"
+    what = _read(phases / f"rank{ranks[0]}").partition(" ")[2] or "unknown"
     # The lost rank's phase can be older than the group's (it is written every 2 s): the group was at the newest
     # step that any rank's phase names, the ranks being in lockstep.
     steps = [int(m.group(1)) for r in records if (m := re.search(r"step (\d+)", _read(phases / f"rank{r}")))]

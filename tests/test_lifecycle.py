@@ -274,9 +274,8 @@ def test_slurm_style_signals_during_a_long_save_end_with_a_complete_checkpoint(t
         "trainer.keep_last=1",
     ]
     proc = _start(tmp_path, run_dir, *big, "trainer.max_steps=100")
-    deadline = time.monotonic() + 240
-    while not (partial := next((run_dir / "checkpoints").glob(".step_*.partial"), None)):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+    while not (partial := next((run_dir / "checkpoints").glob(".step_*.partial"), None)):  # a hang: pytest's timeout
+        assert proc.poll() is None, proc.communicate()
         time.sleep(0.01)
     saving = int(partial.name.removeprefix(".step_").removesuffix(".partial"))
     for pid in [proc.pid, *worker_pids(run_dir).values()]:
