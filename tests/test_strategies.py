@@ -36,15 +36,20 @@ def tmp(conformance_dir: Path) -> Path:
     return conformance_dir
 
 
-def _leftover_processes(marker: str) -> list[int]:
+def _leftover_processes(run_dir: Path) -> list[int]:
+    """The run's own processes still alive: its launcher (`hydra.run.dir=<run dir>`) and its workers
+    (`<run dir>/resolved.yaml`), matched as whole arguments: another test's launch that only names the run
+    (`resume=<run dir>`) is not one of them."""
+    own = {f"hydra.run.dir={run_dir}", str(run_dir / "resolved.yaml")}
     pids = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                if marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(proc.name))
+                args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
-                pass
+                continue
+            if own.intersection(args):
+                pids.append(int(proc.name))
     return [p for p in pids if p != os.getpid()]
 
 
@@ -55,7 +60,7 @@ def test_trains_and_exits_clean(tmp: Path, strategy: str) -> None:
     assert len(losses) == STEPS
     assert run.metrics[-1]["world_size"] == ranks(strategy) and run.metrics[-1]["accumulation"] == 2
     assert losses[-1] < losses[0] - 0.5, losses
-    assert _leftover_processes(str(run.run_dir)) == []
+    assert _leftover_processes(run.run_dir) == []
 
 
 def test_the_logged_lr_is_the_schedule(tmp: Path) -> None:
