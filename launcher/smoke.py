@@ -1,7 +1,7 @@
 """What `launch -m +sweep=smoke` runs (conf/sweep/smoke.yaml): every strategy preset this machine can run, each on
 a tiny job, so that a user's CI proves their model and data under all of them in a few minutes.
 
-Two resolvers, registered by `launcher.schema`:
+Two resolvers, registered by `launcher.schema` (read by conf/sweep/smoke.yaml and conf/sweep/strategies.yaml):
 - `${launch_strategies:}`: the presets in conf/strategy/ (not `auto`), less those this machine cannot run, each
   left out with a printed line saying why (ZeRO-Infinity without DeepSpeed's async I/O op, which needs libaio);
 - `${launch_scratch:NAME}`: a folder of this user's under the system's temporary directory, made on first use:
