@@ -218,11 +218,14 @@ for builder in (ShareMemCommBuilder(), CPUAdamBuilder(), AsyncIOBuilder()):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def deepspeed_ops() -> None:
+def deepspeed_ops(request: pytest.FixtureRequest) -> None:
     """DeepSpeed's CPU ops (its shared-memory collectives, CPU Adam, and async I/O where libaio is installed) compiled
     once, before any test starts a run that loads them, as `.ci/run` does: a first compile inside a run would count
     against that run's timeout, and a compile killed there leaves torch's lock file for every later run to wait on.
-    Each test process asks; torch's own lock lets one compile while the others wait, and a compiled op just loads."""
+    Each test process asks; torch's own lock lets one compile while the others wait, and a compiled op just loads.
+    A session of unit tests only (`-m unit`) starts no run, and so compiles nothing."""
+    if all(item.get_closest_marker("unit") is not None for item in request.session.items):
+        return
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     subprocess.run([sys.executable, "-c", BUILD_OPS], env=env, capture_output=True, timeout=1500)
 
