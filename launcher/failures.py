@@ -40,6 +40,7 @@ def rank_lines(error: Any, oom_before: int, advice: Callable[[], str] = str, spa
     """One line per failing rank of a ChildFailedError, the first failure first, ranks that failed alike in one line;
     `advice` (what would fit in memory) is asked for only when the out-of-memory killer is named. A report a worker
     could not write where the agent reads it (a full disk) is read from `spare`, the launcher's own folder."""
+    _add_unlisted(error.failures, spare)
     for rank, failure in error.failures.items():
         _read_spare(failure, spare / f"rank{rank}.json" if spare else None)
     ranks = sorted(error.failures, key=lambda r: _order(r, error.failures[r]))
@@ -52,6 +53,24 @@ def rank_lines(error: Any, oom_before: int, advice: Callable[[], str] = str, spa
 
 
 OOM = "was killed by the out-of-memory killer"
+
+
+def _add_unlisted(failures: dict[int, Any], spare: Path | None) -> None:
+    """The agent of forked workers (torch's multiprocessing context) lists its first failing rank only: this node's
+    other ranks that failed too are found by their own reports, beside that rank's (`<attempt>/<local rank>/`) or in
+    the spare folder."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    for rank, failure in list(failures.items()):
+        folder, offset = Path(failure.error_file).parent, rank - failure.local_rank
+        found = folder.parent.glob("*/error.json") if folder.name == str(failure.local_rank) else []  # the agent's
+        reports = {int(f.parent.name) + offset: f for f in found if f.parent.name.isdigit()}
+        for file in spare.glob("rank*.json") if spare else []:
+            if (number := file.stem.removeprefix("rank")).isdigit():
+                reports.setdefault(int(number), file)
+        for other, report in reports.items():
+            if other not in failures and other - offset >= 0:
+                failures[other] = ProcessFailure(other - offset, 0, 1, str(report))
 
 
 def _read_spare(failure: Any, file: Path | None) -> None:

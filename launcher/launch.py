@@ -65,6 +65,12 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     frozen = freeze(cfg)
     cuda = visible_cuda_devices()
     derived = derive(frozen, cuda)
+    if forks_workers(derived, frozen.trainer):
+        import torch
+
+        # Not one OpenMP thread in this process before the fork: GNU OpenMP's pool does not survive it (a forked
+        # worker would wait forever in its first parallel region); the workers size their own (`after_fork`).
+        torch.set_num_threads(1)
     check_keys(frozen)
     model = build_on_meta(frozen.model)  # once: every check below reads this one
     check_built(frozen, model)
@@ -232,10 +238,17 @@ def _ask_workers(signum: int, _frame: Any) -> None:
     for proc in Path("/proc").iterdir():
         try:
             ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
-            if ppid == me and b"launcher.worker" in (proc / "cmdline").read_bytes():
+            if ppid == me and (proc / "comm").read_text().startswith("launch-rank"):  # launcher.lifecycle.name_process
                 os.kill(int(proc.name), signum)
         except (OSError, ValueError, IndexError):  # not a process, or one that ended meanwhile
             continue
+
+
+def forks_workers(derived: Derived, trainer: DictConfig) -> bool:
+    """CPU workers are forked from this process, which has torch and the run's modules imported already
+    (`trainer.fork_workers`); CUDA ones start afresh: a CUDA driver touched here (`device=auto` asks it) is unusable
+    in a forked child."""
+    return derived.device == "cpu" and bool(trainer.fork_workers)
 
 
 def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: DictConfig, run_dir: Path) -> Outcome:
@@ -262,6 +275,7 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         signals_to_handle=",".join(s.name for s in STOP_SIGNALS),
         shutdown_timeout=trainer.stop_timeout,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
+        start_method="fork" if forks_workers(derived, trainer) else "spawn",
     )
     _failed_group_grace(min(trainer.stop_timeout, STOP_REPEAT_GRACE))
     previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, DUMP_SIGNAL)}
@@ -277,7 +291,12 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         return lost_node(run_dir, started - 1, derived.world_size, os.environ[NODE_ID_ENV])
 
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "launcher.worker", str(resolved))
+        if config.start_method == "fork":
+            from launcher.worker import forked
+
+            elastic_launch(config, forked)(str(resolved))
+        else:
+            elastic_launch(config, sys.executable)("-u", "-m", "launcher.worker", str(resolved))
     except SignalException as e:
         return _stopped(e.sigval, run_dir, previous)
     except RendezvousError as e:
@@ -336,7 +355,11 @@ def _agent_logs_to_file(run_dir: Path) -> None:
     file = _QuietFileHandler(run_dir / "logs" / "agent.log", delay=True)
     file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     file.launch_run_log = True  # type: ignore[attr-defined]
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):  # the agent, and what launches it
+    for name in (
+        "torch.distributed.elastic",
+        "torch.distributed.launcher",
+        "torch.multiprocessing",
+    ):  # the agent, its launcher, its forks
         agent = logging.getLogger(name)
         agent.propagate = False  # torch's own handler would print them on the terminal
         for handler in list(agent.handlers):

@@ -70,16 +70,62 @@ def exit_now(code: int) -> NoReturn:
     second of CPU a process, in the launcher and in every worker, every run. Called once everything that must end
     has ended (the loggers, the strategy, the process group); the exit handlers still run (logging's flush, wandb's
     and torch's clean-ups), then stdio is flushed."""
-    import atexit
-    import sys
+    run_exit_handlers()
+    os._exit(code)
 
-    getattr(atexit, "_run_exitfuncs", lambda: None)()  # what a normal exit runs first, in the same order
+
+def run_exit_handlers() -> None:
+    """What a normal exit runs before the interpreter's teardown: the exit handlers, in the same order, then stdio
+    flushed."""
+    import atexit
+
+    getattr(atexit, "_run_exitfuncs", lambda: None)()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # closed, or a broken pipe: nothing more can be said
             pass
-    os._exit(code)
+
+
+def after_fork() -> None:
+    """In a worker forked from the launcher: what the launcher had set up for itself, undone, so that the worker is
+    the process `python -u -m launcher.worker` would be. Its exit handlers are not the worker's; its log handlers
+    (Hydra's console and launch.log, the agent's agent.log) neither; its OpenMP threads were sized before
+    `OMP_NUM_THREADS` was chosen for the workers; and a worker's output is unbuffered."""
+    import atexit
+    import io
+    import logging
+
+    getattr(atexit, "_clear", lambda: None)()
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if logger is logging.getLogger() or getattr(handler, "launch_run_log", False):
+                logger.removeHandler(handler)  # not closed: the launcher's file objects, shared with it
+                logger.propagate = True
+    logging.getLogger().setLevel(logging.WARNING)
+    if threads := os.environ.get("OMP_NUM_THREADS", "").strip():
+        import torch
+
+        torch.set_num_threads(int(threads))
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), stream.encoding, stream.errors,
+                                            write_through=True))  # fmt: skip
+
+
+def name_process(rank: int) -> None:
+    """`launch-rank<N>` in ps, top and /proc/<pid>/comm (what the launcher and a watching operator find a rank by;
+    Linux keeps 15 characters)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, f"launch-rank{rank}".encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux
+        pass
 
 
 def die_with_parent() -> None:

@@ -13,6 +13,7 @@ the owning launcher also holds an exclusive lock on `<run dir>/.lock` while it r
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import socket
@@ -70,6 +71,12 @@ class Ownership:
             fcntl.flock(self.lock, fcntl.LOCK_UN)
             self.lock.close()
             self.lock = None
+
+
+def _close_in_child(lock: IO[str]) -> None:
+    """A forked worker does not hold the launcher's lock: the directory is free once the launcher is gone."""
+    if not lock.closed:
+        lock.close()  # this process's descriptor only (no unlock): the lock stays the launcher's while it holds it
 
 
 def _read_claim(run_dir: Path) -> dict[str, Any] | None:
@@ -134,6 +141,7 @@ def claim(run_dir: Path, config_hash: str, job: str | None, command: list[str] |
                 f"hydra.run.dir={run_dir} is in use by another launch ({_who(now)}); "
                 "wait for it to end, or choose another hydra.run.dir"
             ) from None
+        os.register_at_fork(after_in_child=functools.partial(_close_in_child, lock))  # workers forked from here
         if job is not None:  # across nodes the lock only orders this node's writes; the claim names the job
             fcntl.flock(lock, fcntl.LOCK_UN)
             lock.close()

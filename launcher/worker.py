@@ -1,4 +1,5 @@
-"""Entry point of one rank, started by the elastic agent: `python -m launcher.worker <resolved.yaml>`.
+"""Entry point of one rank, started by the elastic agent: forked from the launcher on CPU (`forked`), else
+`python -m launcher.worker <resolved.yaml>`.
 
 A worker reads the frozen config the launcher wrote; it never re-runs Hydra. Its first instructions, before any
 heavy import, tie it to its launcher (`die_with_parent`) and take over the stop signals.
@@ -15,10 +16,13 @@ from launcher.lifecycle import (
     EXIT_STOPPED,
     Phase,
     StopRequest,
+    after_fork,
     die_with_parent,
     exit_now,
     joined,
+    name_process,
     report_failure,
+    run_exit_handlers,
     watch_parent,
 )
 
@@ -66,15 +70,33 @@ def main(path: str, stop: StopRequest, phase: Phase) -> int:
     return 0 if finished else EXIT_STOPPED  # saved and stopped early: not a finished run
 
 
-if __name__ == "__main__":
+def start(path: str) -> int:
+    """One rank from its first instruction: tied to its launcher, named, the stop and dump signals taken over; then
+    `main`. A failure is reported (`report_failure`) and ends the process."""
     die_with_parent()
+    rank = int(os.environ.get("RANK", "0"))
+    name_process(rank)
     # What this rank is doing, in memory from the start; written when asked (SIGUSR1, a stop signal) or now and then.
-    doing = Phase(Path(sys.argv[1]).parent, int(os.environ.get("RANK", "0")))
+    doing = Phase(Path(path).parent, rank)
     doing.answer_dump_signal()
     requested = StopRequest(on_signal=doing.try_flush).install()
     watch_parent()
     try:
-        code = main(sys.argv[1], requested, doing)
+        return main(path, requested, doing)
     except Exception as error:  # one line for the launcher, the traceback in this rank's log file
-        report_failure(error, int(os.environ.get("RANK", "0")), Path(sys.argv[1]).parent)
-    exit_now(code)
+        report_failure(error, rank, Path(path).parent)
+
+
+def forked(path: str) -> None:
+    """The entry point of a worker that the agent forks from the launcher (CPU runs, `launcher.launch`): the
+    launcher's torch, its imports and its built modules come for free, the launcher's process state does not."""
+    after_fork()
+    code = start(path)
+    if code:
+        exit_now(code)
+    # A return, not an exit: the agent's multiprocessing context counts a worker done once it returned.
+    run_exit_handlers()
+
+
+if __name__ == "__main__":
+    exit_now(start(sys.argv[1]))

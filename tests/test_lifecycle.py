@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LAUNCH, TINY, Run, assert_each_restart_resumes_the_newest, clean_env, launch, launch_once
-from processes import free_port, wait_for_step, worker_pids
+from processes import free_port, tcp_addresses, wait_for_step, worker_pids
 
 JOB = [
     *TINY,
@@ -97,25 +98,28 @@ def test_a_signal_stops_gracefully_and_resume_continues_exactly(
     assert max(abs(full[m["step"]] - m["loss"]) for m in resumed.metrics) <= 1e-6
 
 
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-    return dict(e.split("=", 1) for e in raw.split("\0") if "=" in e)
-
-
 @pytest.mark.parametrize("when", ["at start", "while training"])
 def test_killing_the_launcher_leaves_no_worker_behind(tmp_path: Path, when: str) -> None:
     run_dir = tmp_path / "run"
     proc = _start(tmp_path, run_dir, "trainer.max_steps=400")
-    if when == "at start":  # before the workers have even imported torch: the parent-death signal ends them
+    if when == "at start":  # before the workers have joined: the parent-death signal ends them
         while len(worker_pids(run_dir)) < 2 and proc.poll() is None:
             time.sleep(0.01)
     else:
         wait_for_step(run_dir, 3, proc)
         workers = worker_pids(run_dir)
         assert len(workers) == 2
-        # One node: the rendezvous and the process group on loopback, never on an external interface.
-        env = _environ(workers[0])
-        assert env["MASTER_ADDR"] == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == "lo", env
+        # One node: the process group's sockets and every connection on loopback, never on an external interface.
+        # (The TCPStore servers, the agent's and rank 0's, listen on every interface: torch takes no address for them
+        # to bind. Forked workers hold the agent's too, inherited, and never accept on it.)
+        launcher_args = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert all(Path(f"/proc/{pid}/cmdline").read_bytes() == launcher_args for pid in workers.values())  # forked
+        inherited = tcp_addresses(proc.pid)
+        for rank, pid in workers.items():
+            own = [a for inode, a in tcp_addresses(pid).items() if inode not in inherited]
+            stores = [address for address, listening in own if listening and address == "::"]
+            assert len(stores) == (rank == 0), (rank, own)
+            assert own and all(ipaddress.ip_address(a).is_loopback for a, _ in own if a != "::"), (rank, own)
         # The run owns its directory while it runs: a second launch there is refused, and writes nothing.
         second = launch(tmp_path, *JOB, "trainer.max_steps=400", name="run")
         assert second.returncode == 2 and "is in use by another launch (pid" in second.stderr, second.stderr
@@ -126,6 +130,14 @@ def test_killing_the_launcher_leaves_no_worker_behind(tmp_path: Path, when: str)
     while worker_pids(run_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert worker_pids(run_dir) == {}
+
+
+def test_fresh_workers_train_exactly_as_forked_ones(reference: Run, tmp_path: Path) -> None:
+    """CPU workers are forked from the launcher unless trainer.fork_workers=false; started afresh (as on CUDA, where
+    they always are), every logged figure of the run is the same to the last bit."""
+    fresh = launch(tmp_path, *JOB, "trainer.fork_workers=false").check()
+    assert fresh.losses() == reference.losses() and len(fresh.losses()) == 30
+    assert [m.get("val_loss") for m in fresh.metrics] == [m.get("val_loss") for m in reference.metrics]
 
 
 def test_every_restart_recovers(reference: Run, tmp_path: Path) -> None:

@@ -20,9 +20,10 @@ from runs import two_ranks
 PEAKED = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 TOLERANCE = 0.15
 """The planned peak is within ±15% of the measured one."""
-RUNTIME_SPREAD = 1.25e6
-"""Half the spread of the step's runtime on the host (1.3-3.7 MB across strategies at 0.1M parameters), which the
-plan counts as one figure (`STEP_RUNTIME_BYTES`): allowed beside the 15% where it is much of the peak (the tiny GPT)."""
+RUNTIME_SPREAD = 1.6e6
+"""Half the spread of the step's runtime on the host (2.4-5.5 MB across strategies at 0.1M parameters at step 12, in
+workers forked from the launcher; ZeRO-3 the most), which the plan counts as one figure (`STEP_RUNTIME_BYTES`):
+allowed beside the 15% where it is much of the peak (the tiny GPT)."""
 
 LARGE = [
     *(o for o in TINY if not o.startswith(("model.n_layer", "model.n_embd"))),

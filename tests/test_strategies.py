@@ -11,10 +11,10 @@ with the runs every suite shares.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
+from processes import run_processes
 from runs import (
     AT_TWO_RANKS,
     PARITY_TOLERANCE,
@@ -36,23 +36,6 @@ def tmp(conformance_dir: Path) -> Path:
     return conformance_dir
 
 
-def _leftover_processes(run_dir: Path) -> list[int]:
-    """The run's own processes still alive: its launcher (`hydra.run.dir=<run dir>`) and its workers
-    (`<run dir>/resolved.yaml`), matched as whole arguments: another test's launch that only names the run
-    (`resume=<run dir>`) is not one of them."""
-    own = {f"hydra.run.dir={run_dir}", str(run_dir / "resolved.yaml")}
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            if own.intersection(args):
-                pids.append(int(proc.name))
-    return [p for p in pids if p != os.getpid()]
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_trains_and_exits_clean(tmp: Path, strategy: str) -> None:
     run = suite_run(tmp, strategy)
@@ -60,7 +43,7 @@ def test_trains_and_exits_clean(tmp: Path, strategy: str) -> None:
     assert len(losses) == STEPS
     assert run.metrics[-1]["world_size"] == ranks(strategy) and run.metrics[-1]["accumulation"] == 2
     assert losses[-1] < losses[0] - 0.5, losses
-    assert _leftover_processes(run.run_dir) == []
+    assert run_processes(run.run_dir) == []
 
 
 def test_the_logged_lr_is_the_schedule(tmp: Path) -> None:
