@@ -260,6 +260,7 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
 
     _worker_environment(derived, rdzv, run_dir)
     _agent_logs_to_file(run_dir)
+    forked = forks_workers(derived, trainer)
     quiet = {rank: Std.ALL for rank in range(1, derived.gpus)}  # rank 0 talks to the terminal
     config = LaunchConfig(
         min_nodes=derived.nodes,
@@ -275,7 +276,7 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         signals_to_handle=",".join(s.name for s in STOP_SIGNALS),
         shutdown_timeout=trainer.stop_timeout,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
-        start_method="fork" if forks_workers(derived, trainer) else "spawn",
+        start_method="fork" if forked else "spawn",
     )
     _failed_group_grace(min(trainer.stop_timeout, STOP_REPEAT_GRACE))
     previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, DUMP_SIGNAL)}
@@ -291,10 +292,10 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         return lost_node(run_dir, started - 1, derived.world_size, os.environ[NODE_ID_ENV])
 
     try:
-        if config.start_method == "fork":
-            from launcher.worker import forked
+        if forked:
+            from launcher import worker
 
-            elastic_launch(config, forked)(str(resolved))
+            elastic_launch(config, worker.forked)(str(resolved))
         else:
             elastic_launch(config, sys.executable)("-u", "-m", "launcher.worker", str(resolved))
     except SignalException as e:

@@ -76,9 +76,7 @@ class TrainerConfig:
     max_restarts: int = ranged(0, COUNT)
     """Times the elastic agent restarts the worker group after a failure."""
     fork_workers: bool = True
-    """On CPU, the agent forks the workers from the launcher, which has torch and the run's modules imported already
-    (seconds of CPU each, every start and restart); false: each starts afresh (`python -m launcher.worker`), as on
-    CUDA always, for code that is not safe to fork after its import."""
+    """On CPU, workers are forked from the launcher (torch already imported); false: started afresh, as on CUDA."""
     collective_timeout: float = ranged(600.0, POSITIVE)
     """Seconds a collective may wait before the process group gives up."""
     progress: bool = True
