@@ -61,13 +61,13 @@ def run(name: str, asynchronous: bool, a: argparse.Namespace, out: Path) -> dict
 
 def checksum_cost(folder: Path) -> dict[str, float]:
     """xxh3-128's rate on bytes in memory (what saving adds), and the seconds to verify `folder` (what a resume
-    adds: `launcher.checkpoint.damage` reads and hashes every file)."""
+    adds: `launcher.checkpoint.format.damage` reads and hashes every file)."""
     import time
 
     import xxhash
 
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    from launcher.checkpoint import damage
+    from launcher.checkpoint.format import damage
 
     buffer = bytes(256 << 20)
     seconds = []

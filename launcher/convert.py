@@ -7,8 +7,8 @@
     launch convert CHECKPOINT out=DIR merge=true [overrides]    a PEFT model's adapters merged into its base model:
                                                                 the whole model's folder
 
-The checkpoint is read as data (`launcher.untrusted`); the model a folder needs comes from the overrides given on
-this command line, as for `launch` itself, never from files next to the checkpoint: a config is code.
+The checkpoint is read as data (`launcher.checkpoint.untrusted`); the model a folder needs comes from the overrides
+given on this command line, as for `launch` itself, never from files next to the checkpoint: a config is code.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.checkpoint import MANIFEST, CheckpointError, intact, newest_intact
-from launcher.untrusted import UntrustedDataError, dcp_load, read_metadata
+from launcher.checkpoint.format import MANIFEST, CheckpointError, intact, newest_intact
+from launcher.checkpoint.untrusted import UntrustedDataError, dcp_load, read_metadata
 
 
 def find_checkpoint(path: Path) -> Path:

@@ -1,6 +1,6 @@
 """A run owns its directory: a claim taken after every check has passed, before the launcher writes anything.
 
-`<run dir>/claim.json` records the run that owns the directory: its identity (`config.identity_hash`), its job
+`<run dir>/claim.json` records the run that owns the directory: its identity (`launcher.identity`), its job
 (the rendezvous id that every node of a multi-node job shares), the command, host, pid and time. On one node
 the owning launcher also holds an exclusive lock on `<run dir>/.lock` while it runs.
 
@@ -101,8 +101,8 @@ def _who(claim: dict[str, Any]) -> str:
 
 def _foreign_checkpoints(run_dir: Path, config_hash: str) -> str | None:
     """A checkpoint of another run in a directory nobody claimed (written before claims existed)."""
-    from launcher.checkpoint import latest
-    from launcher.untrusted import UntrustedDataError, read_manifest
+    from launcher.checkpoint.format import latest, read_manifest
+    from launcher.checkpoint.untrusted import UntrustedDataError
 
     found = latest(run_dir / "checkpoints")
     try:

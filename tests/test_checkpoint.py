@@ -115,7 +115,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_workers_start(conforman
 def test_a_corrupted_checkpoint_is_a_one_line_error(conformance_dir: Path, tmp_path: Path) -> None:
     import shutil
 
-    from launcher import checkpoint
+    from launcher.checkpoint import format as checkpoint
 
     broken = tmp_path / "broken"
     shutil.copytree(_ckpt(run_of(conformance_dir, "ddp", 2), 6), broken)
@@ -275,7 +275,8 @@ def test_loading_runs_no_code_from_the_checkpoint(tmp_path: Path) -> None:
     is refused."""
     import torch.distributed.checkpoint as dcp
 
-    from launcher.checkpoint import CheckpointError, check_fits, read_into
+    from launcher.checkpoint.format import CheckpointError
+    from launcher.checkpoint.loading import check_fits, read_into
     from launcher.models.gpt import GPT
 
     marker = tmp_path / "ran"
@@ -333,7 +334,8 @@ def test_async_checkpoints_match_the_sync_run_and_resume_exactly(conformance_dir
 ASYNC_PROBE = """
 import sys, time, torch, torch.distributed as dist
 from pathlib import Path
-from launcher import checkpoint, saving
+from launcher.checkpoint import format as checkpoint
+from launcher.checkpoint import saving
 root = Path(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
 w = torch.zeros(4_000_000)
@@ -369,7 +371,7 @@ def test_an_async_save_is_visible_only_once_written_and_a_kill_keeps_the_one_bef
     `latest` pointer unmoved, until it is finalised after its write; the state written is the one staged, not the
     one training changed meanwhile; a SIGKILL while a save is in flight leaves the previous checkpoint as `latest`,
     and the start of the next attempt removes the partial folder."""
-    from launcher import checkpoint
+    from launcher.checkpoint import format as checkpoint
     from launcher.convert import weights
 
     proc = subprocess.Popen(
@@ -411,8 +413,8 @@ def test_the_newest_checkpoint_is_the_last_saved_whatever_its_step_or_the_pointe
     """Resume order: by the time each manifest records. A kill between a save's rename and the `latest` pointer's
     move leaves the pointer one behind the newest complete checkpoint; a run resumed from further back saves steps
     older than ones still there, and those are the newer."""
-    from launcher import checkpoint
-    from launcher.checkpoint import complete, latest
+    from launcher.checkpoint import format as checkpoint
+    from launcher.checkpoint.format import complete, latest
 
     def saved(name: str, step: int, at: float) -> Path:
         folder = tmp_path / name

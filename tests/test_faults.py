@@ -20,8 +20,9 @@ import json, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from launcher.checkpoint import Position
-from launcher.saving import Saver, checkpoint_bytes
+from launcher.checkpoint.format import Position
+from launcher.checkpoint.saving import Saver
+from launcher.checkpoint.space import checkpoint_bytes
 
 root = Path(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
@@ -75,7 +76,7 @@ def _flip(file: Path, at: float = 0.5, count: int = 16) -> None:
 
 
 def test_every_file_has_the_checksum_of_its_bytes_computed_as_written(saved: tuple[Path, int]) -> None:
-    from launcher.checkpoint import checksum, damage
+    from launcher.checkpoint.format import checksum, damage
 
     for step in (1, 2):  # synchronous, then asynchronous (hashed by the background writer)
         folder = saved[0] / f"step_{step:08d}"
@@ -109,7 +110,8 @@ def test_space_is_counted_as_written(saved: tuple[Path, int]) -> None:
 def test_a_damaged_checkpoint_is_never_used_and_each_fallback_says_why(
     saved: tuple[Path, int], tmp_path: Path, harm: str, file: str, why: str
 ) -> None:
-    from launcher.checkpoint import CheckpointError, find_resume, newest_intact
+    from launcher.checkpoint.format import CheckpointError, newest_intact
+    from launcher.checkpoint.loading import find_resume
     from launcher.convert import find_checkpoint
 
     checkpoints = _copy(saved, tmp_path)
@@ -139,7 +141,7 @@ def test_a_damaged_checkpoint_is_never_used_and_each_fallback_says_why(
 
 def _made(checkpoints: Path, step: int, at: float) -> Path:
     """A checkpoint folder as a save leaves it (one small file, its manifest), saved at time `at`."""
-    from launcher.checkpoint import checksum
+    from launcher.checkpoint.format import checksum
 
     folder = checkpoints / f"step_{step:08d}"
     folder.mkdir(parents=True)
@@ -155,8 +157,8 @@ def test_pruning_keeps_the_newest_by_the_order_resume_uses(tmp_path: Path) -> No
     """After a fallback: step 20 was abandoned (damaged, say, and then repaired by hand, or the run resumed from
     step 10 on purpose); the run saves 12 and 14 since. Keeping two keeps 14 and 12, the ones resume would take,
     not 20 and 14 (by step name)."""
-    from launcher.checkpoint import complete, newest_intact
-    from launcher.saving import _prune
+    from launcher.checkpoint.format import complete, newest_intact
+    from launcher.checkpoint.saving import _prune
 
     ck = tmp_path / "checkpoints"
     _made(ck, 10, 100.0), _made(ck, 20, 200.0), _made(ck, 12, 300.0), _made(ck, 14, 400.0)
@@ -168,18 +170,17 @@ def test_pruning_keeps_the_newest_by_the_order_resume_uses(tmp_path: Path) -> No
 
 @pytest.mark.unit
 def test_room_is_asked_for_the_checkpoints_the_run_holds_at_once() -> None:
-    from omegaconf import OmegaConf
+    from launcher.checkpoint.policy import SavePolicy
 
-    from launcher.resume import held_at_once
+    def held_at_once(step: int, held: int, every: int = 2, at_end: bool = True, keep_last: int = 1) -> int:
+        return SavePolicy(every, at_end, max_steps=10, keep_last=keep_last).held_at_once(step, held)
 
-    def trainer(**kw: object) -> object:
-        return OmegaConf.create({"max_steps": 10, "checkpoint_every": 2, "save_at_end": True, "keep_last": 1, **kw})
-
-    assert held_at_once(trainer(), 0, 0) == 2  # keep_last + the one being written
-    assert held_at_once(trainer(), 0, 1) == 1  # one already there: pruned once the next is complete
-    assert held_at_once(trainer(keep_last=0), 0, 0) == 5  # all kept: steps 2, 4, 6, 8, 10
-    assert held_at_once(trainer(keep_last=3), 8, 0) == 1  # from step 8: only step 10 is left to save
-    assert held_at_once(trainer(checkpoint_every=0, save_at_end=False), 0, 0) == 0
+    assert held_at_once(0, 0) == 2  # keep_last + the one being written
+    assert held_at_once(0, 1) == 1  # one already there: pruned once the next is complete
+    assert held_at_once(0, 0, keep_last=0) == 5  # all kept: steps 2, 4, 6, 8, 10
+    assert held_at_once(8, 0, keep_last=3) == 1  # from step 8: only step 10 is left to save
+    assert held_at_once(0, 0, every=0, at_end=False) == 0
+    assert held_at_once(0, 0, every=4, keep_last=0) == 3  # steps 4, 8 and the last, 10
 
 
 RESUMED = [*TINY, "gpus=2", "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6",
@@ -254,11 +255,11 @@ def test_a_refused_run_removes_only_the_folders_it_made(tmp_path: Path) -> None:
 
 
 def _state_bytes(world_size: int) -> int:
-    """What `launcher.saving.checkpoint_bytes` counts for the TINY model (2 layers, 64 wide) under AdamW."""
+    """What `launcher.checkpoint.space.checkpoint_bytes` counts for the TINY model (2 layers, 64 wide) under AdamW."""
     import torch
 
+    from launcher.checkpoint.space import checkpoint_bytes
     from launcher.models.gpt import GPT
-    from launcher.saving import checkpoint_bytes
 
     model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     optim = torch.optim.AdamW(model.parameters())
@@ -379,7 +380,7 @@ def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None
 
 @pytest.mark.unit
 def test_a_manifest_without_checksums_is_skipped_with_the_reason(tmp_path: Path) -> None:
-    from launcher.checkpoint import newest_intact
+    from launcher.checkpoint.format import newest_intact
 
     ck = tmp_path / "checkpoints"
     kept, old = _made(ck, 2, 100.0), _made(ck, 4, 200.0)
@@ -397,8 +398,8 @@ import sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from launcher import saving
-from launcher.checkpoint import Position
+from launcher.checkpoint import saving
+from launcher.checkpoint.format import Position
 
 root, ck = Path(sys.argv[1]), Path(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
@@ -424,7 +425,7 @@ dist.destroy_process_group()
 def test_a_disk_that_fills_during_a_write_is_one_line_and_keeps_the_intact_checkpoint(tmp_path: Path, tmpfs) -> None:
     """A real DCP write onto a tmpfs too small for it (the check before it bypassed, as when another process takes
     the room meanwhile): one line naming the disk, the checkpoint and the one still intact; the partial removed."""
-    from launcher.checkpoint import damage
+    from launcher.checkpoint.format import damage
 
     disk = tmpfs(1 << 20)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

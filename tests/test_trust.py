@@ -21,7 +21,7 @@ import torch
 from conftest import LAUNCH, Run, clean_env, launch
 from runs import JOB, run_of
 
-from launcher.untrusted import UntrustedDataError
+from launcher.checkpoint.untrusted import UntrustedDataError
 
 
 class _Payload:
@@ -41,7 +41,7 @@ def _ckpt(run: Run, step: int) -> Path:
 def _restamp(folder: Path) -> None:
     """Make the manifest list the folder's files at their sizes and checksums again, as an attacker who edits a
     checkpoint would."""
-    from launcher.checkpoint import checksum
+    from launcher.checkpoint.format import checksum
 
     manifest = json.loads((folder / "manifest.json").read_text())
     names = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
@@ -66,7 +66,7 @@ def _one_line(proc_or_run: subprocess.CompletedProcess[str] | Run) -> str:
 
 
 def test_a_crafted_metadata_never_runs_on_resume_convert_or_load(conformance_dir: Path, tmp_path: Path) -> None:
-    from launcher.checkpoint import read_into
+    from launcher.checkpoint.loading import read_into
 
     marker = tmp_path / "ran"
     crafted = tmp_path / "crafted"
@@ -113,7 +113,7 @@ def test_a_crafted_entry_never_runs_on_resume_or_convert(conformance_dir: Path, 
 
 
 def _tensor_entries(checkpoint: Path) -> dict:
-    from launcher.untrusted import read_metadata
+    from launcher.checkpoint.untrusted import read_metadata
 
     return {k: v for k, v in read_metadata(checkpoint).state_dict_metadata.items() if hasattr(v, "size")}
 
@@ -135,7 +135,7 @@ def test_resume_auto_in_a_sweep_resumes_only_each_jobs_own_run(tmp_path: Path) -
     (broken / "manifest.json").write_text("{")
     second = launch(tmp_path, "-m", *SWEEP, "trainer.max_steps=3", f"hydra.sweep.dir={days / '11-00-00'}")
     assert second.returncode == 0, second.stderr
-    assert f"skipping {broken}" in second.stdout, second.stdout
+    assert f"launch: skipping checkpoint {broken}: " in second.stdout, second.stdout
     for job in (0, 1):
         resumed = days / "11-00-00" / str(job)
         own = days / "10-00-00" / str(job) / "checkpoints" / "step_00000002"
@@ -168,7 +168,9 @@ def test_free_space_is_checked_before_a_save(tmp_path: Path) -> None:
     probe = f"""
 import shutil, sys, torch, torch.distributed as dist
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from launcher import checkpoint, saving
+from pathlib import Path
+from launcher.checkpoint.format import Position
+from launcher.checkpoint.saving import Saver
 dist.init_process_group("gloo", init_method="file://{tmp_path / "pg"}", rank=0, world_size=1)
 class Tiny:
     def state_dict(self):
@@ -176,7 +178,7 @@ class Tiny:
 real = shutil.disk_usage
 shutil.disk_usage = lambda path: real(path)._replace(free=1_000_000)
 try:
-    saving.save(checkpoint.Path({str(tmp_path / "ckpt")!r}), checkpoint.Position(1, 8), Tiny(), {{}}, 0, 1, 0)
+    Saver(Path({str(tmp_path / "ckpt")!r}), 0, 1, 0).save(Position(1, 8), Tiny(), {{}})
 except RuntimeError as e:
     print("REFUSED", e)
 dist.destroy_process_group()

@@ -7,16 +7,15 @@ torch.distributed.checkpoint (DCP) reads a checkpoint in three ways, and each is
 - non-tensor entries (optimizer hyperparameters): DCP's default planner uses `torch.load(weights_only=False)`;
   `WeightsOnly` reads them with `weights_only=True` (tensors and plain values only).
 - tensors: DCP already reads them with `weights_only=True`.
-Manifests are JSON, checked field by field (`read_manifest`), and every file a manifest lists has its size and its
-xxh3-128 checksum there, which `launcher.checkpoint.damage` verifies before anything is read; RNG files are read
-with `weights_only=True`.
+Manifests are JSON, checked field by field (`launcher.checkpoint.format.read_manifest`), and every file a manifest
+lists has its size and its xxh3-128 checksum there, which `format.damage` verifies before anything is read; RNG
+files are read with `weights_only=True`.
 
 Configs and `_target_`s, by contrast, are code: they name what to import and run.
 """
 
 from __future__ import annotations
 
-import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -117,40 +116,3 @@ def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     with warnings.catch_warnings():  # without a process group DCP warns that it loads in one process: the point
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=safe_reader(path), planner=weights_only_planner(), no_dist=no_dist)
-
-
-# ------------------------------------------------------------------ manifests
-
-_MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "step": int,
-    "samples": int,
-    "world_size": int,
-    "time": (int, float),
-    "config_hash": str,
-    "files": dict,
-    "xxh3_128": dict,
-}
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of checkpoint folder `path`, checked: UntrustedDataError (one line) if it is not one we wrote."""
-    file = path / "manifest.json"
-    try:
-        manifest = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UntrustedDataError(f"{file} is unreadable ({type(e).__name__}: {e})") from e
-    if not isinstance(manifest, dict):
-        raise UntrustedDataError(f"{file} is not a manifest (a JSON object)")
-    if "xxh3_128" not in manifest:
-        raise UntrustedDataError(f"{file} records no checksums: a launch before checksums wrote it")
-    for key, kind in _MANIFEST_FIELDS.items():
-        value = manifest.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
-            raise UntrustedDataError(f"{file} has a bad or missing {key!r}: {value!r}")
-    sums = manifest["xxh3_128"]
-    for name, size in manifest["files"].items():
-        if not isinstance(name, str) or "/" in name or name.startswith("..") or not isinstance(size, int):
-            raise UntrustedDataError(f"{file} lists a bad file entry {name!r}: {size!r}")
-        if not isinstance(sums.get(name), str):
-            raise UntrustedDataError(f"{file} records no checksum of {name!r}: written by an older launch")
-    return manifest

@@ -1,6 +1,6 @@
 """Saving checkpoints, collectively, atomically and durably: synchronous (`dcp.save`) or asynchronous
-(`dcp.async_save`, under trainer.async_checkpoint). The layout of what is written, and everything read back, is in
-`launcher.checkpoint`.
+(`dcp.async_save`, under trainer.async_checkpoint). What is written, and what makes it complete, is
+`launcher.checkpoint.format`; when a run saves is `launcher.checkpoint.policy`.
 """
 
 from __future__ import annotations
@@ -17,23 +17,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.checkpoint import LATEST, MANIFEST, Position, checksum, complete, latest
+from launcher.checkpoint.format import (
+    LATEST,
+    MANIFEST,
+    Position,
+    checksum,
+    complete,
+    folder_name,
+    latest,
+    partial_name,
+    record,
+    rng_name,
+    rng_state,
+)
+from launcher.checkpoint.space import check_space, checkpoint_bytes
 from launcher.durable import disk, fsync_dir, write_durably
-
-
-def save(
-    checkpoints: Path,
-    position: Position,
-    strategy: Any,
-    manifest: dict[str, Any],
-    rank: int,
-    world_size: int,
-    keep_last: int,
-) -> Path:
-    """Save on every rank (collective), atomically: temp folder, barrier, rename, then the `latest` pointer."""
-    saver = Saver(checkpoints, rank, world_size, keep_last)
-    saver.save(position, strategy, manifest)
-    return saver.last  # type: ignore[return-value]
 
 
 @dataclass
@@ -157,8 +155,7 @@ class Saver:
         self._finalise()
 
     def _save(self, position: Position, strategy: Any, manifest: dict[str, Any]) -> None:
-        name = f"step_{position.step:08d}"
-        final, tmp = self.checkpoints / name, self.checkpoints / f".{name}.partial"
+        final, tmp = self.checkpoints / folder_name(position.step), self.checkpoints / partial_name(position.step)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed: their room is free again
             self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -186,9 +183,9 @@ class Saver:
         dist.barrier()
         sums: dict[str, str] = {}
         rng = io.BytesIO()
-        torch.save(_rng_state(), rng)
-        sums[f"rng_{self.rank}.pt"] = _xxh3(rng.getbuffer())
-        with open(tmp / f"rng_{self.rank}.pt", "wb") as f:
+        torch.save(rng_state(), rng)
+        sums[rng_name(self.rank)] = _xxh3(rng.getbuffer())
+        with open(tmp / rng_name(self.rank), "wb") as f:
             f.write(rng.getbuffer())
             f.flush()
             os.fsync(f.fileno())
@@ -268,7 +265,7 @@ class Saver:
         written), rename, `latest`, pruning."""
         if self.rank == 0:
             names = {info.relative_path for info in metadata.storage_data.values()} | {".metadata"}
-            names |= {f"rng_{r}.pt" for r in range(self.world_size)}
+            names |= {rng_name(r) for r in range(self.world_size)}
             missing = sorted(n for n in names if not (tmp / n).is_file())
             if missing:
                 raise RuntimeError(
@@ -277,15 +274,8 @@ class Saver:
                     "mounts)"
                 )
             files = {n: (tmp / n).stat().st_size for n in sorted(names)}
-            record = {
-                **manifest,
-                "step": position.step,
-                "samples": position.samples,
-                "time": time.time(),
-                "files": files,
-                "xxh3_128": {n: sums.get(n) or checksum(tmp / n) for n in sorted(names)},  # read only if not hashed
-            }
-            write_durably(tmp / MANIFEST, json.dumps(record, indent=2))
+            hashed = {n: sums.get(n) or checksum(tmp / n) for n in sorted(names)}  # read only if not hashed
+            write_durably(tmp / MANIFEST, json.dumps(record(manifest, position, time.time(), files, hashed), indent=2))
             shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run's last step)
             os.replace(tmp, final)
             fsync_dir(self.checkpoints)
@@ -396,71 +386,10 @@ def _same_containers(original: Any, staged: Any) -> Any:
     return staged
 
 
-ENTRY_BYTES = 2048
-"""Bytes DCP writes per state entry beyond its data: torch.save's archive around each one (about 1.6 kB) and its
-record in `.metadata`."""
-BLOCK = 4096
-"""A file's last, partly used block, per file of a checkpoint."""
-
-
-def checkpoint_bytes(state: dict[str, Any], world_size: int) -> int:
-    """The bytes a checkpoint of `state` takes on disk, counted as DCP writes them: each tensor once (a replicated
-    tensor by one rank, each shard of a DTensor once: its global size), each entry's header, every rank's RNG file
-    and every file's last block. The same figure on every rank."""
-    import torch
-
-    entries = list(_leaves(state))
-    data = sum(t.numel() * t.element_size() for t in entries if isinstance(t, torch.Tensor))  # DTensor: global
-    rng = io.BytesIO()
-    torch.save(_rng_state(), rng)
-    files = 2 * world_size + 2  # a .distcp and an RNG file per rank, .metadata, manifest.json
-    return data + ENTRY_BYTES * len(entries) + world_size * len(rng.getbuffer()) + BLOCK * files
-
-
-def _leaves(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, (list, tuple)) and obj and all(isinstance(v, (dict, list, tuple)) for v in obj):
-        for v in obj:
-            yield from _leaves(v)
-    else:
-        yield obj
-
-
-def check_space(checkpoints: Path, size: int, count: int, what: str, after: str = "") -> None:
-    """Collective: room for `count` checkpoints of `size` bytes in the free space rank 0 sees (the folder is shared);
-    RuntimeError (one line: the disk, `what` needs room, `after`) on every rank if there is not."""
-    import torch
-    import torch.distributed as dist
-
-    here = shutil.disk_usage(checkpoints).free if dist.get_rank() == 0 else 0
-    free = torch.tensor([float(here)], dtype=torch.float64)
-    dist.broadcast(free, src=0)
-    if free.item() < size * count:
-        raise RuntimeError(
-            f"no room on {disk(checkpoints)} for {what} ({count} x {size / 1e6:,.1f} MB){after}; free space there, "
-            "lower trainer.keep_last, or choose another hydra.run.dir"
-        )
-
-
 def _prune(checkpoints: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints, newest by the order resume uses (`checkpoint.by_time`): after
+    """Keep the newest `keep_last` complete checkpoints, newest by the order resume uses (`format.by_time`): after
     a fallback, an abandoned folder of a higher step is older than the saves made since, and goes first."""
     if keep_last <= 0:
         return
     for old in complete(checkpoints)[keep_last:]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-# ------------------------------------------------------------------ loading
-
-
-def _rng_state() -> dict[str, Any]:
-    """The generators training draws from (dropout); the data order is a pure function of seed and position."""
-    import torch
-
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
