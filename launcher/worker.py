@@ -27,7 +27,7 @@ from launcher.lifecycle import (
 )
 
 
-def main(path: str, stop: StopRequest, phase: Phase) -> int:
+def run_rank(path: str, stop: StopRequest, phase: Phase) -> int:
     """Train; the exit code: 0 finished, EXIT_STOPPED saved and stopped early on a signal."""
     from datetime import timedelta
 
@@ -82,7 +82,7 @@ def start(path: str) -> int:
     requested = StopRequest(on_signal=doing.try_flush).install()
     watch_parent()
     try:
-        return main(path, requested, doing)
+        return run_rank(path, requested, doing)
     except Exception as error:  # one line for the launcher, the traceback in this rank's log file
         report_failure(error, rank, Path(path).parent)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from launcher.data import GlobalBatches, PySource, Synthetic, Tokens, rank_micro_batches
-from launcher.runner import lr_at
+from launcher.optimizers import lr_at
 
 
 @pytest.mark.unit

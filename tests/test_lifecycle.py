@@ -177,8 +177,8 @@ def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_pa
     _wait_for(run_dir / "logs" / "phase" / "rank1", stuck, proc)  # written by its thread within seconds
     proc.send_signal(signal.SIGUSR1)
     stacks = _wait_for(run_dir / "logs" / "stacks" / "rank1", "in fail", proc)
-    assert "faulty.py" in stacks and "optimizer_step" in stacks, stacks
-    assert "optimizer_step" in _wait_for(run_dir / "logs" / "stacks" / "rank0", "optimizer_step", proc)
+    assert "faulty.py" in stacks and "train_step" in stacks, stacks
+    assert "train_step" in _wait_for(run_dir / "logs" / "stacks" / "rank0", "train_step", proc)
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 1, (proc.returncode, err)
     assert "rank 0 waited 10 s in a collective" in err, err
@@ -275,7 +275,7 @@ def test_slurm_style_signals_during_a_long_save_end_with_a_complete_checkpoint(t
     """slurmstepd signals every process of a step at once (the launcher and each worker), and the elastic agent
     forwards the signal to the workers again: all of it while a save of a few seconds is being written. The run
     finishes that save and stops with a complete checkpoint; repeats within seconds are not a second request."""
-    from launcher.checkpoint import is_complete, latest
+    from launcher.checkpoint.format import is_complete, latest
 
     run_dir = tmp_path / "run"
     big = [

@@ -18,11 +18,11 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from launcher.checks import check_strategy
 from launcher.config import BatchSizeError, ConfigError, Derived, derive, freeze
-from launcher.context import make_strategy
+from launcher.context import make_strategy, with_presets
 from launcher.plan.costs import UnknownOptimizer
 from launcher.plan.fit import make_plan
 from launcher.plan.render import as_dict, chart, describe_pick, render, strategy_rows
-from strategies.base import Layout
+from strategies.base import Strategy
 
 AUTO = "auto"
 AUTO_TARGET = "launcher.plan.commands.Auto"
@@ -81,35 +81,27 @@ def _compose(overrides: Sequence[str], config_name: str | None = "config") -> Di
         raise ConfigError(str(e).strip().splitlines()[0]) from e
 
 
-def with_presets(frozen: DictConfig, names: Sequence[str]) -> dict[str, DictConfig]:
-    """The frozen run config with each preset conf/strategy/<name>.yaml as its strategy, by name (each frozen)."""
-    # One composition of the strategy group alone, each preset at a key of its own: a fifth of the time of
-    # composing the whole config once per preset (`launch plan` has 3 s).
-    presets = _compose([f"+strategy@{name}={name}" for name in names], config_name=None)
-    configs = {}
-    for name in names:
-        cfg = OmegaConf.create(OmegaConf.to_container(frozen))
-        cfg.strategy = presets[name]
-        configs[name] = freeze(cfg)
-    return configs
-
-
-def _layouts(configs: dict[str, DictConfig]) -> dict[str, Layout]:
-    """Each strategy's own memory rule: constructors take plain values and import nothing heavy."""
-    return {name: make_strategy(c.strategy).layout() for name, c in configs.items()}
+def _strategies(configs: dict[str, DictConfig]) -> dict[str, Strategy]:
+    """Each preset's strategy, for its own rules (`layout`, `collectives`): constructors take plain values and import
+    nothing heavy."""
+    return {name: make_strategy(c.strategy) for name, c in configs.items()}
 
 
 def _candidates(frozen: DictConfig) -> dict[str, DictConfig]:
-    """strategy=auto's candidates (strategy.candidates, or every preset), each in place of auto in the config."""
+    """strategy=auto's candidates, each in place of auto in the config: strategy.candidates, or every preset that
+    trains as one process would (not one that rounds what it sends: `Conformance.lossy`)."""
     presets = strategy_names()
-    names = list(frozen.strategy.get("candidates") or presets)
-    for name in names:
+    named = list(frozen.strategy.get("candidates") or [])
+    for name in named:
         if name not in presets:
             raise ConfigError(f"strategy.candidates: unknown strategy '{name}'; valid: {', '.join(presets)}")
-    return with_presets(frozen, names)
+    configs = with_presets(frozen, named or presets)
+    if named:
+        return configs
+    return {name: c for name, c in configs.items() if not make_strategy(c.strategy).conformance().lossy}
 
 
-def main(overrides: Sequence[str]) -> int:
+def plan_command(overrides: Sequence[str]) -> int:
     """`launch plan [overrides]`, inside an initialised Hydra (cli.py). Starts nothing, writes no run directory."""
     from launcher.machine import visible_cuda_devices
     from launcher.meta import build_on_meta, measure
@@ -144,7 +136,7 @@ def main(overrides: Sequence[str]) -> int:
         configs = _candidates(frozen)
     else:
         configs = {chosen: frozen}
-    plan = make_plan(frozen, derived, size, _layouts(configs))
+    plan = make_plan(frozen, derived, size, _strategies(configs))
     if frozen.plan.chart:
         chart(plan, str(frozen.plan.chart))
     if frozen.plan.format == "json":
@@ -163,7 +155,7 @@ def choose(frozen: DictConfig, derived: Derived, model: Any) -> tuple[str, DictC
     from launcher.meta import measure
 
     configs = _candidates(frozen)
-    plan = make_plan(frozen, derived, measure(model), _layouts(configs))
+    plan = make_plan(frozen, derived, measure(model), _strategies(configs))
     blocked: dict[str, str] = {}
     while (pick := plan.pick(blocked)) is not None:  # the best that fits, unless its own checks refuse it here
         candidate = OmegaConf.merge(configs[pick.name], {"derived": derived.as_dict()})
@@ -198,7 +190,7 @@ def memory_advice(resolved: DictConfig, available: float) -> str:
         plain.plan.device_memory_gb, plain.plan.headroom = per_rank / 1e9, 0.0
         configs = with_presets(plain, strategy_names())
         size = measure(build_on_meta(plain.model))
-        plan = make_plan(plain, derived, size, _layouts(configs) | {"this run": make_strategy(plain.strategy).layout()})
+        plan = make_plan(plain, derived, size, _strategies(configs) | {"this run": make_strategy(plain.strategy)})
     except Exception:  # advice is a courtesy: never hide the failure behind another
         return ""
     mine = next(sp for sp in plan.strategies if sp.name == "this run")
@@ -215,7 +207,7 @@ def planned_peak(frozen: DictConfig, derived: Derived, size: Any) -> float | Non
     on the device, and with device=cpu also what it offloads to host memory (the same memory there). None for an
     optimizer of the user's whose state the planner cannot size: the run goes on, without the planned figure."""
     try:
-        plan = make_plan(frozen, derived, size, {"run": make_strategy(frozen.strategy).layout()})
+        plan = make_plan(frozen, derived, size, {"run": make_strategy(frozen.strategy)})
     except UnknownOptimizer:
         print(f"launch: no plan_peak_bytes: the planner cannot size the state of {frozen.optim._target_}", flush=True)
         return None

@@ -1,0 +1,81 @@
+"""One optimizer step over this rank's micro-batches, and one evaluation, by the loss rule of `launcher.loss`: the
+arithmetic of a step, with no state of the run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from launcher.data import collate, rank_micro_batches
+from launcher.lifecycle import Phase
+from launcher.loss import (
+    NUM_ITEMS,
+    LabelRule,
+    count_targets,
+    micro_loss,
+    model_loss,
+    say_once,
+    target_tokens,
+    usual_recipe_line,
+)
+from strategies import RunContext, Strategy
+
+
+def all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def evaluate(
+    strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, global_size: int, rule: LabelRule
+) -> float:
+    """The loss over `batches` fixed global batches of the validation split, by the training step's rule
+    (`launcher.loss`): Σ token losses / Σ targets where the model returns sums or its mean is over targets the
+    launcher counts (its labels, by `rule`), else the mean of the micro-batches' means."""
+    device = torch.device(ctx.device)
+    strategy.train(False)
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for b in range(batches):
+            indices = np.arange(b * global_size, (b + 1) * global_size) % len(val_set)
+            for micro in rank_micro_batches(indices, ctx.rank, ctx.world_size, ctx.accumulation):
+                batch = collate(val_set, micro, device)
+                loss, tokens = model_loss(strategy.forward(batch))
+                targets, known = target_tokens(batch, rule.label_shift)
+                if tokens is None and known:  # a mean over the counted targets: back to their sum (none: 0, not NaN)
+                    loss, tokens = (loss * targets if targets else torch.zeros(())), torch.tensor(targets)
+                total, count = total + float(loss), count + (float(tokens) if tokens is not None else 1.0)
+    strategy.train(True)
+    total, count = all_reduce([total, count], dist.ReduceOp.SUM, device)
+    return total / count
+
+
+def train_step(
+    strategy: Strategy, micro: list[Any], ctx: RunContext, lr: float, rule: LabelRule, step: int, phase: Phase
+) -> tuple[torch.Tensor, float]:
+    """One optimizer step over this rank's K micro-batches; returns this rank's part of the step's loss (summed over
+    ranks it is the loss of the whole global batch: `launcher.loss`) and the pre-clip gradient norm."""
+    device, K = torch.device(ctx.device), len(micro)
+    # The global batch's targets, counted before the first forward: each micro-step's loss is scaled so that the
+    # step's gradient is that of one forward over the whole global batch.
+    targets = count_targets(micro, ctx.world_size, lambda v: all_reduce(v, dist.ReduceOp.SUM, device), rule.label_shift)
+    divided = targets.counted and rule.takes_num_items and all(targets.labels)
+    loss_sum, normalised = torch.zeros((), dtype=torch.float64, device=device), False
+    for k, batch in enumerate(micro):
+        phase(f"in forward/backward of step {step}, micro-step {k + 1}/{K}")
+        if divided:  # a transformers model divides its summed loss by this itself
+            batch = {**batch, NUM_ITEMS: targets.total / ctx.world_size}
+        # Gradients are synchronised once per optimizer step: on the last micro-step only.
+        with strategy.sync(k == K - 1):
+            backward, part, normalised = micro_loss(strategy.forward(batch), k, targets, K, divided)
+            strategy.backward(backward)
+        loss_sum += part.double()
+    if not normalised and ctx.rank == 0:
+        say_once(usual_recipe_line(targets))
+    phase(f"in the optimizer step {step}")
+    grad_norm = strategy.step(lr)
+    return loss_sum / (targets.total if normalised else ctx.world_size), grad_norm
