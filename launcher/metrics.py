@@ -1,0 +1,99 @@
+"""Every logged figure, declared once: its name, unit, how it is reduced over ranks, and who reports it.
+
+The runner reduces each figure by its declaration (`over_ranks`) and refuses a name that is not declared here, so a
+strategy cannot add a figure whose meaning over ranks nobody chose; `metrics.jsonl`, the loggers and the sweep
+report read the same names, and the README's Logging section lists each of them (a test holds it to this table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+Reduction = Literal["sum", "max", "same", "rank0"]
+"""sum: each rank's part added; max: the largest rank's; same: equal on every rank (rank 0's is logged); rank0: rank
+0's own measurement."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    unit: str
+    """bytes, s, 1/s, or "" (a plain number)."""
+    reduction: Reduction
+    by: str
+    """Who reports it: the runner, the strategy, the evaluation, the planner, the guard, the saver."""
+    doc: str
+
+
+METRICS = {
+    m.name: m
+    for m in (
+        Metric("loss", "", "sum", "runner", "the loss of the whole global batch (each rank's part, summed)"),
+        Metric("val_loss", "", "sum", "evaluation", "the validation loss: Σ token losses / Σ targets over all ranks"),
+        Metric("lr", "", "same", "runner", "the step's learning rate"),
+        Metric("grad_norm", "", "same", "strategy", "the global gradient norm, before clipping"),
+        Metric("accumulation", "", "same", "runner", "micro-steps per optimizer step"),
+        Metric("world_size", "", "same", "runner", "ranks of the worker group"),
+        Metric("restart", "", "same", "runner", "the attempt of the worker group that logged the step (0: the first)"),
+        Metric(
+            "step_time_s", "s", "rank0", "runner", "from the wait for the step's batches to its optimizer step's end"
+        ),
+        Metric("samples_per_s", "1/s", "rank0", "runner", "global batch samples per second"),
+        Metric("tokens_per_s", "1/s", "sum", "runner", "every rank's tokens over rank 0's seconds (token-id batches)"),
+        Metric("mfu", "", "rank0", "runner", "model FLOPs utilisation, where the device's peak is known"),
+        Metric("rss_bytes", "bytes", "max", "runner", "the process's peak resident set"),
+        Metric("peak_memory_bytes", "bytes", "max", "runner", "the step's peak of what is really allocated"),
+        Metric("setup_peak_bytes", "bytes", "max", "runner", "the peak while the strategy built and wrapped the model"),
+        Metric("checkpoint_stall_s", "s", "max", "saver", "seconds a save blocked the loop since the last log"),
+        Metric("skipped_steps", "", "same", "guard", "steps not applied, not being finite (trainer.nonfinite=skip)"),
+        Metric("comm_bytes_formula", "bytes", "same", "planner", "the planner's bytes a rank sends per optimizer step"),
+        Metric("plan_peak_bytes", "bytes", "same", "planner", "the planner's peak per rank for this run"),
+        Metric(
+            "model_state_bytes", "bytes", "max", "strategy", "parameters + gradients + optimizer state on the device"
+        ),
+        Metric("offloaded_state_bytes", "bytes", "max", "strategy", "the same, held in host memory or on NVMe"),
+        Metric("comm_calls", "", "max", "strategy", "gradient-synchronisation collectives of the last step"),
+        Metric("comm_bytes", "bytes", "max", "strategy", "their payload"),
+        Metric("comm_sent_bytes", "bytes", "max", "strategy", "the ring bytes a rank sent in the last step"),
+        Metric("loss_scale", "", "max", "strategy", "precision=fp16: the loss scaler's scale after the step"),
+    )
+}
+
+
+def declared(name: str) -> Metric:
+    """The declaration of `name`; KeyError (one line) for a figure nobody declared."""
+    try:
+        return METRICS[name]
+    except KeyError:
+        raise KeyError(
+            f"the figure {name!r} has no declaration in launcher/metrics.py: declare its unit and its reduction over "
+            "ranks there"
+        ) from None
+
+
+def over_ranks(
+    figures: dict[str, float], sum_: Callable[[list[float]], list[float]], max_: Callable[[list[float]], list[float]]
+) -> dict[str, float]:
+    """This rank's `figures`, reduced over ranks by each one's declaration (collective: every rank passes the same
+    names, in the same order); `sum_` and `max_` are the all-reduces, called once each where there is a figure for
+    them. Figures that are the same on every rank, or rank 0's own, are returned as they are."""
+    out = dict(figures)
+    for reduction, reduce in (("sum", sum_), ("max", max_)):
+        names = [name for name in figures if declared(name).reduction == reduction]
+        if names:
+            out.update(zip(names, reduce([figures[name] for name in names]), strict=True))
+    return out
+
+
+def table() -> str:
+    """The README's table of logged figures, from the declarations (`python -m launcher.metrics` prints it)."""
+    lines = ["| figure | unit | over ranks | reported by | what it is |", "|---|---|---|---|---|"]
+    for m in METRICS.values():
+        lines.append(f"| `{m.name}` | {m.unit or '—'} | {m.reduction} | {m.by} | {m.doc} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
