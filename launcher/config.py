@@ -8,8 +8,6 @@ config-only commands stay fast. The caller passes what it detected about the mac
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,39 +52,6 @@ def freeze(cfg: DictConfig) -> DictConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(str(e).strip().splitlines()[0]) from e
     return OmegaConf.create(plain)  # type: ignore[arg-type]
-
-
-# What a run is, for resume=auto and for who owns a run directory: the config minus how it is launched (strategy,
-# world size, device, rendezvous, logger, planner settings, where it resumes from) and how long or how verbosely it
-# runs. A checkpoint is strategy-neutral, so the same run may continue under another strategy or world size.
-NOT_IDENTITY = ("derived", "job", "resume", "rdzv", "logger", "plan", "strategy", "gpus", "nodes", "device")
-TRAINER_IDENTITY = ("schedule", "warmup_steps", "min_lr_ratio", "grad_clip")
-"""The trainer keys that change what is computed; the others (max_steps, logging, checkpoints, timeouts) do not."""
-
-
-def identity_hash(frozen: DictConfig) -> str:
-    """Hash of what defines the run (see NOT_IDENTITY): equal for a resumed or restarted run, different for a
-    sweep's other jobs."""
-    plain: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
-    core = {k: v for k, v in plain.items() if k not in NOT_IDENTITY}
-    core["trainer"] = {k: v for k, v in plain.get("trainer", {}).items() if k in TRAINER_IDENTITY}
-    core["data"] = {k: v for k, v in plain.get("data", {}).items() if k not in ("workers", "_check_")}  # how it is read
-    return hashlib.sha256(json.dumps(core, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def sweep_identity(overrides: Any) -> list[str]:
-    """A sweep job's identity among the jobs of its sweep: its overrides, sorted, without those that one changes to
-    continue a run (resume, how long and how verbosely it runs, logger, rendezvous, planner). Two jobs of a sweep
-    may share an identity hash (a sweep over strategies); their overrides still tell them apart."""
-    kept = []
-    for override in overrides or ():
-        key = str(override).lstrip("+~").split("=", 1)[0]
-        group, _, leaf = key.partition(".")
-        continues = key == "resume" or group in ("logger", "rdzv", "plan", "hydra")
-        continues = continues or (group == "trainer" and leaf not in TRAINER_IDENTITY)
-        if not continues:
-            kept.append(str(override))
-    return sorted(kept)
 
 
 @dataclass(frozen=True)
@@ -184,7 +149,7 @@ def _check_trainer(trainer: DictConfig) -> None:
 
 def _check_targets(cfg: DictConfig) -> None:
     """Every `_target_` must import here, in the launcher, rather than in every worker."""
-    from hydra._internal.utils import _locate
+    from launcher.targets import locate
 
     for group in ("strategy", "model", "data", "optim", "logger"):
         target = OmegaConf.select(cfg, f"{group}._target_", default=None)
@@ -193,7 +158,7 @@ def _check_targets(cfg: DictConfig) -> None:
                 f"{group} has no _target_; name the class or function to build it with {group}._target_=..."
             )
         try:
-            _locate(str(target))
+            locate(str(target))
         except ImportError as e:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             reason = lines[-1] if lines else type(e).__name__

@@ -84,13 +84,13 @@ def build_on_meta(model_cfg: DictConfig) -> Any:
 def _from_config_twin(model_cfg: DictConfig) -> Any:
     """A transformers `Class.from_pretrained(path)` refuses the meta device (it wants to load weights): the same
     architecture is `Class.from_config(Class's config from path)`, which builds on the meta device for free."""
-    from hydra._internal.utils import _locate
+    from launcher.targets import locate
 
     target = str(model_cfg.get("_target_", ""))
     path = model_cfg.get("pretrained_model_name_or_path")
     if not target.endswith(".from_pretrained") or path is None:
         return None
-    owner = _locate(target.removesuffix(".from_pretrained"))
+    owner = locate(target.removesuffix(".from_pretrained"))
     config_class = getattr(owner, "config_class", None)
     if config_class is None:  # an Auto class
         from transformers import AutoConfig as config_class

@@ -1,4 +1,6 @@
-"""The valid values of the schema's numeric fields, declared once beside each field and checked by one function."""
+"""What the schema declares beside each field, once: the valid values of a numeric field (`ranged`, checked by
+`check_ranges`), and whether a field is part of the run's identity (`identity=False`: how a run is launched or
+watched, not what it computes; read by `untracked`)."""
 
 from __future__ import annotations
 
@@ -35,23 +37,28 @@ PORT = Range(low=1, high=65535, rule="a port in [1, 65535]")
 ZERO_STAGE = Range(low=1, high=3, rule="a ZeRO stage: 1, 2 or 3")
 
 
-def ranged(default: Any, valid: Range) -> Any:
-    """A field with its valid range; None (an unset optional) is always valid."""
-    return field(default=default, metadata={"range": valid})
+def ranged(default: Any, valid: Range, identity: bool = True) -> Any:
+    """A field with its valid range; None (an unset optional) is always valid. `identity=False`: see `launch_only`."""
+    return field(default=default, metadata={"range": valid, "identity": identity})
 
 
-def check_ranges(cfg: Any, path: str = "") -> str | None:
-    """The first value of a composed config outside its field's range, as a one-line error; None if all are in.
+def launch_only(default: Any = None, factory: Any = None, valid: Range | None = None) -> Any:
+    """A field that changes how a run is launched, watched or kept (its length, logs, checkpoints, timeouts, world
+    size), not what it computes from step to step: not part of its identity (`untracked`), so the same run resumes
+    with another value. Every other field counts."""
+    metadata = {"range": valid, "identity": False}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
-    Reads each node's schema (its dataclass) from the composed config itself: every `ranged` field of every
-    schema is checked, with no list of fields kept anywhere else.
-    """
+
+def _fields(cfg: Any, path: str = "") -> Any:
+    """(dotted key, the schema's field or None, value) of every set value of a composed config, depth first: each
+    node's schema (its dataclass) read from the config itself."""
     import dataclasses
 
     from omegaconf import DictConfig
 
-    if not isinstance(cfg, DictConfig):
-        return None
     schema = OmegaConf.get_type(cfg)
     fields = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
     for key in cfg:
@@ -62,10 +69,30 @@ def check_ranges(cfg: Any, path: str = "") -> str | None:
             value = cfg[key]
         except Exception:  # an interpolation that does not resolve: freeze() names it
             continue
-        valid = fields[key].metadata.get("range") if key in fields else None
+        yield name, fields.get(str(key)), value
+        if isinstance(value, DictConfig):
+            yield from _fields(value, name)
+
+
+def untracked(cfg: Any) -> set[str]:
+    """The dotted keys of a composed config that are not part of the run's identity (`launch_only` fields), outermost
+    only: a node left out is left out whole."""
+    left_out: set[str] = set()
+    for name, spec, _ in _fields(cfg):
+        inside = any(name.startswith(f"{outer}.") for outer in left_out)
+        if spec is not None and not spec.metadata.get("identity", True) and not inside:
+            left_out.add(name)
+    return left_out
+
+
+def check_ranges(cfg: Any) -> str | None:
+    """The first value of a composed config outside its field's range, as a one-line error; None if all are in.
+
+    Reads each node's schema (its dataclass) from the composed config itself: every `ranged` field of every
+    schema is checked, with no list of fields kept anywhere else.
+    """
+    for name, spec, value in _fields(cfg):
+        valid = spec.metadata.get("range") if spec is not None else None
         if valid is not None and value is not None and not isinstance(value, bool) and not valid.holds(value):
             return f"{name}={value} is invalid: it must be {valid.rule}"
-        problem = check_ranges(value, name) if isinstance(value, DictConfig) else None
-        if problem:
-            return problem
     return None

@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from launcher.groups import choices
-from launcher.ranges import COUNT, FRACTION, PORT, POSITIVE, SIZE, UNIT, ZERO_STAGE, check_ranges, ranged
+from launcher.ranges import COUNT, FRACTION, PORT, POSITIVE, SIZE, UNIT, ZERO_STAGE, check_ranges, launch_only, ranged
 
 __all__ = ["check_ranges", "choices", "register"]  # the checks and the options read from here
 
@@ -57,13 +57,13 @@ class BatchConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = ranged(300, SIZE)
+    max_steps: int = ranged(300, SIZE, identity=False)
     """Optimizer steps to run."""
-    log_every: int = ranged(10, SIZE)
+    log_every: int = ranged(10, SIZE, identity=False)
     """Log metrics every N optimizer steps (the last step is always logged)."""
-    eval_every: int = ranged(100, COUNT)
+    eval_every: int = ranged(100, COUNT, identity=False)
     """Validation loss every N optimizer steps (and at the end); 0 disables."""
-    eval_batches: int = ranged(4, SIZE)
+    eval_batches: int = ranged(4, SIZE, identity=False)
     """Global batches in one validation pass (the same samples whatever the world size)."""
     grad_clip: float = ranged(1.0, COUNT)
     """Clip the global gradient norm to this value; 0 disables clipping."""
@@ -73,44 +73,44 @@ class TrainerConfig:
     """Linear warmup from 0 to optim.lr over this many steps."""
     min_lr_ratio: float = ranged(0.1, UNIT)
     """Final learning rate as a fraction of optim.lr (cosine and linear schedules)."""
-    max_restarts: int = ranged(0, COUNT)
+    max_restarts: int = ranged(0, COUNT, identity=False)
     """Times the elastic agent restarts the worker group after a failure."""
-    fork_workers: bool = True
+    fork_workers: bool = launch_only(True)
     """On CPU, workers are forked from the launcher (torch already imported); false: started afresh, as on CUDA."""
-    collective_timeout: float = ranged(600.0, POSITIVE)
+    collective_timeout: float = ranged(600.0, POSITIVE, identity=False)
     """Seconds a collective may wait before the process group gives up."""
-    progress: bool = True
+    progress: bool = launch_only(True)
     """Show a progress bar on rank 0."""
-    checkpoint_every: int = ranged(0, COUNT)
+    checkpoint_every: int = ranged(0, COUNT, identity=False)
     """Save a checkpoint every N optimizer steps (0: only at the end)."""
-    save_at_end: bool = True
+    save_at_end: bool = launch_only(True)
     """Save a checkpoint after the last step; false for smoke runs (a stop signal still saves)."""
-    stop_timeout: int = ranged(120, SIZE)
+    stop_timeout: int = ranged(120, SIZE, identity=False)
     """Seconds workers get, after a stop signal, to finish the step and save before they are killed."""
-    keep_last: int = ranged(2, COUNT)
+    keep_last: int = ranged(2, COUNT, identity=False)
     """Complete checkpoints kept in the run directory; older ones are deleted (0 keeps all)."""
-    async_checkpoint: bool = False
+    async_checkpoint: bool = launch_only(False)
     """Save checkpoints in the background (DCP's async_save): the state is copied to host memory, the loop goes on
     while it is written, and the checkpoint becomes visible (manifest, `latest`) once every rank's write is over;
     one save in flight at a time, the end of the run and a stop wait for it."""
-    compile: bool = False
+    compile: bool = launch_only(False)
     """torch.compile each transformer block (the strategy's units), after activation checkpointing, before sharding."""
-    peak_tflops: float | None = ranged(None, POSITIVE)
+    peak_tflops: float | None = ranged(None, POSITIVE, identity=False)
     """Peak FLOPS per device, in TFLOPS, for the logged MFU; unset: looked up by GPU name (none on CPU)."""
-    profile_steps: list[int] | None = None
+    profile_steps: list[int] | None = launch_only(None)
     """[first, last]: torch.profiler over those optimizer steps on every rank, one trace per rank in
     <run dir>/profile/, rank 0's top ops printed; unset: no profiler (and no cost)."""
-    profile_stacks: bool = False
+    profile_stacks: bool = launch_only(False)
     """Record Python stacks in the profile too (larger traces)."""
-    memory_snapshot: bool = False
+    memory_snapshot: bool = launch_only(False)
     """CUDA: record the allocator's history from the start, and dump a snapshot into <run dir>/memory/ at
     memory_snapshot_step and on an out-of-memory error (view it at pytorch.org/memory_viz)."""
-    memory_snapshot_step: int | None = ranged(None, SIZE)
+    memory_snapshot_step: int | None = ranged(None, SIZE, identity=False)
     """The optimizer step after which a snapshot is dumped; unset: only on an out-of-memory error."""
-    nonfinite: NonFinite = NonFinite.stop
+    nonfinite: NonFinite = launch_only(NonFinite.stop)
     """A step whose loss (on any rank) or gradient norm is NaN or Inf is never applied; then stop the run, or skip
     the step. Under precision=fp16 a gradient overflow with finite losses is the loss scaler's own skip, not this."""
-    max_skipped: int = ranged(10, SIZE)
+    max_skipped: int = ranged(10, SIZE, identity=False)
     """trainer.nonfinite=skip: stop after this many non-finite steps in a row."""
 
 
@@ -147,7 +147,7 @@ class PySourceDataConfig:
     val_fraction: float = ranged(0.05, FRACTION)
     format: DataFormat = DataFormat.tuple
     """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
-    workers: int = ranged(0, COUNT)
+    workers: int = ranged(0, COUNT, identity=False)
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
     packing: bool = True
     """true: files end to end in full windows; false: one sample per file chunk, the last one padded (-100 targets)."""
@@ -161,7 +161,7 @@ class SyntheticDataConfig:
     num_samples: int = ranged(16384, SIZE)
     format: DataFormat = DataFormat.tuple
     """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
-    workers: int = ranged(0, COUNT)
+    workers: int = ranged(0, COUNT, identity=False)
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
 
 
@@ -174,7 +174,7 @@ class TokensDataConfig:
     val_fraction: float = ranged(0.01, FRACTION)
     format: DataFormat = DataFormat.tuple
     """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
-    workers: int = ranged(0, COUNT)
+    workers: int = ranged(0, COUNT, identity=False)
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
 
 
@@ -204,6 +204,12 @@ class CustomOptimConfig:
     lr: float = ranged(1e-3, COUNT)
 
 
+class GradCompression(Enum):
+    none = "none"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 @dataclass
 class DDPStrategyConfig:
     _target_: str = "strategies.ddp.DDP"
@@ -221,6 +227,9 @@ class DDPStrategyConfig:
     moe_blocks: list[str] | None = None
     """Class names of the mixture-of-experts blocks (each gives every parameter a gradient, zero where a rank used no
     expert of it); unset: the modules with a child named `experts`."""
+    grad_compression: GradCompression = GradCompression.none
+    """The gradient all-reduce on the wire: none (fp32), or bf16/fp16 (torch's compression hook: half the bytes, each
+    gradient rounded to 16 bits before it is summed)."""
 
 
 class FSDPOffload(Enum):
@@ -364,25 +373,26 @@ class AutoStrategyConfig:
 
 @dataclass
 class LaunchConfig:
-    strategy: Any = MISSING
+    strategy: Any = launch_only(MISSING)
+    """A checkpoint is strategy-neutral: the same run may go on under another strategy or world size."""
     model: Any = MISSING
     data: Any = MISSING
     optim: Any = MISSING
-    logger: Any = MISSING
-    gpus: int | None = ranged(None, SIZE)
+    logger: Any = launch_only(MISSING)
+    gpus: int | None = ranged(None, SIZE, identity=False)
     """Worker processes per node (one per GPU); unset: every visible GPU, or 2 on CPU."""
-    nodes: int = ranged(1, SIZE)
+    nodes: int = ranged(1, SIZE, identity=False)
     """Machines in the job; world size = nodes x gpus."""
-    device: Device = Device.auto
+    device: Device = launch_only(Device.auto)
     """auto picks cuda when a GPU is visible, else cpu."""
     precision: Precision = Precision.fp32
     seed: int = ranged(1337, COUNT)
     batch: BatchConfig = field(default_factory=BatchConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    resume: str | None = None
+    resume: str | None = launch_only(None)
     """Continue from a checkpoint: auto (the newest among earlier runs), a run directory or a checkpoint folder."""
-    rdzv: RdzvConfig = field(default_factory=RdzvConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
+    rdzv: RdzvConfig = launch_only(factory=RdzvConfig)
+    plan: PlanConfig = launch_only(factory=PlanConfig)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

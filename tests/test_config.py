@@ -156,3 +156,48 @@ def test_the_sweeps_of_every_strategy_list_every_preset_this_machine_runs(sweep:
     swept = str(cfg.hydra.sweeper.params.strategy).split(",")
     expected = set(GROUPS["strategy"]) - {"auto"} - ({"zero_infinity"} if async_io_problem() else set())
     assert sorted(swept) == sorted(expected), swept
+
+
+def _perturbed(value: object) -> list[object]:
+    """Other values of a leaf's type, the first one inside its range tried first."""
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [value + 1, value - 1]
+    if isinstance(value, float):
+        return [value / 2 if value else 0.5, 0.5]
+    if isinstance(value, str):
+        return [f"{value}x"]
+    return []
+
+
+@pytest.mark.unit
+def test_every_key_is_part_of_the_run_identity_unless_its_schema_marks_it() -> None:
+    """Each scalar of the composed default config, changed alone: the identity hash changes exactly where the
+    schema does not mark the key `launch_only` (a key added without a mark counts, with no list to update)."""
+    from enum import Enum
+
+    from launcher.identity import identity_hash
+    from launcher.ranges import _fields, untracked
+
+    base = _compose("data=synthetic")
+    reference = identity_hash(freeze(base), base)
+    left_out = untracked(base)
+    counted, marked = 0, 0
+    for name, _, value in list(_fields(base)):
+        if isinstance(value, Enum) or value is None or OmegaConf.is_config(value) or name.endswith("_target_"):
+            continue
+        for other in _perturbed(value):
+            cfg = base.copy()
+            try:
+                OmegaConf.update(cfg, name, other)
+                frozen = freeze(cfg)
+            except (ConfigError, ValueError, TypeError):
+                continue  # outside the field's range or type: the next candidate
+            out = any(name == k or name.startswith(f"{k}.") for k in left_out)
+            assert (identity_hash(frozen, cfg) == reference) == out, (name, value, other, out)
+            counted, marked = counted + (not out), marked + out
+            break
+    assert counted >= 15 and marked >= 20, (counted, marked)  # the walk reached both kinds
+    assert {"trainer.max_steps", "trainer.log_every", "gpus", "rdzv", "plan"} <= left_out
+    assert not {"trainer.grad_clip", "trainer.warmup_steps", "optim.lr", "seed", "model.n_layer"} & left_out
