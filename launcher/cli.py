@@ -67,8 +67,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     error = precheck(argv)
     if error:
         fail(error)
+    from launcher.clusters import submission
+
     try:
-        argv += submitit_overrides(argv)
+        argv += submission(argv)  # a submission to a cluster (hydra/launcher=submitit_slurm): the run's shape
     except ValueError as e:
         fail(str(e))
     sys.argv = [sys.argv[0], *argv]
@@ -86,11 +88,11 @@ def plan(overrides: list[str]) -> int:
     from hydra import initialize_config_module
 
     from launcher.config import ConfigError
-    from launcher.plan.commands import main as plan_main  # imports torch (never deepspeed or wandb)
+    from launcher.plan.commands import plan_command  # imports torch (never deepspeed or wandb)
 
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return plan_main(overrides)
+            return plan_command(overrides)
     except ConfigError as e:
         # Overrides that do not compose get the launcher's usual one-line report (checked only now: it composes too).
         fail(check_overrides(overrides) or str(e))
@@ -117,7 +119,7 @@ def convert(args: Sequence[str]) -> None:
         fail(f"out={out} writes the weights alone; model overrides ({overrides[0]}) are for out=DIR")
     if out.suffix == ".safetensors" and merge:
         fail(f"merge=true writes a model folder; use out=DIR (not out={out}) with the run's model overrides")
-    from launcher.checkpoint import CheckpointError
+    from launcher.checkpoint.format import CheckpointError
     from launcher.config import ConfigError, freeze
     from launcher.convert import convert as write
 
@@ -135,36 +137,6 @@ def convert(args: Sequence[str]) -> None:
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         fail(str(e).splitlines()[0])
     print(f"launch: wrote {written}")
-
-
-# One elastic agent per node starts the node's workers, so a submitit job has one task per node
-# and asks SLURM for `gpus` GPUs per node: its shape follows `nodes` and `gpus`, set in one place.
-SUBMITIT_SHAPE = {"nodes": "nodes", "gpus_per_node": "gpus", "tasks_per_node": None}
-
-
-def submitit_overrides(argv: Sequence[str]) -> list[str]:
-    """Extra overrides that give a submitit job the run's shape and a rendezvous secret; ValueError if the user set
-    a contradicting shape."""
-    launcher = [a.split("=", 1)[1] for a in argv if a.startswith("hydra/launcher=")]
-    if not launcher or not launcher[-1].startswith("submitit"):
-        return []
-    given = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith(("-", "+", "~")))
-    extra = []
-    for key, source in SUBMITIT_SHAPE.items():
-        want = "1" if source is None else given.get(source, f"${{{source}}}")
-        have = given.get(f"hydra.launcher.{key}")
-        if have is None:
-            extra.append(f"hydra.launcher.{key}={want}")
-        elif have != want:
-            fix = (
-                "1: one launcher per node starts the workers" if source is None else f"{want}, or set {source}= instead"
-            )
-            raise ValueError(f"hydra.launcher.{key}={have} contradicts the run's shape; use hydra.launcher.{key}={fix}")
-    if "rdzv.secret" not in given:  # made here, at submission: the nodes' rendezvous id and port derive from it
-        import secrets
-
-        extra.append(f"rdzv.secret={secrets.token_hex(8)}")
-    return extra
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ from omegaconf import OmegaConf
 from processes import free_port
 
 from launcher import schema
-from launcher.cli import submitit_overrides
+from launcher.clusters.slurm import expand_hostlist, submitit_overrides
 from launcher.config import ConfigError, derive, freeze
 from launcher.machine import ephemeral_port_floor
-from launcher.rendezvous import expand_hostlist, rendezvous
+from launcher.rendezvous import rendezvous
 
 schema.register()
 JOB = [*TINY, "batch.global_size=16", "trainer.max_steps=5"]
