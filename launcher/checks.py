@@ -10,8 +10,25 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config import ConfigError, sweep_identity
+from launcher.config import ConfigError
 from launcher.context import make_strategy, run_context
+from launcher.identity import sweep_identity
+from strategies import Strategy
+
+PROTOCOL = tuple(name for name, value in vars(Strategy).items() if callable(value) and not name.startswith("_"))
+"""The methods of `strategies.base.Strategy`."""
+
+
+def check_protocol(frozen: DictConfig) -> None:
+    """The strategy implements the whole protocol (not one of the user's written to an older one), before anything
+    reads it: the planner, its own checks."""
+    strategy = make_strategy(frozen.strategy)
+    missing = [name for name in PROTOCOL if not callable(getattr(strategy, name, None))]
+    if missing:
+        raise ConfigError(
+            f"strategy {frozen.strategy._target_} lacks {', '.join(f'{m}()' for m in missing)} of the Strategy "
+            "protocol (strategies/base.py): add them, e.g. collectives() returning the collectives of one step"
+        )
 
 
 def check_strategy(frozen: DictConfig, model: Any) -> None:
@@ -25,7 +42,8 @@ def check_strategy(frozen: DictConfig, model: Any) -> None:
 
 def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Path | None:
     """The checkpoint `resume=` names, checked against the model's shapes; None when there is none."""
-    from launcher.checkpoint import CheckpointError, check_fits, find_resume
+    from launcher.checkpoint.format import CheckpointError
+    from launcher.checkpoint.loading import check_fits, find_resume
 
     try:
         identity = {"config_hash": frozen.job.config_hash, "sweep_dir": frozen.job.get("sweep_dir")}
@@ -44,7 +62,8 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Path | None:
 
 def _check_steps_left(checkpoint: Path, max_steps: int) -> None:
     """A checkpoint at or past trainer.max_steps leaves nothing to train: refused, not a run that says nothing."""
-    from launcher.untrusted import UntrustedDataError, read_manifest
+    from launcher.checkpoint.format import read_manifest
+    from launcher.checkpoint.untrusted import UntrustedDataError
 
     try:
         step = read_manifest(checkpoint)["step"]
@@ -77,7 +96,7 @@ def check_keys(frozen: DictConfig) -> None:
 def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] = ()) -> None:
     import inspect
 
-    from hydra._internal.utils import _locate
+    from launcher.targets import locate
 
     if not isinstance(node, DictConfig) or "_target_" not in node:
         return
@@ -86,7 +105,7 @@ def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] =
     for key in given:
         _check_node_keys(node.get(key), f"{path}.{key}", group)
     try:
-        parameters = inspect.signature(_locate(target)).parameters.values()
+        parameters = inspect.signature(locate(target)).parameters.values()
     except (ImportError, TypeError, ValueError):  # not importable (derive says so) or no signature to read
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
@@ -283,9 +302,9 @@ def _meta_artefact(e: BaseException) -> str | None:
 
 def _check_logger(frozen: DictConfig) -> None:
     """The logger's own `check` of its settings, when it has one (the wandb logger does), without starting a run."""
-    from hydra._internal.utils import _locate
+    from launcher.targets import locate
 
-    target = _locate(str(frozen.logger._target_))
+    target = locate(str(frozen.logger._target_))
     check = getattr(target, "check", None)
     if callable(check):
         settings = {k: v for k, v in OmegaConf.to_container(frozen.logger).items() if not str(k).startswith("_")}

@@ -6,6 +6,8 @@ starts, and the planner builds strategies to read their layouts. One function ea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from omegaconf import DictConfig
 
 from strategies import RunContext, Strategy
@@ -33,3 +35,45 @@ def make_strategy(strategy: DictConfig) -> Strategy:
     from hydra.utils import instantiate
 
     return instantiate(strategy, _convert_="all")
+
+
+def with_presets(frozen: DictConfig, names: Sequence[str]) -> dict[str, DictConfig]:
+    """The frozen run config with each preset conf/strategy/<name>.yaml as its strategy, by name (each frozen).
+    Inside a compose context (the app's, or a caller's)."""
+    from hydra import compose
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from launcher.config import ConfigError, freeze
+
+    # One composition of the strategy group alone, each preset at a key of its own: a fifth of the time of
+    # composing the whole config once per preset (`launch plan` has 3 s).
+    try:
+        presets = compose(None, overrides=[f"+strategy@{name}={name}" for name in names])
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from e
+    configs = {}
+    for name in names:
+        cfg = OmegaConf.create(OmegaConf.to_container(frozen))
+        cfg.strategy = presets[name]
+        configs[name] = freeze(cfg)
+    return configs
+
+
+def preset_strategies(names: list[str]) -> dict[str, Strategy]:
+    """Each preset of conf/strategy/ built as a run of the default config builds it, for what it declares of itself
+    (`layout`, `collectives`, `requirements`, `conformance`)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from launcher.config import freeze
+
+    def build() -> dict[str, Strategy]:
+        configs = with_presets(freeze(compose("config")), names)
+        return {name: make_strategy(cfg.strategy) for name, cfg in configs.items()}
+
+    if GlobalHydra.instance().is_initialized():  # inside the app, or a caller's compose context
+        return build()
+    with initialize_config_module("launcher.conf", version_base="1.3"):
+        return build()

@@ -1,10 +1,8 @@
 """The parent side of a run: freeze and check the config, write `resolved.yaml`, start the workers.
 
-    cli (Hydra app) -> launch.run_job: freeze, derive, build the model on the meta device once, let strategy=auto
-    choose, check (strategy, resume), write resolved.yaml -> torch's elastic agent -> `python -m launcher.worker`
-
-The workers are started as a command, never imported from here: launch sits above the worker, the runner and
-the strategies, and below the CLI; the planner (`launcher.plan`), the checks and the machine probes sit below it.
+cli (Hydra app) -> launch.run_job: freeze, derive, build the model on the meta device once, let strategy=auto
+choose, check (strategy, resume), write resolved.yaml -> torch's elastic agent -> the workers (forked from here
+on CPU, `python -m launcher.worker` on CUDA), each reading resolved.yaml; where the job runs: `launcher.clusters`
 """
 
 from __future__ import annotations
@@ -24,10 +22,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.checks import check_built, check_keys, check_resume, check_strategy, vocabulary
-from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze, identity_hash
+from launcher.checks import check_built, check_keys, check_protocol, check_resume, check_strategy, vocabulary
+from launcher.clusters import detect
+from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze
 from launcher.durable import disk_error
 from launcher.failures import lost_node, oom_kills, rank_lines, secondary
+from launcher.identity import identity_hash
 from launcher.lifecycle import (
     DUMP_SIGNAL,
     FAILURE_DIR_ENV,
@@ -78,6 +78,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         name, frozen = choose(frozen, derived, model)
         if job and "choices" in job:
             job = {**job, "choices": {**job["choices"], "strategy": name}}  # record what runs, for reports and names
+    check_protocol(frozen)  # before the planner reads the strategy (a user's, written to an older protocol)
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(model)
@@ -86,8 +87,10 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         "model": size.as_dict(),
         "plan_peak_bytes": planned_peak(frozen, derived, size),
         "vocab_size": vocabulary(model),  # the workers check user data's token ids against it
+        "cluster": rdzv.job.cluster,
+        "shared_run_dir": rdzv.job.shared_run_dir,  # the nodes' ranks check that they see one run directory
     }
-    resolved["job"] = {**(job or {}), "config_hash": identity_hash(frozen)}
+    resolved["job"] = {**(job or {}), "config_hash": identity_hash(frozen, cfg)}
     _name_logger_run(resolved)
     frozen = OmegaConf.create(resolved)
     check_strategy(frozen, model)
@@ -119,6 +122,7 @@ def check_job(cfg: DictConfig) -> None:
         check_built(frozen, model)
         if is_auto(frozen):
             _, frozen = choose(frozen, derived, model)
+        check_protocol(frozen)
         check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), model)
 
 
@@ -135,6 +139,8 @@ def _name_logger_run(resolved: dict[str, Any]) -> None:
 def describe(cfg: DictConfig, derived: Derived, rdzv: Rendezvous, run_dir: Path) -> str:
     b = cfg.batch
     where = f" via rendezvous {rdzv.endpoint} (id {rdzv.run_id})" if derived.nodes > 1 else ""
+    if rdzv.job.cluster != "local":
+        where += f", node {rdzv.job.node_rank} of a {rdzv.job.cluster} job"
     return (
         f"launch: {derived.nodes} node(s) x {derived.gpus} {derived.device} worker(s) "
         f"= world size {derived.world_size}{where}; "
@@ -380,7 +386,7 @@ class _QuietFileHandler(logging.FileHandler):
 
 def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, Any]) -> Outcome:
     """The workers saved and stopped on a signal: say where the checkpoint is and how to go on."""
-    from launcher.checkpoint import latest
+    from launcher.checkpoint.format import latest
 
     saved = latest(run_dir / "checkpoints")
     where = (
@@ -389,7 +395,5 @@ def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, 
         else "no checkpoint was saved"
     )
     print(f"launch: stopped by {sig.name}: {where}", file=sys.stderr, flush=True)
-    handler = previous.get(sig)
-    if callable(handler):  # e.g. submitit's SIGUSR2 handler, which requeues the SLURM job
-        handler(sig, None)
+    detect(os.environ).stopped(sig, previous.get(sig))  # SLURM: submitit's handler requeues the job
     return Outcome(128 + sig, f"stopped by {sig.name}")

@@ -10,6 +10,7 @@ here imports `launcher`: the planner imports the ring formula from `strategies.c
 - `deepspeed/`: DeepSpeed ZeRO stages and offload, one strategy with presets.
 """
 
-from strategies.base import Layout, Placement, RunContext, Strategy, Transients
+from strategies.base import RunContext, Strategy
+from strategies.declarations import Layout, Placement, Transients
 
 __all__ = ["Layout", "Placement", "RunContext", "Strategy", "Transients"]

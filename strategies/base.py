@@ -1,4 +1,5 @@
-"""The strategy protocol and the free helpers that strategies share."""
+"""The strategy protocol and the free helpers that strategies share; what a strategy declares of itself (its layout,
+collectives, requirements and conformance) is in `strategies.declarations`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from strategies.declarations import Collective, Conformance, Layout, Requirements
 
 ModelFactory = Callable[..., nn.Module]
 """`build_model()` builds the model for real; `build_model(meta=True)` on the meta device (no memory, no values)."""
@@ -44,88 +47,6 @@ class RunContext:
         return torch.device(self.device).type
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where one kind of model state lives, and whether each rank holds all of it or 1/G."""
-
-    sharded: bool
-    where: str = "device"
-    """device | cpu | nvme"""
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """The ranks as `replicate` x `shard` (FSDP2's 2-D device mesh, HSDP): sharded state is split 1/shard within
-    each group of `shard` consecutive ranks and replicated across the `replicate` groups. One group
-    (replicate_size=1, the default) is plain sharding over every rank: FSDP, ZeRO."""
-
-    shard_size: int | None = None
-    """Ranks a sharded kind is split over; None: the world size / replicate_size, or with both unset the GPUs of a
-    node (then each node is one shard group and the nodes are replicas)."""
-    replicate_size: int | None = 1
-    """Shard groups holding replicas of each other; None: the world size / shard_size."""
-
-    def shape(self, world_size: int, gpus: int | None = None) -> tuple[int, int]:
-        """(replicate, shard) for `world_size` ranks of `gpus` per node (None: one node); ValueError (one line:
-        the bad value and the fix) when the sizes do not tile the world."""
-        shard, replicate = self.shard_size, self.replicate_size
-        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-        for key, size in (("shard_size", shard), ("replicate_size", replicate)):
-            if size is not None and world_size % size:
-                raise ValueError(
-                    f"strategy.{key}={size} does not divide the world size {world_size} (nodes x gpus); "
-                    f"use one of {divisors}, or leave it null to derive it"
-                )
-        if shard is None:
-            shard = world_size // replicate if replicate is not None else (gpus or world_size)
-        replicate = world_size // shard if replicate is None else replicate
-        if replicate * shard != world_size:
-            raise ValueError(
-                f"strategy.replicate_size={replicate} x strategy.shard_size={shard} is {replicate * shard} ranks, "
-                f"not the world size {world_size}; set one of them to null to derive it from the other"
-            )
-        return replicate, shard
-
-
-@dataclass(frozen=True)
-class Transients:
-    """What a rank holds at its peak beyond its model state, in buffers the size of the whole model (`model_*`) or of
-    its largest unit (`unit_*`, FSDP's and ZeRO-3's gathering unit), counted in weights (the dtype the forward
-    reads) or in gradients (their reduction dtype)."""
-
-    mixed_weight_copies: float = 0.0
-    """Whole-model copies in the compute dtype that exist only under mixed precision (autocast's casts of fp32
-    weights, kept for the backward)."""
-    model_grads: float = 0.0
-    """Whole-model gradient buffers, in any step: DeepSpeed's reduce buckets (each 1/8 of the model)."""
-    full_grads: float = 0.0
-    """Whole-model gradients held through the backward beyond the state's own: ZeRO-1 reduces only at its end. A
-    sharded strategy's full gradients replace the 1/G shard its state counts."""
-    full_grads_accumulating: float = 0.0
-    """The same, while micro-steps accumulate without synchronising (K > 1): unsharded gradients (FSDP, ZeRO),
-    DDP's gradients outside its buckets."""
-    unit_weights: float = 0.0
-    unit_grads: float = 0.0
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A strategy's memory rule: the planner and the conformance suite both read it."""
-
-    params: Placement
-    grads: Placement
-    optimizer: Placement
-    """Optimizer moments, and fp32 master weights where the strategy keeps them."""
-    master_weights: bool = False
-    """The optimizer keeps its own fp32 copy of the parameters (placed like its state), even in fp32 training."""
-    low_precision_weights: bool = False
-    """Under mixed precision its stored weights are in the compute dtype (DeepSpeed); otherwise they stay fp32 and
-    the compute dtype is a transient copy (torch's autocast, FSDP's MixedPrecisionPolicy)."""
-    transients: Transients = Transients()
-    mesh: Mesh = Mesh()
-    """How the sharded kinds are split: over every rank (the default), or within shard groups (HSDP)."""
-
-
 @runtime_checkable
 class Strategy(Protocol):
     """How the common runner drives any data-parallel layout.
@@ -136,6 +57,18 @@ class Strategy(Protocol):
 
     def layout(self) -> Layout:
         """Which model state this strategy shards or offloads."""
+
+    def collectives(
+        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None
+    ) -> list[Collective]:
+        """The collectives of one optimizer step over a model of `params` parameters, at `accumulation` micro-steps
+        on `world_size` ranks of `gpus` per node: what the planner sums, what the strategy's counter must see."""
+
+    def requirements(self) -> Requirements:
+        """What this strategy, as configured, needs of the machine."""
+
+    def conformance(self) -> Conformance:
+        """What the conformance suite expects of it."""
 
     def check(self, ctx: RunContext, model: nn.Module) -> None:
         """Raise ValueError (one line: the bad value and the fix) for settings this strategy cannot run.

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-RING_PASSES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "reduce": 1}
-"""Ring passes per collective: an all-reduce is a reduce-scatter then an all-gather."""
+RING_PASSES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "reduce": 1, "all_to_all": 1}
+"""Ring passes per collective: an all-reduce is a reduce-scatter then an all-gather; an all-to-all sends each other
+rank its (G-1)/G share of the buffer once."""
 
 
 def ring_sent_elements(elements: float, world_size: int, collective: str = "all_reduce") -> float:

@@ -20,13 +20,9 @@ import torch
 from torch import nn
 
 from strategies.base import (
-    Layout,
-    Mesh,
     ModelFactory,
     OptimizerFactory,
-    Placement,
     RunContext,
-    Transients,
     autocast_dtype,
     call_model,
     compile_units,
@@ -40,6 +36,7 @@ from strategies.base import (
 )
 from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
+from strategies.declarations import Collective, Conformance, Layout, Mesh, Placement, Requirements, Transients
 from strategies.moe import (
     SameModulesCheck,
     block_classes,
@@ -139,6 +136,34 @@ class FSDP:
             full_grads_accumulating=0.0 if self.sync_each_microbatch else 1.0,  # unsharded until the last micro-step
         )
         return Layout(params=placed, grads=placed, optimizer=placed, transients=transients, mesh=self.mesh)
+
+    def collectives(
+        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None
+    ) -> list[Collective]:
+        """Per unit, summed over the model: its parameters all-gathered (in the compute dtype) before each micro-step's
+        forward and, resharded after it, again before its backward; its gradient reduce-scattered (in reduce_dtype)
+        once per step, or every micro-step under sync_each_microbatch; on an HSDP mesh the gradient shard (1/S)
+        all-reduced across the replicas as often."""
+        replicate, shard = self.mesh.shape(world_size, gpus)
+        weights = "fp32" if autocast_dtype(precision) is None else precision
+        syncs = accumulation if self.sync_each_microbatch else 1
+        gathers = accumulation * (2 if self.reshard_after_forward else 1)
+        found = [
+            Collective("all_gather", "shard", params, weights, times=gathers, sync=False),
+            Collective("reduce_scatter", "shard", params, self.reduce_dtype, times=syncs),
+        ]
+        if replicate > 1:
+            found.append(Collective("all_reduce", "replicate", params / shard, self.reduce_dtype, times=syncs))
+        return found
+
+    def requirements(self) -> Requirements:
+        return Requirements()
+
+    def conformance(self) -> Conformance:
+        replicate, shard = self.mesh.replicate_size, self.mesh.shard_size
+        if replicate is None and shard is None:  # strategy=hsdp: 2 replicas of a 2-rank shard group, the same K = 2
+            return Conformance(ranks=4, overrides=("strategy.shard_size=2", "batch.micro_size=2"))
+        return Conformance()
 
     def check(self, ctx: RunContext, model: nn.Module) -> None:
         self.mesh.shape(ctx.world_size, ctx.local_world_size)  # sizes that do not tile the world raise here

@@ -16,21 +16,28 @@ STRATEGIES = sorted(
     if p.name.endswith(".yaml")
 )
 STRATEGIES.remove("auto")  # a request, not a strategy: launch.prepare() swaps in a preset (tests/test_plan.py)
-PARITY_TOLERANCE: dict[str, float] = {  # strategy -> max abs loss difference; default 1e-6 (fp32, torch optimizer)
-    "zero2_offload": 1e-5,
-    "zero3_offload": 1e-5,
-    "zero_infinity": 1e-5,  # DeepSpeed's CPU Adam kernel
+
+
+def _declared() -> dict:
+    """Each preset's strategy, built from its config as a run builds it: what it declares of itself is what the suite
+    expects of it (`Strategy.conformance`, `Strategy.requirements`), with no list of the suite's own."""
+    from launcher import schema
+    from launcher.context import preset_strategies
+
+    schema.register()
+    return preset_strategies(STRATEGIES)
+
+
+DECLARED = _declared()
+PARITY_TOLERANCE = {s: d.conformance().tolerance for s, d in DECLARED.items()}  # max abs loss difference
+SHAPES = {
+    s: (c.ranks, list(c.overrides)) for s, d in DECLARED.items() if (c := d.conformance()).ranks != 2 or c.overrides
 }
-REQUIRED: dict[str, list[str]] = {"zero_infinity": ["strategy.nvme_path={tmp}"]}  # settings a preset cannot run without
-SHAPES: dict[
-    str, tuple[int, list[str]]
-] = {  # strategy -> the suite's ranks and overrides for it; default 2 ranks, none
-    # 2 ranks at the default sizes would be one shard group (plain FSDP): 4 ranks as 2 replicas x 2 shards, micro 2 for
-    # the same K = 2 as the others. The suite's one 4-rank run: every hsdp check reads it.
-    "hsdp": (4, ["strategy.shard_size=2", "batch.micro_size=2"]),
-}
+"""strategy -> the suite's ranks and overrides for it, where it declares other than 2 ranks and none (hsdp: 2
+replicas x 2 shards at the same K = 2 as the others; every hsdp check reads that one 4-rank run)."""
+REQUIRED = {s: ["strategy.nvme_path={tmp}"] for s, d in DECLARED.items() if d.requirements().nvme_folder}
 AT_TWO_RANKS = [s for s in STRATEGIES if s not in SHAPES]
-NEEDS_ASYNC_IO = {"zero_infinity"}  # NVMe offload: DeepSpeed's async I/O op, which needs libaio
+NEEDS_ASYNC_IO = {s for s, d in DECLARED.items() if "async_io" in d.requirements().ops}  # NVMe offload: libaio
 
 STEPS = 12
 # One job for every suite that needs a whole run of a strategy: these runs also save at step 6,

@@ -94,6 +94,11 @@ BAD = {
     "zero shard size": (["strategy=hsdp", "strategy.shard_size=0"], "strategy.shard_size=0 is invalid"),
     "ds_config contradicting the batch": (["strategy=zero1", "+strategy.ds_config.train_batch_size=3"],
                                           "strategy.ds_config.train_batch_size=3 conflicts"),  # fmt: skip
+    "unknown gradient compression": (["strategy.grad_compression=int8"], "Invalid value 'int8', expected one of "
+                                                                          "[none, bf16, fp16]"),  # fmt: skip
+    "a strategy written to an older protocol": (["strategy._target_=user_models.OldStrategy"],
+                                                "strategy user_models.OldStrategy lacks collectives(), requirements(), "
+                                                "conformance() of the Strategy protocol"),  # fmt: skip
 }  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from launcher.plan.costs import (
     optimizer_moments,
     per_rank_bytes,
     ring_allreduce_elements,
-    step_comm_elements,
+    strategy_comm,
 )
 from launcher.plan.fit import make_plan
 
@@ -50,8 +50,12 @@ def _compose(*overrides: str):
         return freeze(compose("config", overrides=list(overrides)))
 
 
+def _strategy(strategy: str, *overrides: str):
+    return make_strategy(_compose(f"strategy={strategy}", *overrides).strategy)
+
+
 def _layout(strategy: str, *overrides: str):
-    return make_strategy(_compose(f"strategy={strategy}", *overrides).strategy).layout()
+    return _strategy(strategy, *overrides).layout()
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -108,10 +112,17 @@ def test_exercise_2_a_7b_bf16_all_reduce_on_8_gpus_at_600_gb_s_takes_41_ms() -> 
     # 64 GPUs over a 200 GB/s inter-node link: the ring runs at the slow link's pace, 3.4x longer.
     across = comm_seconds(ring_allreduce_elements(LESSON_PARAMS, 64) * 2, bound_gbps(600, 200, nodes=8))
     assert across == pytest.approx(2 * 63 / 64 * LESSON_PARAMS * 2 / 200e9) and across > 3 * seconds
-    # Sharded parameters add an all-gather in forward and in backward: 1.5x DDP's volume (K = 1).
-    assert step_comm_elements(LESSON_PARAMS, 8, params_sharded=True) == pytest.approx(
-        1.5 * step_comm_elements(LESSON_PARAMS, 8, params_sharded=False)
-    )
+    # Sharded parameters add an all-gather in forward and in backward: 1.5x DDP's volume (K = 1), as FSDP and ZeRO-3
+    # declare their collectives; ZeRO-1/2's reduce-scatter and all-gather send what DDP's all-reduce does.
+    sent = {s: sum(strategy_comm(_strategy(s), LESSON_PARAMS, "fp32", 1, 8)) for s in ("ddp", "fsdp", "zero3", "zero2")}
+    assert sent["ddp"] == pytest.approx(ring_allreduce_elements(LESSON_PARAMS, 8) * 4)
+    assert sent["fsdp"] == pytest.approx(1.5 * sent["ddp"]) and sent["zero3"] == pytest.approx(1.5 * sent["ddp"])
+    assert sent["zero2"] == pytest.approx(sent["ddp"])
+    # Under bf16 each counts what goes on the wire: DDP's fp32 gradients (autocast), FSDP's bf16 gathers and fp32
+    # reduce-scatter (its default reduce_dtype), DeepSpeed's bf16 parameters and gradients: the lesson's 2 bytes.
+    bf16 = {s: sum(strategy_comm(_strategy(s), LESSON_PARAMS, "bf16", 1, 8)) for s in ("ddp", "fsdp", "zero3")}
+    assert bf16["ddp"] == pytest.approx(sent["ddp"]) and bf16["zero3"] == pytest.approx(sent["zero3"] / 2)
+    assert bf16["fsdp"] == pytest.approx(sent["ddp"])  # one fp32 pass and two bf16 ones: DDP's two fp32 passes
 
 
 def test_exercise_3_micro_4_x_accumulation_8_x_16_gpus_is_512(tmp_path: Path) -> None:
@@ -149,7 +160,7 @@ def test_plan_prints_every_strategy_side_by_side(tmp_path: Path) -> None:
         assert re.search(rf"^[* ] {strategy} ", out, re.M), (strategy, out)
     # Each strategy's own rule: torch's autocast keeps fp32 weights (its bf16 copies are transient), DeepSpeed keeps
     # bf16 weights and an fp32 master (the lesson's 18).
-    assert "weights 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 16: ddp, fsdp, hsdp;" in out, out
+    assert "weights 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 16: ddp, ddp_bf16, fsdp, hsdp;" in out, out
     assert "weights 2 (bf16) + master 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 18: zero1, zero2," in out
     assert "micro 4 x accumulation 1 x world 8" in out and "activation checkpointing" in out
     assert re.search(r"^  ddp .* no ", out, re.M), out  # 7B under DDP does not fit 80 GB
@@ -168,12 +179,15 @@ def test_plan_json_carries_the_layouts_figures(tmp_path: Path) -> None:
     assert sorted(by_name) == STRATEGIES
     ddp = by_name["ddp"]
     assert ddp["device_state_bytes"] == pytest.approx(16 * n) and not ddp["fits"]  # fp32 weights under autocast
-    assert ddp["comm_bytes"] == pytest.approx(2 * 7 / 8 * n * 2)
+    # What goes on the wire, as each strategy declares it: autocast's fp32 gradients under DDP (4 bytes each), half
+    # that compressed to bf16, and DeepSpeed's bf16 gradients and parameters (the lesson's exercise 2: 2 bytes).
+    assert ddp["comm_bytes"] == pytest.approx(2 * 7 / 8 * n * 4)
+    assert by_name["ddp_bf16"]["comm_bytes"] == by_name["zero2"]["comm_bytes"] == pytest.approx(2 * 7 / 8 * n * 2)
     assert ddp["comm_seconds"] == pytest.approx(ddp["comm_bytes"] / 600e9)
     for s in plan["strategies"]:
         # Mixed precision: 16 bytes per parameter under torch's autocast, 18 under DeepSpeed, whatever the layout;
         # it only moves and divides them.
-        per_param = 16 if s["name"] in ("ddp", "fsdp", "hsdp") else 18
+        per_param = 16 if s["name"] in ("ddp", "ddp_bf16", "fsdp", "hsdp") else 18
         assert sum(s["bytes_per_param"].values()) == per_param, s
         held = sum(
             s["state_bytes"][place][kind] for place in ("device", "host", "nvme") for kind in s["bytes_per_param"]
@@ -192,21 +206,23 @@ def test_plan_json_carries_the_layouts_figures(tmp_path: Path) -> None:
 
 
 def test_plan_of_hsdp_over_8_nodes_of_8(tmp_path: Path) -> None:
-    """gpt_7b on 8 nodes x 8 GPUs, bf16, K = 1: the ring formula written out. FSDP and ZeRO-3 ring over all 64 ranks,
-    so the inter-node link carries all of (1 + 2K)(G-1)/G x P x 2 bytes; HSDP's shard rings of 8 stay in a node and
-    only its all-reduce of the P/8 shards across the 8 nodes, 2(R-1)/R x P/8 x 2 bytes, crosses."""
+    """gpt_7b on 8 nodes x 8 GPUs, bf16, K = 1: the ring formula written out, in the dtypes each strategy sends. FSDP
+    gathers bf16 parameters twice (2 x 2 bytes) and reduce-scatters fp32 gradients (its default reduce_dtype, 4 bytes),
+    ZeRO-3 sends bf16 throughout (3 x 2 bytes); both ring over all 64 ranks, so the inter-node link carries all of it.
+    HSDP's shard rings of 8 stay in a node and only its fp32 all-reduce of the P/8 shards across the 8 nodes,
+    2(R-1)/R x P/8 x 4 bytes, crosses."""
     plan = _plan_json(tmp_path, "model=gpt_7b", "gpus=8", "nodes=8", "batch.global_size=256", "precision=bf16")
     P, by_name = plan["model"]["params"], {s["name"]: s for s in plan["strategies"]}
     assert plan["batch"]["accumulation"] == 1
     hsdp, fsdp, zero3 = by_name["hsdp"], by_name["fsdp"], by_name["zero3"]
-    inside, across = 3 * 7 / 8 * P * 2, 2 * 7 / 8 * P / 8 * 2
+    inside, across = (2 * 2 + 4) * 7 / 8 * P, 2 * 7 / 8 * P / 8 * 4
     assert hsdp["shards"] == 8 and fsdp["shards"] == 64
     assert hsdp["comm_bytes"] == pytest.approx(inside + across) and hsdp["internode_bytes"] == pytest.approx(across)
     assert hsdp["comm_seconds"] == pytest.approx(inside / 600e9 + across / 50e9)
-    for ring in (fsdp, zero3):
-        assert ring["comm_bytes"] == pytest.approx(3 * 63 / 64 * P * 2) == pytest.approx(ring["internode_bytes"])
+    for ring, per_pass in ((fsdp, 2 * 2 + 4), (zero3, 3 * 2)):
+        assert ring["comm_bytes"] == pytest.approx(per_pass * 63 / 64 * P) == pytest.approx(ring["internode_bytes"])
         assert ring["comm_seconds"] == pytest.approx(ring["comm_bytes"] / 50e9)
-    assert by_name["ddp"]["internode_bytes"] == pytest.approx(2 * 63 / 64 * P * 2)
+    assert by_name["ddp"]["internode_bytes"] == pytest.approx(2 * 63 / 64 * P * 4)
     # Memory: 16 bytes per parameter (torch, fp32 weights under autocast) sharded over a node's 8, not over 64.
     assert hsdp["device_state_bytes"] == pytest.approx(16 * P / 8) and fsdp["device_state_bytes"] == pytest.approx(
         16 * P / 64
@@ -473,7 +489,7 @@ def _planner_per_rank(strategy: str, *overrides: str) -> dict[str, float]:
     per GPU, model state on the device plus the gathered layer; per node, host memory of its GPUs."""
     cfg = _compose(*ESTIMATED, f"strategy={strategy}", *overrides)
     size = measure(build_on_meta(cfg.model))
-    plan = make_plan(cfg, derive(cfg, cuda_devices=GPUS), size, {strategy: make_strategy(cfg.strategy).layout()})
+    plan = make_plan(cfg, derive(cfg, cuda_devices=GPUS), size, {strategy: make_strategy(cfg.strategy)})
     (sp,) = plan.strategies
     return {"gpu": sp.on("device") + sp.gathered, "cpu": GPUS * (sp.on("cpu") + sp.on("nvme"))}
 

@@ -8,11 +8,13 @@ strategies' communication counter (`strategies.comm`), so that what is measured 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from launcher.config import ConfigError
-from strategies.base import Layout, Transients
 from strategies.comm import ring_sent_elements
+from strategies.declarations import WIRE_BYTES, Collective, Layout, Mesh, Transients
 
 GB = 1e9
 MIXED_PRECISIONS = ("bf16", "fp16")
@@ -146,55 +148,44 @@ def ring_allreduce_elements(params: float, world_size: int) -> float:
     return ring_sent_elements(params, world_size, "all_reduce")
 
 
-def step_comm_elements(params: float, world_size: int, params_sharded: bool, accumulation: int = 1) -> float:
-    """Elements each rank sends per optimizer step (gradients are synchronised once per step).
-
-    Replicated parameters (DDP, ZeRO-1/2): one gradient all-reduce, 2(G-1)/G x P. (ZeRO-1/2 reduce-scatter
-    the gradients and all-gather the updated parameters: the same volume.)
-    Sharded parameters (FSDP, ZeRO-3): one gradient reduce-scatter, plus a parameter all-gather before each
-    micro-step's forward and again before its backward: (1 + 2K)(G-1)/G x P — 1.5 x DDP's volume at K = 1.
-    """
-    one_pass = ring_sent_elements(params, world_size, "reduce_scatter")
-    return one_pass * (1 + 2 * accumulation) if params_sharded else ring_allreduce_elements(params, world_size)
-
-
-def group_comm_elements(
-    params: float, replicate: int, shard: int, params_sharded: bool, accumulation: int = 1
+def comm_split(
+    collectives: Iterable[Collective], world_size: int, mesh: Mesh, gpus: int | None = None
 ) -> tuple[float, float]:
-    """Elements each rank sends per optimizer step on a `replicate` x `shard` mesh (`Mesh.shape`): (in its shard
-    group, across the replicate group). In the shard group, `step_comm_elements` at G = S; across the R groups
-    (HSDP), one all-reduce of the rank's 1/S gradient shard, 2(R-1)/R x P/S. One group (R = 1): nothing across."""
-    within = step_comm_elements(params, shard, params_sharded, accumulation)
-    return within, ring_sent_elements(params / shard, replicate, "all_reduce") if replicate > 1 else 0.0
+    """Bytes each rank sends per optimizer step, summed over the strategy's declared collectives
+    (`Strategy.collectives`): each one's times x the ring's share of its buffer (`ring_sent_elements`, over the ranks
+    of its group) x its wire dtype's bytes. By link: (in rings within a node, in rings that cross nodes), for `gpus`
+    ranks per node (None: one node). A ring over ranks of several nodes runs at the pace of its inter-node hop, which
+    carries the ring's whole traffic: a ring over every rank crosses, so do shard groups with ranks on several nodes
+    (plain FSDP, ZeRO over nodes x gpus ranks), while HSDP's shard groups (shard_size dividing gpus) stay in a node
+    and only its all-reduce across the replicas crosses."""
+    replicate, shard = mesh.shape(world_size, gpus)
+    node = gpus or world_size
+    ranks = {"world": world_size, "shard": shard, "replicate": replicate}
+    crosses = {"world": world_size > node, "shard": world_size > node and node % shard != 0,
+               "replicate": world_size > node}  # fmt: skip
+    within = across = 0.0
+    for c in collectives:
+        sent = c.times * ring_sent_elements(c.elements, ranks[c.group], c.kind) * WIRE_BYTES[c.dtype]
+        if crosses[c.group]:
+            across += sent
+        else:
+            within += sent
+    return within, across
 
 
-def step_comm_split(
-    params: float, world_size: int, layout: Layout, precision: str, accumulation: int = 1, gpus: int | None = None
+def comm_bytes(collectives: Iterable[Collective], world_size: int, mesh: Mesh, gpus: int | None = None) -> float:
+    """Bytes each rank sends per optimizer step (`comm_split`, both links): the lesson's exercise 2 for a strategy
+    that all-reduces bf16 gradients, twice that for one whose bf16 run reduces fp32 ones (DDP under autocast, FSDP's
+    default reduce_dtype), as each declares."""
+    return sum(comm_split(collectives, world_size, mesh, gpus))
+
+
+def strategy_comm(
+    strategy: Any, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None = None
 ) -> tuple[float, float]:
-    """Bytes each rank sends per optimizer step (`step_comm_bytes`), by link: (in rings within a node, in rings that
-    cross nodes), for `gpus` ranks per node (None: one node). A ring over ranks of several nodes runs at the pace of
-    its inter-node hop, which carries the ring's whole traffic: so FSDP's and ZeRO's rings over nodes x gpus ranks
-    cross entirely, while HSDP's shard groups (shard_size dividing gpus) stay in a node and only its all-reduce of
-    the 1/S shards crosses."""
-    replicate, shard = layout.mesh.shape(world_size, gpus)
-    weights = bytes_per_param(precision, 0, layout.master_weights).weights
-    within, across = group_comm_elements(params, replicate, shard, layout.params.sharded, accumulation)
-    total, node = (within + across) * weights, gpus or world_size
-    if world_size <= node:  # one node: every ring stays in it
-        return total, 0.0
-    if node % shard:  # shard groups with ranks on several nodes (plain FSDP, ZeRO): their rings cross too
-        return 0.0, total
-    return within * weights, across * weights  # the replicate groups: one rank per shard group, on other nodes
-
-
-def step_comm_bytes(
-    params: float, world_size: int, layout: Layout, precision: str, accumulation: int = 1, gpus: int | None = None
-) -> float:
-    """Bytes each rank sends per optimizer step: `step_comm_elements` in the compute dtype (the lesson's exercise 2:
-    bf16, 2 bytes), in the shard group and across the replicas (`group_comm_elements`) on an HSDP mesh of `gpus`
-    ranks per node. Strategies that reduce fp32 gradients under bf16 (DDP under autocast, FSDP's default
-    reduce_dtype) send twice this; in fp32 the figure is exact."""
-    return sum(step_comm_split(params, world_size, layout, precision, accumulation, gpus))
+    """`comm_split` of what `strategy` declares for this run."""
+    found = strategy.collectives(params, precision, accumulation, world_size, gpus)
+    return comm_split(found, world_size, strategy.layout().mesh, gpus)
 
 
 def flops_per_token(params: int, n_layer: int = 0, n_embd: int = 0, seq_len: int = 0) -> float:
@@ -231,7 +222,7 @@ def bound_gbps(link_gbps: float, internode_gbps: float, nodes: int) -> float:
 
 
 def split_comm_seconds(within: float, across: float, link_gbps: float, internode_gbps: float) -> float:
-    """Time for a step's bytes by link (`step_comm_split`): within nodes at the node's link, across nodes at the
+    """Time for a step's bytes by link (`comm_split`): within nodes at the node's link, across nodes at the
     slower of the two, one after the other (no overlap)."""
     return comm_seconds(within, link_gbps) + comm_seconds(across, min(link_gbps, internode_gbps))
 

@@ -1,6 +1,7 @@
 """The plan of a frozen config: each strategy's per-rank memory and communication, and whether it fits.
 
-Each strategy's `layout()` says what it shards and offloads (the planner keeps no table of strategy rules);
+Each strategy's `layout()` says what it shards and offloads, its `collectives()` what it sends (the planner keeps
+no table of strategy rules);
 `derive()` gives the batch; `launcher.meta` gives the model's size. `what_would_fit` searches more GPUs and
 smaller micro-batches when nothing fits.
 """
@@ -27,10 +28,11 @@ from launcher.plan.costs import (
     optimizer_moments,
     per_rank_bytes,
     split_comm_seconds,
-    step_comm_split,
+    strategy_comm,
     transient_bytes,
 )
-from strategies.base import Layout
+from strategies.base import Strategy
+from strategies.declarations import Layout
 
 DEFAULT_DEVICE_MEMORY_GB = 80.0
 """Assumed per-device memory when no GPU is visible and plan.device_memory_gb is unset (A100/H100 80 GB)."""
@@ -54,6 +56,8 @@ class DeviceMemory:
 @dataclass(frozen=True)
 class StrategyPlan:
     name: str
+    strategy: Strategy
+    """What the figures come from: its `layout()` and its declared `collectives()`."""
     layout: Layout
     bpp: BytesPerParam
     held: dict[str, dict[str, float]]
@@ -68,7 +72,7 @@ class StrategyPlan:
     shards: int = 1
     """Ranks each sharded kind is split over: the world size, or an HSDP shard group's size."""
     internode_bytes: float = 0.0
-    """Of `comm_bytes`, what rings crossing nodes carry (`step_comm_split`): all of it for a ring over every rank,
+    """Of `comm_bytes`, what rings crossing nodes carry (`comm_split`): all of it for a ring over every rank,
     HSDP's all-reduce across its replicas only."""
     export: float = 0.0
     """Host memory a checkpoint save needs beyond the state (DeepSpeed's export of its full-copy share)."""
@@ -121,10 +125,10 @@ class Plan:
         return bound_gbps(self.link_gbps, self.internode_gbps, self.derived.nodes)
 
     def for_strategy(
-        self, name: str, layout: Layout, world_size: int | None = None, micro: int | None = None
+        self, name: str, strategy: Strategy, world_size: int | None = None, micro: int | None = None
     ) -> StrategyPlan:
         """One strategy's figures; another world size or micro-batch answers `what would fit`."""
-        world, gpus = world_size or self.derived.world_size, self.derived.gpus
+        world, gpus, layout = world_size or self.derived.world_size, self.derived.gpus, strategy.layout()
         try:
             _, shards = layout.mesh.shape(world, gpus)
         except ValueError as e:
@@ -132,9 +136,10 @@ class Plan:
         bpp = bytes_per_param(self.precision, self.moments, layout.master_weights, layout.low_precision_weights)
         accumulation = self.global_size // ((micro or self.micro) * world) or 1
         params, unit = self.model.params, self.model.largest_unit or self.model.params
-        within, across = step_comm_split(params, world, layout, self.precision, accumulation, gpus)
+        within, across = strategy_comm(strategy, params, self.precision, accumulation, world, gpus)
         return StrategyPlan(
             name=name,
+            strategy=strategy,
             layout=layout,
             bpp=bpp,
             held=per_rank_bytes(params, bpp, layout, world, gpus),
@@ -213,8 +218,8 @@ def device_memory(plan: DictConfig, derived: Derived, host_available: float) -> 
     )
 
 
-def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, layouts: dict[str, Layout]) -> Plan:
-    """The plan of a frozen config (model, optimizer, precision, batch, plan.*) for each named strategy layout."""
+def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, strategies: dict[str, Strategy]) -> Plan:
+    """The plan of a frozen config (model, optimizer, precision, batch, plan.*) for each named strategy."""
     from launcher.machine import memory_available
 
     _, host = memory_available()
@@ -255,13 +260,13 @@ def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, layouts: dict[
         internode_gbps=cfg.plan.internode_gbps,
         strategies=[],
     )
-    return replace(plan, strategies=[plan.for_strategy(name, layout) for name, layout in layouts.items()])
+    return replace(plan, strategies=[plan.for_strategy(name, s) for name, s in strategies.items()])
 
 
 def _fits(plan: Plan, sp: StrategyPlan, world_size: int | None = None, micro: int | None = None) -> bool:
     """Whether a strategy would fit at another world size or micro-batch (not where its mesh does not tile it)."""
     try:
-        return plan.fits(plan.for_strategy(sp.name, sp.layout, world_size, micro))
+        return plan.fits(plan.for_strategy(sp.name, sp.strategy, world_size, micro))
     except ConfigError:
         return False
 

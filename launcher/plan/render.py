@@ -9,7 +9,7 @@ from typing import Any
 from launcher.config import ConfigError
 from launcher.plan.costs import GB, GPT_TARGET, KINDS, PLACES, BytesPerParam
 from launcher.plan.fit import Plan, what_would_fit
-from strategies.base import Placement
+from strategies.declarations import Placement
 
 WHERE = {"device": "device", "cpu": "host", "nvme": "nvme"}
 """Printed names of the places: host memory is Placement.where == "cpu"."""
@@ -264,9 +264,10 @@ def render(plan: Plan) -> str:
         " gathered units, ZeRO-1's full gradients in backward, whole gradients while accumulating, DeepSpeed's"
         " buckets; on device=cpu the step's runtime) + activations (without checkpointing); on device=cpu also what"
         " is offloaded to the host.",
-        f"comm: bytes each rank sends per optimizer step (ring all-reduce 2(G-1)/G x P; sharded parameters add an"
-        f" all-gather in each forward and backward; hsdp: the same in its shard group of S ranks, G = S, plus an"
-        f" all-reduce of each rank's 1/S shard across the R replicas, 2(R-1)/R x P/S);"
+        f"comm: bytes each rank sends per optimizer step, the sum of the collectives each strategy declares, in the"
+        f" dtype it sends (ring all-reduce 2(G-1)/G x P; sharded parameters add an all-gather in each forward and"
+        f" backward; hsdp: the same in its shard group of S ranks, G = S, plus an all-reduce of each rank's 1/S"
+        f" shard across the R replicas, 2(R-1)/R x P/S);"
         f" ms at {plan.link_gbps:g} GB/s within a node"
         + (
             f", {plan.gbps:g} GB/s for rings that cross nodes. nodes: of those bytes, what such rings carry (a ring"

@@ -18,17 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.base import (
-    Layout,
-    ModelFactory,
-    OptimizerFactory,
-    Placement,
-    RunContext,
-    Transients,
-    call_model,
-    set_lr,
-)
+from strategies.base import ModelFactory, OptimizerFactory, RunContext, call_model, set_lr
 from strategies.comm import CommCounter
+from strategies.declarations import WIRE_BYTES, Collective, Conformance, Layout, Placement, Requirements, Transients
 from strategies.deepspeed import zero
 from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config
 from strategies.moe import SameModulesCheck, check_moe_blocks, moe_blocks, use_every_parameter
@@ -100,6 +92,33 @@ class DeepSpeed:
             low_precision_weights=True,
             transients=transients,
         )
+
+    def collectives(
+        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None
+    ) -> list[Collective]:
+        """Gradients reduce-scattered into each rank's partition once per step (every micro-step under
+        sync_each_microbatch), in the parameters' dtype unless ds_config's communication_data_type says otherwise;
+        the updated partitions all-gathered after the step (ZeRO-1/2); or, under ZeRO-3, every parameter gathered
+        before each micro-step's forward and again before its backward."""
+        weights = "fp32" if precision == "fp32" else precision
+        chosen = self.ds_config.get("communication_data_type")
+        wire = chosen if chosen in WIRE_BYTES else weights
+        syncs = accumulation if self.sync_each_microbatch else 1
+        gathers = 2 * accumulation if self.stage >= 3 else 1
+        return [
+            Collective("reduce_scatter", "world", params, wire, times=syncs),
+            Collective("all_gather", "world", params, weights, times=gathers, sync=False),
+        ]
+
+    def requirements(self) -> Requirements:
+        offloads = (self.offload_optimizer, self.offload_params)
+        ops = ("cpu_adam",) if self.offload_optimizer != "none" else ()
+        return Requirements(ops=ops + (("async_io",) if "nvme" in offloads else ()), nvme_folder="nvme" in offloads)
+
+    def conformance(self) -> Conformance:
+        # DeepSpeed's CPU Adam kernel steps the offloaded optimizer: the same update, rounded differently.
+        return Conformance(tolerance=1e-5 if self.offload_optimizer != "none" else 1e-6,
+                           comm_slack=0.06 if self.stage >= 3 else 0.02)  # fmt: skip
 
     def check(self, ctx: RunContext, model: nn.Module) -> None:
         if ctx.compile:
@@ -311,6 +330,21 @@ def cpu_fp16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def op_problem(op: str, device_type: str) -> str | None:
+    """Why DeepSpeed's op `op` (a `Requirements.ops` name) cannot run here, or None."""
+    if op == "async_io":
+        return async_io_problem(device_type)
+    os.environ.setdefault("DS_ACCELERATOR", device_type)
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    builders = {"cpu_adam": CPUAdamBuilder}
+    if op not in builders:
+        raise ValueError(f"no DeepSpeed op named {op}")
+    if not _is_compatible(builders[op]()):
+        return f"DeepSpeed's {op} op cannot be built here (it compiles with the system's C++ compiler on first use)"
+    return None
 
 
 def async_io_problem(device_type: str) -> str | None:

@@ -31,9 +31,11 @@ COLLECTIVES = {
     "all_gather": ("all_gather", False),
     "all_gather_into_tensor": ("all_gather", False),
     "allgather_fn": ("all_gather", False),
+    "all_to_all_single": ("all_to_all", False),  # a mixture of experts' tokens to and from their experts' ranks
+    "all_to_all": ("all_to_all", False),
 }
 """DeepSpeed's collective entry points (called as `deepspeed.comm.<name>` by the ZeRO optimizers): what each is for
-the ring formula, and whether it synchronises gradients (the all-gathers move parameters)."""
+the ring formula, and whether it synchronises gradients (the all-gathers move parameters, the all-to-alls tokens)."""
 
 
 # ------------------------------------------------------------------ communication
