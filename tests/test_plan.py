@@ -234,7 +234,9 @@ def test_plan_of_hsdp_over_8_nodes_of_8(tmp_path: Path) -> None:
     rows = {line.split()[1 if line.startswith("*") else 0]: line for line in table.stdout.splitlines()[8:18]}
     print("\n".join(rows[name] for name in ("hsdp", "fsdp", "zero3")))  # shown with pytest -s
     assert re.search(r"^\* hsdp +1/8 +1/8 +1/8 ", table.stdout, re.M), table.stdout
-    assert f"{across / GB:.2f}" in rows["hsdp"].split() and f"{3 * 63 / 64 * P * 2 / GB:.2f}" in rows["fsdp"].split()
+    assert (
+        f"{across / GB:.2f}" in rows["hsdp"].split() and f"{(2 * 2 + 4) * 63 / 64 * P / GB:.2f}" in rows["fsdp"].split()
+    )
 
 
 def test_plan_of_one_strategy(tmp_path: Path) -> None:
