@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from strategies.comm import CommCounter
 from strategies.declarations import Collective, Conformance, Layout, Requirements
 
 ModelFactory = Callable[..., nn.Module]
@@ -299,9 +300,23 @@ def optimizer_step(
     return norm, held, offloaded
 
 
-def scaler_figures(scaler: Any) -> dict[str, float]:
+def scaler_scale(scaler: Any) -> float | None:
     """The loss scale after the step's update, when the scaler runs (precision=fp16): halved on each overflow."""
-    return {"loss_scale": float(scaler.get_scale())} if scaler.is_enabled() else {}
+    return float(scaler.get_scale()) if scaler.is_enabled() else None
+
+
+def step_figures(
+    counter: CommCounter, on_device: float, offloaded: float | None = None, loss_scale: float | None = None
+) -> dict[str, float]:
+    """What every strategy's `metrics()` reports of its last optimizer step, under the names `launcher.metrics`
+    declares: the model state it holds on the device (and offloaded, where it offloads), the loss scale under
+    precision=fp16, and its counter's collectives since the last step (read and reset)."""
+    figures = {"model_state_bytes": float(on_device)}
+    if offloaded is not None:
+        figures["offloaded_state_bytes"] = float(offloaded)
+    if loss_scale is not None:
+        figures["loss_scale"] = loss_scale
+    return figures | counter.take()
 
 
 def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from strategies.base import (
     compile_units,
     load_torch_state_dict,
     optimizer_step,
-    scaler_figures,
+    scaler_scale,
+    step_figures,
     torch_state_dict,
     unit_classes,
     unit_modules,
@@ -167,7 +168,7 @@ class DDP:
 
     def step(self, lr: float) -> float:
         norm, held, _ = optimizer_step(self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr)
-        self._last_step = {"model_state_bytes": held, **scaler_figures(self.scaler), **self._counter.take()}
+        self._last_step = step_figures(self._counter, held, loss_scale=scaler_scale(self.scaler))
         return norm
 
     def train(self, mode: bool) -> None:

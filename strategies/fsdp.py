@@ -28,7 +28,8 @@ from strategies.base import (
     compile_units,
     load_torch_state_dict,
     optimizer_step,
-    scaler_figures,
+    scaler_scale,
+    step_figures,
     tied_unit_lines,
     torch_state_dict,
     unit_classes,
@@ -315,12 +316,7 @@ class FSDP:
         norm, held, offloaded = optimizer_step(
             self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr, lambda p: id(p) in on_host
         )
-        self._last_step = {
-            "model_state_bytes": held - offloaded,
-            "offloaded_state_bytes": offloaded,
-            **scaler_figures(self.scaler),
-            **self._counter.take(),
-        }
+        self._last_step = step_figures(self._counter, held - offloaded, offloaded, scaler_scale(self.scaler))
         return norm
 
     def _offloaded_params(self) -> set[int]:

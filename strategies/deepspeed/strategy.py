@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.base import ModelFactory, OptimizerFactory, RunContext, call_model, set_lr
+from strategies.base import ModelFactory, OptimizerFactory, RunContext, call_model, set_lr, step_figures
 from strategies.comm import CommCounter
 from strategies.declarations import WIRE_BYTES, Collective, Conformance, Layout, Placement, Requirements, Transients
 from strategies.deepspeed import zero
@@ -291,8 +291,8 @@ class DeepSpeed:
         norm = self.engine.get_global_grad_norm()
         held = zero.state_bytes(self.engine, self.stage, grads)
         # DeepSpeed's dynamic loss scaler (precision=fp16), as DDP and FSDP report theirs: halved on each overflow.
-        scale = {"loss_scale": float(self.engine.optimizer.loss_scale)} if self.ctx.precision == "fp16" else {}
-        self._last_step = {**held, **scale, **self._counter.take()}
+        scale = float(self.engine.optimizer.loss_scale) if self.ctx.precision == "fp16" else None
+        self._last_step = step_figures(self._counter, *held, loss_scale=scale)
         return float(norm) if norm is not None else float("nan")
 
     def train(self, mode: bool) -> None:

@@ -106,7 +106,7 @@ def _partition_numel(engine: Any, stage: int) -> int:
     return int(sum(t.numel() for t in opt.single_partition_of_fp32_groups))
 
 
-def state_bytes(engine: Any, stage: int, grads: int) -> dict[str, float]:
+def state_bytes(engine: Any, stage: int, grads: int) -> tuple[float, float]:
     """Model state this rank holds on its device, and what DeepSpeed offloaded (read from its own partitions)."""
     opt, params = engine.optimizer, list(engine.module.parameters())
     optimizer_off, params_off = offloaded(engine, stage)
@@ -119,7 +119,7 @@ def state_bytes(engine: Any, stage: int, grads: int) -> dict[str, float]:
     optimizer_state = grads + master_bytes + moments
     on_device = gathered + (0 if params_off else shards) + (0 if optimizer_off else optimizer_state)
     off = (shards if params_off else 0) + (optimizer_state if optimizer_off else 0)
-    return {"model_state_bytes": float(on_device), "offloaded_state_bytes": float(off)}
+    return float(on_device), float(off)
 
 
 # ------------------------------------------------------------------ the strategy-neutral state
