@@ -121,15 +121,8 @@ class Trainer:
         phase: Phase,
         snapshots: MemorySnapshots,
     ) -> None:
-        self.cfg, self.ctx, self.run_dir, self.stop, self.phase, self.snapshots = (
-            cfg,
-            ctx,
-            run_dir,
-            stop,
-            phase,
-            snapshots,
-        )
-        self.trainer, self.strategy = cfg.trainer, strategy
+        self.cfg, self.ctx, self.strategy, self.run_dir = cfg, ctx, strategy, run_dir
+        self.stop, self.phase, self.snapshots, self.trainer = stop, phase, snapshots, cfg.trainer
         self.device = torch.device(ctx.device)
         self.K, self.B, self.max_steps = ctx.accumulation, int(cfg.batch.global_size), int(cfg.trainer.max_steps)
         self.metrics: dict[str, float] = {}
