@@ -29,8 +29,8 @@ LAUNCH = str(Path(sys.executable).parent / "launch")
 
 
 def run(name: str, asynchronous: bool, a: argparse.Namespace, out: Path) -> dict[str, float]:
-    overrides = ["model=gpt_124m", "data=synthetic", f"data.seq_len={a.seq_len}", "batch.micro_size=1",
-                 "batch.global_size=2", "gpus=2", "device=cpu", "strategy=ddp",
+    overrides = ["model=gpt_124m", "data=synthetic", "data.vocab_size=50304", f"data.seq_len={a.seq_len}",
+                 "batch.micro_size=1", "batch.global_size=2", "gpus=2", "device=cpu", "strategy=ddp",
                  f"trainer.max_steps={a.steps}", "trainer.log_every=1", "trainer.eval_every=0", "logger=none",
                  "trainer.progress=false", "trainer.save_at_end=false", f"trainer.checkpoint_every={a.every}",
                  "trainer.keep_last=0", f"trainer.async_checkpoint={str(asynchronous).lower()}",
