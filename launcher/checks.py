@@ -128,11 +128,30 @@ def check_built(frozen: DictConfig, model: Any) -> None:
     model's (meta) parameters, both datasets and their first samples, a forward of one micro-batch on the meta device,
     the logger's settings. Nothing here allocates a model's memory."""
     _check_optimizer(frozen, model)
+    _prepare_data(frozen)
     sample = _check_datasets(frozen)
     if sample is not None:
         _check_forward(frozen, model, sample)
     _check_logger(frozen)
     _check_vocabulary(frozen, model)
+
+
+def _prepare_data(frozen: DictConfig) -> None:
+    """The data target's own `prepare(**keys)`, where it has one, once, here, before any worker starts (data=text
+    tokenizes its files into the cache its workers map), whatever `+data._check_` says."""
+    from launcher.data import LOADER_KEYS
+    from launcher.targets import locate
+
+    prepare = getattr(locate(str(frozen.data._target_)), "prepare", None)
+    if not callable(prepare):
+        return
+    keys = {k: v for k, v in OmegaConf.to_container(frozen.data).items() if k not in LOADER_KEYS and k != "_target_"}
+    try:
+        prepare(**keys)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise _fail("data", e, "fix the data.* values (the data could not be prepared)") from e
 
 
 def vocabulary(model: Any) -> int | None:
@@ -158,6 +177,13 @@ def _check_vocabulary(frozen: DictConfig, model: Any) -> None:
     from launcher.data import BUILT_IN_DATA, SKIP_CHECK, build_dataset
 
     vocab = vocabulary(model)
+    needed = frozen.data.get("vocab_size") if "tokenizer" in frozen.data else None
+    if vocab is not None and needed is not None and vocab < needed:
+        raise ConfigError(
+            f"the model embeds {vocab} ids but data.tokenizer={frozen.data.tokenizer} gives {needed} "
+            f"(data.vocab_size); give the model at least {needed}: model.vocab_size=${{data.vocab_size}} (the built-in "
+            "GPT's default), or a transformers model's config, e.g. +model.config.vocab_size=${data.vocab_size}"
+        )
     if vocab is None or not str(frozen.data._target_).startswith(BUILT_IN_DATA) or frozen.data.get(SKIP_CHECK) is False:
         return
     for split in ["train"] + (["val"] if frozen.trainer.eval_every > 0 else []):
@@ -208,7 +234,7 @@ def _check_datasets(frozen: DictConfig) -> Any:
     (`+data._check_=false`)."""
     from torch.utils.data import default_collate
 
-    from launcher.data import SKIP_CHECK, build_dataset
+    from launcher.data import BUILT_IN_DATA, SKIP_CHECK, build_dataset
 
     if frozen.data.get(SKIP_CHECK) is False:
         return None
@@ -226,6 +252,14 @@ def _check_datasets(frozen: DictConfig) -> Any:
         if size == 0:
             fix = "raise data.val_fraction, or set trainer.eval_every=0" if split == "val" else "give it samples"
             raise ConfigError(f"data: the {split} split is empty (0 samples); {fix}")
+        global_size = int(frozen.batch.global_size)
+        if split == "train" and size < global_size and str(frozen.data._target_).startswith(BUILT_IN_DATA):
+            seq = f" of data.seq_len={frozen.data.seq_len}" if "seq_len" in frozen.data else ""
+            raise ConfigError(
+                f"data: the train split holds {size} samples{seq}, fewer than one global batch (batch.global_size="
+                f"{global_size}): a step would see a sample twice; give more data or lower batch.global_size"
+                + (" or data.seq_len" if seq else "")
+            )
         count = min(size, int(frozen.batch.micro_size)) if first is None else 1
         try:
             item = default_collate([dataset[i] for i in range(count)])

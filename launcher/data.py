@@ -263,8 +263,8 @@ def rank_micro_batches(indices: np.ndarray, rank: int, world_size: int, accumula
     return np.array_split(mine, accumulation)
 
 
-BUILT_IN_DATA = "launcher.data."
-"""The prefix of the launcher's own data targets: their largest token id is checked before start
+BUILT_IN_DATA = ("launcher.data.", "launcher.text.")
+"""The prefixes of the launcher's own data targets: their largest token id is checked before start
 (`TokenWindows.largest_id`); batches of any other data are checked as they come (`check_token_ids`)."""
 
 

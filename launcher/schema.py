@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from launcher import data_schema
 from launcher.data_schema import PySourceDataConfig, SyntheticDataConfig, TokensDataConfig
 from launcher.groups import choices
 from launcher.ranges import COUNT, FRACTION, PORT, POSITIVE, SIZE, UNIT, ZERO_STAGE, check_ranges, launch_only, ranged
@@ -363,6 +364,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "base_pysource": PySourceDataConfig,
         "base_synthetic": SyntheticDataConfig,
         "base_tokens": TokensDataConfig,
+        "base_text": data_schema.TextDataConfig,
     },
     "optim": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig, "base_custom": CustomOptimConfig},
     "logger": {"base_wandb": WandbConfig, "base_none": NoLoggerConfig, "base_custom": CustomConfig},
@@ -379,6 +381,8 @@ def register() -> None:
         )
     if not OmegaConf.has_resolver("launch_id"):  # the default run directory's suffix; cached: one value per launch
         OmegaConf.register_new_resolver("launch_id", lambda: secrets.token_hex(2), use_cache=True)
+    if not OmegaConf.has_resolver("launch_vocab"):  # data=text: data.vocab_size, the tokenizer's unless set
+        OmegaConf.register_new_resolver("launch_vocab", data_schema.tokenizer_vocab, use_cache=True)
     if not OmegaConf.has_resolver("launch_strategies"):  # conf/sweep/smoke.yaml (launcher/smoke.py)
         from launcher import smoke
 
