@@ -1,0 +1,255 @@
+"""data=text: your files and your tokenizer, tokenized once in the launcher into a cache the workers map.
+
+Each test makes its own corpus and tokenizer (tests/text_corpus.py: seeded random documents as jsonl and parquet, a
+byte-level BPE trained on them with `tokenizers`, saved as a folder AutoTokenizer loads); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY, launch, launch_here
+from text_corpus import EOS, documents, make_corpus, write_jsonl
+
+SETTINGS = {"text_field": "text", "val_fraction": 0.1, "split_seed": 0}
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> dict[str, Path]:
+    return make_corpus(tmp_path / "made")
+
+
+def _prepare(corpus: dict[str, Path], cache: Path, **settings) -> Path:
+    from launcher.text import prepare
+
+    return prepare(files=[str(corpus["corpus"])], tokenizer=str(corpus["tokenizer"]), cache_dir=str(cache),
+                   **(SETTINGS | settings))  # fmt: skip
+
+
+def _documents(folder: Path, split: str, tok) -> list[str]:
+    """The documents of a split of a cache folder, decoded; each must end with the EOS token."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    tokens = np.fromfile(folder / f"{split}.bin", dtype=manifest["dtype"])
+    docs = []
+    for begin, end in np.load(folder / f"{split}.spans.npy"):
+        ids = tokens[begin:end].tolist()
+        assert ids[-1] == tok.convert_tokens_to_ids(EOS) and EOS not in tok.decode(ids[:-1]), ids
+        docs.append(tok.decode(ids[:-1]))
+    return docs
+
+
+@pytest.mark.unit
+def test_every_document_is_in_one_split_once_with_its_eos(corpus: dict[str, Path], tmp_path: Path, capsys) -> None:
+    """The cache holds every document of the jsonl and parquet files once, as the tokenizer gives it, EOS after it;
+    the validation split is round(0.1 x 240) whole documents, the same for the same seed and others for another."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
+    folder = _prepare(corpus, tmp_path / "cache")
+    assert "launch: data: tokenized 216 + 24 documents" in capsys.readouterr().out
+    train, val = _documents(folder, "train", tok), _documents(folder, "val", tok)
+    assert sorted(train + val) == sorted(documents(240)) and len(val) == 24
+    again = _prepare(corpus, tmp_path / "other-cache")
+    assert _documents(again, "val", tok) == val
+    reseeded = _prepare(corpus, tmp_path / "cache", split_seed=1)
+    assert reseeded != folder and set(_documents(reseeded, "val", tok)) != set(val)
+    separate = _prepare(corpus, tmp_path / "cache", val_files=[str(corpus["val"])])
+    assert sorted(_documents(separate, "train", tok)) == sorted(documents(240))
+    assert _documents(separate, "val", tok) == documents(24, seed=1)
+
+
+@pytest.mark.unit
+def test_a_second_launch_finds_the_cache_and_a_changed_file_builds_a_new_one(
+    corpus: dict[str, Path], tmp_path: Path, capsys
+) -> None:
+    folder = _prepare(corpus, tmp_path / "cache")
+    assert "tokenized" in capsys.readouterr().out
+    written = (folder / "manifest.json").stat().st_mtime_ns
+    assert _prepare(corpus, tmp_path / "cache") == folder
+    assert "found the tokens of 216 + 24 documents (" in capsys.readouterr().out
+    assert (folder / "manifest.json").stat().st_mtime_ns == written
+    write_jsonl(corpus["jsonl"], documents(130))  # the same name, other documents
+    changed = _prepare(corpus, tmp_path / "cache")
+    assert changed != folder and "tokenized 225 + 25 documents" in capsys.readouterr().out
+    changed_tokenizer = _prepare(corpus, tmp_path / "cache", eos_token="a")  # another setting: another cache
+    assert changed_tokenizer not in (folder, changed)
+
+
+@pytest.mark.unit
+def test_an_interrupted_build_leaves_nothing_complete_and_workers_never_tokenize(
+    corpus: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build stopped half way (here: Ctrl-C between writing its splits) leaves no folder a worker would map; nor
+    does one killed outright (its temporary folder, whose process is gone, is removed by the next build). `Text`
+    (what each worker calls) refuses to run without a complete cache rather than tokenizing."""
+    from launcher import text_build
+    from launcher.text import Text
+
+    cache = tmp_path / "cache"
+    real = text_build.write
+
+    def interrupted(partial: Path, name: str, *rest):  # Ctrl-C once train.bin is written, before val.bin
+        if name == "val":
+            assert (partial / "train.bin").stat().st_size > 0
+            raise KeyboardInterrupt
+        return real(partial, name, *rest)
+
+    monkeypatch.setattr(text_build, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _prepare(corpus, cache)
+    assert list(cache.iterdir()) == []
+    monkeypatch.setattr(text_build, "write", real)
+    keys = {"files": [str(corpus["corpus"])], "tokenizer": str(corpus["tokenizer"]), "cache_dir": str(cache)}
+    with pytest.raises(RuntimeError, match="no complete token cache"):
+        Text("train", **keys, **SETTINGS)
+    killed = cache / f".x.partial-{socket.gethostname()}-{2**22 + 12345}"  # a pid past the kernel's default limit
+    (killed / "hf").mkdir(parents=True)
+    folder = _prepare(corpus, cache)
+    assert not killed.exists() and [p.name for p in cache.iterdir()] == [folder.name]
+    assert len(Text("train", **keys, **SETTINGS, seq_len=16)) > 0
+
+
+@pytest.mark.unit
+def test_packed_and_padded_samples(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """Packed: consecutive windows of the token stream (documents and their EOS end to end). Padded: one sample per
+    chunk of a document, labels -100 where padded (data.format=hf), as data=pysource data.packing=false."""
+    from launcher.text import Text
+
+    folder = _prepare(corpus, tmp_path / "cache")
+    keys = {
+        "files": [str(corpus["corpus"])],
+        "tokenizer": str(corpus["tokenizer"]),
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    tokens = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    packed = Text("train", **keys, **SETTINGS, seq_len=16)
+    assert len(packed) == (len(tokens) - 1) // 16
+    inputs, targets = packed[3]
+    assert inputs.tolist() == tokens[48:64].tolist() and targets.tolist() == tokens[49:65].tolist()
+    padded = Text("train", **keys, **SETTINGS, seq_len=16, packing=False, format="hf")
+    spans = np.load(folder / "train.spans.npy")
+    assert len(padded) == sum(-(-(end - begin - 1) // 16) for begin, end in spans)
+    first = padded[0]
+    n = min(17, int(spans[0, 1] - spans[0, 0]))
+    assert first["input_ids"][: min(n, 16)].tolist() == tokens[: min(n, 16)].tolist()
+    assert (first["labels"][n:] == -100).all() and (first["labels"][:n] >= 0).all()
+
+
+@pytest.mark.unit
+def test_a_vocabulary_over_65536_ids_is_kept_in_uint32(tmp_path: Path) -> None:
+    """uint16 would wrap ids above 65,535 silently: a tokenizer of 70,000 ids gives uint32 tokens, read back whole."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {EOS: 0, **{f"w{i}": i + 1 for i in range(70_000)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(str(tmp_path / "tok"))
+    texts = [" ".join(f"w{(d * 7919 + i * 104729) % 70_000}" for i in range(40)) for d in range(50)]
+    write_jsonl(tmp_path / "big.jsonl", texts)
+    made = {"corpus": tmp_path / "big.jsonl", "tokenizer": tmp_path / "tok"}
+    folder = _prepare(made, tmp_path / "cache", val_fraction=0.0)
+    assert json.loads((folder / "manifest.json").read_text())["dtype"] == "uint32"
+    tokens = np.fromfile(folder / "train.bin", dtype=np.uint32)
+    expected = [i for text in texts for i in [*(int(w[1:]) + 1 for w in text.split()), 0]]  # EOS (0) after each
+    assert tokens.tolist() == expected and tokens.max() > 65_535
+
+
+# ----------------------------------------------------------------------------------------------- refused before start
+
+NOT_DATA = [o for o in TINY if not o.startswith("data")]
+
+
+def _text(corpus: dict[str, Path], tmp_path: Path, *extra: str) -> list[str]:
+    return [*NOT_DATA, "data=text", f"data.files={corpus['corpus']}", f"data.tokenizer={corpus['tokenizer']}",
+            "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}", "batch.global_size=8", "batch.micro_size=4",
+            *extra]  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "case",
+    ["no such field", "matches nothing", "tokenizer too large for the model", "too small for a global batch",
+     "tokenizer that does not load", "no tokenizer there", "no EOS token", "vocab_size below the tokenizer's"],
+)  # fmt: skip
+def test_bad_text_input_is_one_line_before_any_worker(case: str, corpus: dict[str, Path], tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"')  # cut short
+    bare = tmp_path / "bare.json"  # a tokenizer.json alone: no tokenizer_config.json to name its EOS token
+    shutil.copy(corpus["tokenizer"] / "tokenizer.json", bare)
+    overrides, expected = {
+        "no such field": (["data.text_field=body"], f"{corpus['jsonl']} has no field 'body' (its fields: id, text); "
+                                                    "name the one that holds the text with data.text_field=..."),
+        "matches nothing": ([f"data.files={tmp_path}/nowhere/*.jsonl"], "/nowhere/*.jsonl matches no file"),
+        "tokenizer too large for the model": (["model.vocab_size=64"],
+                                              "the model embeds 64 ids but data.tokenizer="),
+        "too small for a global batch": (["batch.global_size=4096", "batch.micro_size=4"],
+                                         "fewer than one global batch (batch.global_size=4096)"),
+        "tokenizer that does not load": ([f"data.tokenizer={broken}"], f"data.tokenizer={broken} does not load as a "
+                                                                       "tokenizer"),
+        "no tokenizer there": ([f"data.tokenizer={tmp_path}/none"], "does not exist; point it at a local tokenizer"),
+        "no EOS token": ([f"data.tokenizer={bare}"], "names no EOS token (its special tokens: "),
+        "vocab_size below the tokenizer's": (["data.vocab_size=100"], "data.vocab_size=100 is smaller than the 320 "
+                                                                     "ids of data.tokenizer="),
+    }[case]  # fmt: skip
+    run = launch_here(tmp_path, *_text(corpus, tmp_path, *overrides))
+    line = run.refused()
+    assert expected in line, line
+    assert "Traceback" not in run.stdout + run.stderr
+    if case == "tokenizer too large for the model":
+        assert "model.vocab_size=${data.vocab_size}" in line and "gives 320 (data.vocab_size)" in line
+
+
+# ---------------------------------------------------------------------------------------------------- real launches
+
+RUN = ["trainer.max_steps=6", "batch.global_size=16", "batch.micro_size=4", "optim.lr=3e-3"]
+
+
+def test_tokenize_workers_give_the_same_tokens(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """datasets.map in 2 processes: the same cache, byte for byte, as in this one (its folder is the same key's)."""
+    one = _prepare(corpus, tmp_path / "one")
+    two = _prepare(corpus, tmp_path / "two", tokenize_workers=2)
+    assert one.name == two.name
+    for name in ("train.bin", "val.bin", "train.spans.npy", "val.spans.npy"):
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_two_ranks_match_one_process_and_resume_exactly_on_another_world_size(
+    packing: str, corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """The batch contract on your text: G=2 K=2 logs the losses of one process with K=4 (fp32, to 1e-6), packed and
+    padded; a resume on one process of the 2-rank run's step-3 checkpoint continues with its losses."""
+    job = [*_text(corpus, tmp_path, f"data.packing={packing}"), *RUN, "trainer.checkpoint_every=3",
+           "trainer.keep_last=0"]  # fmt: skip
+    two = launch(tmp_path, *job, "gpus=2", name="two").check()
+    assert "launch: data: tokenized" in two.stdout
+    one = launch(tmp_path, *job, "gpus=1", name="one").check()
+    assert "launch: data: found the tokens" in one.stdout
+    a, b = two.losses(), one.losses()
+    assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
+    resumed = launch(tmp_path, *job, "gpus=1", f"resume={two.run_dir / 'checkpoints' / 'step_00000003'}",
+                     name="resumed").check()  # fmt: skip
+    steps = {m["step"]: m["loss"] for m in resumed.metrics}
+    assert sorted(steps) == [4, 5, 6] and max(abs(steps[s] - a[s - 1]) for s in steps) <= 1e-6, (steps, a)
+
+
+def test_a_transformers_model_trains_on_it_as_it_is(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """GPT-2 from transformers, built from a config of the tokenizer's vocabulary, on padded documents in its own
+    batch form (data.format=hf); its loss falls."""
+    gpt2 = ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
+            "+model.config._target_=transformers.GPT2Config", "+model.config.n_layer=2", "+model.config.n_embd=64",
+            "+model.config.n_head=4", "+model.config.n_positions=16",
+            "+model.config.vocab_size=${data.vocab_size}"]  # fmt: skip
+    job = [o for o in _text(corpus, tmp_path, "data.packing=false", "data.format=hf") if not o.startswith("model")]
+    run = launch(tmp_path, *job, *gpt2, *RUN, "trainer.max_steps=12", "gpus=2").check()
+    losses = run.losses()
+    assert len(losses) == 12 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
+    assert os.path.exists(run.run_dir / "resolved.yaml")
