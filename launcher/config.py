@@ -41,6 +41,9 @@ def freeze(cfg: DictConfig) -> DictConfig:
     try:
         missing = sorted(OmegaConf.missing_keys(cfg))
     except InterpolationResolutionError as e:  # e.g. model.block_size=${data.seq_len} under a data without seq_len
+        ours = _resolver_error(e)
+        if ours is not None:  # a resolver of the launcher's refused the value it resolves from: its line says why
+            raise ours from e
         raise ConfigError(f"{e.full_key}: {str(e).strip().splitlines()[0]}; set {e.full_key}=... yourself") from e
     if missing:
         raise ConfigError(f"{missing[0]} has no value; set it on the command line: {missing[0]}=...")
@@ -50,8 +53,16 @@ def freeze(cfg: DictConfig) -> DictConfig:
     try:
         plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     except OmegaConfBaseException as e:
-        raise ConfigError(str(e).strip().splitlines()[0]) from e
+        raise _resolver_error(e) or ConfigError(str(e).strip().splitlines()[0]) from e
     return OmegaConf.create(plain)  # type: ignore[arg-type]
+
+
+def _resolver_error(e: BaseException) -> ConfigError | None:
+    """The ConfigError a resolver raised (`${launch_vocab:...}`: a tokenizer that does not load), under OmegaConf's."""
+    seen: BaseException | None = e
+    while seen is not None and not isinstance(seen, ConfigError):
+        seen = seen.__cause__ or seen.__context__
+    return seen
 
 
 @dataclass(frozen=True)

@@ -99,16 +99,13 @@ def prepare(
     folder = corpus.folder(cache_dir)
     manifest = complete(folder, corpus.key())
     if manifest is not None:
+        _check_vocab_size(vocab_size, manifest["vocab_size"], tokenizer)
         print(f"launch: data: found the tokens of {_summary(manifest)} in the cache {folder}", flush=True)
         return folder
     for path in (*corpus.train, *corpus.val):
         check_field(path, text_field)
     tok = load_tokenizer(tokenizer)
-    if vocab_size is not None and vocab_size < len(tok):
-        raise ConfigError(
-            f"data.vocab_size={vocab_size} is smaller than the {len(tok)} ids of data.tokenizer={tokenizer}; leave "
-            f"data.vocab_size unset (the tokenizer's) or raise it to at least {len(tok)}"
-        )
+    _check_vocab_size(vocab_size, len(tok), tokenizer)
     from launcher.text_build import build
 
     eos, partial = eos_id(tok, tokenizer, eos_token), partial_folder(folder)
@@ -129,11 +126,20 @@ def prepare(
 Text.prepare = prepare  # type: ignore[attr-defined]  # what the launcher runs once before the workers start
 
 
+def _check_vocab_size(vocab_size: int | None, ids: int, tokenizer: str) -> None:
+    if vocab_size is not None and vocab_size < ids:
+        raise ConfigError(
+            f"data.vocab_size={vocab_size} is smaller than the {ids} ids of data.tokenizer={tokenizer}; leave "
+            f"data.vocab_size unset (the tokenizer's) or raise it to at least {ids}"
+        )
+
+
 def _summary(manifest: dict[str, Any]) -> str:
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
     return (
-        f"{train['documents']:,} + {val['documents']:,} documents ({train['tokens']:,} train + {val['tokens']:,} "
-        f"validation tokens, {manifest['dtype']})"
+        f"{train['documents']:,} train and {val['documents']:,} validation documents ({train['tokens']:,} and "
+        f"{val['tokens']:,} tokens, {manifest['dtype']}"
+        + (f"; {manifest['skipped_documents']:,} without text left out)" if manifest["skipped_documents"] else ")")
     )
 
 
@@ -318,10 +324,10 @@ def eos_id(tok: Any, tokenizer: str, eos_token: str | None) -> int:
     """The id of the token that ends each document: data.eos_token, else the tokenizer's own EOS."""
     name = eos_token or tok.eos_token
     if name is None:
-        special = ", ".join(tok.all_special_tokens) or "none"
+        added = ", ".join(str(t) for t in tok.added_tokens_decoder.values()) or "none"
         raise ConfigError(
-            f"data.tokenizer={tokenizer} names no EOS token (its special tokens: {special}); name the token that "
-            "ends a document with data.eos_token=..."
+            f"data.tokenizer={tokenizer} names no EOS token (its added tokens: {added}); name the token that ends a "
+            "document with data.eos_token=..."
         )
     if name not in tok.get_vocab():
         raise ConfigError(f"data.eos_token={name} is not a token of data.tokenizer={tokenizer}; name one it has")

@@ -52,7 +52,7 @@ def test_every_document_is_in_one_split_once_with_its_eos(corpus: dict[str, Path
 
     tok = AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
     folder = _prepare(corpus, tmp_path / "cache")
-    assert "launch: data: tokenized 216 + 24 documents" in capsys.readouterr().out
+    assert "launch: data: tokenized 216 train and 24 validation documents" in capsys.readouterr().out
     train, val = _documents(folder, "train", tok), _documents(folder, "val", tok)
     assert sorted(train + val) == sorted(documents(240)) and len(val) == 24
     again = _prepare(corpus, tmp_path / "other-cache")
@@ -72,11 +72,11 @@ def test_a_second_launch_finds_the_cache_and_a_changed_file_builds_a_new_one(
     assert "tokenized" in capsys.readouterr().out
     written = (folder / "manifest.json").stat().st_mtime_ns
     assert _prepare(corpus, tmp_path / "cache") == folder
-    assert "found the tokens of 216 + 24 documents (" in capsys.readouterr().out
+    assert "found the tokens of 216 train and 24 validation documents (" in capsys.readouterr().out
     assert (folder / "manifest.json").stat().st_mtime_ns == written
     write_jsonl(corpus["jsonl"], documents(130))  # the same name, other documents
     changed = _prepare(corpus, tmp_path / "cache")
-    assert changed != folder and "tokenized 225 + 25 documents" in capsys.readouterr().out
+    assert changed != folder and "tokenized 225 train and 25 validation documents" in capsys.readouterr().out
     changed_tokenizer = _prepare(corpus, tmp_path / "cache", eos_token="a")  # another setting: another cache
     assert changed_tokenizer not in (folder, changed)
 
@@ -113,6 +113,26 @@ def test_an_interrupted_build_leaves_nothing_complete_and_workers_never_tokenize
     folder = _prepare(corpus, cache)
     assert not killed.exists() and [p.name for p in cache.iterdir()] == [folder.name]
     assert len(Text("train", **keys, **SETTINGS, seq_len=16)) > 0
+
+
+@pytest.mark.unit
+def test_documents_without_text_are_left_out_and_counted_and_txt_files_are_read(
+    corpus: dict[str, Path], tmp_path: Path, capsys
+) -> None:
+    from transformers import AutoTokenizer
+
+    docs = documents(30)
+    gaps = write_jsonl(tmp_path / "gaps" / "a.jsonl", [*docs[:10], "", "   ", *docs[10:]])
+    with open(gaps, "a") as f:
+        f.write(json.dumps({"id": 99, "text": None}) + "\n")
+    (tmp_path / "gaps" / "b.txt").write_text("first paragraph\nof two lines\n\nsecond paragraph\n")
+    made = {"corpus": tmp_path / "gaps", "tokenizer": corpus["tokenizer"]}
+    folder = _prepare(made, tmp_path / "cache", val_fraction=0.0, txt_sample_by="paragraph")
+    assert "32 train and 0 validation documents" in capsys.readouterr().out
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["skipped_documents"] == 3, manifest
+    text = _documents(folder, "train", AutoTokenizer.from_pretrained(str(corpus["tokenizer"])))
+    assert text[:30] == docs and [t.strip() for t in text[30:]] == ["first paragraph\nof two lines", "second paragraph"]
 
 
 @pytest.mark.unit
@@ -195,14 +215,14 @@ def test_bad_text_input_is_one_line_before_any_worker(case: str, corpus: dict[st
         "tokenizer that does not load": ([f"data.tokenizer={broken}"], f"data.tokenizer={broken} does not load as a "
                                                                        "tokenizer"),
         "no tokenizer there": ([f"data.tokenizer={tmp_path}/none"], "does not exist; point it at a local tokenizer"),
-        "no EOS token": ([f"data.tokenizer={bare}"], "names no EOS token (its special tokens: "),
+        "no EOS token": ([f"data.tokenizer={bare}"], f"names no EOS token (its added tokens: {EOS}); name the token"),
         "vocab_size below the tokenizer's": (["data.vocab_size=100"], "data.vocab_size=100 is smaller than the 320 "
                                                                      "ids of data.tokenizer="),
     }[case]  # fmt: skip
     run = launch_here(tmp_path, *_text(corpus, tmp_path, *overrides))
     line = run.refused()
     assert expected in line, line
-    assert "Traceback" not in run.stdout + run.stderr
+    assert "Traceback" not in run.stdout + run.stderr and "interpolation" not in line
     if case == "tokenizer too large for the model":
         assert "model.vocab_size=${data.vocab_size}" in line and "gives 320 (data.vocab_size)" in line
 

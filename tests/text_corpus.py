@@ -1,6 +1,6 @@
 """A corpus and a tokenizer made on the spot, with no download: documents of seeded random words (of varying
 lengths), written as jsonl and parquet files, and a byte-level BPE trained on them with `tokenizers`, saved as a
-folder AutoTokenizer loads (and as a bare tokenizer.json). For tests/test_text_data.py and bench/tokenize.py."""
+folder AutoTokenizer loads. For tests/test_text_data.py and bench/tokenization.py."""
 
 from __future__ import annotations
 
