@@ -86,10 +86,10 @@ def test_help_and_cfg_import_no_heavy_module(tmp_path: Path) -> None:
     probe = (
         "import sys; from launcher import cli\n"
         "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-        "heavy = [m for m in ('torch', 'deepspeed', 'wandb') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'deepspeed', 'wandb', 'datasets', 'transformers') if m in sys.modules]\n"
         "print('HEAVY', heavy, file=sys.stderr)\n"
     )
-    for args in (["--help"], ["--cfg", "job"], ["strategy=ddp", "--cfg", "job"]):
+    for args in (["--help"], ["--cfg", "job"], ["strategy=ddp", "--cfg", "job"], ["data=text", "--cfg", "job"]):
         proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True)
         assert "HEAVY []" in proc.stderr, (args, proc.stderr)
 
