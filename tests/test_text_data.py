@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TINY, launch, launch_here
-from text_corpus import EOS, documents, make_corpus, write_jsonl
+from text_corpus import EOS, documents, make_corpus, write_jsonl, write_parquet
 
 SETTINGS = {"text_field": "text", "val_fraction": 0.1, "split_seed": 0}
 
@@ -136,6 +136,37 @@ def test_documents_without_text_are_left_out_and_counted_and_txt_files_are_read(
 
 
 @pytest.mark.unit
+def test_every_kind_of_file_is_read(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """Compressed jsonl, parquet, an arrow file and a folder written by save_to_disk, named by a glob, a folder and
+    a path: their documents in the order of the files, each file's in its own order."""
+    import gzip
+
+    import pyarrow as pa
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    docs = documents(40, seed=3)
+    (tmp_path / "in").mkdir()
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:  # the text under another name than the other files'
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs[:10])
+    write_parquet(tmp_path / "in" / "b.parquet", docs[10:20], field="body")
+    with pa.ipc.new_stream(str(tmp_path / "in" / "c.arrow"), pa.schema([("body", pa.string())])) as stream:
+        stream.write_table(pa.table({"body": docs[20:30]}))
+    Dataset.from_dict({"body": docs[30:], "n": list(range(10))}).save_to_disk(str(tmp_path / "saved"))
+    from launcher.text import prepare
+
+    with pytest.raises(ValueError, match="a.jsonl.gz has no field 'body' \\(its fields: text\\)"):
+        prepare(files=[str(tmp_path / "*.jsonl.gz"), str(tmp_path / "in")], tokenizer=str(corpus["tokenizer"]),
+                text_field="body", cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"body": d}) + "\n" for d in docs[:10])
+    folder = prepare(files=[str(tmp_path / "*.jsonl.gz"), str(tmp_path / "in"), str(tmp_path / "saved")],
+                     tokenizer=str(corpus["tokenizer"]), text_field="body", val_fraction=0.0,
+                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    assert _documents(folder, "train", AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))) == docs
+
+
+@pytest.mark.unit
 def test_packed_and_padded_samples(corpus: dict[str, Path], tmp_path: Path) -> None:
     """Packed: consecutive windows of the token stream (documents and their EOS end to end). Padded: one sample per
     chunk of a document, labels -100 where padded (data.format=hf), as data=pysource data.packing=false."""
@@ -195,8 +226,9 @@ def _text(corpus: dict[str, Path], tmp_path: Path, *extra: str) -> list[str]:
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "case",
-    ["no such field", "matches nothing", "tokenizer too large for the model", "too small for a global batch",
-     "tokenizer that does not load", "no tokenizer there", "no EOS token", "vocab_size below the tokenizer's"],
+    ["no such field", "no such column", "matches nothing", "tokenizer too large for the model",
+     "too small for a global batch", "tokenizer that does not load", "no tokenizer there", "no EOS token",
+     "vocab_size below the tokenizer's"],
 )  # fmt: skip
 def test_bad_text_input_is_one_line_before_any_worker(case: str, corpus: dict[str, Path], tmp_path: Path) -> None:
     broken = tmp_path / "broken"
@@ -207,6 +239,8 @@ def test_bad_text_input_is_one_line_before_any_worker(case: str, corpus: dict[st
     overrides, expected = {
         "no such field": (["data.text_field=body"], f"{corpus['jsonl']} has no field 'body' (its fields: id, text); "
                                                     "name the one that holds the text with data.text_field=..."),
+        "no such column": ([f"data.files={corpus['parquet']}", "data.text_field=body"],
+                           f"{corpus['parquet']} has no field 'body' (its fields: id, text)"),
         "matches nothing": ([f"data.files={tmp_path}/nowhere/*.jsonl"], "/nowhere/*.jsonl matches no file"),
         "tokenizer too large for the model": (["model.vocab_size=64"],
                                               "the model embeds 64 ids but data.tokenizer="),
