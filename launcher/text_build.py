@@ -90,7 +90,7 @@ def _build(corpus: Corpus, partial: Path, tok: Any, eos: int, workers: int) -> d
 def tokenized(paths: tuple[Path, ...], corpus: Corpus, partial: Path, encode: Encode, workers: int, name: str) -> Any:
     """The files read (each kind by its `datasets` builder, in the order the kinds first appear), their text column
     as `text`, mapped to `ids`: one row per document, in file and row order."""
-    from datasets import Dataset, DatasetDict, Features, List, Value, concatenate_datasets, load_dataset, load_from_disk
+    from datasets import Dataset, Features, List, Value, concatenate_datasets
 
     field, hf = corpus.settings["text_field"], partial / "hf"
     kinds: dict[str, list[Path]] = {}
@@ -98,27 +98,17 @@ def tokenized(paths: tuple[Path, ...], corpus: Corpus, partial: Path, encode: En
         kinds.setdefault(corpus.reader(path), []).append(path)
     parts: list[Dataset] = []
     for kind, group in kinds.items():
-        column = "text" if kind == "text" else field
         try:
-            if kind == "saved":
-                for path in group:
-                    saved = load_from_disk(str(path))
-                    if isinstance(saved, DatasetDict):
-                        if "train" not in saved:
-                            raise ConfigError(f"data.files: {path} holds the splits {list(saved)} and no train split")
-                        saved = saved["train"]
-                    parts.append(saved.select_columns([column]))
-                continue
-            options = {"text": {"sample_by": corpus.settings["txt_sample_by"]}, "parquet": {"columns": [field]}}
-            loaded = load_dataset(kind, data_files=[str(p) for p in group], split="train", cache_dir=str(hf),
-                                  **options.get(kind, {}))  # fmt: skip
+            read = _read(kind, group, field, corpus.settings["txt_sample_by"], hf)
         except ConfigError:
             raise
         except Exception as e:
             message = " ".join(str(e).split())[:300]
             raise ConfigError(f"data.files: the {kind} files ({group[0]}, ...) do not read: {message}") from e
-        parts.append(loaded.select_columns([column]))
-    parts = [p.rename_column(field, "text") if field != "text" and field in p.column_names else p for p in parts]
+        column = "text" if kind == "text" else field  # a txt file's lines are the `text` builder's column
+        for part in read:
+            part = part.select_columns([column])
+            parts.append(part if column == "text" else part.rename_column(column, "text"))
     text = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
     return text.map(
         encode,
@@ -129,6 +119,25 @@ def tokenized(paths: tuple[Path, ...], corpus: Corpus, partial: Path, encode: En
         cache_file_name=str(hf / f"{name}-ids.arrow"),  # never beside a saved dataset of the user's
         desc=f"launch: tokenizing the {name} documents",
     )
+
+
+def _read(kind: str, group: list[Path], field: str, sample_by: str, hf: Path) -> list[Any]:
+    """The files of one kind as datasets: save_to_disk folders one by one (a DatasetDict's train split), the others
+    together by their builder, its arrow files under `hf`."""
+    from datasets import DatasetDict, load_dataset, load_from_disk
+
+    if kind != "saved":
+        options = {"text": {"sample_by": sample_by}, "parquet": {"columns": [field]}}.get(kind, {})
+        return [load_dataset(kind, data_files=[str(p) for p in group], split="train", cache_dir=str(hf), **options)]
+    parts = []
+    for path in group:
+        saved = load_from_disk(str(path))
+        if isinstance(saved, DatasetDict):
+            if "train" not in saved:
+                raise ConfigError(f"data.files: {path} holds the splits {', '.join(saved)} and no train split")
+            saved = saved["train"]
+        parts.append(saved)
+    return parts
 
 
 def document_lengths(ids: Any) -> np.ndarray:
