@@ -58,11 +58,19 @@ def freeze(cfg: DictConfig) -> DictConfig:
 
 
 def _resolver_error(e: BaseException) -> ConfigError | None:
-    """The ConfigError a resolver raised (`${launch_vocab:...}`: a tokenizer that does not load), under OmegaConf's."""
+    """Under OmegaConf's error, the ConfigError a resolver raised (`${launch_vocab:...}`: a tokenizer that does not
+    load), or a missing value it was given (data.tokenizer unset), named as such."""
+    from omegaconf.errors import MissingMandatoryValue
+
     seen: BaseException | None = e
-    while seen is not None and not isinstance(seen, ConfigError):
+    while seen is not None:
+        if isinstance(seen, ConfigError):
+            return seen
+        if isinstance(seen, MissingMandatoryValue) and str(seen).startswith("Missing mandatory value: "):
+            key = str(seen).splitlines()[0].removeprefix("Missing mandatory value: ").strip()
+            return ConfigError(f"{key} has no value; set it on the command line: {key}=...")
         seen = seen.__cause__ or seen.__context__
-    return seen
+    return None
 
 
 @dataclass(frozen=True)

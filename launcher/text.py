@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,12 +196,11 @@ def expand(patterns: Any, key: str) -> tuple[Path, ...]:
     """Paths or globs, in the order given, each glob's matches sorted; a folder stands for the readable files under
     it (sorted), unless `save_to_disk` wrote it. ConfigError for a pattern that matches nothing or a file of a kind
     no reader takes."""
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    if not isinstance(patterns, (list, tuple)) or not patterns or not all(isinstance(p, str) for p in patterns):
+    given = [patterns] if isinstance(patterns, str) else list(patterns) if isinstance(patterns, Sequence) else []
+    if not given or not all(isinstance(p, str) for p in given):
         raise ConfigError(f"{key}={patterns} is not a path, a glob or a list of them; e.g. {key}='corpus/*.jsonl'")
     found: list[Path] = []
-    for pattern in patterns:
+    for pattern in given:
         matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if not matches:
             raise ConfigError(f"{key}: {pattern} matches no file; check the path (relative to {Path.cwd()})")

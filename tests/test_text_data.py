@@ -170,14 +170,13 @@ def test_every_kind_of_file_is_read(corpus: dict[str, Path], tmp_path: Path) -> 
 def test_packed_and_padded_samples(corpus: dict[str, Path], tmp_path: Path) -> None:
     """Packed: consecutive windows of the token stream (documents and their EOS end to end). Padded: one sample per
     chunk of a document, labels -100 where padded (data.format=hf), as data=pysource data.packing=false."""
+    from omegaconf import OmegaConf
+
     from launcher.text import Text
 
     folder = _prepare(corpus, tmp_path / "cache")
-    keys = {
-        "files": [str(corpus["corpus"])],
-        "tokenizer": str(corpus["tokenizer"]),
-        "cache_dir": str(tmp_path / "cache"),
-    }
+    files = OmegaConf.create([str(corpus["jsonl"]), str(corpus["corpus"] / "*.parquet")])  # as a worker gets them
+    keys = {"files": files, "tokenizer": str(corpus["tokenizer"]), "cache_dir": str(tmp_path / "cache")}
     tokens = np.fromfile(folder / "train.bin", dtype=np.uint16)
     packed = Text("train", **keys, **SETTINGS, seq_len=16)
     assert len(packed) == (len(tokens) - 1) // 16
@@ -259,6 +258,13 @@ def test_bad_text_input_is_one_line_before_any_worker(case: str, corpus: dict[st
     assert "Traceback" not in run.stdout + run.stderr and "interpolation" not in line
     if case == "tokenizer too large for the model":
         assert "model.vocab_size=${data.vocab_size}" in line and "gives 320 (data.vocab_size)" in line
+
+
+@pytest.mark.unit
+def test_a_tokenizer_not_given_is_named_not_the_model_key_that_follows_it(corpus: dict[str, Path], tmp_path) -> None:
+    overrides = [o for o in _text(corpus, tmp_path) if not o.startswith("data.tokenizer")]
+    line = launch_here(tmp_path, *overrides).refused()
+    assert line == "launch: error: data.tokenizer has no value; set it on the command line: data.tokenizer=...", line
 
 
 # ---------------------------------------------------------------------------------------------------- real launches
