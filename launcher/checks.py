@@ -125,8 +125,9 @@ def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] =
 
 def check_built(frozen: DictConfig, model: Any) -> None:
     """Build in the parent what the workers will build, and refuse in one line what fails: the optimizer over the
-    model's (meta) parameters, both datasets and their first samples, a forward of one micro-batch on the meta device,
-    the logger's settings. Nothing here allocates a model's memory."""
+    model's (meta) parameters, the data's own preparation (data=text tokenizes here), both datasets and their first
+    samples, a forward of one micro-batch on the meta device, the logger's settings, the vocabulary. Nothing here
+    allocates a model's memory."""
     _check_optimizer(frozen, model)
     _prepare_data(frozen)
     sample = _check_datasets(frozen)
