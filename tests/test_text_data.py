@@ -167,6 +167,26 @@ def test_every_kind_of_file_is_read(corpus: dict[str, Path], tmp_path: Path) -> 
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("template", ["<s> $A", "$A </s>"])
+def test_the_tokenizers_own_special_tokens_are_kept_and_eos_is_not_doubled(template: str, tmp_path: Path) -> None:
+    """A tokenizer that adds BOS itself (Llama's) keeps it before each document, the EOS after; one that adds EOS
+    itself gets no second one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<s>": 0, "</s>": 1, "a": 2, "b": 3}
+    tok = Tokenizer(models.WordLevel(words, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", 0), ("</s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path / "tok")
+    write_jsonl(tmp_path / "docs.jsonl", ["a b", "b b a"])
+    made = {"corpus": tmp_path / "docs.jsonl", "tokenizer": tmp_path / "tok"}
+    folder = _prepare(made, tmp_path / "cache", val_fraction=0.0)
+    expected = [0, 2, 3, 1, 0, 3, 3, 2, 1] if template.startswith("<s>") else [2, 3, 1, 3, 3, 2, 1]
+    assert np.fromfile(folder / "train.bin", dtype=np.uint16).tolist() == expected
+
+
+@pytest.mark.unit
 def test_packed_and_padded_samples(corpus: dict[str, Path], tmp_path: Path) -> None:
     """Packed: consecutive windows of the token stream (documents and their EOS end to end). Padded: one sample per
     chunk of a document, labels -100 where padded (data.format=hf), as data=pysource data.packing=false."""
