@@ -103,11 +103,12 @@ def prepare(
         _check_vocab_size(vocab_size, manifest["vocab_size"], tokenizer)
         print(f"launch: data: found the tokens of {_summary(manifest)} in the cache {folder}", flush=True)
         return folder
+    from launcher.text_build import build, check_field
+
     for path in (*corpus.train, *corpus.val):
-        check_field(path, text_field)
+        check_field(path, reader(path), text_field)
     tok = load_tokenizer(tokenizer)
     _check_vocab_size(vocab_size, len(tok), tokenizer)
-    from launcher.text_build import build
 
     eos, partial = eos_id(tok, tokenizer, eos_token), partial_folder(folder)
     try:
@@ -254,44 +255,6 @@ def tokenizer_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def check_field(path: Path, field: str) -> None:
-    """ConfigError naming the fields a file has when the text field is not one of them (txt files are text)."""
-    kind = reader(path)
-    if kind == "text":
-        return
-    try:
-        if kind == "json":
-            import fsspec
-
-            with fsspec.open(str(path), "rt", compression="infer") as f:
-                line = next((line for line in f if line.strip()), "")
-            record = json.loads(line) if line.lstrip().startswith("{") else None
-            names = list(record) if isinstance(record, dict) else None
-        elif kind == "parquet":
-            import pyarrow.parquet as pq
-
-            names = pq.read_schema(path).names
-        elif kind == "arrow":
-            import pyarrow as pa
-
-            try:
-                names = pa.ipc.open_stream(str(path)).schema.names
-            except pa.ArrowInvalid:
-                names = pa.ipc.open_file(str(path)).schema.names
-        else:
-            from datasets import load_from_disk
-
-            saved = load_from_disk(str(path))
-            names = saved.column_names if not isinstance(saved.column_names, dict) else saved["train"].column_names
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"data.files: {path} does not read as {kind} ({type(e).__name__}: {e})") from e
-    if names is not None and field not in names:
-        raise ConfigError(
-            f"data.files: {path} has no field {field!r} (its fields: {', '.join(map(str, names)) or 'none'}); "
-            "name the one that holds the text with data.text_field=..."
-        )
-
-
 def load_tokenizer(tokenizer: str) -> Any:
     """The tokenizer at a local folder (`AutoTokenizer.from_pretrained`, local files only, no remote code) or a
     tokenizer.json (`PreTrainedTokenizerFast`); ConfigError (one line) when it does not load."""
@@ -353,13 +316,20 @@ def complete(folder: Path, key: dict[str, Any]) -> dict[str, Any] | None:
 
 def publish(partial: Path, folder: Path, manifest: dict[str, Any]) -> None:
     """Make a built folder the cache's: every file fsynced, then the manifest (last), then the rename. A folder that
-    another launch published meanwhile is kept, ours removed."""
+    another launch published meanwhile is kept, ours removed; one found damaged (a file of another size than its
+    manifest says) is replaced."""
     for split in manifest["splits"]:
         largest_id(partial / f"{split}.bin", np.dtype(manifest["dtype"]))  # cached beside it: workers never scan
     for file in partial.iterdir():
         with open(file, "rb") as f:
             os.fsync(f.fileno())
     write_durably(partial / "manifest.json", json.dumps(manifest, indent=1))
+    if folder.exists() and complete(folder, manifest["key"]) is None:
+        print(
+            f"launch: data: the cache {folder} was damaged (its files are not the sizes it records): replaced",
+            flush=True,
+        )
+        shutil.rmtree(folder)
     try:
         os.rename(partial, folder)
     except OSError:

@@ -4,6 +4,7 @@ chosen, and each split written as token ids and document spans into a folder pub
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -138,6 +139,44 @@ def _read(kind: str, group: list[Path], field: str, sample_by: str, hf: Path) ->
             saved = saved["train"]
         parts.append(saved)
     return parts
+
+
+def check_field(path: Path, kind: str | None, field: str) -> None:
+    """ConfigError naming the fields a file of `kind` (its reader) has when the text field is not one of them (txt
+    files are text)."""
+    if kind == "text":
+        return
+    try:
+        if kind == "json":
+            import fsspec
+
+            with fsspec.open(str(path), "rt", compression="infer") as f:
+                line = next((line for line in f if line.strip()), "")
+            record = json.loads(line) if line.lstrip().startswith("{") else None
+            names = list(record) if isinstance(record, dict) else None
+        elif kind == "parquet":
+            import pyarrow.parquet as pq
+
+            names = pq.read_schema(path).names
+        elif kind == "arrow":
+            import pyarrow as pa
+
+            try:
+                names = pa.ipc.open_stream(str(path)).schema.names
+            except pa.ArrowInvalid:
+                names = pa.ipc.open_file(str(path)).schema.names
+        else:
+            from datasets import load_from_disk
+
+            saved = load_from_disk(str(path))
+            names = saved.column_names if not isinstance(saved.column_names, dict) else saved["train"].column_names
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"data.files: {path} does not read as {kind} ({type(e).__name__}: {e})") from e
+    if names is not None and field not in names:
+        raise ConfigError(
+            f"data.files: {path} has no field {field!r} (its fields: {', '.join(map(str, names)) or 'none'}); "
+            "name the one that holds the text with data.text_field=..."
+        )
 
 
 def document_lengths(ids: Any) -> np.ndarray:

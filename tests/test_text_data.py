@@ -79,6 +79,10 @@ def test_a_second_launch_finds_the_cache_and_a_changed_file_builds_a_new_one(
     assert changed != folder and "tokenized 225 train and 25 validation documents" in capsys.readouterr().out
     changed_tokenizer = _prepare(corpus, tmp_path / "cache", eos_token="a")  # another setting: another cache
     assert changed_tokenizer not in (folder, changed)
+    with open(changed / "train.bin", "r+b") as f:  # a cache damaged since: truncated
+        f.truncate(100)
+    assert _prepare(corpus, tmp_path / "cache") == changed
+    assert "was damaged" in capsys.readouterr().out and (changed / "train.bin").stat().st_size > 100
 
 
 @pytest.mark.unit
