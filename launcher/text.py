@@ -65,8 +65,9 @@ def Text(
     one sample per chunk of a document, its last chunk padded (targets -100), as `data=pysource data.packing=false`.
     """
     corpus = Corpus.of(files, val_files, tokenizer, text_field, val_fraction, split_seed, eos_token, txt_sample_by)
-    folder = corpus.folder(cache_dir)
-    manifest = complete(folder, corpus.key())
+    key = corpus.key()
+    folder = corpus.folder(cache_dir, key)
+    manifest = complete(folder, key)
     if manifest is None:
         raise RuntimeError(
             f"no complete token cache for data.files={files} at {folder}: the launcher builds it before the workers "
@@ -97,8 +98,9 @@ def prepare(
     which). ConfigError (one line) for files that match nothing or lack the text field, a tokenizer that does not
     load or has no EOS token, and a data.vocab_size below the tokenizer's."""
     corpus = Corpus.of(files, val_files, tokenizer, text_field, val_fraction, split_seed, eos_token, txt_sample_by)
-    folder = corpus.folder(cache_dir)
-    manifest = complete(folder, corpus.key())
+    key = corpus.key()
+    folder = corpus.folder(cache_dir, key)
+    manifest = complete(folder, key)
     if manifest is not None:
         _check_vocab_size(vocab_size, manifest["vocab_size"], tokenizer)
         print(f"launch: data: found the tokens of {_summary(manifest)} in the cache {folder}", flush=True)
@@ -188,8 +190,10 @@ class Corpus:
     def reader(path: Path) -> str:
         return reader(path) or ""
 
-    def folder(self, root: str | None) -> Path:
-        digest = hashlib.sha256(json.dumps(self.key(), sort_keys=True).encode()).hexdigest()[:24]
+    @staticmethod
+    def folder(root: str | None, key: dict[str, Any]) -> Path:
+        """The cache folder of `key` (`Corpus.key`) under `root` (unset: ~/.cache/launch/text)."""
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
         return (Path(os.path.expanduser(root)) if root else cache_dir() / "text") / digest
 
 
@@ -207,7 +211,7 @@ def expand(patterns: Any, key: str) -> tuple[Path, ...]:
             raise ConfigError(f"{key}: {pattern} matches no file; check the path (relative to {Path.cwd()})")
         for match in map(Path, matches):
             if match.is_dir() and not is_saved(match):
-                inside = sorted(p for p in match.rglob("*") if p.is_file() and reader(p) is not None)
+                inside = _inside(match)
                 if not inside:
                     raise ConfigError(f"{key}: the folder {match} holds no {', '.join(READERS)} file")
                 found += inside
@@ -219,6 +223,17 @@ def expand(patterns: Any, key: str) -> tuple[Path, ...]:
             else:
                 found.append(match.resolve())
     return tuple(dict.fromkeys(p.resolve() for p in found))  # a file named twice is read once
+
+
+def _inside(folder: Path) -> list[Path]:
+    """The readable files and save_to_disk folders under `folder`, depth first, by name; hidden ones left out."""
+    found: list[Path] = []
+    for path in sorted(p for p in folder.iterdir() if not p.name.startswith(".")):
+        if path.is_dir():
+            found += [path] if is_saved(path) else _inside(path)
+        elif reader(path) is not None:
+            found.append(path)
+    return found
 
 
 def is_saved(path: Path) -> bool:

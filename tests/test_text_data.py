@@ -141,8 +141,9 @@ def test_documents_without_text_are_left_out_and_counted_and_txt_files_are_read(
 
 @pytest.mark.unit
 def test_every_kind_of_file_is_read(corpus: dict[str, Path], tmp_path: Path) -> None:
-    """Compressed jsonl, parquet, an arrow file and a folder written by save_to_disk, named by a glob, a folder and
-    a path: their documents in the order of the files, each file's in its own order."""
+    """Compressed jsonl, parquet, an arrow file and a folder written by save_to_disk inside a folder (read whole by
+    load_from_disk, not as its own files), named by a glob and a folder: their documents in the order of the files,
+    each file's in its own order."""
     import gzip
 
     import pyarrow as pa
@@ -156,7 +157,8 @@ def test_every_kind_of_file_is_read(corpus: dict[str, Path], tmp_path: Path) -> 
     write_parquet(tmp_path / "in" / "b.parquet", docs[10:20], field="body")
     with pa.ipc.new_stream(str(tmp_path / "in" / "c.arrow"), pa.schema([("body", pa.string())])) as stream:
         stream.write_table(pa.table({"body": docs[20:30]}))
-    Dataset.from_dict({"body": docs[30:], "n": list(range(10))}).save_to_disk(str(tmp_path / "saved"))
+    Dataset.from_dict({"body": docs[30:], "n": list(range(10))}).save_to_disk(str(tmp_path / "in" / "d" / "saved"))
+    (tmp_path / "in" / ".hidden.jsonl").write_text("not json\n")  # left out, as a folder's hidden files are
     from launcher.text import prepare
 
     with pytest.raises(ValueError, match="a.jsonl.gz has no field 'body' \\(its fields: text\\)"):
@@ -164,7 +166,7 @@ def test_every_kind_of_file_is_read(corpus: dict[str, Path], tmp_path: Path) -> 
                 text_field="body", cache_dir=str(tmp_path / "cache"))  # fmt: skip
     with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"body": d}) + "\n" for d in docs[:10])
-    folder = prepare(files=[str(tmp_path / "*.jsonl.gz"), str(tmp_path / "in"), str(tmp_path / "saved")],
+    folder = prepare(files=[str(tmp_path / "*.jsonl.gz"), str(tmp_path / "in")],
                      tokenizer=str(corpus["tokenizer"]), text_field="body", val_fraction=0.0,
                      cache_dir=str(tmp_path / "cache"))  # fmt: skip
     assert _documents(folder, "train", AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))) == docs
