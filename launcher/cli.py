@@ -1,7 +1,9 @@
 """The `launch` console script: a Hydra app over conf/, with one-line errors for bad input.
 
-This module imports only Hydra and OmegaConf, so `launch --help` and `launch --cfg job`
-never pay for torch, deepspeed or wandb; the run itself is imported when a job starts.
+A single run is composed once, by the compose API, and that config is the job's (`run_once`, Hydra's own
+`run_job`); sweeps, cluster submissions and Hydra's flags go through the Hydra app. This module imports only
+Hydra and OmegaConf, so `launch --help` and `launch --cfg job` never pay for torch, deepspeed or wandb; the run
+itself is imported when a job starts.
 """
 
 from __future__ import annotations
@@ -32,11 +34,17 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     raise SystemExit(code)
 
 
+def _task(cfg: DictConfig) -> int:
+    """The task of one job: the run (`launcher.launch.run_job`), imported only once a job really starts (torch)."""
+    from launcher.launch import run_job
+
+    return run_job(cfg)
+
+
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)
 def _app(cfg: DictConfig) -> None:
-    from launcher.launch import run_job  # imports torch: only once a job really starts
-
-    code = run_job(cfg)
+    """Sweeps, submissions to a cluster and Hydra's own flags (--cfg, --help, --info): Hydra's app, as it is."""
+    code = _task(cfg)
     if code:
         raise SystemExit(code)
 
@@ -64,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         return convert(argv[1:])
     if argv[:1] == ["plan"]:
         raise SystemExit(plan(argv[1:]))
+    overrides = _single_run(argv)
+    if overrides is not None:
+        raise SystemExit(run_once(overrides))
     error = precheck(argv)
     if error:
         fail(error)
@@ -75,6 +86,52 @@ def main(argv: Sequence[str] | None = None) -> None:
         fail(str(e))
     sys.argv = [sys.argv[0], *argv]
     _app()
+
+
+def _single_run(argv: Sequence[str]) -> list[str] | None:
+    """The overrides of a plain single run (no flag, no sweep, no Hydra launcher plugin), else None."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if any(a.startswith("-") or a.startswith("hydra/launcher=") for a in argv):
+        return None
+    try:
+        args = get_args_parser().parse_args(list(argv))
+        if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(args.overrides)):
+            return None
+    except (SystemExit, HydraException):  # Hydra's app says what is wrong with them, as it always has
+        return None
+    return list(args.overrides)
+
+
+def run_once(overrides: list[str]) -> int:
+    """A single run, composed once: the composition that checks the overrides is the one the job runs.
+
+    What @hydra.main does for a run, with Hydra's own parts (its logging set-up, callbacks and `run_job`: the run
+    directory, `hydra.job.env_set`, the job's log file), minus a second composition of the same config.
+    """
+    from hydra import initialize_config_module
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import configure_log
+    from hydra.core.utils import run_job as run_hydra_job
+    from hydra.types import HydraContext, RunMode
+
+    with initialize_config_module(config_module=CONFIG_MODULE, job_name="launch", version_base="1.3"):
+        cfg, error = compose_checked(overrides, hydra_node=True)
+        if error:
+            fail(error)
+        assert cfg is not None
+        with open_dict(cfg):
+            cfg.hydra.mode = RunMode.RUN
+        configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+        callbacks = Callbacks(cfg)
+        callbacks.on_run_start(config=cfg, config_name=CONFIG_NAME)
+        context = HydraContext(config_loader=GlobalHydra.instance().config_loader(), callbacks=callbacks)
+        ret = run_hydra_job(_task, cfg, job_dir_key="hydra.run.dir", job_subdir_key=None, hydra_context=context)
+        callbacks.on_run_end(config=cfg, config_name=CONFIG_NAME, job_return=ret)
+        return ret.return_value  # raises what the job raised
 
 
 def plan(overrides: list[str]) -> int:
@@ -126,13 +183,13 @@ def convert(args: Sequence[str]) -> None:
     try:
         model = None
         if out.suffix != ".safetensors":  # a folder: the model of these overrides, as `launch` would build it
-            from hydra import compose, initialize_config_module
+            from hydra import initialize_config_module
 
-            error = check_overrides(overrides)
-            if error:
-                fail(error)
             with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-                model = freeze(compose(CONFIG_NAME, overrides=overrides)).model
+                composed, error = compose_checked(overrides)
+                if error:
+                    fail(error)
+                model = freeze(composed).model
         written = write(Path(paths[0]), out, model, merge)
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         fail(str(e).splitlines()[0])
@@ -140,8 +197,9 @@ def convert(args: Sequence[str]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Precheck: compose once with the compose API, so that a bad override becomes one clear line
-# instead of Hydra's multi-line report. Sweeps are checked value by value for group choices.
+# Composition with the compose API, so that a bad override becomes one clear line instead of Hydra's
+# multi-line report: a single run runs that composition (run_once); for Hydra's app (sweeps, flags) it is
+# a precheck, and every job of a sweep is checked as a run would be before the first one starts.
 # --------------------------------------------------------------------------------------------
 
 
@@ -168,44 +226,66 @@ def precheck(argv: Sequence[str]) -> str | None:
 
 
 def check_overrides(overrides: Sequence[str]) -> str | None:
-    from hydra import compose, initialize_config_module
+    """One line for overrides that cannot compose, or for the first job of a sweep that would be refused; else None.
+    For Hydra's app (sweeps, flags), which composes them again itself, and for `launch plan`'s message."""
+    from hydra import initialize_config_module
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        composed, problem = compose_checked(overrides)
+        if problem or composed is None:
+            return problem
+        user = _user_overrides(overrides)
+        if not _multirun(OverridesParser.create().parse_overrides(user)):
+            return None  # a single run: the launcher checks the rest before it writes anything
+        return _check_sweep(user, composed.hydra, overrides)
+
+
+def _user_overrides(overrides: Sequence[str]) -> list[str]:
+    return [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+
+
+def compose_checked(overrides: Sequence[str], hydra_node: bool = False) -> tuple[DictConfig | None, str | None]:
+    """The config these overrides compose to (inside a compose context; a sweep at its first value), with Hydra's
+    node, or one line saying why there is none: a choice that does not exist (naming the valid ones), a key that
+    does not (naming its neighbours), a value of the wrong type, a run directory that cannot be made.
+
+    `hydra_node=True`: the config a single run runs, the user's `hydra.*` overrides applied too (a sweep's are
+    Hydra's own to apply, and may not compose as a run). Ranges are not checked here: `config.freeze` does, once.
+    """
+    from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    user = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    user = _user_overrides(overrides)
     try:
         parsed = OverridesParser.create().parse_overrides(user)
     except HydraException as e:
-        return _one_line(e)
-    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-        loader = GlobalHydra.instance().config_loader()
-        groups = set(loader.get_group_options("", results_filter=None))
-        first: list[str] = []
-        for o in parsed:
-            group = o.key_or_group
-            candidates = _candidates(o)
-            if group in groups and not o.is_delete():
-                options = schema.choices()[group]
-                for value in candidates:
-                    if value not in options:
-                        return f"unknown {group} '{value}'; valid: {', '.join(options)} (e.g. {group}={options[0]})"
-            if o.is_sweep_override() and not candidates:
-                continue  # a sweep we cannot expand here (interval, glob): Hydra checks it per job
-            value = candidates[0] if o.is_sweep_override() else o.get_value_element_as_str()
-            first.append(f"{o.get_key_element()}={value}" if not o.is_delete() else o.input_line)
-        try:
-            composed = compose(CONFIG_NAME, overrides=first, return_hydra_config=True)
-        except (HydraException, OmegaConfBaseException) as e:
-            return _unknown_key(e, first) or _one_line(e)
-        with open_dict(composed):
-            hydra_node = composed.pop("hydra")
-        problem = schema.check_ranges(composed) or _run_dir_problem(hydra_node, overrides, parsed)
-        if problem or not _multirun(parsed):
-            return problem  # a single run: the launcher checks the rest before it writes anything
-        return _check_sweep(user, hydra_node, overrides)
-    return None
+        return None, _one_line(e)
+    groups = set(GlobalHydra.instance().config_loader().get_group_options("", results_filter=None))
+    first: list[str] = []
+    for o in parsed:
+        group = o.key_or_group
+        candidates = _candidates(o)
+        if group in groups and not o.is_delete():
+            options = schema.choices()[group]
+            for value in candidates:
+                if value not in options:
+                    return None, f"unknown {group} '{value}'; valid: {', '.join(options)} (e.g. {group}={options[0]})"
+        if o.is_sweep_override() and not candidates:
+            continue  # a sweep we cannot expand here (interval, glob): Hydra checks it per job
+        value = candidates[0] if o.is_sweep_override() else o.get_value_element_as_str()
+        first.append(f"{o.get_key_element()}={value}" if not o.is_delete() else o.input_line)
+    if hydra_node:
+        first += [o for o in overrides if o not in user]
+    try:
+        composed = compose(CONFIG_NAME, overrides=first, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        return None, _unknown_key(e, first) or _one_line(e)
+    problem = _run_dir_problem(composed.hydra, overrides, parsed)
+    return (None, problem) if problem else (composed, None)
 
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -251,14 +331,13 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
     try:
         for n, job in enumerate(jobs):
             where = " ".join(o for o in job if o.split("=", 1)[0] in swept) or " ".join(job)
+            problem = None
             try:
                 cfg = compose(CONFIG_NAME, overrides=job, return_hydra_config=True)
                 HydraConfig.instance().set_config(cfg)  # the job's own ${hydra:...} values resolve as in the job
                 with open_dict(cfg):
                     cfg.pop("hydra")
-                problem = schema.check_ranges(cfg)
-                if problem is None:
-                    check_job(cfg)
+                check_job(cfg)  # ranges (config.freeze) and every check a run makes before it starts
             except (HydraException, OmegaConfBaseException) as e:
                 problem = _one_line(e)
             except ConfigError as e:
