@@ -65,15 +65,13 @@ def with_presets(frozen: DictConfig, names: Sequence[str]) -> dict[str, DictConf
 def preset_strategies(names: list[str], **options: Any) -> dict[str, Strategy]:
     """Each preset of conf/strategy/ built as a run of the default config builds it, for what it declares of itself
     (`layout`, `collectives`, `requirements`, `conformance`); `options` over each preset's keys. A strategy's
-    defaults are its schema's, written there alone: this is how to build one outside a run."""
+    defaults are its schema's, written there alone: this is how to build one outside a run (after
+    `launcher.schema.register()`, which the launcher's own entry points have made)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from launcher import schema
     from launcher.config import freeze
-
-    schema.register()  # a no-op where the launcher has registered it already
 
     def build() -> dict[str, Strategy]:
         configs = with_presets(freeze(compose("config")), names)

@@ -138,6 +138,9 @@ def main(preset: str) -> None:
 
 
 if __name__ == "__main__":
+    from launcher import schema
+
+    schema.register()
     main(sys.argv[1])  # a preset of conf/strategy/, built as a run builds it
     from launcher.lifecycle import exit_now
 

@@ -14,7 +14,10 @@ import pytest
 import torch
 from conftest import launch, launch_once
 
+from launcher import schema
 from strategies.base import RunContext, split_ties, tied_unit_lines, unit_classes
+
+schema.register()  # the presets' schemas, for launcher.context.preset_strategy
 
 BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
         "vocab_size": 256, "max_position_embeddings": 32, "hidden_dropout_prob": 0.0,
