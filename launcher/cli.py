@@ -9,6 +9,7 @@ itself is imported when a job starts.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -66,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return convert(argv[1:])
     if argv[:1] == ["plan"]:
         raise SystemExit(plan(argv[1:]))
+    if argv[:1] == ["export"]:
+        return export(argv[1:])
     overrides = _single_run(argv)
     if overrides is not None:
         raise SystemExit(run_once(overrides))
@@ -148,6 +151,48 @@ def plan(overrides: list[str]) -> int:
         # Overrides that do not compose get the launcher's usual one-line report (checked only now: it composes too).
         fail(check_overrides(overrides) or str(e))
     return 0
+
+
+EXPORT_KEYS = ("image", "name", "namespace")
+"""`launch export kubeflow`'s own keys; every other argument is an override of the run."""
+
+
+def export(args: Sequence[str]) -> None:
+    """launch export kubeflow image=IMAGE [name=NAME] [namespace=NS] overrides: a Kubeflow PyTorchJob manifest (YAML,
+    on stdout) that runs this exact config on `nodes` pods of `gpus` workers each. Checked as a run would check its
+    config (composition, ranges, the batch contract at that size) before anything is printed."""
+    usage = "usage: launch export kubeflow image=IMAGE [name=NAME] [namespace=NS] nodes=N gpus=G [the run's overrides]"
+    if args[:1] != ["kubeflow"] or any(a.startswith("-") or "=" not in a for a in args[1:]):
+        fail(usage)
+    own = {key: [a.split("=", 1)[1] for a in args[1:] if a.startswith(f"{key}=")] for key in EXPORT_KEYS}
+    overrides = [a for a in args[1:] if a.split("=", 1)[0] not in EXPORT_KEYS]
+    if not own["image"]:
+        fail(f"{usage}: image= names the container image that has launch and your code installed")
+    from hydra import initialize_config_module
+    from omegaconf import OmegaConf
+
+    from launcher.clusters.kubernetes import pytorchjob
+    from launcher.config import ConfigError, derive, freeze
+    from launcher.identity import identity_hash
+
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        composed, error = compose_checked(overrides)
+        if error:
+            fail(error)
+        try:
+            frozen = freeze(composed)
+            if frozen.gpus is None:
+                raise ConfigError("gpus is unset; give gpus=N, the workers (GPUs) of each pod")
+            derived = derive(frozen, cuda_devices=frozen.gpus if frozen.device != "cpu" else 0)  # as each pod derives
+        except ConfigError as e:
+            fail(str(e))
+    name = own["name"][-1] if own["name"] else f"launch-{identity_hash(frozen, composed)[:10]}"
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
+        fail(f"name={name} is not a Kubernetes object name (lower-case letters, digits and '-', at most 63); e.g. "
+             f"name={re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-')[:63] or 'launch'}")  # fmt: skip
+    job = pytorchjob(name, own["image"][-1], derived.nodes, derived.gpus, overrides, derived.device,
+                     (own["namespace"] or [None])[-1])  # fmt: skip
+    print(OmegaConf.to_yaml(OmegaConf.create(job)), end="")
 
 
 def convert(args: Sequence[str]) -> None:

@@ -50,7 +50,7 @@ def check_overrides(overrides: Sequence[str]) -> str | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-        composed, problem = compose_checked(overrides)
+        composed, problem = compose_checked(overrides, hydra_node=True)
         if problem or composed is None:
             return problem
         user = _user_overrides(overrides)
@@ -64,12 +64,13 @@ def _user_overrides(overrides: Sequence[str]) -> list[str]:
 
 
 def compose_checked(overrides: Sequence[str], hydra_node: bool = False) -> tuple[DictConfig | None, str | None]:
-    """The config these overrides compose to (inside a compose context; a sweep at its first value), with Hydra's
-    node, or one line saying why there is none: a choice that does not exist (naming the valid ones), a key that
-    does not (naming its neighbours), a value of the wrong type, a run directory that cannot be made.
+    """The config these overrides compose to (inside a compose context; a sweep at its first value), or one line
+    saying why there is none: a choice that does not exist (naming the valid ones), a key that does not (naming its
+    neighbours), a value of the wrong type, a run directory that cannot be made.
 
-    `hydra_node=True`: the config a single run runs, the user's `hydra.*` overrides applied too (a sweep's are
-    Hydra's own to apply, and may not compose as a run). Ranges are not checked here: `config.freeze` does, once.
+    `hydra_node=True`: with Hydra's node, the config a single run runs, the user's `hydra.*` overrides applied too (a
+    sweep's are Hydra's own to apply, and may not compose as a run). Ranges are not checked here: `config.freeze`
+    does, once.
     """
     from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
@@ -103,7 +104,12 @@ def compose_checked(overrides: Sequence[str], hydra_node: bool = False) -> tuple
     except (HydraException, OmegaConfBaseException) as e:
         return None, _unknown_key(e, first) or _one_line(e)
     problem = _run_dir_problem(composed.hydra, overrides, parsed)
-    return (None, problem) if problem else (composed, None)
+    if problem:
+        return None, problem
+    if not hydra_node:
+        with open_dict(composed):
+            composed.pop("hydra")
+    return composed, None
 
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
