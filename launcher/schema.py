@@ -373,10 +373,6 @@ SCHEMAS["strategy"]["base_auto"] = AutoStrategyConfig  # conf/strategy/auto.yaml
 
 def register() -> None:
     """Store every schema; YAML files extend them by name (`defaults: [base_gpt, _self_]`)."""
-    if not OmegaConf.has_resolver("launch_groups"):  # for `launch --help`
-        OmegaConf.register_new_resolver(
-            "launch_groups", lambda: "\n".join(f"{group}: {', '.join(names)}" for group, names in choices().items())
-        )
     if not OmegaConf.has_resolver("launch_id"):  # the default run directory's suffix; cached: one value per launch
         OmegaConf.register_new_resolver("launch_id", lambda: secrets.token_hex(2), use_cache=True)
     if not OmegaConf.has_resolver("launch_strategies"):  # conf/sweep/smoke.yaml (launcher/smoke.py)
