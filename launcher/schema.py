@@ -19,9 +19,9 @@ from omegaconf import MISSING, OmegaConf
 from launcher import data_schema
 from launcher.data_schema import PySourceDataConfig, SyntheticDataConfig, TokensDataConfig
 from launcher.groups import choices
-from launcher.ranges import COUNT, FRACTION, PORT, POSITIVE, SIZE, UNIT, ZERO_STAGE, check_ranges, launch_only, ranged
+from launcher.ranges import COUNT, FRACTION, PORT, POSITIVE, SIZE, UNIT, ZERO_STAGE, launch_only, ranged
 
-__all__ = ["check_ranges", "choices", "register"]  # the checks and the options read from here
+__all__ = ["choices", "register"]  # the options read from here
 
 
 class Device(Enum):
@@ -375,10 +375,6 @@ SCHEMAS["strategy"]["base_auto"] = AutoStrategyConfig  # conf/strategy/auto.yaml
 
 def register() -> None:
     """Store every schema; YAML files extend them by name (`defaults: [base_gpt, _self_]`)."""
-    if not OmegaConf.has_resolver("launch_groups"):  # for `launch --help`
-        OmegaConf.register_new_resolver(
-            "launch_groups", lambda: "\n".join(f"{group}: {', '.join(names)}" for group, names in choices().items())
-        )
     if not OmegaConf.has_resolver("launch_id"):  # the default run directory's suffix; cached: one value per launch
         OmegaConf.register_new_resolver("launch_id", lambda: secrets.token_hex(2), use_cache=True)
     if not OmegaConf.has_resolver("launch_vocab"):  # data=text: data.vocab_size, the tokenizer's unless set
