@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the corpus and tokenizer makers
 
-from text_corpus import documents, train_tokenizer, write_jsonl  # noqa: E402
+from text_corpus import documents, text_settings, train_tokenizer, write_jsonl  # noqa: E402
 
 
 def main() -> None:
@@ -51,14 +51,14 @@ def main() -> None:
         for workers in a.workers:
             cache = root / f"cache-{workers}"
             with contextlib.redirect_stdout(io.StringIO()):
-                folder = prepare(files=[str(root / "corpus")], tokenizer=str(tokenizer), tokenize_workers=workers,
-                                 cache_dir=str(cache))  # fmt: skip
+                folder = prepare(**text_settings(files=[str(root / "corpus")], tokenizer=str(tokenizer),
+                                                 tokenize_workers=workers, cache_dir=str(cache)))  # fmt: skip
             m = json.loads((folder / "manifest.json").read_text())
             tokens = sum(s["tokens"] for s in m["splits"].values())
             print(f"| {workers} | {tokens:,} | {m['seconds']:.2f} | {m['tokens_per_second']:,.0f} |")
         started = time.monotonic()
         with contextlib.redirect_stdout(io.StringIO()):
-            prepare(files=[str(root / "corpus")], tokenizer=str(tokenizer), cache_dir=str(cache))
+            prepare(**text_settings(files=[str(root / "corpus")], tokenizer=str(tokenizer), cache_dir=str(cache)))
         print(f"\nthe cache found by a second launch: {time.monotonic() - started:.3f} s")
 
 

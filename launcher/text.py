@@ -1,4 +1,5 @@
-"""data=text: your text files and your tokenizer, tokenized once, in the launcher, into a cache the workers map.
+"""data=text: your text files and your tokenizer, tokenized once, in the launcher, into a cache the workers map
+(the defaults of `Text` and `prepare` are the schema's, launcher/data_schema.py: `TextDataConfig`).
 
 `prepare` (called by the launcher before any worker starts, `launcher.checks.check_built`) reads the files with
 Hugging Face `datasets` (jsonl/json, parquet, txt, arrow, or a folder saved with `save_to_disk`), tokenizes every
@@ -44,20 +45,21 @@ WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".
 
 def Text(
     split: str,
+    *,
     files: Any,
     tokenizer: str,
-    text_field: str = "text",
-    val_files: Any = None,
-    val_fraction: float = 0.01,
-    split_seed: int = 0,
-    eos_token: str | None = None,
-    txt_sample_by: str = "document",
-    vocab_size: int | None = None,
-    seq_len: int = 1024,
-    packing: bool = True,
-    format: str = "tuple",
-    tokenize_workers: int = 0,
-    cache_dir: str | None = None,
+    text_field: str,
+    val_files: Any,
+    val_fraction: float,
+    split_seed: int,
+    eos_token: str | None,
+    txt_sample_by: str,
+    vocab_size: int | None,
+    seq_len: int,
+    packing: bool,
+    format: str,
+    tokenize_workers: int,
+    cache_dir: str | None,
 ) -> Dataset:
     """The `split` of the tokenized corpus, memory-mapped from the cache `prepare` built; never tokenizes.
 
@@ -81,17 +83,18 @@ def Text(
 
 
 def prepare(
+    *,
     files: Any,
     tokenizer: str,
-    text_field: str = "text",
-    val_files: Any = None,
-    val_fraction: float = 0.01,
-    split_seed: int = 0,
-    eos_token: str | None = None,
-    txt_sample_by: str = "document",
-    vocab_size: int | None = None,
-    tokenize_workers: int = 0,
-    cache_dir: str | None = None,
+    text_field: str,
+    val_files: Any,
+    val_fraction: float,
+    split_seed: int,
+    eos_token: str | None,
+    txt_sample_by: str,
+    vocab_size: int | None,
+    tokenize_workers: int,
+    cache_dir: str | None,
     **_: Any,
 ) -> Path:
     """In the launcher, before any worker starts: the cache folder of this corpus, found or built (one line says

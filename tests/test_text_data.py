@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TINY, launch, launch_here
-from text_corpus import EOS, documents, make_corpus, write_jsonl, write_parquet
+from text_corpus import EOS, documents, make_corpus, text_settings, write_jsonl, write_parquet
 
 SETTINGS = {"text_field": "text", "val_fraction": 0.1, "split_seed": 0}
 
@@ -28,8 +28,8 @@ def corpus(tmp_path: Path) -> dict[str, Path]:
 def _prepare(corpus: dict[str, Path], cache: Path, **settings) -> Path:
     from launcher.text import prepare
 
-    return prepare(files=[str(corpus["corpus"])], tokenizer=str(corpus["tokenizer"]), cache_dir=str(cache),
-                   **(SETTINGS | settings))  # fmt: skip
+    keys = {"files": [str(corpus["corpus"])], "tokenizer": str(corpus["tokenizer"]), "cache_dir": str(cache)}
+    return prepare(**text_settings(**keys, **(SETTINGS | settings)))
 
 
 def _documents(folder: Path, split: str, tok) -> list[str]:
@@ -111,12 +111,12 @@ def test_an_interrupted_build_leaves_nothing_complete_and_workers_never_tokenize
     monkeypatch.setattr(text_build, "write", real)
     keys = {"files": [str(corpus["corpus"])], "tokenizer": str(corpus["tokenizer"]), "cache_dir": str(cache)}
     with pytest.raises(RuntimeError, match="no complete token cache"):
-        Text("train", **keys, **SETTINGS)
+        Text("train", **text_settings(**keys, **SETTINGS))
     killed = cache / f".x.partial-{socket.gethostname()}-{2**22 + 12345}"  # a pid past the kernel's default limit
     (killed / "hf").mkdir(parents=True)
     folder = _prepare(corpus, cache)
     assert not killed.exists() and [p.name for p in cache.iterdir()] == [folder.name]
-    assert len(Text("train", **keys, **SETTINGS, seq_len=16)) > 0
+    assert len(Text("train", **text_settings(**keys, **SETTINGS, seq_len=16))) > 0
 
 
 @pytest.mark.unit
@@ -161,14 +161,18 @@ def test_every_kind_of_file_is_read(corpus: dict[str, Path], tmp_path: Path) -> 
     (tmp_path / "in" / ".hidden.jsonl").write_text("not json\n")  # left out, as a folder's hidden files are
     from launcher.text import prepare
 
+    keys = text_settings(
+        files=[str(tmp_path / "*.jsonl.gz"), str(tmp_path / "in")],
+        text_field="body",
+        tokenizer=str(corpus["tokenizer"]),
+        val_fraction=0.0,
+        cache_dir=str(tmp_path / "cache"),
+    )
     with pytest.raises(ValueError, match="a.jsonl.gz has no field 'body' \\(its fields: text\\)"):
-        prepare(files=[str(tmp_path / "*.jsonl.gz"), str(tmp_path / "in")], tokenizer=str(corpus["tokenizer"]),
-                text_field="body", cache_dir=str(tmp_path / "cache"))  # fmt: skip
+        prepare(**keys)
     with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"body": d}) + "\n" for d in docs[:10])
-    folder = prepare(files=[str(tmp_path / "*.jsonl.gz"), str(tmp_path / "in")],
-                     tokenizer=str(corpus["tokenizer"]), text_field="body", val_fraction=0.0,
-                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    folder = prepare(**keys)
     assert _documents(folder, "train", AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))) == docs
 
 
@@ -204,11 +208,11 @@ def test_packed_and_padded_samples(corpus: dict[str, Path], tmp_path: Path) -> N
     files = OmegaConf.create([str(corpus["jsonl"]), str(corpus["corpus"] / "*.parquet")])  # as a worker gets them
     keys = {"files": files, "tokenizer": str(corpus["tokenizer"]), "cache_dir": str(tmp_path / "cache")}
     tokens = np.fromfile(folder / "train.bin", dtype=np.uint16)
-    packed = Text("train", **keys, **SETTINGS, seq_len=16)
+    packed = Text("train", **text_settings(**keys, **SETTINGS, seq_len=16))
     assert len(packed) == (len(tokens) - 1) // 16
     inputs, targets = packed[3]
     assert inputs.tolist() == tokens[48:64].tolist() and targets.tolist() == tokens[49:65].tolist()
-    padded = Text("train", **keys, **SETTINGS, seq_len=16, packing=False, format="hf")
+    padded = Text("train", **text_settings(**keys, **SETTINGS, seq_len=16, packing=False, format="hf"))
     spans = np.load(folder / "train.spans.npy")
     assert len(padded) == sum(-(-(end - begin - 1) // 16) for begin, end in spans)
     first = padded[0]

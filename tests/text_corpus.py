@@ -71,3 +71,14 @@ def make_corpus(root: Path, count: int = 240) -> dict[str, Path]:
         "val": write_jsonl(root / "val.jsonl", documents(24, seed=1)),
         "corpus": root / "corpus",
     }
+
+
+def text_settings(**given: object) -> dict[str, object]:
+    """data=text's keys as its schema sets them (`Text` and `prepare` take no defaults of their own), `given` over
+    them: what a run passes, for calling them outside one."""
+    import dataclasses
+
+    from launcher.data_schema import TextDataConfig
+
+    plain = {f.name: f.default for f in dataclasses.fields(TextDataConfig) if f.name not in ("_target_", "workers")}
+    return plain | {"vocab_size": None, "format": "tuple"} | given  # the tokenizer's vocabulary; the enum's name
