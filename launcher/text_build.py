@@ -5,7 +5,6 @@ chosen, and each split written as token ids and document spans into a folder pub
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -82,9 +81,6 @@ def _build(corpus: Corpus, partial: Path, tok: Any, eos: int, workers: int) -> d
         "seconds": round(seconds, 3), "tokens_per_second": tokens / max(seconds, 1e-9),
         "tokenize_workers": workers, "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }  # fmt: skip
-    # The workers are forked from this process: tokenizers' thread pool, used here, must not be used there (and
-    # then it says so on every fork). Nothing there tokenizes.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return manifest
 
 
