@@ -333,13 +333,15 @@ def test_two_ranks_match_one_process_and_resume_exactly_on_another_world_size(
 
 def test_a_transformers_model_trains_on_it_as_it_is(corpus: dict[str, Path], tmp_path: Path) -> None:
     """GPT-2 from transformers, built from a config of the tokenizer's vocabulary, on padded documents in its own
-    batch form (data.format=hf); its loss falls."""
+    batch form (data.format=hf); its loss falls. Its workers are started afresh (as on CUDA, not forked) and read
+    through a DataLoader process each: both find the launcher's cache by its key and map it."""
     gpt2 = ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
             "+model.config._target_=transformers.GPT2Config", "+model.config.n_layer=2", "+model.config.n_embd=64",
             "+model.config.n_head=4", "+model.config.n_positions=16",
             "+model.config.vocab_size=${data.vocab_size}"]  # fmt: skip
     job = [o for o in _text(corpus, tmp_path, "data.packing=false", "data.format=hf") if not o.startswith("model")]
-    run = launch(tmp_path, *job, *gpt2, *RUN, "trainer.max_steps=12", "gpus=2").check()
+    fresh = ["trainer.fork_workers=false", "data.workers=1"]
+    run = launch(tmp_path, *job, *gpt2, *RUN, *fresh, "trainer.max_steps=12", "gpus=2").check()
     losses = run.losses()
     assert len(losses) == 12 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
     assert os.path.exists(run.run_dir / "resolved.yaml")
