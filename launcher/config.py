@@ -38,6 +38,7 @@ def freeze(cfg: DictConfig) -> DictConfig:
 
     from launcher.ranges import check_ranges
 
+    cfg = with_schemas(cfg)
     try:
         missing = sorted(OmegaConf.missing_keys(cfg))
     except InterpolationResolutionError as e:  # e.g. model.block_size=${data.seq_len} under a data without seq_len
@@ -71,6 +72,40 @@ def _resolver_error(e: BaseException) -> ConfigError | None:
             return ConfigError(f"{key} has no value; set it on the command line: {key}=...")
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+GROUPS = ("strategy", "model", "data", "optim", "logger")
+
+
+def with_schemas(cfg: DictConfig) -> DictConfig:
+    """A group's option written without its schema (your own preset: `_target_: strategies.ddp.DDP` and a key or two)
+    takes the schema of the built-in option with the same `_target_`, as if it had named it in its defaults: its
+    defaults (written there alone), types, ranges and keys. ConfigError (one line) for a key or value that schema
+    refuses."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf.errors import OmegaConfBaseException
+
+    stored = ConfigStore.instance().repo
+    for group in GROUPS:
+        node = OmegaConf.select(cfg, group)
+        if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is not dict:
+            continue  # composed over its schema already (or no option at all)
+        target = node.get("_target_")
+        schemas = [e.node for e in stored.get(group, {}).values() if getattr(e, "node", None) is not None]
+        for schema in schemas:
+            if OmegaConf.get_type(schema) is not dict and schema.get("_target_") == target:
+                try:
+                    merged = OmegaConf.merge(schema, node)
+                except OmegaConfBaseException as e:
+                    key = f"{group}.{e.key}" if getattr(e, "key", None) else group
+                    raise ConfigError(
+                        f"{key}: {str(e).strip().splitlines()[0]} (the schema of {target}, which your {group} option "
+                        f"names: {', '.join(k for k in schema if k != '_target_')})"
+                    ) from e
+                cfg = cfg.copy()
+                OmegaConf.update(cfg, group, merged, merge=False)
+                break
+    return cfg
 
 
 @dataclass(frozen=True)

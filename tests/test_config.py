@@ -231,3 +231,22 @@ def test_a_single_run_is_composed_once_and_its_ranges_checked_once(tmp_path: Pat
     line = launch_here(tmp_path, *TINY, "batch.global_size=30").refused()
     assert line.startswith("launch: error: batch.global_size=30 is not divisible by batch.micro_size=4"), line
     assert calls == {"compose": 1, "ranges": 1}, calls
+
+
+@pytest.mark.unit
+def test_an_option_without_its_schema_takes_the_built_in_ones(tmp_path: Path) -> None:
+    """Your own preset that names a built-in target and a key or two (no `defaults: [base_ddp]`) gets that target's
+    schema when the config is frozen: its defaults (written there alone), its types, its ranges and its keys."""
+    (tmp_path / "strategy").mkdir()
+    (tmp_path / "strategy" / "mine.yaml").write_text("_target_: strategies.ddp.DDP\nbucket_cap_mb: 1\n")
+    (tmp_path / "strategy" / "typo.yaml").write_text("_target_: strategies.ddp.DDP\nbucket_cap_mbb: 1\n")
+    with initialize_config_module("launcher.conf", version_base="1.3"):
+        search = f"hydra.searchpath=[file://{tmp_path}]"
+        mine = freeze(compose("config", overrides=[search, "strategy=mine"])).strategy
+        assert mine == {**freeze(compose("config", overrides=["strategy=ddp"])).strategy, "bucket_cap_mb": 1.0}
+        with pytest.raises(ConfigError) as e:
+            freeze(compose("config", overrides=[search, "strategy=typo"]))
+        expected = "strategy.bucket_cap_mbb: Key 'bucket_cap_mbb' not in 'DDPStrategyConfig' (the schema of "
+        assert str(e.value).startswith(expected + "strategies.ddp.DDP, which your strategy option names: "), e.value
+        with pytest.raises(ConfigError, match=r"^strategy.bucket_cap_mb=-1.0 is invalid: it must be > 0$"):
+            freeze(compose("config", overrides=[search, "strategy=mine", "strategy.bucket_cap_mb=-1"]))
