@@ -33,10 +33,12 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)
-def _app(cfg: DictConfig) -> None:
+def _app(cfg: DictConfig) -> dict[str, Any] | None:
     from launcher.launch import run_job  # imports torch: only once a job really starts
 
     code = run_job(cfg)
+    if isinstance(code, dict):  # a search's trial: its outcome and objective, for the sweeper
+        return code
     if code:
         raise SystemExit(code)
 

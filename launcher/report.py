@@ -29,9 +29,14 @@ class Job:
     """The job's exit code (None: no outcome recorded, e.g. a sweep from before outcomes)."""
     reason: str = ""
     seconds: float | None = None
+    trial: dict[str, Any] | None = None
+    """A search's trial, as its outcome records it: number, parameters, state (complete, pruned, failed), objective
+    and direction."""
 
     @property
     def status(self) -> str:
+        if self.trial is not None:
+            return str(self.trial["state"])
         if self.code is None:
             return "?"
         return {0: "ok", 2: "refused"}.get(self.code, "stopped" if self.code >= 128 else "failed")
@@ -62,6 +67,7 @@ def collect(sweep_dir: Path) -> list[Job]:
     outcomes = [_read_json(f / "outcome.json") or {} for f in folders_sorted]
     overrides = [_overrides(f, o) for f, o in zip(folders_sorted, outcomes)]
     varying = {k for o in overrides for k in o if len({str(other.get(k)) for other in overrides}) > 1}
+    varying = {k for k in varying if not k.startswith("sweep.")}  # a trial's number and study: not its parameters
     jobs = []
     for folder, outcome, job_overrides in zip(folders_sorted, outcomes, overrides):
         cfg = OmegaConf.load(folder / "resolved.yaml") if (folder / "resolved.yaml").exists() else OmegaConf.create()
@@ -79,9 +85,32 @@ def collect(sweep_dir: Path) -> list[Job]:
                 code=outcome.get("code"),
                 reason=str(outcome.get("reason", "")),
                 seconds=outcome.get("seconds"),
+                trial={**outcome, "params": label} if "state" in outcome and "trial" in outcome else None,
             )
         )
     return jobs
+
+
+def trials(jobs: list[Job]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """A search's trials in the order they ran (by number), and the best complete one (None: none completed)."""
+    ran = sorted((j.trial for j in jobs if j.trial is not None), key=lambda t: t["trial"])
+    done = [t for t in ran if t["state"] == "complete" and t.get("objective") is not None]
+    if not done:
+        return ran, None
+    sign = -1.0 if done[0].get("direction") == "maximize" else 1.0
+    return ran, min(done, key=lambda t: sign * t["objective"])
+
+
+def trials_table(jobs: list[Job]) -> str:
+    """The search's trials: parameters, objective, state; the best marked."""
+    ran, best = trials(jobs)
+    if not ran:
+        return ""
+    lines = [f"| trial | parameters | {ran[0].get('objective_name')} | state | |", "|---|---|---|---|---|"]
+    for t in ran:
+        note = "best" if t is best else (f"at step {t['pruned_at']}" if t.get("pruned_at") else t.get("reason", ""))
+        lines.append(f"| {t['trial']} | {t['params']} | {_fmt(t.get('objective'), '.6g')} | {t['state']} | {note} |")
+    return "\n".join(lines) + "\n"
 
 
 def _overrides(job_dir: Path, outcome: dict[str, Any]) -> dict[str, str]:
@@ -105,7 +134,9 @@ def outcomes(jobs: list[Job]) -> str:
 
 
 def markdown(jobs: list[Job]) -> str:
+    search = trials_table(jobs)
     lines = [
+        *([search] if search else []),
         "| job | strategy | status | seconds | world size | accumulation | final loss | samples/s "
         "| model-state bytes per rank |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -126,7 +157,8 @@ def chart(jobs: list[Job], path: Path) -> None:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ran, best = trials(jobs)
+    fig, (curves, bars, *search) = plt.subplots(1, 3 if ran else 2, figsize=(18 if ran else 12, 4.5))
     for j in jobs:
         if j.losses:
             steps, losses = zip(*j.losses)
@@ -137,6 +169,19 @@ def chart(jobs: list[Job], path: Path) -> None:
     bars.barh(names, [j.samples_per_s or 0 for j in jobs], color="tab:blue")
     bars.set(title="throughput (median samples/s)", xlabel="samples/s")
     bars.invert_yaxis()
+    if ran:
+        for state, marker in (("complete", "o"), ("pruned", "x")):
+            shown = [
+                (t["trial"], t["objective"]) for t in ran if t["state"] == state and t.get("objective") is not None
+            ]
+            if shown:
+                search[0].scatter(*zip(*shown), marker=marker, label=state)
+        if best is not None:
+            search[0].scatter([best["trial"]], [best["objective"]], s=160, facecolors="none", edgecolors="tab:red",
+                              label="best")  # fmt: skip
+        name = ran[0].get("objective_name")
+        search[0].set(title=f"{name} per trial (pruned: when stopped)", xlabel="trial", ylabel=name)
+        search[0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -159,7 +204,14 @@ class SweepReport(Callback):
         if not jobs:
             return
         print(outcomes(jobs), flush=True)
+        print(trials_table(jobs), end="", flush=True)
         print(f"launch: sweep report of {len(jobs)} job(s): {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.png'}")
+        ran, best = trials(jobs)
+        if ran:  # a search: failed trials are part of what it found; it failed if none completed
+            if best is None:
+                print(f"launch: error: none of the {len(ran)} trial(s) completed", file=sys.stderr, flush=True)
+                raise SystemExit(1)
+            return
         unfinished = [j for j in jobs if j.code not in (0, None)]
         if unfinished:
             print(f"launch: error: {len(unfinished)} of {len(jobs)} job(s) did not finish", file=sys.stderr, flush=True)

@@ -19,6 +19,7 @@ from omegaconf import MISSING, OmegaConf
 from launcher.data_schema import PySourceDataConfig, SyntheticDataConfig, TokensDataConfig
 from launcher.groups import choices
 from launcher.ranges import COUNT, FRACTION, PORT, POSITIVE, SIZE, UNIT, ZERO_STAGE, check_ranges, launch_only, ranged
+from launcher.search.schema import SweepConfig
 
 __all__ = ["check_ranges", "choices", "register"]  # the checks and the options read from here
 
@@ -349,6 +350,8 @@ class LaunchConfig:
     """Continue from a checkpoint: auto (the newest among earlier runs), a run directory or a checkpoint folder."""
     rdzv: RdzvConfig = launch_only(factory=RdzvConfig)
     plan: PlanConfig = launch_only(factory=PlanConfig)
+    sweep: SweepConfig = launch_only(factory=SweepConfig)
+    """A search's objective, and which trial of which study a run is (`launcher.search`)."""
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -384,6 +387,11 @@ def register() -> None:
 
         OmegaConf.register_new_resolver("launch_strategies", smoke.runnable_strategies, use_cache=True)
         OmegaConf.register_new_resolver("launch_scratch", smoke.scratch, use_cache=True)
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.launch_optuna import sweeper  # hydra/sweeper=launch_optuna, stored as the module is imported
+
+    Plugins.instance().register(sweeper.LaunchOptunaSweeper)  # Hydra's own scan misses it in an editable install
     store = ConfigStore.instance()
     store.store(name="launch_schema", node=LaunchConfig)
     for group, nodes in SCHEMAS.items():
