@@ -207,9 +207,9 @@ class SweepReport(Callback):
         print(trials_table(jobs), end="", flush=True)
         print(f"launch: sweep report of {len(jobs)} job(s): {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.png'}")
         ran, best = trials(jobs)
-        if ran:  # a search: failed trials are part of what it found; it failed if none completed
-            if best is None:
-                print(f"launch: error: none of the {len(ran)} trial(s) completed", file=sys.stderr, flush=True)
+        if ran:  # a search: failed trials are part of what it found (a learning rate that diverged), pruned ones too
+            if all(t["state"] == "failed" for t in ran):
+                print(f"launch: error: all {len(ran)} trial(s) failed", file=sys.stderr, flush=True)
                 raise SystemExit(1)
             return
         unfinished = [j for j in jobs if j.code not in (0, None)]

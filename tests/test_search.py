@@ -39,6 +39,12 @@ def test_each_sweep_of_hydras_grammar_is_an_optuna_distribution(override: str, e
     assert space.fixed == ["trainer.max_steps=10"]
 
 
+def test_a_key_given_again_wins_as_in_hydra() -> None:
+    space = parse(["optim.lr=tag(log,interval(1e-4,1e-2))", "optim.weight_decay=0.1", "optim.lr=0.003",
+                   "optim.weight_decay=interval(0.0,0.2)"])  # fmt: skip
+    assert space.fixed == ["optim.lr=0.003"] and list(space.distributions) == ["optim.weight_decay"]
+
+
 def test_a_trials_values_come_back_as_overrides_that_hydra_reads_as_those_values() -> None:
     space = parse(["+optim.foo=choice(true,false)", "optim.lr=tag(log,interval(1e-4,1e-2))", "seed=3"])
     overrides = space.overrides({"+optim.foo": False, "optim.lr": 0.0012345678901234567})

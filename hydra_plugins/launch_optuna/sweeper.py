@@ -28,7 +28,8 @@ class LaunchOptunaSweeperConf:
     storage: str | None = None
     """A database URL for the study (e.g. postgresql://...); unset: sqlite:///<sweep dir>/study.db."""
     sampler: Any = field(default_factory=lambda: {"_target_": "optuna.samplers.TPESampler", "seed": 0})
-    """Any Optuna sampler; TPE, seeded, by default."""
+    """Any Optuna sampler; TPE, seeded, by default. A continued study's is seeded with seed + the trials it holds: it
+    does not draw its earlier points again."""
     params: dict[str, str] | None = None
     """The search space, as overrides: {optim.lr: 'tag(log,interval(1e-4,1e-2))', ...}; the command line adds to
     it."""
@@ -64,14 +65,22 @@ class LaunchOptunaSweeper(Sweeper):
         except (SpaceError, StudyError) as e:
             print(f"launch: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
-        from launcher.search.study import SWEEP_DIR, finished, orphans, resumed
+        from launcher.search.study import SWEEP_DIR, ended, finished, orphans, resumed, tell
 
         returns, exhausted = [], False
         for frozen in orphans(study, sweep_dir):  # a kill interrupted them: each goes on in its own folder
+            trial, record = resumed(study, frozen), ended(sweep_dir / str(frozen.number))
+            if record is not None:  # its run had ended, its outcome not yet told
+                print(f"launch: trial {frozen.number} had ended ({tell(study, trial, record)[0]})", flush=True)
+                continue
             print(f"launch: trial {frozen.number} was interrupted; it goes on from its last checkpoint", flush=True)
-            exhausted = self._run(study, resumed(study, frozen), space, returns) or exhausted
+            exhausted = self._run(study, trial, space, returns) or exhausted
         while finished(study) < self.n_trials and not exhausted:
-            trial = study.ask(space.distributions)
+            try:
+                trial = study.ask(space.distributions)
+            except ValueError as e:  # a sampler that cannot sample this space (a grid over an interval)
+                print(f"launch: error: hydra.sweeper.sampler: {_one_line(e)}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
             trial.set_user_attr(SWEEP_DIR, str(sweep_dir))
             exhausted = self._run(study, trial, space, returns)
         if exhausted:
@@ -109,6 +118,9 @@ class LaunchOptunaSweeper(Sweeper):
                                                                                 "direction"))]  # fmt: skip
         self._lock = hold(sweep_dir)
         study = open_study(self.study_name, url, sweep["direction"], sampler, pruner, definition)
+        seed = self.sampler.get("seed")
+        if study.trials and seed is not None:  # continued: a sampler seeded as before would draw its old points again
+            study.sampler = instantiate(self.sampler, seed=seed + len(study.trials))
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         from launcher.search.study import finished
 

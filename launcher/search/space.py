@@ -6,7 +6,8 @@ overrides of a run.
     trainer.warmup_steps=range(0,40,10)      IntDistribution(0, 30, step=10): the values Hydra's range gives
     optim.weight_decay=choice(0.0,0.1), or 0.0,0.1     CategoricalDistribution((0.0, 0.1))
 
-Anything else in the overrides is fixed: the same in every trial.
+Anything else in the overrides is fixed: the same in every trial. A key given again wins, as in Hydra: a command line
+`optim.lr=1e-3` fixes what `+sweep=search` would search.
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ def parse(overrides: Sequence[str]) -> Space:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     distributions: dict[str, Any] = {}
-    fixed: list[str] = []
+    fixed: dict[str, str] = {}
     for o in OverridesParser.create().parse_overrides(list(overrides)):
         key = o.get_key_element()
+        distributions.pop(key, None), fixed.pop(key, None)  # a later override of a key wins, as in Hydra
         if o.is_sweep_override():
             distributions[key] = distribution(key, o.value())
         else:
-            fixed.append(f"{key}={o.get_value_element_as_str()}")
-    return Space(distributions, fixed)
+            fixed[key] = f"{key}={o.get_value_element_as_str()}"
+    return Space(distributions, list(fixed.values()))
 
 
 def distribution(key: str, sweep: Any) -> Any:

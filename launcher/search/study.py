@@ -82,6 +82,24 @@ def orphans(study: Any, sweep_dir: Path) -> list[Any]:
     return [t for t in running if t.user_attrs.get(SWEEP_DIR) == str(sweep_dir)]
 
 
+def ended(run_dir: Path) -> dict[str, Any] | None:
+    """An orphan's outcome, when its run had ended before the kill reached the study (`outcome.json`, read as data):
+    told as it is, not run again."""
+    import json
+    import math
+
+    try:
+        record = json.loads((run_dir / "outcome.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("state") not in ("complete", "pruned", "failed"):
+        return None
+    value = record.get("objective")
+    if record["state"] == "complete" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+        return None
+    return record
+
+
 def resumed(study: Any, frozen: Any) -> Any:
     """A trial object for a RUNNING trial of an earlier run of this sweep, to report to and tell."""
     import optuna

@@ -1,0 +1,135 @@
+"""Searches that really run: each trial a distributed run of 2 gloo ranks, the study in its SQLite file read back
+with optuna's own API.
+
+- a 4-trial study over optim.lr, killed (SIGKILL, as a preemption) once its third trial is training, then run again
+  with the same command: it reaches its budget without running a finished trial again, the interrupted trial goes
+  on in its own folder, and every trial's value is the last val_loss its run logged;
+- a study whose sampled value is refused records a failed trial and completes the other;
+- a pruner that always prunes stops the trial at its first evaluation, on every rank, with a checkpoint: exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from conftest import LAUNCH, TINY, clean_env
+from optuna.trial import TrialState
+
+from launcher.search.objective import read_metrics
+
+JOB = [
+    *(o for o in TINY if not o.startswith("trainer.eval_every")),
+    "gpus=2",
+    "batch.global_size=16",
+    "trainer.eval_every=4",
+    "trainer.eval_batches=1",
+    "trainer.max_steps=16",
+]
+SEARCH = ["-m", "hydra/sweeper=launch_optuna", "optim.lr=tag(log,interval(1e-4,1e-2))", *JOB]
+
+
+def command(sweep: Path, *overrides: str) -> list[str]:
+    return [LAUNCH, *SEARCH, *overrides, f"hydra.sweep.dir={sweep}"]
+
+
+def study(sweep: Path, name: str = "search") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{sweep / 'study.db'}")
+
+
+def raw_steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def continued(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, subprocess.CompletedProcess[str]]:
+    """A 4-trial study killed while its third trial trains, then the same command again."""
+    tmp = tmp_path_factory.mktemp("search")
+    sweep, env = tmp / "sweep", clean_env(tmp)
+    cmd = command(sweep, "hydra.sweeper.n_trials=4")
+    first = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    third = sweep / "2" / "metrics.jsonl"
+    while first.poll() is None and not (third.exists() and third.read_text()):  # the third trial logged a step
+        time.sleep(0.01)
+    first.send_signal(signal.SIGKILL)
+    out, _ = first.communicate()
+    assert first.returncode == -signal.SIGKILL, out
+    second = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    return sweep, out, second
+
+
+def test_a_killed_study_continues_to_its_budget_without_repeating_a_finished_trial(continued) -> None:
+    sweep, before, after = continued
+    trials = study(sweep).get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3] and {t.state for t in trials} == {TrialState.COMPLETE}
+    assert "launch: trial 0 complete" in before and "launch: trial 1 complete" in before, before
+    assert "continuing: 2 of 4 trial(s) done" in after.stdout, after.stdout
+    assert "launch: trial 2 was interrupted; it goes on from its last checkpoint" in after.stdout, after.stdout
+    launched = [line for line in after.stdout.splitlines() if "Launching 1 jobs locally" in line]
+    assert len(launched) == 2, after.stdout  # trials 2 and 3 ran; 0 and 1 were not run again
+    for n in (0, 1, 3):  # each ran once: every step logged once
+        assert raw_steps(sweep / str(n)) == list(range(1, 17)), n
+    again = raw_steps(sweep / "2")  # the killed attempt's first steps, then the whole run again in its folder
+    assert again[-16:] == list(range(1, 17)) and len(again) > 16, again
+
+
+def test_each_trials_value_is_the_last_val_loss_its_run_logged(continued) -> None:
+    sweep, _, after = continued
+    trials = study(sweep).get_trials()
+    for t in trials:
+        records = read_metrics(sweep / str(t.number))
+        last = [r["val_loss"] for r in records if "val_loss" in r][-1]
+        assert t.value == last, (t.number, t.value, last)
+        assert t.intermediate_values == {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+        resolved = (sweep / str(t.number) / "resolved.yaml").read_text()
+        assert f"lr: {t.params['optim.lr']}" in resolved and "world_size: 2" in resolved
+    assert len({t.params["optim.lr"] for t in trials}) == 4
+    best = min(trials, key=lambda t: t.value)
+    assert f"launch: best trial {best.number}: {best.value:.6g}" in after.stdout
+    report = (sweep / "summary.md").read_text().splitlines()
+    rows = [line for line in report if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert [int(r.split("|")[1]) for r in rows] == [0, 1, 2, 3], report  # in the order they ran
+    assert [r.endswith("| best |") for r in rows] == [t.number == best.number for t in trials], report
+    assert (sweep / "summary.png").stat().st_size > 0
+
+
+def test_a_refused_trial_is_failed_and_the_study_goes_on(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    # Every point once: the global batch of 20 does not divide over micro 4 x 2 ranks, and is refused.
+    cmd = command(sweep, "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
+                  "optim.lr=0.003", "batch.global_size=choice(16,20)", "trainer.max_steps=4")  # fmt: skip
+    run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    by_size = {t.params["batch.global_size"]: t for t in study(sweep).get_trials()}
+    assert by_size[20].state == TrialState.FAIL
+    assert (
+        "batch.global_size=20 is not divisible by batch.micro_size=4 x world size 2" in by_size[20].user_attrs["reason"]
+    )
+    assert by_size[16].state == TrialState.COMPLETE
+    logged = read_metrics(sweep / str(by_size[16].number))
+    assert by_size[16].value == [r["val_loss"] for r in logged if "val_loss" in r][-1]
+    assert "launch: error: batch.global_size=20 is not divisible" in run.stderr
+
+
+def test_a_pruned_trial_stops_at_its_first_evaluation_on_every_rank(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    pruner = ["sweep.pruner._target_=optuna.pruners.ThresholdPruner", "+sweep.pruner.upper=0.0"]  # any loss is above
+    cmd = command(sweep, "hydra.sweeper.n_trials=1", *pruner, "trainer.eval_every=2", "trainer.max_steps=6")
+    run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (trial,) = study(sweep).get_trials()
+    assert trial.state == TrialState.PRUNED and list(trial.intermediate_values) == [2]
+    run_dir = sweep / "0"
+    assert raw_steps(run_dir) == [1, 2]
+    assert f"launch: trial 0 pruned after step 2 (val_loss {trial.intermediate_values[2]:.4f})" in run.stdout
+    (saved,) = (run_dir / "checkpoints").glob("step_*")
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert saved.name == "step_00000002" and manifest["world_size"] == 2
+    assert {p.name for p in saved.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # both ranks saved step 2
+    assert "| pruned | at step 2 |" in (sweep / "summary.md").read_text() and "| pruned | at step 2 |" in run.stdout
