@@ -4,7 +4,7 @@ with optuna's own API.
 - a 4-trial study over optim.lr, killed (SIGKILL, as a preemption) once its third trial is training, then run again
   with the same command: it reaches its budget without running a finished trial again, the interrupted trial goes
   on in its own folder, and every trial's value is the last val_loss its run logged;
-- a study whose sampled value is refused records a failed trial and completes the other;
+- a study whose sampled value is refused records a failed trial and completes the other (a transformers GPT-2);
 - a pruner that always prunes stops the trial at its first evaluation, on every rank, with a checkpoint: exit 0.
 """
 
@@ -34,8 +34,8 @@ JOB = [
 SEARCH = ["-m", "hydra/sweeper=launch_optuna", "optim.lr=tag(log,interval(1e-4,1e-2))", *JOB]
 
 
-def command(sweep: Path, *overrides: str) -> list[str]:
-    return [LAUNCH, *SEARCH, *overrides, f"hydra.sweep.dir={sweep}"]
+def command(sweep: Path, *overrides: str, base: list[str] = SEARCH) -> list[str]:
+    return [LAUNCH, *base, *overrides, f"hydra.sweep.dir={sweep}"]
 
 
 def study(sweep: Path, name: str = "search") -> optuna.Study:
@@ -99,11 +99,18 @@ def test_each_trials_value_is_the_last_val_loss_its_run_logged(continued) -> Non
     assert (sweep / "summary.png").stat().st_size > 0
 
 
+GPT2 = ["model=custom", "model._target_=transformers.GPT2LMHeadModel", "+model.config._target_=transformers.GPT2Config",
+        *(f"+model.config.{k}={v}" for k, v in {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256,
+                                                "n_positions": 32}.items()), "data.format=hf"]  # fmt: skip
+"""A transformers GPT-2, built from its config (nothing downloaded), on the same synthetic tokens."""
+
+
 def test_a_refused_trial_is_failed_and_the_study_goes_on(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     # Every point once: the global batch of 20 does not divide over micro 4 x 2 ranks, and is refused.
     cmd = command(sweep, "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
-                  "optim.lr=0.003", "batch.global_size=choice(16,20)", "trainer.max_steps=4")  # fmt: skip
+                  "optim.lr=0.003", "batch.global_size=choice(16,20)", "trainer.max_steps=4", *GPT2,
+                  base=[o for o in SEARCH if not o.startswith("model")])  # fmt: skip
     run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     by_size = {t.params["batch.global_size"]: t for t in study(sweep).get_trials()}
