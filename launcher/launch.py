@@ -127,13 +127,13 @@ def check_job(cfg: DictConfig) -> None:
 
 
 def _name_logger_run(resolved: dict[str, Any]) -> None:
-    """In a sweep: one wandb group per sweep, one run per job, unless the user named them."""
+    """In a sweep: one wandb group per sweep (a search: per study), one run per job, unless the user named them."""
     logger, job = resolved["logger"], resolved["job"]
     if job.get("sweep_dir") and isinstance(logger, dict):
-        if "group" in logger and logger["group"] is None:
-            logger["group"] = Path(job["sweep_dir"]).name
-        if "name" in logger and logger["name"] is None:
-            logger["name"] = f"{Path(job['sweep_dir']).name}-{job['num']}"  # its overrides are in the logged config
+        group = resolved["sweep"]["study"] or Path(job["sweep_dir"]).name
+        for key, value in (("group", group), ("name", f"{group}-{job['num']}")):  # its overrides: in the logged config
+            if key in logger and logger[key] is None:
+                logger[key] = value
 
 
 def describe(cfg: DictConfig, derived: Derived, rdzv: Rendezvous, run_dir: Path) -> str:

@@ -150,6 +150,19 @@ def test_the_report_lists_trials_in_the_order_they_ran_and_marks_the_best(tmp_pa
     assert rows[3] == "| 10 | optim.lr=0.1 | 2 | complete | best |"
 
 
+def test_each_trial_is_one_wandb_run_in_its_studys_group() -> None:
+    from launcher.launch import _name_logger_run
+
+    def named(study: str | None, sweep_dir: str, num: int) -> tuple[str, str]:
+        resolved = {"logger": {"group": None, "name": None}, "sweep": {"study": study},
+                    "job": {"sweep_dir": sweep_dir, "num": num}}  # fmt: skip
+        _name_logger_run(resolved)
+        return resolved["logger"]["group"], resolved["logger"]["name"]
+
+    assert named("lr-search", "/runs/multirun/2026-12-04/x", 3) == ("lr-search", "lr-search-3")
+    assert named(None, "/runs/multirun/2026-12-04/x", 3) == ("x", "x-3")  # a grid: its sweep directory's
+
+
 SEARCH = ["-m", "hydra/sweeper=launch_optuna", "device=cpu", "logger=none"]
 
 
