@@ -1,9 +1,10 @@
 """Searches that really run: each trial a distributed run of 2 gloo ranks, the study in its SQLite file read back
 with optuna's own API.
 
-- a 4-trial study over optim.lr, killed (SIGKILL, as a preemption) once its third trial is training, then run again
-  with the same command: it reaches its budget without running a finished trial again, the interrupted trial goes
-  on in its own folder, and every trial's value is the last val_loss its run logged;
+- a 4-trial study over optim.lr, stopped (SIGTERM) while its second trial trains, then killed (SIGKILL) while its third
+  does, each time run again with the same command: it reaches its budget without running a finished trial again, each
+  interrupted trial goes on in its own folder (from its checkpoint, if it saved one), and every trial's value is the
+  last val_loss its run logged;
 - a study whose sampled value is refused records a failed trial and completes the other (a transformers GPT-2);
 - a pruner that always prunes stops the trial at its first evaluation, on every rank, with a checkpoint: exit 0.
 """
@@ -11,9 +12,11 @@ with optuna's own API.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -46,52 +49,72 @@ def raw_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def until(proc: subprocess.Popen[str], ready: Callable[[], bool]) -> None:
+    """Wait, polling, until `ready()` (a file a run writes) or the process ended."""
+    while proc.poll() is None and not ready():
+        time.sleep(0.01)
+
+
 @pytest.fixture(scope="module")
-def continued(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, subprocess.CompletedProcess[str]]:
-    """A 4-trial study killed while its third trial trains, then the same command again."""
+def continued(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A 4-trial study stopped by SIGTERM (a SLURM requeue's warning) once its second trial has saved a checkpoint, run
+    again and killed (SIGKILL: a preemption) once its third trial has logged a step, then run to its end: the same
+    command each time. Its sweep directory and the output of each run."""
     tmp = tmp_path_factory.mktemp("search")
     sweep, env = tmp / "sweep", clean_env(tmp)
-    cmd = command(sweep, "hydra.sweeper.n_trials=4")
-    first = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    third = sweep / "2" / "metrics.jsonl"
-    while first.poll() is None and not (third.exists() and third.read_text()):  # the third trial logged a step
-        time.sleep(0.01)
-    first.send_signal(signal.SIGKILL)
-    out, _ = first.communicate()
-    assert first.returncode == -signal.SIGKILL, out
-    second = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stdout + second.stderr
-    return sweep, out, second
+    cmd = command(sweep, "hydra.sweeper.n_trials=4", "trainer.checkpoint_every=4")
+    outputs = []
+    for sig, ready in ((signal.SIGTERM, lambda: (sweep / "1" / "checkpoints" / "latest").exists()),
+                       (signal.SIGKILL, lambda: bool((sweep / "2" / "metrics.jsonl").exists()
+                                                     and (sweep / "2" / "metrics.jsonl").read_text()))):  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        until(proc, ready)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=600)
+        expected = 128 + sig if sig == signal.SIGTERM else -sig
+        assert proc.returncode == expected, out
+        outputs.append(out)
+    last = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert last.returncode == 0, last.stdout + last.stderr
+    return sweep, [*outputs, last.stdout]
 
 
-def test_a_killed_study_continues_to_its_budget_without_repeating_a_finished_trial(continued) -> None:
-    sweep, before, after = continued
+def launched(out: str) -> int:
+    return sum("Launching 1 jobs locally" in line for line in out.splitlines())
+
+
+def test_a_stopped_and_killed_study_continues_to_its_budget_without_repeating_a_finished_trial(continued) -> None:
+    sweep, (stopped, killed, last) = continued
     trials = study(sweep).get_trials()
     assert [t.number for t in trials] == [0, 1, 2, 3] and {t.state for t in trials} == {TrialState.COMPLETE}
-    assert "launch: trial 0 complete" in before and "launch: trial 1 complete" in before, before
-    assert "continuing: 2 of 4 trial(s) done" in after.stdout, after.stdout
-    assert "launch: trial 2 was interrupted; it goes on from its last checkpoint" in after.stdout, after.stdout
-    launched = [line for line in after.stdout.splitlines() if "Launching 1 jobs locally" in line]
-    assert len(launched) == 2, after.stdout  # trials 2 and 3 ran; 0 and 1 were not run again
-    for n in (0, 1, 3):  # each ran once: every step logged once
+    assert "launch: trial 0 complete" in stopped and "the study stopped during trial 1" in stopped, stopped
+    assert "continuing: 1 of 4 trial(s) done" in killed and "launch: trial 1 was interrupted" in killed, killed
+    resumed_from = int(re.search(r"resuming from \S+/1/checkpoints/step_(\d+)", killed).group(1))  # type: ignore[union-attr]
+    assert "launch: trial 1 complete" in killed and launched(killed) == 2, killed  # trials 1 and 2; 0 not again
+    assert "continuing: 2 of 4 trial(s) done" in last and "launch: trial 2 was interrupted" in last, last
+    assert launched(last) == 2, last  # trials 2 and 3; 0 and 1 not again
+    for n in (0, 3):  # each ran once: every step logged once
         assert raw_steps(sweep / str(n)) == list(range(1, 17)), n
-    again = raw_steps(sweep / "2")  # the killed attempt's first steps, then the whole run again in its folder
-    assert again[-16:] == list(range(1, 17)) and len(again) > 16, again
+    stopped_steps = raw_steps(sweep / "1")  # stopped after its checkpoint's step, then on from that checkpoint
+    assert stopped_steps[-(16 - resumed_from) :] == list(range(resumed_from + 1, 17)), stopped_steps
+    assert resumed_from >= 4 and stopped_steps[:resumed_from] == list(range(1, resumed_from + 1)), stopped_steps
+    killed_steps = raw_steps(sweep / "2")  # the killed attempt's first steps (no checkpoint yet), then all again
+    assert killed_steps[-16:] == list(range(1, 17)) and len(killed_steps) > 16, killed_steps
 
 
 def test_each_trials_value_is_the_last_val_loss_its_run_logged(continued) -> None:
-    sweep, _, after = continued
+    sweep, (*_, last) = continued
     trials = study(sweep).get_trials()
     for t in trials:
         records = read_metrics(sweep / str(t.number))
-        last = [r["val_loss"] for r in records if "val_loss" in r][-1]
-        assert t.value == last, (t.number, t.value, last)
+        logged = [r["val_loss"] for r in records if "val_loss" in r][-1]
+        assert t.value == logged, (t.number, t.value, logged)
         assert t.intermediate_values == {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
         resolved = (sweep / str(t.number) / "resolved.yaml").read_text()
         assert f"lr: {t.params['optim.lr']}" in resolved and "world_size: 2" in resolved
     assert len({t.params["optim.lr"] for t in trials}) == 4
     best = min(trials, key=lambda t: t.value)
-    assert f"launch: best trial {best.number}: {best.value:.6g}" in after.stdout
+    assert f"launch: best trial {best.number}: {best.value:.6g}" in last
     report = (sweep / "summary.md").read_text().splitlines()
     rows = [line for line in report if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
     assert [int(r.split("|")[1]) for r in rows] == [0, 1, 2, 3], report  # in the order they ran

@@ -73,7 +73,8 @@ class LaunchOptunaSweeper(Sweeper):
             if record is not None:  # its run had ended, its outcome not yet told
                 print(f"launch: trial {frozen.number} had ended ({tell(study, trial, record)[0]})", flush=True)
                 continue
-            print(f"launch: trial {frozen.number} was interrupted; it goes on from its last checkpoint", flush=True)
+            print(f"launch: trial {frozen.number} was interrupted; it goes on in its folder, from its last checkpoint "
+                  "if it saved one", flush=True)  # fmt: skip
             exhausted = self._run(study, trial, space, returns) or exhausted
         while finished(study) < self.n_trials and not exhausted:
             try:
