@@ -14,7 +14,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from launcher.report import collect, trials, trials_table
 from launcher.search.objective import lineage, objective, read_metrics
-from launcher.search.space import SpaceError, parse
+from launcher.search.space import SpaceError, low_end, parse
 from launcher.search.study import StudyError, finished, hold, open_study, orphans, storage_url, tell
 
 pytestmark = pytest.mark.unit
@@ -148,6 +148,27 @@ def test_the_report_lists_trials_in_the_order_they_ran_and_marks_the_best(tmp_pa
     assert rows[0] == "| 0 | optim.lr=0.0 | 3 | complete |  |"
     assert rows[1] == "| 1 | optim.lr=0.01 | 4 | pruned | at step 2 |"
     assert rows[3] == "| 10 | optim.lr=0.1 | 2 | complete | best |"
+
+
+def test_the_ready_study_searches_lr_warmup_and_weight_decay_in_a_directory_of_its_own() -> None:
+    from hydra import compose, initialize_config_module
+
+    from launcher.cli import CONFIG_MODULE, CONFIG_NAME
+
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        cfg = compose(CONFIG_NAME, overrides=["+sweep=search"], return_hydra_config=True)
+        sweeper = cfg.hydra.sweeper
+        space = parse([f"{k}={v}" for k, v in sweeper.params.items()])
+        assert sweeper._target_ == "hydra_plugins.launch_optuna.sweeper.LaunchOptunaSweeper" and sweeper.n_trials == 20
+        assert space.distributions == {
+            "optim.lr": FloatDistribution(1e-4, 3e-2, log=True),
+            "trainer.warmup_steps": IntDistribution(0, 100, step=10),
+            "optim.weight_decay": FloatDistribution(0.0, 0.2),
+        }
+        assert cfg.hydra.sweep.dir == "multirun/search/search"  # the same command finds its study again
+        assert cfg.sweep.objective == "val_loss" and cfg.trainer.eval_every > 0
+        low = compose(CONFIG_NAME, overrides=space.overrides(low_end(space.distributions)))  # one trial's overrides
+        assert (low.optim.lr, low.trainer.warmup_steps, low.optim.weight_decay) == (1e-4, 0, 0.0)
 
 
 def test_each_trial_is_one_wandb_run_in_its_studys_group() -> None:

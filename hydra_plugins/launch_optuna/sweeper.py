@@ -57,16 +57,15 @@ class LaunchOptunaSweeper(Sweeper):
         )
 
     def sweep(self, arguments: list[str]) -> Any:
+        """The study's interrupted trials first, then new ones until its budget is spent."""
         from launcher.search.space import SpaceError
-        from launcher.search.study import StudyError
+        from launcher.search.study import SWEEP_DIR, StudyError, ended, finished, orphans, resumed, tell
 
         try:
             study, space, sweep_dir = self._open(arguments)
         except (SpaceError, StudyError) as e:
             print(f"launch: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
-        from launcher.search.study import SWEEP_DIR, ended, finished, orphans, resumed, tell
-
         returns, exhausted = [], False
         for frozen in orphans(study, sweep_dir):  # a kill interrupted them: each goes on in its own folder
             trial, record = resumed(study, frozen), ended(sweep_dir / str(frozen.number))
@@ -95,7 +94,7 @@ class LaunchOptunaSweeper(Sweeper):
         from hydra.utils import instantiate
 
         from launcher.search.space import SpaceError, parse
-        from launcher.search.study import hold, open_study, storage_url
+        from launcher.search.study import finished, hold, open_study, storage_url
 
         assert self.config is not None
         space = parse([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
@@ -119,12 +118,10 @@ class LaunchOptunaSweeper(Sweeper):
                                                                                 "direction"))]  # fmt: skip
         self._lock = hold(sweep_dir)
         study = open_study(self.study_name, url, sweep["direction"], sampler, pruner, definition)
-        seed = self.sampler.get("seed")
+        seed = self.sampler.get("seed") if self.sampler else None
         if study.trials and seed is not None:  # continued: a sampler seeded as before would draw its old points again
             study.sampler = instantiate(self.sampler, seed=seed + len(study.trials))
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        from launcher.search.study import finished
-
         self.url, done = url, finished(study)
         again = f"continuing: {done} of {self.n_trials} trial(s) done" if done else f"{self.n_trials} trial(s)"
         print(f"launch: study {self.study_name!r} ({url}): {again}", flush=True)
