@@ -181,6 +181,8 @@ def chart(jobs: list[Job], path: Path) -> None:
                               label="best")  # fmt: skip
         name = ran[0].get("objective_name")
         search[0].set(title=f"{name} per trial (pruned: when stopped)", xlabel="trial", ylabel=name)
+        search[0].set_xlim(-0.5, ran[-1]["trial"] + 0.5)  # every trial's place, the failed ones' too
+        search[0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         search[0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
