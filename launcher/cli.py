@@ -1,13 +1,13 @@
 """The `launch` console script: a Hydra app over conf/, with one-line errors for bad input.
 
-This module imports only Hydra and OmegaConf, so `launch --help` and `launch --cfg job`
-never pay for torch, deepspeed or wandb; the run itself is imported when a job starts.
+A single run is composed once, by the compose API, and that config is the job's (`run_once`, Hydra's own
+`run_job`); sweeps, cluster submissions and Hydra's flags go through the Hydra app. This module imports only
+Hydra and OmegaConf, so `launch --help` and `launch --cfg job` never pay for torch, deepspeed or wandb; the run
+itself is imported when a job starts.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import sys
@@ -15,13 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from launcher import schema
 from launcher.config import EXIT_BAD_INPUT
-
-CONFIG_MODULE = "launcher.conf"
-CONFIG_NAME = "config"
+from launcher.overrides import CONFIG_MODULE, CONFIG_NAME, check_overrides, compose_checked, precheck
 
 schema.register()
 
@@ -32,11 +30,17 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     raise SystemExit(code)
 
 
+def _task(cfg: DictConfig) -> int | dict[str, Any]:
+    """The task of one job: the run (`launcher.launch.run_job`), imported only once a job really starts (torch)."""
+    from launcher.launch import run_job
+
+    return run_job(cfg)
+
+
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)
 def _app(cfg: DictConfig) -> dict[str, Any] | None:
-    from launcher.launch import run_job  # imports torch: only once a job really starts
-
-    code = run_job(cfg)
+    """Sweeps, submissions to a cluster and Hydra's own flags (--cfg, --help, --info): Hydra's app, as it is."""
+    code = _task(cfg)
     if isinstance(code, dict):  # a search's trial: its outcome and objective, for the sweeper
         return code
     if code:
@@ -66,6 +70,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return convert(argv[1:])
     if argv[:1] == ["plan"]:
         raise SystemExit(plan(argv[1:]))
+    if argv[:1] == ["export"]:
+        return export(argv[1:])
+    overrides = _single_run(argv)
+    if overrides is not None:
+        raise SystemExit(run_once(overrides))
     error = precheck(argv)
     if error:
         fail(error)
@@ -77,6 +86,52 @@ def main(argv: Sequence[str] | None = None) -> None:
         fail(str(e))
     sys.argv = [sys.argv[0], *argv]
     _app()
+
+
+def _single_run(argv: Sequence[str]) -> list[str] | None:
+    """The overrides of a plain single run (no flag, no sweep, no Hydra launcher plugin), else None."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if any(a.startswith("-") or a.startswith("hydra/launcher=") for a in argv):
+        return None
+    try:
+        args = get_args_parser().parse_args(list(argv))
+        if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(args.overrides)):
+            return None
+    except (SystemExit, HydraException):  # Hydra's app says what is wrong with them, as it always has
+        return None
+    return list(args.overrides)
+
+
+def run_once(overrides: list[str]) -> int:
+    """A single run, composed once: the composition that checks the overrides is the one the job runs.
+
+    What @hydra.main does for a run, with Hydra's own parts (its logging set-up, callbacks and `run_job`: the run
+    directory, `hydra.job.env_set`, the job's log file), minus a second composition of the same config.
+    """
+    from hydra import initialize_config_module
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import configure_log
+    from hydra.core.utils import run_job as run_hydra_job
+    from hydra.types import HydraContext, RunMode
+
+    with initialize_config_module(config_module=CONFIG_MODULE, job_name="launch", version_base="1.3"):
+        cfg, error = compose_checked(overrides, hydra_node=True)
+        if error:
+            fail(error)
+        assert cfg is not None
+        with open_dict(cfg):
+            cfg.hydra.mode = RunMode.RUN
+        configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+        callbacks = Callbacks(cfg)
+        callbacks.on_run_start(config=cfg, config_name=CONFIG_NAME)
+        context = HydraContext(config_loader=GlobalHydra.instance().config_loader(), callbacks=callbacks)
+        ret = run_hydra_job(_task, cfg, job_dir_key="hydra.run.dir", job_subdir_key=None, hydra_context=context)
+        callbacks.on_run_end(config=cfg, config_name=CONFIG_NAME, job_return=ret)
+        return ret.return_value  # raises what the job raised
 
 
 def plan(overrides: list[str]) -> int:
@@ -99,6 +154,48 @@ def plan(overrides: list[str]) -> int:
         # Overrides that do not compose get the launcher's usual one-line report (checked only now: it composes too).
         fail(check_overrides(overrides) or str(e))
     return 0
+
+
+EXPORT_KEYS = ("image", "name", "namespace")
+"""`launch export kubeflow`'s own keys; every other argument is an override of the run."""
+
+
+def export(args: Sequence[str]) -> None:
+    """launch export kubeflow image=IMAGE [name=NAME] [namespace=NS] overrides: a Kubeflow PyTorchJob manifest (YAML,
+    on stdout) that runs this exact config on `nodes` pods of `gpus` workers each. Checked as a run would check its
+    config (composition, ranges, the batch contract at that size) before anything is printed."""
+    usage = "usage: launch export kubeflow image=IMAGE [name=NAME] [namespace=NS] nodes=N gpus=G [the run's overrides]"
+    if args[:1] != ["kubeflow"] or any(a.startswith("-") or "=" not in a for a in args[1:]):
+        fail(usage)
+    own = {key: [a.split("=", 1)[1] for a in args[1:] if a.startswith(f"{key}=")] for key in EXPORT_KEYS}
+    overrides = [a for a in args[1:] if a.split("=", 1)[0] not in EXPORT_KEYS]
+    if not own["image"]:
+        fail(f"{usage}: image= names the container image that has launch and your code installed")
+    from hydra import initialize_config_module
+    from omegaconf import OmegaConf
+
+    from launcher.clusters.kubernetes import pytorchjob
+    from launcher.config import ConfigError, derive, freeze
+    from launcher.identity import identity_hash
+
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        composed, error = compose_checked(overrides)
+        if error:
+            fail(error)
+        try:
+            frozen = freeze(composed)
+            if frozen.gpus is None:
+                raise ConfigError("gpus is unset; give gpus=N, the workers (GPUs) of each pod")
+            derived = derive(frozen, cuda_devices=frozen.gpus if frozen.device != "cpu" else 0)  # as each pod derives
+        except ConfigError as e:
+            fail(str(e))
+    name = own["name"][-1] if own["name"] else f"launch-{identity_hash(frozen, composed)[:10]}"
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
+        fail(f"name={name} is not a Kubernetes object name (lower-case letters, digits and '-', at most 63); e.g. "
+             f"name={re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-')[:63] or 'launch'}")  # fmt: skip
+    job = pytorchjob(name, own["image"][-1], derived.nodes, derived.gpus, overrides, derived.device,
+                     (own["namespace"] or [None])[-1])  # fmt: skip
+    print(OmegaConf.to_yaml(OmegaConf.create(job)), end="")
 
 
 def convert(args: Sequence[str]) -> None:
@@ -128,217 +225,14 @@ def convert(args: Sequence[str]) -> None:
     try:
         model = None
         if out.suffix != ".safetensors":  # a folder: the model of these overrides, as `launch` would build it
-            from hydra import compose, initialize_config_module
+            from hydra import initialize_config_module
 
-            error = check_overrides(overrides)
-            if error:
-                fail(error)
             with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-                model = freeze(compose(CONFIG_NAME, overrides=overrides)).model
+                composed, error = compose_checked(overrides)
+                if error:
+                    fail(error)
+                model = freeze(composed).model
         written = write(Path(paths[0]), out, model, merge)
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         fail(str(e).splitlines()[0])
     print(f"launch: wrote {written}")
-
-
-# --------------------------------------------------------------------------------------------
-# Precheck: compose once with the compose API, so that a bad override becomes one clear line
-# instead of Hydra's multi-line report. Sweeps are checked value by value for group choices.
-# --------------------------------------------------------------------------------------------
-
-
-def precheck(argv: Sequence[str]) -> str | None:
-    """Return a one-line error for overrides that cannot compose, or None."""
-    from hydra._internal.utils import get_args_parser
-
-    try:
-        args = get_args_parser().parse_args(list(argv))
-    except SystemExit:
-        return None  # argparse already printed its own usage error; let Hydra handle the rest
-    if (
-        args.help
-        or args.hydra_help
-        or args.shell_completion
-        or args.info
-        or args.experimental_rerun
-        or args.config_dir
-        or args.config_path
-        or args.config_name
-    ):
-        return None
-    return check_overrides(args.overrides)
-
-
-def check_overrides(overrides: Sequence[str]) -> str | None:
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    user = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
-    try:
-        parsed = OverridesParser.create().parse_overrides(user)
-    except HydraException as e:
-        return _one_line(e)
-    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-        loader = GlobalHydra.instance().config_loader()
-        groups = set(loader.get_group_options("", results_filter=None))
-        first: list[str] = []
-        for o in parsed:
-            group = o.key_or_group
-            candidates = _candidates(o)
-            if group in groups and not o.is_delete():
-                options = schema.choices()[group]
-                for value in candidates:
-                    if value not in options:
-                        return f"unknown {group} '{value}'; valid: {', '.join(options)} (e.g. {group}={options[0]})"
-            if o.is_sweep_override() and not candidates:
-                continue  # a sweep we cannot expand here (interval, glob): Hydra checks it per job
-            value = candidates[0] if o.is_sweep_override() else o.get_value_element_as_str()
-            first.append(f"{o.get_key_element()}={value}" if not o.is_delete() else o.input_line)
-        try:
-            composed = compose(CONFIG_NAME, overrides=first, return_hydra_config=True)
-        except (HydraException, OmegaConfBaseException) as e:
-            return _unknown_key(e, first) or _one_line(e)
-        with open_dict(composed):
-            hydra_node = composed.pop("hydra")
-        problem = schema.check_ranges(composed) or _run_dir_problem(hydra_node, overrides, parsed)
-        if problem or not _multirun(parsed):
-            return problem  # a single run: the launcher checks the rest before it writes anything
-        return _check_sweep(user, hydra_node, overrides)
-    return None
-
-
-BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
-
-
-def _multirun(parsed: Sequence[Any]) -> bool:
-    return any(o.is_sweep_override() for o in parsed) or "--multirun" in sys.argv or "-m" in sys.argv
-
-
-def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[str]) -> str | None:
-    """Every job of a sweep whose jobs are known in advance (Hydra's basic sweeper: every combination), checked as a
-    single run would be, before the first one starts and before Hydra writes anything. Sweepers that choose values
-    as they go (Optuna) have their jobs checked one by one, as each starts."""
-    from hydra import compose
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from launcher.config import ConfigError
-
-    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra/sweeper=")]
-    if OmegaConf.select(hydra_node, "sweeper._target_") != BASIC_SWEEPER or chosen[-1:] not in ([], ["basic"]):
-        return None
-    params, env_set = hydra_node.sweeper.get("params"), OmegaConf.select(hydra_node, "job.env_set")
-    try:  # quietly: the job's own resolution says what it has to say (the smoke sweep's strategies left out)
-        with contextlib.redirect_stderr(io.StringIO()):
-            plain = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else {}
-            env = OmegaConf.to_container(env_set, resolve=True) if isinstance(env_set, DictConfig) else {}
-    except OmegaConfBaseException:  # values only Hydra's job can resolve: each job is checked as it starts
-        return None
-    given = [f"{key}={value}" for key, value in plain.items()] + user  # the basic sweeper's order: yours win
-    try:
-        (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(given), None)
-    except HydraException:  # a sweep the basic sweeper cannot list (an interval): Hydra says so itself
-        return None
-    swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in other for other in jobs) < len(jobs)}
-    from launcher.launch import check_job  # imports torch: only for a sweep
-
-    saved, hydra_before = {key: os.environ.get(key) for key in env}, HydraConfig.instance().cfg
-    os.environ.update({key: str(value) for key, value in env.items()})  # each job runs with hydra.job.env_set
-    try:
-        for n, job in enumerate(jobs):
-            where = " ".join(o for o in job if o.split("=", 1)[0] in swept) or " ".join(job)
-            try:
-                cfg = compose(CONFIG_NAME, overrides=job, return_hydra_config=True)
-                HydraConfig.instance().set_config(cfg)  # the job's own ${hydra:...} values resolve as in the job
-                with open_dict(cfg):
-                    cfg.pop("hydra")
-                problem = schema.check_ranges(cfg)
-                if problem is None:
-                    check_job(cfg)
-            except (HydraException, OmegaConfBaseException) as e:
-                problem = _one_line(e)
-            except ConfigError as e:
-                problem = str(e)
-            if problem:
-                return f"sweep job {n + 1} of {len(jobs)} ({where}): {problem}; nothing of the sweep has run"
-    finally:
-        HydraConfig.instance().cfg = hydra_before
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return None
-
-
-def _run_dir_problem(hydra_node: DictConfig, overrides: Sequence[str], parsed: Sequence[Any]) -> str | None:
-    """Hydra makes the run (or sweep) directory before the run starts, with a traceback if it cannot: say it first."""
-    import os
-    from pathlib import Path
-
-    key = "hydra.sweep.dir" if _multirun(parsed) else "hydra.run.dir"
-    given = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")]
-    try:
-        folder = Path(given[-1] if given else str(OmegaConf.select(hydra_node, key.removeprefix("hydra.")))).absolute()
-    except Exception:  # an interpolation only Hydra's job can resolve: it checks it itself
-        return None
-    made = [p for p in (folder, *folder.parents) if not p.exists()]
-    try:  # try it for real (root bypasses permission bits; /proc, read-only mounts) and leave nothing behind
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".launch-probe-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        return f"{key}={folder} cannot be created and written ({e.strerror}: {e.filename}); choose another {key}"
-    finally:
-        for created in made:  # deepest first
-            try:
-                created.rmdir()
-            except OSError:
-                break
-    return None
-
-
-def _candidates(o) -> list[str]:
-    if not o.is_sweep_override():
-        return [o.get_value_element_as_str()]
-    try:
-        return [str(v) for v in o.sweep_string_iterator()]
-    except Exception:  # interval and glob sweeps have no finite list without the options
-        return []
-
-
-def _unknown_key(e: Exception, overrides: list[str]) -> str | None:
-    from hydra import compose
-
-    match = re.search(r"Could not override '([^']+)'", str(e))
-    if not match:
-        return None
-    key = match.group(1)
-    parent, _, leaf = key.rpartition(".")
-    try:
-        base = compose(CONFIG_NAME, overrides=[o for o in overrides if not o.startswith(f"{key}=")])
-    except Exception:  # another override fails too: name the first one without the list of keys
-        return f"unknown key '{key}' (to add a new key use +{key}=...)"
-    node = OmegaConf.select(base, parent) if parent else base
-    valid = ", ".join(sorted(node.keys())) if isinstance(node, DictConfig) else "?"
-    where = parent or "the top level"
-    return f"unknown key '{key}'; {where} has: {valid} (to add a new key use +{key}=...)"
-
-
-def _one_line(e: BaseException) -> str:
-    parts: list[str] = []
-    while e is not None:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        for line in lines:
-            if line.startswith(("object_type", "reference_type")) or line in parts:
-                continue
-            parts.append(line)
-        e = e.__cause__  # type: ignore[assignment]
-    return "; ".join(parts[:3]) or "invalid configuration"

@@ -7,6 +7,7 @@ starts, and the planner builds strategies to read their layouts. One function ea
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -61,19 +62,27 @@ def with_presets(frozen: DictConfig, names: Sequence[str]) -> dict[str, DictConf
     return configs
 
 
-def preset_strategies(names: list[str]) -> dict[str, Strategy]:
+def preset_strategies(names: list[str], **options: Any) -> dict[str, Strategy]:
     """Each preset of conf/strategy/ built as a run of the default config builds it, for what it declares of itself
-    (`layout`, `collectives`, `requirements`, `conformance`)."""
+    (`layout`, `collectives`, `requirements`, `conformance`); `options` over each preset's keys. A strategy's
+    defaults are its schema's, written there alone: this is how to build one outside a run (after
+    `launcher.schema.register()`, which the launcher's own entry points have made)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
 
     from launcher.config import freeze
 
     def build() -> dict[str, Strategy]:
         configs = with_presets(freeze(compose("config")), names)
-        return {name: make_strategy(cfg.strategy) for name, cfg in configs.items()}
+        return {name: make_strategy(OmegaConf.merge(cfg.strategy, options)) for name, cfg in configs.items()}
 
     if GlobalHydra.instance().is_initialized():  # inside the app, or a caller's compose context
         return build()
     with initialize_config_module("launcher.conf", version_base="1.3"):
         return build()
+
+
+def preset_strategy(name: str, **options: Any) -> Strategy:
+    """conf/strategy/<name>.yaml's strategy, `options` over its keys (see `preset_strategies`)."""
+    return preset_strategies([name], **options)[name]

@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.checks import check_built, check_keys, check_protocol, check_resume, check_strategy, vocabulary
-from launcher.clusters import detect
+from launcher.clusters import detect, shaped
 from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze
 from launcher.durable import disk_error
 from launcher.failures import lost_node, oom_kills, rank_lines, secondary
@@ -62,7 +62,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     from launcher.meta import build_on_meta, measure
     from launcher.plan.commands import choose, is_auto, planned_peak
 
-    frozen = freeze(cfg)
+    frozen = shaped(freeze(cfg), os.environ, (job or {}).get("overrides", []))  # a cluster's nodes and gpus
     cuda = visible_cuda_devices()
     derived = derive(frozen, cuda)
     if forks_workers(derived, frozen.trainer):
@@ -115,7 +115,7 @@ def check_job(cfg: DictConfig) -> None:
     from launcher.plan.commands import choose, is_auto
 
     with contextlib.redirect_stdout(io.StringIO()):  # strategy=auto's table is for the job itself to print
-        frozen = freeze(cfg)
+        frozen = shaped(freeze(cfg), os.environ, [])
         derived = derive(frozen, visible_cuda_devices())
         check_keys(frozen)
         model = build_on_meta(frozen.model)

@@ -36,14 +36,15 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
         raise ConfigError(f"rdzv.backend={r.backend} is not supported; use c10d or static")
     configs: dict[str, Any] = {"join_timeout": int(r.join_timeout)}
     job = detect(env).job(r, derived, env)
+    backend = job.backend or r.backend
     endpoint, run_id = r.endpoint or job.endpoint, r.id or job.run_id  # the user's settings win
     node_rank = r.node_rank if r.node_rank is not None else job.node_rank
     if derived.nodes > 1 and not (endpoint and run_id):
         raise ConfigError(
             f"nodes={derived.nodes} needs rdzv.endpoint=HOST:PORT and rdzv.id=NAME, the same on every node "
-            "(or run inside a SLURM allocation)"
+            "(or run inside a SLURM allocation or a Kubernetes PyTorchJob)"
         )
-    if r.backend == "static":
+    if backend == "static":
         if derived.nodes > 1 and node_rank is None:
             raise ConfigError("rdzv.backend=static needs rdzv.node_rank=N on each node (or SLURM_NODEID)")
         configs["rank"] = node_rank or 0
@@ -51,10 +52,10 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
         local = None if endpoint else LOOPBACK
         # c10d's agent binds port 0 itself and tells the workers the port it got; the static rendezvous hands its
         # endpoint's port to the workers as MASTER_PORT, so it needs a real one.
-        port = _free_port() if r.backend == "static" else 0
+        port = _free_port() if backend == "static" else 0
         endpoint, run_id = endpoint or f"{LOOPBACK}:{port}", run_id or uuid.uuid4().hex[:12]
-        return Rendezvous(endpoint, run_id, r.backend, configs, local, job)
-    return Rendezvous(endpoint, run_id, r.backend, configs, job=job)
+        return Rendezvous(endpoint, run_id, backend, configs, local, job)
+    return Rendezvous(endpoint, run_id, backend, configs, job=job)
 
 
 def _free_port() -> int:

@@ -18,10 +18,10 @@ from omegaconf import MISSING, OmegaConf
 
 from launcher.data_schema import PySourceDataConfig, SyntheticDataConfig, TokensDataConfig
 from launcher.groups import choices
-from launcher.ranges import COUNT, FRACTION, PORT, POSITIVE, SIZE, UNIT, ZERO_STAGE, check_ranges, launch_only, ranged
+from launcher.ranges import COUNT, FRACTION, PORT, POSITIVE, SIZE, UNIT, ZERO_STAGE, launch_only, ranged
 from launcher.search.schema import SweepConfig
 
-__all__ = ["check_ranges", "choices", "register"]  # the checks and the options read from here
+__all__ = ["choices", "register"]  # the options read from here
 
 
 class Device(Enum):

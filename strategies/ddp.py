@@ -61,15 +61,16 @@ def _counting_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 
 class DDP:
-    def __init__(
+    def __init__(  # every option's default is its schema's (launcher/schema.py), written there alone
         self,
-        bucket_cap_mb: float = 25.0,
-        sync_batchnorm: bool = False,
-        find_unused_parameters: bool = False,
-        gradient_as_bucket_view: bool = True,
-        compile_units: list[str] | None = None,
-        moe_blocks: list[str] | None = None,
-        grad_compression: str = "none",
+        *,
+        bucket_cap_mb: float,
+        sync_batchnorm: bool,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+        compile_units: list[str] | None,
+        moe_blocks: list[str] | None,
+        grad_compression: str,
     ) -> None:
         if grad_compression not in HOOKS:
             raise ValueError(f"strategy.grad_compression={grad_compression}: use one of {', '.join(HOOKS)}")

@@ -103,18 +103,19 @@ def _counting_all_reduce(counter: CommCounter, replicas: int) -> Any:
 
 
 class FSDP:
-    def __init__(
+    def __init__(  # every option's default is its schema's (launcher/schema.py), written there alone
         self,
-        shard_units: list[str] | None = None,
-        reshard_after_forward: bool = True,
-        sync_batchnorm: bool = False,
-        offload: str = "none",
-        reduce_dtype: str = "fp32",
-        activation_checkpointing: bool = False,
-        sync_each_microbatch: bool = False,
-        shard_size: int | None = None,
-        replicate_size: int | None = 1,
-        moe_blocks: list[str] | None = None,
+        *,
+        shard_units: list[str] | None,
+        reshard_after_forward: bool,
+        sync_batchnorm: bool,
+        offload: str,
+        reduce_dtype: str,
+        activation_checkpointing: bool,
+        sync_each_microbatch: bool,
+        shard_size: int | None,
+        replicate_size: int | None,
+        moe_blocks: list[str] | None,
     ) -> None:
         self.mesh = Mesh(shard_size, replicate_size)
         self.shard_units = None if shard_units is None else [str(name) for name in shard_units]

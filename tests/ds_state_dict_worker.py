@@ -18,21 +18,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from launcher.context import preset_strategy
 from launcher.models.gpt import GPT
 from strategies import RunContext
-from strategies.deepspeed import DeepSpeed
 
 KW = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=16)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def main(preset: dict) -> None:
+def main(preset: str) -> None:
     dist.init_process_group("gloo")
     rank, world, K = dist.get_rank(), dist.get_world_size(), 2
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, 256, (world * K * 2, 17), generator=gen) for _ in range(2)]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]  # next-token targets
-    strategy = DeepSpeed(**preset, optimizer="torch.optim.AdamW")
+    strategy = preset_strategy(preset, optimizer="torch.optim.AdamW")
     ctx = RunContext(
         device="cpu",
         rank=rank,
@@ -63,7 +63,7 @@ def main(preset: dict) -> None:
 
     # Resume: a fresh engine's template filled with the export (as a checkpoint load does), then
     # one more step on both: the same weights and moments afterwards.
-    fresh = DeepSpeed(**preset, optimizer="torch.optim.AdamW")
+    fresh = preset_strategy(preset, optimizer="torch.optim.AdamW")
     torch.manual_seed(1)  # other initial weights: the load must replace them
     fresh.setup(ctx, lambda: GPT(**KW), functools.partial(torch.optim.AdamW, **ADAMW))
     template = fresh.state_dict()
@@ -138,7 +138,10 @@ def main(preset: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    from launcher import schema
+
+    schema.register()
+    main(sys.argv[1])  # a preset of conf/strategy/, built as a run builds it
     from launcher.lifecycle import exit_now
 
     exit_now(0)  # as the launcher's own workers end: a gloo thread can abort the interpreter's teardown (SIGABRT)

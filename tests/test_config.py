@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch
+from conftest import LAUNCH, TINY, clean_env, launch, launch_here
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -201,3 +201,29 @@ def test_every_key_is_part_of_the_run_identity_unless_its_schema_marks_it() -> N
     assert counted >= 15 and marked >= 20, (counted, marked)  # the walk reached both kinds
     assert {"trainer.max_steps", "trainer.log_every", "gpus", "rdzv", "plan"} <= left_out
     assert not {"trainer.grad_clip", "trainer.warmup_steps", "optim.lr", "seed", "model.n_layer"} & left_out
+
+
+@pytest.mark.unit
+def test_a_single_run_is_composed_once_and_its_ranges_checked_once(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The composition that checks a run's overrides is the one the run runs, and `config.freeze` alone checks the
+    ranges: a run refused after both (by the batch contract, before any worker) counts one of each."""
+    from hydra._internal.hydra import Hydra
+
+    import launcher.ranges
+
+    calls = {"compose": 0, "ranges": 0}
+    compose_config, fields = Hydra.compose_config, launcher.ranges._fields
+
+    def counted_compose(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["compose"] += 1
+        return compose_config(*args, **kwargs)
+
+    def counted_fields(cfg, path=""):  # type: ignore[no-untyped-def]
+        calls["ranges"] += not path  # a whole config's walk: once per check_ranges, whoever calls it
+        return fields(cfg, path)
+
+    monkeypatch.setattr(Hydra, "compose_config", counted_compose)
+    monkeypatch.setattr(launcher.ranges, "_fields", counted_fields)
+    line = launch_here(tmp_path, *TINY, "batch.global_size=30").refused()
+    assert line.startswith("launch: error: batch.global_size=30 is not divisible by batch.micro_size=4"), line
+    assert calls == {"compose": 1, "ranges": 1}, calls

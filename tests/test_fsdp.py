@@ -111,11 +111,13 @@ _COUNT_FORWARDS = """
 import sys, torch, torch.distributed as dist
 from launcher.models.gpt import GPT, Attention
 from strategies.base import RunContext
-from strategies.fsdp import FSDP
+from launcher import schema
+from launcher.context import preset_strategy
 
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 ctx = RunContext("cpu", 0, 0, 1, "fp32", 1.0, 1, 2)
-strategy = FSDP(activation_checkpointing=sys.argv[2] == "true")
+schema.register()
+strategy = preset_strategy("fsdp", activation_checkpointing=sys.argv[2] == "true")
 def build(meta=False):
     with torch.device("meta" if meta else "cpu"):
         return GPT(2, 4, 64, 256, 32)

@@ -14,7 +14,10 @@ import pytest
 import torch
 from conftest import launch, launch_once
 
+from launcher import schema
 from strategies.base import RunContext, split_ties, tied_unit_lines, unit_classes
+
+schema.register()  # the presets' schemas, for launcher.context.preset_strategy
 
 BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
         "vocab_size": 256, "max_position_embeddings": 32, "hidden_dropout_prob": 0.0,
@@ -63,13 +66,13 @@ def test_explicit_units_that_split_a_tie_are_refused_naming_the_tied_parameters_
 @pytest.mark.unit
 @pytest.mark.parametrize("replicate_size", [1, None], ids=["fsdp", "hsdp"])
 def test_fsdp_and_hsdp_check_the_same_rule_in_the_parent(replicate_size, capsys) -> None:  # type: ignore[no-untyped-def]
-    from strategies.fsdp import FSDP
+    from launcher.context import preset_strategy
 
-    FSDP(replicate_size=replicate_size).check(CTX, bert())
+    preset_strategy("fsdp", replicate_size=replicate_size).check(CTX, bert())
     out = capsys.readouterr().out.splitlines()
     assert [line for line in out if "BertEmbeddings" in line] == [out[0]] and out[0].startswith("launch: fsdp: "), out
     with pytest.raises(ValueError, match=r"^strategy.shard_units=\[BertEmbeddings\] splits tied parameters"):
-        FSDP(shard_units=["BertEmbeddings"], replicate_size=replicate_size).check(CTX, bert())
+        preset_strategy("fsdp", shard_units=["BertEmbeddings"], replicate_size=replicate_size).check(CTX, bert())
 
 
 @pytest.mark.unit
@@ -110,10 +113,10 @@ def test_ties_between_two_units_of_a_class_and_between_a_unit_and_the_root_drop_
 def test_deepspeed_refuses_sync_batchnorm_in_one_line() -> None:
     from units_models import BatchNormNet
 
-    from strategies.deepspeed import DeepSpeed
+    from launcher.context import preset_strategy
 
     with pytest.raises(ValueError, match=r"^strategy.sync_batchnorm=true is not supported by DeepSpeed") as e:
-        DeepSpeed(stage=3, sync_batchnorm=True).check(CTX, on_meta(BatchNormNet))
+        preset_strategy("zero3", sync_batchnorm=True).check(CTX, on_meta(BatchNormNet))
     assert "\n" not in str(e.value)
 
 

@@ -190,6 +190,6 @@ class LaunchOptunaSweeper(Sweeper):
 
 
 def _one_line(e: BaseException) -> str:
-    from launcher.cli import _one_line as one_line
+    from launcher.overrides import _one_line as one_line
 
     return one_line(e)

@@ -1,13 +1,15 @@
-"""Where a launch runs: local, a SLURM allocation, and room for more.
+"""Where a launch runs: local, a SLURM allocation, a Kubernetes pod (PyTorchJob, JobSet), and room for more.
 
 Each cluster environment is a small plugin (a class that follows `Environment`, in a module of this package): it
-detects itself from the process environment, says what it knows of the job (its nodes, this node's rank, where the
-nodes meet) and how the run directory is shared, checks the launch's settings against it, and says what a
-submission to it needs and what a stop signal means there. `detect` takes the first that recognises itself; `Local`
-recognises every environment, so it comes last. `launcher.rendezvous` turns the job into the elastic agent's
-rendezvous; the run directory's check (`launcher.resume.check_shared_directory`) reads `Job.shared_run_dir`.
+detects itself from the process environment, says which of the run's keys it dictates (`shape`: a PyTorchJob's
+nodes and processes per node), what it knows of the job (its nodes, this node's rank, where the nodes meet) and how
+the run directory is shared, checks the launch's settings against it, and says what a submission to it needs and
+what a stop signal means there. `detect` takes the first that recognises itself: a process started by torchrun
+first (where a launch is refused), `Local` last (it recognises every environment). `launcher.rendezvous` turns the
+job into the elastic agent's rendezvous; the run directory's check (`launcher.resume.check_shared_directory`) reads
+`Job.shared_run_dir`.
 
-Add an environment: a module here, and its class in `ENVIRONMENTS` before `Local`.
+Add an environment: a module here, and its class in `environments()` before `Local`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Job:
     shared_run_dir: bool = True
     """The nodes write into one run directory on a file system each of them mounts: rank 0's view of it must be every
     rank's (checked before the first save)."""
+    backend: str | None = None
+    """The rendezvous backend the environment needs (static: node ranks as it numbers them); None: rdzv.backend."""
 
 
 class Environment(Protocol):
@@ -41,6 +45,11 @@ class Environment(Protocol):
 
     def detected(self, env: Mapping[str, str]) -> bool:
         """Whether this process runs inside this environment."""
+        ...
+
+    def shape(self, env: Mapping[str, str]) -> dict[str, tuple[int, str]]:
+        """The run's keys (`nodes`, `gpus`) the environment dictates: key -> (value, the variable that says it);
+        ConfigError (one line) where it forbids a launch."""
         ...
 
     def job(self, rdzv: Any, derived: Derived, env: Mapping[str, str]) -> Job:
@@ -60,10 +69,12 @@ class Environment(Protocol):
 
 
 def environments() -> tuple[Environment, ...]:
+    from launcher.clusters.kubernetes import JobSet, PyTorchJob
     from launcher.clusters.local import Local
     from launcher.clusters.slurm import Slurm
+    from launcher.clusters.torchrun import Torchrun
 
-    return (Slurm(), Local())
+    return (Torchrun(), PyTorchJob(), JobSet(), Slurm(), Local())
 
 
 def detect(env: Mapping[str, str]) -> Environment:
@@ -74,3 +85,20 @@ def detect(env: Mapping[str, str]) -> Environment:
 def submission(argv: Sequence[str]) -> list[str]:
     """The overrides a submission through a Hydra launcher plugin needs (e.g. hydra/launcher=submitit_slurm)."""
     return [extra for e in environments() for extra in e.submission(argv)]
+
+
+def shaped(cfg: Any, env: Mapping[str, str], given: Sequence[str]) -> Any:
+    """The frozen config with the keys the environment dictates (`Environment.shape`) set from it; ConfigError naming
+    both where the command line (`given`: the job's overrides) said another value."""
+    from launcher.config import ConfigError
+
+    environment = detect(env)
+    for key, (value, variable) in environment.shape(env).items():
+        said = [o.split("=", 1)[1] for o in given if o.split("=", 1)[0] == key]
+        if said and said[-1] != str(value):
+            raise ConfigError(
+                f"{key}={said[-1]} on the command line, but this {environment.name} job's {variable}={value}; "
+                f"drop {key}= (it is taken from {variable}) or make them agree"
+            )
+        cfg[key] = value
+    return cfg

@@ -15,6 +15,9 @@ class Local:
     def detected(self, env: Mapping[str, str]) -> bool:
         return True  # wherever no other environment recognises itself
 
+    def shape(self, env: Mapping[str, str]) -> dict[str, tuple[int, str]]:
+        return {}
+
     def job(self, rdzv: Any, derived: Derived, env: Mapping[str, str]) -> Job:
         return Job(self.name)
 

@@ -19,6 +19,9 @@ class Slurm:
     def detected(self, env: Mapping[str, str]) -> bool:
         return "SLURM_JOB_ID" in env and "SLURM_NNODES" in env
 
+    def shape(self, env: Mapping[str, str]) -> dict[str, tuple[int, str]]:
+        return {}
+
     def job(self, rdzv: Any, derived: Derived, env: Mapping[str, str]) -> Job:
         nodes = int(env.get("SLURM_STEP_NUM_NODES") or env["SLURM_NNODES"])
         if nodes != derived.nodes:

@@ -35,17 +35,18 @@ NVME_MARGIN = 1.2
 
 
 class DeepSpeed:
-    def __init__(
+    def __init__(  # every option's default is its schema's (launcher/schema.py), written there alone
         self,
-        stage: int = 2,
-        offload_optimizer: str = "none",
-        offload_params: str = "none",
-        nvme_path: str | None = None,
-        sync_each_microbatch: bool = False,
-        sync_batchnorm: bool = False,
-        ds_config: dict[str, Any] | None = None,
-        optimizer: str = "torch.optim.AdamW",
-        moe_blocks: list[str] | None = None,
+        *,
+        stage: int,
+        offload_optimizer: str,
+        offload_params: str,
+        nvme_path: str | None,
+        sync_each_microbatch: bool,
+        sync_batchnorm: bool,
+        ds_config: dict[str, Any] | None,
+        optimizer: str,
+        moe_blocks: list[str] | None,
     ) -> None:
         self.stage = stage
         self.offload_optimizer = offload_optimizer
