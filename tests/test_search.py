@@ -215,3 +215,51 @@ def test_a_search_that_cannot_run_is_one_line_before_anything_is_written(
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch: error: ") and words in lines[0], run.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+def _trial_cfg(url: str, trial: int | None, pruner: dict | None) -> object:
+    from omegaconf import OmegaConf
+
+    sweep = {"objective": "val_loss", "objective_at": "last", "direction": "minimize", "pruner": pruner,
+             "study": "s", "storage": url, "trial": trial}  # fmt: skip
+    return OmegaConf.create({"sweep": sweep})
+
+
+def test_rank_0_reports_each_evaluation_to_its_trial_and_the_pruner_stops_it_but_never_at_the_last(
+    tmp_path: Path,
+) -> None:
+    from launcher.search.trial import TrialReport
+
+    url = storage_url(None, tmp_path)
+    study = open_study("s", url, "minimize", None, None, [])
+    trial = study.ask()
+    always = {"_target_": "optuna.pruners.ThresholdPruner", "upper": 0.0}
+    assert not TrialReport(_trial_cfg(url, trial.number, always), rank=1).report(2, {"val_loss": 3.0}, last=False)
+    assert not TrialReport(_trial_cfg(url, None, always), rank=0).report(2, {"val_loss": 3.0}, last=False)
+    rank0 = TrialReport(_trial_cfg(url, trial.number, always), rank=0)
+    assert not rank0.report(1, {"loss": 3.5}, last=False)  # no objective at this step: nothing reported
+    assert rank0.report(2, {"loss": 3.4, "val_loss": 3.0}, last=False)
+    assert not rank0.report(4, {"val_loss": 2.0}, last=True)  # the run has finished: its value stands
+    assert study.trials[0].intermediate_values == {2: 3.0, 4: 2.0}
+    never = TrialReport(_trial_cfg(url, trial.number, None), rank=0)  # sweep.pruner=null
+    assert not never.report(6, {"val_loss": 9.0}, last=False)
+
+
+def test_a_trials_outcome_is_its_state_and_objective(tmp_path: Path) -> None:
+    from launcher.search.objective import trial_outcome
+    from launcher.search.trial import record_pruned
+
+    cfg = _trial_cfg("sqlite://", 7, None)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 3.1, "val_loss": 3.0}\n{"step": 4, "loss": 2.9}\n')
+    done = trial_outcome(cfg, tmp_path, 0, "")
+    assert (done["trial"], done["state"], done["objective"], done["direction"]) == (7, "complete", 3.0, "minimize")
+    assert trial_outcome(cfg, tmp_path, 2, "optim.lr=-1.0 is invalid")["state"] == "failed"
+    assert trial_outcome(cfg, tmp_path, 143, "stopped by SIGTERM")["state"] == "stopped"
+    assert trial_outcome(_trial_cfg("sqlite://", None, None), tmp_path, 0, "") == {}  # no trial: no search
+    record_pruned(tmp_path, 2, "val_loss", 3.0)
+    assert trial_outcome(cfg, tmp_path, 0, "") | {"objective_name": None} == {
+        "trial": 7, "objective_name": None, "objective": 3.0, "direction": "minimize", "state": "pruned", "pruned_at": 2
+    }  # fmt: skip
+    (tmp_path / "pruned.json").unlink()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 3.1}\n')
+    assert trial_outcome(cfg, tmp_path, 0, "")["reason"] == "no objective: the run logged no val_loss"
