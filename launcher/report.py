@@ -73,7 +73,8 @@ def collect(sweep_dir: Path) -> list[Job]:
         cfg = OmegaConf.load(folder / "resolved.yaml") if (folder / "resolved.yaml").exists() else OmegaConf.create()
         metrics_file = folder / "metrics.jsonl"
         metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-        label = " ".join(f"{k}={v}" for k, v in job_overrides.items() if k in varying)
+        trial = _trial(outcome)  # a search's trial: named by its parameters
+        label = trial["params"] if trial else " ".join(f"{k}={v}" for k, v in job_overrides.items() if k in varying)
         strategy = OmegaConf.select(cfg, "job.choices.strategy", default=None) or outcome.get("strategy") or "?"
         jobs.append(
             Job(
@@ -85,10 +86,17 @@ def collect(sweep_dir: Path) -> list[Job]:
                 code=outcome.get("code"),
                 reason=str(outcome.get("reason", "")),
                 seconds=outcome.get("seconds"),
-                trial={**outcome, "params": label} if "state" in outcome and "trial" in outcome else None,
+                trial=trial,
             )
         )
     return jobs
+
+
+def _trial(outcome: dict[str, Any]) -> dict[str, Any] | None:
+    """A search trial's outcome (its sweeper wrote its parameters into it), its parameters as overrides."""
+    if "state" not in outcome or not isinstance(outcome.get("params"), dict):
+        return None
+    return {**outcome, "params": " ".join(f"{k}={v}" for k, v in outcome["params"].items())}
 
 
 def trials(jobs: list[Job]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:

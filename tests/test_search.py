@@ -139,7 +139,8 @@ def test_the_report_lists_trials_in_the_order_they_ran_and_marks_the_best(tmp_pa
     for n, state, value in outcomes:
         (tmp_path / str(n)).mkdir()
         record = {"code": 0 if state != "failed" else 2, "overrides": [f"optim.lr={n / 100}", f"sweep.trial={n}"],
-                  "trial": n, "state": state, "objective": value, "objective_name": "val_loss",
+                  "trial": n, "params": {"optim.lr": n / 100}, "state": state, "objective": value,
+                  "objective_name": "val_loss",
                   "direction": "minimize", **({"pruned_at": 2} if state == "pruned" else {})}  # fmt: skip
         (tmp_path / str(n) / "outcome.json").write_text(json.dumps(record))
     ran, best = trials(collect(tmp_path))

@@ -106,6 +106,7 @@ class LaunchOptunaSweeper(Sweeper):
         sweep = OmegaConf.to_container(self.config.sweep, resolve=True, enum_to_str=True)
         assert isinstance(sweep, dict)
         self._check_objective(sweep)
+        self.objective = {"objective_name": sweep["objective"], "direction": sweep["direction"]}
         self._check_composes(space)
         try:
             sampler = instantiate(self.sampler)
@@ -122,7 +123,7 @@ class LaunchOptunaSweeper(Sweeper):
         if study.trials and seed is not None:  # continued: a sampler seeded as before would draw its old points again
             study.sampler = instantiate(self.sampler, seed=seed + len(study.trials))
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        self.url, done = url, finished(study)
+        self.url, self.sweep_dir, done = url, sweep_dir, finished(study)
         again = f"continuing: {done} of {self.n_trials} trial(s) done" if done else f"{self.n_trials} trial(s)"
         print(f"launch: study {self.study_name!r} ({url}): {again}", flush=True)
         return study, space, sweep_dir
@@ -160,13 +161,15 @@ class LaunchOptunaSweeper(Sweeper):
 
         overrides = [*space.overrides(trial.params), f"sweep.trial={trial.number}",
                      f"sweep.study={self.study_name}", f"sweep.storage='{self.url}'"]  # fmt: skip
-        (result,) = self.launcher.launch([overrides], initial_job_idx=trial.number)
-        try:
+        result = None
+        try:  # a value that does not compose (a wrong type) fails in the launcher, one that the run refuses in the job
+            (result,) = self.launcher.launch([overrides], initial_job_idx=trial.number)
             record = result.return_value
-        except Exception as e:  # the task function raised: the trial failed, the study goes on
+        except Exception as e:  # the trial failed; the study goes on
             record = {"state": "failed", "reason": _one_line(e)}
         if not isinstance(record, dict) or "state" not in record:
             record = {"state": "failed", "reason": f"the job returned {record!r}, not a trial's outcome"}
+        record = self._record(trial, record)
         if record["state"] == "stopped":  # a stop signal: the trial stays RUNNING, the same command continues it
             print(f"launch: the study stopped during trial {trial.number}; run the same command to continue it",
                   file=sys.stderr, flush=True)  # fmt: skip
@@ -175,8 +178,18 @@ class LaunchOptunaSweeper(Sweeper):
         value = record.get("objective")
         shown = f"{record.get('objective_name')} {value:.6g}" if value is not None else record.get("reason", "")
         print(f"launch: trial {trial.number} {state}: {shown}", flush=True)
-        returns.append(result)
+        returns.extend([result] if result is not None else [])
         return exhausted
+
+    def _record(self, trial: Any, record: dict[str, Any]) -> dict[str, Any]:
+        """The trial's outcome in its folder, for the report, with its parameters (also when no job started)."""
+        import json
+
+        record = {**self.objective, "objective": None, **record, "trial": trial.number, "params": trial.params}
+        folder = self.sweep_dir / str(trial.number)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "outcome.json").write_text(json.dumps(record))
+        return record
 
     def _say_best(self, study: Any) -> None:
         from optuna.trial import TrialState
