@@ -96,7 +96,8 @@ def _trial(outcome: dict[str, Any]) -> dict[str, Any] | None:
     """A search trial's outcome (its sweeper wrote its parameters into it), its parameters as overrides."""
     if "state" not in outcome or not isinstance(outcome.get("params"), dict):
         return None
-    return {**outcome, "params": " ".join(f"{k}={v}" for k, v in outcome["params"].items())}
+    shown = (f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in outcome["params"].items())
+    return {**outcome, "params": " ".join(shown)}  # exact values: the study, and the run's resolved.yaml
 
 
 def trials(jobs: list[Job]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -167,13 +168,13 @@ def chart(jobs: list[Job], path: Path) -> None:
 
     ran, best = trials(jobs)
     fig, (curves, bars, *search) = plt.subplots(1, 3 if ran else 2, figsize=(18 if ran else 12, 4.5))
-    for j in jobs:
+    names = [f"trial {j.trial['trial']}" if j.trial else j.name for j in jobs]  # a trial's parameters: in the table
+    for j, name in zip(jobs, names):
         if j.losses:
             steps, losses = zip(*j.losses)
-            curves.plot(steps, losses, label=j.name, marker="." if len(steps) < 30 else None)
+            curves.plot(steps, losses, label=name, marker="." if len(steps) < 30 else None)
     curves.set(title="training loss", xlabel="optimizer step", ylabel="loss")
     curves.legend(fontsize="small")
-    names = [j.name for j in jobs]
     bars.barh(names, [j.samples_per_s or 0 for j in jobs], color="tab:blue")
     bars.set(title="throughput (median samples/s)", xlabel="samples/s")
     bars.invert_yaxis()
@@ -213,8 +214,7 @@ class SweepReport(Callback):
         jobs = write_report(sweep_dir)
         if not jobs:
             return
-        print(outcomes(jobs), flush=True)
-        print(trials_table(jobs), end="", flush=True)
+        print((trials_table(jobs) or outcomes(jobs)).rstrip(), flush=True)  # a search: its trials
         print(f"launch: sweep report of {len(jobs)} job(s): {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.png'}")
         ran, best = trials(jobs)
         if ran:  # a search: failed trials are part of what it found (a learning rate that diverged), pruned ones too

@@ -146,7 +146,7 @@ def test_the_report_lists_trials_in_the_order_they_ran_and_marks_the_best(tmp_pa
     ran, best = trials(collect(tmp_path))
     assert [t["trial"] for t in ran] == [0, 1, 2, 10] and best is not None and best["trial"] == 10
     rows = trials_table(collect(tmp_path)).splitlines()[2:]
-    assert rows[0] == "| 0 | optim.lr=0.0 | 3 | complete |  |"
+    assert rows[0] == "| 0 | optim.lr=0 | 3 | complete |  |"
     assert rows[1] == "| 1 | optim.lr=0.01 | 4 | pruned | at step 2 |"
     assert rows[3] == "| 10 | optim.lr=0.1 | 2 | complete | best |"
 
