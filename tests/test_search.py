@@ -110,7 +110,8 @@ def test_a_study_is_held_by_one_sweeper_and_is_the_study_its_command_describes(t
     assert [t.number for t in orphans(study, tmp_path)] == [0]  # this sweeper holds the lock: its sweeper is gone
     assert tell(study, trial, {"state": "complete", "objective": 2.5}) == ("complete", False)
     assert finished(study) == 1 and orphans(study, tmp_path) == []
-    again = open_study("s", url, "minimize", None, None, definition)  # the same command: the same study, continued
+    watched = parse(["optim.lr=tag(log,interval(1e-4,1e-2))", "trainer.max_steps=8", "logger=wandb"]).definition()
+    again = open_study("s", url, "minimize", None, None, watched)  # the same study, continued (logged elsewhere)
     assert again.best_value == 2.5
     other = parse(["optim.lr=tag(log,interval(1e-4,1e-1))", "trainer.max_steps=8"]).definition()
     with pytest.raises(
@@ -264,3 +265,17 @@ def test_a_trials_outcome_is_its_state_and_objective(tmp_path: Path) -> None:
     (tmp_path / "pruned.json").unlink()
     (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 3.1}\n')
     assert trial_outcome(cfg, tmp_path, 0, "")["reason"] == "no objective: the run logged no val_loss"
+
+
+def test_a_command_that_searches_something_else_than_its_study_is_one_line(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    open_study("search", storage_url(None, sweep), "minimize", None, None, ["optim.lr: another space"])
+    run = launch_here(tmp_path, *SEARCH, "optim.lr=interval(1e-4,1e-2)", f"hydra.sweep.dir={sweep}")
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith(f"launch: error: study 'search' in {storage_url(None, sweep)} searched "), line
+    assert "searched optim.lr: another space, this command device=cpu; optim.lr: {" in line, line  # logger: not
+    assert line.endswith("start another with hydra.sweeper.study_name=... (or another hydra.sweep.dir)"), line
+    assert len(optuna.load_study(study_name="search", storage=storage_url(None, sweep)).trials) == 0
+    hold(sweep).close()  # the refused sweeper let go of its study

@@ -94,7 +94,7 @@ class LaunchOptunaSweeper(Sweeper):
         from hydra.utils import instantiate
 
         from launcher.search.space import SpaceError, parse
-        from launcher.search.study import finished, hold, open_study, storage_url
+        from launcher.search.study import StudyError, finished, hold, open_study, storage_url
 
         assert self.config is not None
         space = parse([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
@@ -117,8 +117,13 @@ class LaunchOptunaSweeper(Sweeper):
         url = storage_url(self.storage, sweep_dir)
         definition = [*space.definition(), *(f"sweep.{k}={sweep[k]}" for k in ("objective", "objective_at",
                                                                                 "direction"))]  # fmt: skip
-        self._lock = hold(sweep_dir)
-        study = open_study(self.study_name, url, sweep["direction"], sampler, pruner, definition)
+        lock = hold(sweep_dir)
+        try:
+            study = open_study(self.study_name, url, sweep["direction"], sampler, pruner, definition)
+        except StudyError:
+            lock.close()
+            raise
+        self._lock = lock  # held while this process lives
         seed = self.sampler.get("seed") if self.sampler else None
         if study.trials and seed is not None:  # continued: a sampler seeded as before would draw its old points again
             study.sampler = instantiate(self.sampler, seed=seed + len(study.trials))

@@ -16,6 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+WATCHED = ("logger", "hydra", "trainer.progress", "trainer.log_every", "rdzv", "plan")
+"""Overrides a study may be continued with other values of: how its runs log, report and meet, not what they compute."""
+
 
 class SpaceError(ValueError):
     """An override the search cannot sample: one line naming it and what to write instead."""
@@ -33,13 +36,15 @@ class Space:
         return [*self.fixed, *(f"{name}={_as_override(params[name])}" for name in self.distributions)]
 
     def definition(self) -> list[str]:
-        """What makes two runs of a sweep the same study: every distribution and every fixed override."""
+        """What makes two runs of a sweep the same study: every distribution and every fixed override but those that
+        only say how a run is watched (`WATCHED`)."""
         import json
 
         from optuna.distributions import distribution_to_json
 
         spelled = {n: json.loads(distribution_to_json(d)) for n, d in self.distributions.items()}
-        return [f"{n}: {json.dumps(d, sort_keys=True)}" for n, d in spelled.items()] + sorted(self.fixed)
+        fixed = [o for o in self.fixed if not o.lstrip("+~").startswith(WATCHED)]
+        return [f"{n}: {json.dumps(d, sort_keys=True)}" for n, d in spelled.items()] + sorted(fixed)
 
 
 def parse(overrides: Sequence[str]) -> Space:
