@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-WATCHED = ("logger", "hydra", "trainer.progress", "trainer.log_every", "rdzv", "plan")
+WATCHED = ("logger", "hydra", "trainer.progress", "rdzv", "plan")
 """Overrides a study may be continued with other values of: how its runs log, report and meet, not what they compute."""
 
 
