@@ -31,7 +31,8 @@ class Slow(Dataset):
     def __init__(self, split: str, cost_ms: float = 5.0, seq_len: int = 128) -> None:
         from launcher.data import Synthetic
 
-        self.inner, self.cost = Synthetic(split, seq_len=seq_len), cost_ms / 1000
+        self.inner = Synthetic(split, seq_len=seq_len, vocab_size=256, num_samples=16384, format="tuple")
+        self.cost = cost_ms / 1000
 
     def __len__(self) -> int:
         return len(self.inner)

@@ -1,9 +1,9 @@
 """The `launch` console script: a Hydra app over conf/, with one-line errors for bad input.
 
 A single run is composed once, by the compose API, and that config is the job's (`run_once`, Hydra's own
-`run_job`); sweeps, cluster submissions and Hydra's flags go through the Hydra app. This module imports only
-Hydra and OmegaConf, so `launch --help` and `launch --cfg job` never pay for torch, deepspeed or wandb; the run
-itself is imported when a job starts.
+`run_job`); sweeps, cluster submissions and Hydra's flags go through the Hydra app. Importing this module costs
+nothing but the interpreter: `launch --help` lists the groups from conf/ without Hydra or OmegaConf, `--cfg job`
+composes without torch, deepspeed or wandb, and the run itself is imported when a job starts.
 """
 
 from __future__ import annotations
@@ -14,37 +14,59 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig, open_dict
+HELP = """launch: train a model under any data-parallel strategy (DDP, FSDP2, DeepSpeed ZeRO).
 
-from launcher import schema
-from launcher.config import EXIT_BAD_INPUT
-from launcher.overrides import CONFIG_MODULE, CONFIG_NAME, check_overrides, compose_checked, precheck
+Usage:
+  launch [group=option] [key=value] ...      e.g. launch strategy=zero3 gpus=8 model=gpt_1b
+  launch plan [overrides]                    memory and communication per rank; nothing runs
+  launch convert CHECKPOINT out=FILE         consolidated weights as safetensors
+  launch export kubeflow image=IMAGE [overrides]   a Kubeflow PyTorchJob that runs this config on its pods
+  launch -m [overrides]                      a sweep, e.g. launch -m +sweep=strategies
+  launch --cfg job [overrides]               the composed config (override anything: foo.bar=value); nothing runs
 
-schema.register()
+== Configuration groups (group=option) ==
+{groups}
+
+Hydra's own flags: launch --hydra-help"""
 
 
-def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    """Print a one-line error and exit non-zero."""
+def fail(message: str, code: int | None = None) -> None:
+    """Print a one-line error and exit non-zero (2, bad input, unless told)."""
+    from launcher.config import EXIT_BAD_INPUT
+
     print(f"launch: error: {message}", file=sys.stderr)
-    raise SystemExit(code)
+    raise SystemExit(EXIT_BAD_INPUT if code is None else code)
 
 
-def _task(cfg: DictConfig) -> int | dict[str, Any]:
+def _task(cfg: Any) -> int | dict[str, Any]:
     """The task of one job: the run (`launcher.launch.run_job`), imported only once a job really starts (torch)."""
     from launcher.launch import run_job
 
     return run_job(cfg)
 
 
-@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)
-def _app(cfg: DictConfig) -> dict[str, Any] | None:
-    """Sweeps, submissions to a cluster and Hydra's own flags (--cfg, --help, --info): Hydra's app, as it is."""
-    code = _task(cfg)
-    if isinstance(code, dict):  # a search's trial: its outcome and objective, for the sweeper
-        return code
-    if code:
-        raise SystemExit(code)
+def _app() -> None:
+    """Sweeps, submissions to a cluster and Hydra's own flags (--cfg, --hydra-help, --info): Hydra's app, as it is."""
+    import hydra
+
+    from launcher.overrides import CONFIG_MODULE, CONFIG_NAME
+
+    @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)
+    def app(cfg: Any) -> dict[str, Any] | None:
+        code = _task(cfg)
+        if isinstance(code, dict):  # a search's trial: its outcome and objective, for the sweeper
+            return code
+        if code:
+            raise SystemExit(code)
+
+    app()
+
+
+def print_help() -> None:
+    """`launch --help`: the usage and each group's options (its YAML files, not the schemas stored under them)."""
+    from launcher.groups import choices
+
+    print(HELP.format(groups="\n".join(f"{group}: {', '.join(names)}" for group, names in choices().items())))
 
 
 def console() -> None:
@@ -66,6 +88,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     # torch when it is imported, so set before; a value of the user's own stands.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     argv = list(sys.argv[1:] if argv is None else argv)
+    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["plan"], ["convert"], ["export"]):
+        return print_help()
+    from launcher import schema
+
+    schema.register()
     if argv[:1] == ["convert"]:
         return convert(argv[1:])
     if argv[:1] == ["plan"]:
@@ -75,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     overrides = _single_run(argv)
     if overrides is not None:
         raise SystemExit(run_once(overrides))
+    from launcher.overrides import precheck
+
     error = precheck(argv)
     if error:
         fail(error)
@@ -117,6 +146,9 @@ def run_once(overrides: list[str]) -> int:
     from hydra.core.utils import configure_log
     from hydra.core.utils import run_job as run_hydra_job
     from hydra.types import HydraContext, RunMode
+    from omegaconf import open_dict
+
+    from launcher.overrides import CONFIG_MODULE, CONFIG_NAME, compose_checked
 
     with initialize_config_module(config_module=CONFIG_MODULE, job_name="launch", version_base="1.3"):
         cfg, error = compose_checked(overrides, hydra_node=True)
@@ -145,6 +177,7 @@ def plan(overrides: list[str]) -> int:
     from hydra import initialize_config_module
 
     from launcher.config import ConfigError
+    from launcher.overrides import CONFIG_MODULE, check_overrides
     from launcher.plan.commands import plan_command  # imports torch (never deepspeed or wandb)
 
     try:
@@ -177,6 +210,7 @@ def export(args: Sequence[str]) -> None:
     from launcher.clusters.kubernetes import pytorchjob
     from launcher.config import ConfigError, derive, freeze
     from launcher.identity import identity_hash
+    from launcher.overrides import CONFIG_MODULE, compose_checked
 
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         composed, error = compose_checked(overrides)
@@ -221,6 +255,7 @@ def convert(args: Sequence[str]) -> None:
     from launcher.checkpoint.format import CheckpointError
     from launcher.config import ConfigError, freeze
     from launcher.convert import convert as write
+    from launcher.overrides import CONFIG_MODULE, compose_checked
 
     try:
         model = None

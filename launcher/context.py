@@ -86,3 +86,23 @@ def preset_strategies(names: list[str], **options: Any) -> dict[str, Strategy]:
 def preset_strategy(name: str, **options: Any) -> Strategy:
     """conf/strategy/<name>.yaml's strategy, `options` over its keys (see `preset_strategies`)."""
     return preset_strategies([name], **options)[name]
+
+
+def preset_dataset(name: str, split: str, **options: Any) -> Any:
+    """conf/data/<name>.yaml's dataset of `split`, `options` over its keys, built as a run builds it: a data
+    function's defaults are its schema's, written there alone (after `launcher.schema.register()`)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from launcher.data import build_dataset
+
+    def build() -> Any:
+        node = compose("config", overrides=[f"data={name}"]).data
+        plain = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+        return build_dataset(OmegaConf.merge(plain, options), split)
+
+    if GlobalHydra.instance().is_initialized():
+        return build()
+    with initialize_config_module("launcher.conf", version_base="1.3"):
+        return build()

@@ -1,4 +1,5 @@
-"""Built-in data and the global-batch sampler.
+"""Built-in data and the global-batch sampler (each data function's defaults are its schema's, launcher/data_schema.py;
+`launcher.context.preset_dataset` builds one outside a run).
 
 The data contract: a data `_target_` is called with `split="train"` or `split="val"` (plus its own
 config keys) and returns a map-style dataset whose items collate with `torch.stack` (tuples of
@@ -105,9 +106,7 @@ def cache_dir() -> Path:
     return Path(base) / "launch"
 
 
-def PySource(
-    split: str, seq_len: int = 128, val_fraction: float = 0.05, format: str = "tuple", packing: bool = True
-) -> Dataset:
+def PySource(split: str, *, seq_len: int, val_fraction: float, format: str, packing: bool) -> Dataset:
     """Byte-level tokens of the running Python's standard-library .py files.
 
     Files are assigned to train or validation by a hash of their relative path, so the split is
@@ -200,9 +199,7 @@ class DocumentChunks(Dataset):
         return chunk[:-1], targets
 
 
-def Synthetic(
-    split: str, seq_len: int = 128, vocab_size: int = 256, num_samples: int = 16384, format: str = "tuple"
-) -> TokenWindows:
+def Synthetic(split: str, *, seq_len: int, vocab_size: int, num_samples: int, format: str) -> TokenWindows:
     """Uniform random tokens from a fixed seed per split."""
     n = num_samples if split == "train" else max(1, num_samples // 10)
     rng = np.random.default_rng(0 if split == "train" else 1)
@@ -210,9 +207,7 @@ def Synthetic(
     return TokenWindows(rng.integers(0, vocab_size, size=n * seq_len + 1, dtype=dtype), seq_len, format)
 
 
-def Tokens(
-    split: str, path: str, dtype: str = "uint16", seq_len: int = 1024, val_fraction: float = 0.01, format: str = "tuple"
-) -> TokenWindows:
+def Tokens(split: str, *, path: str, dtype: str, seq_len: int, val_fraction: float, format: str) -> TokenWindows:
     """A flat file of token ids, memory-mapped; the last `val_fraction` of it is the validation split."""
     if dtype not in ("uint16", "uint32"):
         raise ValueError(f"data.dtype={dtype} is not supported; use uint16 or uint32")

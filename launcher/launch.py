@@ -38,7 +38,7 @@ from launcher.lifecycle import (
     flight_recorder_env,
 )
 from launcher.machine import loopback_interface, memory_available, usable_cpus, visible_cuda_devices
-from launcher.rendezvous import LOOPBACK, Rendezvous, rendezvous
+from launcher.rendezvous import LOOPBACK, Rendezvous, cheap_event_names, rendezvous
 from launcher.rundir import Ownership, claim, remove_made
 
 
@@ -269,6 +269,7 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
 
     _worker_environment(derived, rdzv, run_dir)
     _agent_logs_to_file(run_dir)
+    cheap_event_names()
     forked = forks_workers(derived, trainer)
     quiet = {rank: Std.ALL for rank in range(1, derived.gpus)}  # rank 0 talks to the terminal
     config = LaunchConfig(

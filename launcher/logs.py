@@ -91,12 +91,13 @@ class WandbLogger:
 
     @staticmethod
     def check(
-        project: str = "launch",
-        entity: str | None = None,
-        group: str | None = None,
-        name: str | None = None,
-        mode: str | None = None,
-        tags: list[str] | None = None,
+        *,
+        project: str,
+        entity: str | None,
+        group: str | None,
+        name: str | None,
+        mode: str | None,
+        tags: list[str] | None,
     ) -> None:
         """The settings wandb would refuse once a run starts, checked without importing wandb: ValueError (one line)."""
         if mode is not None and mode not in WANDB_MODES:
@@ -116,12 +117,13 @@ class WandbLogger:
         self,
         run_config: dict[str, Any],
         run_dir: str,
-        project: str = "launch",
-        entity: str | None = None,
-        group: str | None = None,
-        name: str | None = None,
-        mode: str | None = None,
-        tags: list[str] | None = None,
+        *,  # the settings' defaults are the schema's (launcher/schema.py: WandbConfig), written there alone
+        project: str,
+        entity: str | None,
+        group: str | None,
+        name: str | None,
+        mode: str | None,
+        tags: list[str] | None,
     ) -> None:
         import wandb  # heavy: only rank 0 of a run that asked for wandb pays for it
 

@@ -7,7 +7,7 @@ report read the same names, and the README's Logging section lists each of them 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,17 +74,21 @@ def declared(name: str) -> Metric:
 
 
 def over_ranks(
-    figures: dict[str, float], sum_: Callable[[list[float]], list[float]], max_: Callable[[list[float]], list[float]]
-) -> dict[str, float]:
-    """This rank's `figures`, reduced over ranks by each one's declaration (collective: every rank passes the same
-    names, in the same order); `sum_` and `max_` are the all-reduces, called once each where there is a figure for
-    them. Figures that are the same on every rank, or rank 0's own, are returned as they are."""
+    figures: dict[str, float], gather: Callable[[list[float]], list[list[float]]], sums: Sequence[float] = ()
+) -> tuple[dict[str, float], list[float]]:
+    """This rank's `figures`, reduced over ranks by each one's declaration, in one collective (`gather`: every rank's
+    values, a row per rank, in rank order; every rank passes the same names, in the same order). Figures that are
+    the same on every rank, or rank 0's own, are returned as they are. `sums`: values that are no figure (a count the
+    figures are computed from), summed over ranks in the same collective and returned beside them."""
     out = dict(figures)
-    for reduction, reduce in (("sum", sum_), ("max", max_)):
-        names = [name for name in figures if declared(name).reduction == reduction]
-        if names:
-            out.update(zip(names, reduce([figures[name] for name in names]), strict=True))
-    return out
+    names = [name for name in figures if declared(name).reduction in ("sum", "max")]
+    if not names and not sums:
+        return out, []
+    rows = gather([*(figures[name] for name in names), *sums])
+    columns = list(zip(*rows, strict=True))
+    for name, column in zip(names, columns):
+        out[name] = sum(column) if declared(name).reduction == "sum" else max(column)  # rank order: the same everywhere
+    return out, [sum(column) for column in columns[len(names) :]]
 
 
 def table() -> str:

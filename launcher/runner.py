@@ -32,7 +32,7 @@ from launcher.profiling import MemorySnapshots, StepProfiler
 from launcher.resume import check_shared_directory, restart_count, resume
 from launcher.search.trial import TrialReport, record_pruned
 from launcher.speed import Speed, Window
-from launcher.step import all_reduce, evaluate, train_step
+from launcher.step import all_reduce, evaluate, gather_rows, train_step
 from launcher.targets import import_targets
 from strategies import RunContext, Strategy
 
@@ -139,14 +139,15 @@ class Trainer:
         while self.position.step < self.max_steps:
             step = self.position.step + 1
             logged, evaluated = self.logged(step), self.evaluated(step)
+            measured = self.measured(step, logged or evaluated)
             with self.profiler.step(step):
                 self.phase(f"reading the batches of step {step}")
                 started = time.perf_counter()  # from the wait for the data on: a slow loader shows here
                 micro = self.data()
-                loss, grad_norm = self.step(step, micro, measured=logged or evaluated)
+                loss, grad_norm = self.step(step, micro, measured)
                 self.commit(step, grad_norm)
                 tokens = sum(batch_tokens(b) for b in micro)
-                self.window.add(time.perf_counter() - started, tokens, logged or evaluated)
+                self.window.add(time.perf_counter() - started, tokens, measured)
             self.profiler.ended(step)
             self.snapshots.after_step(step)
             self.advance(step)
@@ -228,6 +229,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ the phases of a step
 
+    def measured(self, step: int, logged: bool) -> bool:
+        """Whether the step's peak memory is measured: a logged step on CUDA (the allocator keeps the peak); on CPU,
+        where the per-operator probe slows the step, the first logged step, the last and every
+        trainer.memory_every-th."""
+        if not logged:
+            return False
+        every = self.trainer.memory_every
+        return self.device.type == "cuda" or not self.metrics or step == self.max_steps or step % every == 0
+
     def logged(self, step: int) -> bool:
         """trainer.log_every, the last step, and the first (the loss is seen at once)."""
         return step % self.trainer.log_every == 0 or step == self.max_steps or not self.metrics
@@ -245,8 +255,8 @@ class Trainer:
 
     def step(self, step: int, micro: list[Any], measured: bool) -> tuple[torch.Tensor, float]:
         """Forward/backward, gradient sync and optimizer step; this rank's part of the loss, and the gradient norm.
-        The logged steps' peak memory is measured; the others pay nothing. A profiled step's is sampled by a thread
-        on CPU: the per-operator probe would be in the profile, around every op of the step."""
+        Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is sampled by a thread on
+        CPU: the per-operator probe would be in the profile, around every op of the step."""
         with self.memory.measure(measured, sampled=self.profiler.covers(step)):
             return train_step(self.guard, micro, self.ctx, self.lr(step), self.rule, step, self.phase)  # type: ignore[arg-type]
 
@@ -262,7 +272,6 @@ class Trainer:
         """The step's figures over all ranks (`launcher.metrics` declares how each is reduced), then the loggers."""
         self.phase(f"logging step {step}")
         metrics = self._figures(loss, grad_norm, self.lr(step))
-        metrics |= self.window.figures(self.B, self._sum)
         metrics |= self.speed.metrics(metrics.get("tokens_per_s"), self.ctx.world_size)
         if self.nonfinite == "skip":
             metrics["skipped_steps"] = self.guard.skipped
@@ -324,11 +333,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ figures
 
-    def _sum(self, values: list[float]) -> list[float]:
-        return all_reduce(values, dist.ReduceOp.SUM, self.device)
-
-    def _max(self, values: list[float]) -> list[float]:
-        return all_reduce(values, dist.ReduceOp.MAX, self.device)
+    def _gather(self, values: list[float]) -> list[list[float]]:
+        return gather_rows(values, self.device)
 
     def _figures(self, loss_part: torch.Tensor, grad_norm: float, lr: float) -> dict[str, float]:
         """The step's figures over all ranks: this rank's, reduced by their declarations (the loss: every rank's
@@ -341,7 +347,8 @@ class Trainer:
         if self.stalled:  # a save (or its finalisation) blocked the loop since the last log
             mine["checkpoint_stall_s"], self.saves.stall, self.stalled = self.saves.stall, 0.0, False
         mine |= self.strategy.metrics()
-        reduced = over_ranks(mine, self._sum, self._max)
+        reduced, (tokens,) = over_ranks(mine, self._gather, sums=[self.window.tokens()])  # one collective
+        reduced |= self.window.figures(self.B, tokens)
         return {
             "loss": reduced.pop("loss"),
             "lr": lr,

@@ -104,6 +104,9 @@ class TrainerConfig:
     <run dir>/profile/, rank 0's top ops printed; unset: no profiler (and no cost)."""
     profile_stacks: bool = launch_only(False)
     """Record Python stacks in the profile too (larger traces)."""
+    memory_every: int = ranged(50, SIZE, identity=False)
+    """On CPU, the logged steps whose peak memory is measured: the first, the last and every Nth step (the
+    per-operator probe costs about a fifth of a step); on CUDA every logged step (the allocator keeps the peak)."""
     memory_snapshot: bool = launch_only(False)
     """CUDA: record the allocator's history from the start, and dump a snapshot into <run dir>/memory/ at
     memory_snapshot_step and on an out-of-memory error (view it at pytorch.org/memory_viz)."""
@@ -376,10 +379,6 @@ SCHEMAS["strategy"]["base_auto"] = AutoStrategyConfig  # conf/strategy/auto.yaml
 
 def register() -> None:
     """Store every schema; YAML files extend them by name (`defaults: [base_gpt, _self_]`)."""
-    if not OmegaConf.has_resolver("launch_groups"):  # for `launch --help`
-        OmegaConf.register_new_resolver(
-            "launch_groups", lambda: "\n".join(f"{group}: {', '.join(names)}" for group, names in choices().items())
-        )
     if not OmegaConf.has_resolver("launch_id"):  # the default run directory's suffix; cached: one value per launch
         OmegaConf.register_new_resolver("launch_id", lambda: secrets.token_hex(2), use_cache=True)
     if not OmegaConf.has_resolver("launch_strategies"):  # conf/sweep/smoke.yaml (launcher/smoke.py)

@@ -4,7 +4,6 @@ ones."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -61,10 +60,17 @@ class Window:
     def add(self, seconds: float, tokens: int, measured: bool) -> None:
         self.steps.append((seconds, tokens, measured))
 
-    def figures(self, global_size: int, all_reduce: Any) -> dict[str, float]:
-        kept = [s for s in self.steps if not s[2]] or self.steps
+    def kept(self) -> list[tuple[float, int, bool]]:
+        return [s for s in self.steps if not s[2]] or self.steps
+
+    def tokens(self) -> float:
+        """This rank's tokens in the kept steps (summed over ranks with the step's figures, `figures` reads it)."""
+        return float(sum(s[1] for s in self.kept()))
+
+    def figures(self, global_size: int, tokens: float) -> dict[str, float]:
+        """Speed over the kept steps; `tokens`: theirs, summed over ranks."""
+        kept = self.kept()
         seconds = sum(s[0] for s in kept)
-        (tokens,) = all_reduce([float(sum(s[1] for s in kept))])
         figures = {"step_time_s": seconds / len(kept), "samples_per_s": global_size * len(kept) / seconds}
         if tokens:  # only batches of integer token ids have tokens to count (not images, not features)
             figures["tokens_per_s"] = tokens / seconds

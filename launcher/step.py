@@ -30,6 +30,14 @@ def all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> 
     return t.tolist()
 
 
+def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (the same length on each), a row per rank in rank order: one collective."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    rows = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)  # flat: gloo's shape
+    dist.all_gather_into_tensor(rows, mine)
+    return rows.view(-1, len(values)).tolist()
+
+
 def evaluate(
     strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, global_size: int, rule: LabelRule
 ) -> float:

@@ -280,3 +280,31 @@ def test_sweep_configs_name_only_existing_choices() -> None:
         assert params, name
         if "strategy" in params:
             assert set(params.strategy.split(",")) <= strategies
+
+
+@pytest.mark.unit
+def test_rendezvous_events_are_named_without_reading_the_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's dynamic rendezvous names each event by the calling method; the launcher's name for it reads frames,
+    never `inspect.stack()` (which reads every frame's source file)."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from launcher.rendezvous import cheap_event_names
+
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)  # restored after
+    cheap_event_names()
+
+    def stack(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("inspect.stack() was called")
+
+    monkeypatch.setattr(inspect, "stack", stack)
+
+    class Handler:
+        def _record(self) -> str:
+            return dynamic_rendezvous.get_method_name()  # as torch's handlers call it: depth 2 is _record's caller
+
+        def next_rendezvous(self) -> str:
+            return self._record()
+
+    assert Handler().next_rendezvous() == "next_rendezvous"

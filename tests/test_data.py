@@ -6,8 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.data import GlobalBatches, PySource, Synthetic, Tokens, rank_micro_batches
+from launcher import schema
+from launcher.context import preset_dataset
+from launcher.data import GlobalBatches, rank_micro_batches
 from launcher.optimizers import lr_at
+
+schema.register()  # the data groups' schemas, for preset_dataset
 
 
 @pytest.mark.unit
@@ -34,7 +38,7 @@ def test_an_epoch_visits_every_sample_once() -> None:
 
 @pytest.mark.unit
 def test_pysource_is_the_standard_library_split_without_overlap() -> None:
-    train, val = PySource("train", seq_len=64), PySource("val", seq_len=64)
+    train, val = preset_dataset("pysource", "train", seq_len=64), preset_dataset("pysource", "val", seq_len=64)
     assert len(train) > 10 * len(val) > 0  # about 5% of the files, by hash of their path
     x, y = train[3]
     assert x.dtype == torch.int64 and x.shape == (64,) and torch.equal(x[1:], y[:-1])
@@ -47,8 +51,10 @@ def test_pysource_is_the_standard_library_split_without_overlap() -> None:
 def test_tokens_reads_a_memory_mapped_file(tmp_path) -> None:
     ids = np.arange(10_000, dtype=np.uint32) * 7 % 70_000
     ids.tofile(tmp_path / "t.bin")
-    train = Tokens("train", str(tmp_path / "t.bin"), dtype="uint32", seq_len=100, val_fraction=0.1)
-    val = Tokens("val", str(tmp_path / "t.bin"), dtype="uint32", seq_len=100, val_fraction=0.1)
+    train = preset_dataset(
+        "tokens", "train", path=str(tmp_path / "t.bin"), dtype="uint32", seq_len=100, val_fraction=0.1
+    )
+    val = preset_dataset("tokens", "val", path=str(tmp_path / "t.bin"), dtype="uint32", seq_len=100, val_fraction=0.1)
     x, y = train[0]
     assert x.tolist() == ids[:100].tolist() and y.tolist() == ids[1:101].tolist()
     assert val[0][0].tolist() == ids[9000:9100].tolist()
@@ -57,8 +63,8 @@ def test_tokens_reads_a_memory_mapped_file(tmp_path) -> None:
 @pytest.mark.unit
 def test_synthetic_is_fixed_and_in_range() -> None:
     a, b = (
-        Synthetic("train", seq_len=16, vocab_size=50, num_samples=64),
-        Synthetic("train", seq_len=16, vocab_size=50, num_samples=64),
+        preset_dataset("synthetic", "train", seq_len=16, vocab_size=50, num_samples=64),
+        preset_dataset("synthetic", "train", seq_len=16, vocab_size=50, num_samples=64),
     )
     assert torch.equal(a[5][0], b[5][0]) and int(a[5][0].max()) < 50
 
@@ -81,14 +87,17 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
 
 @pytest.mark.unit
 def test_unpacked_pysource_pads_the_last_chunk_of_each_document() -> None:
-    packed, padded = PySource("train", seq_len=32), PySource("train", seq_len=32, packing=False)
+    packed, padded = (
+        preset_dataset("pysource", "train", seq_len=32),
+        preset_dataset("pysource", "train", seq_len=32, packing=False),
+    )
     assert bytes(packed.tokens[:1000]) == bytes(padded.tokens[:1000])  # the same bytes, cut differently
     counts = [int((padded[i][1] != -100).sum()) for i in range(0, 20000, 7)]
     assert min(counts) < 32 == max(counts)  # samples hold different numbers of targets
     x, y = next(padded[i] for i in range(len(padded)) if (padded[i][1] == -100).any())
     real = int((y != -100).sum())
     assert (y[real:] == -100).all() and (x[real + 1 :] == 0).all() and torch.equal(x[1 : real + 1], y[:real])
-    hf = PySource("train", seq_len=32, packing=False, format="hf")
+    hf = preset_dataset("pysource", "train", seq_len=32, packing=False, format="hf")
     row = hf[int(np.flatnonzero([(padded[i][1] == -100).any() for i in range(2000)])[0])]
     assert torch.equal(row["labels"][row["labels"] != -100], row["input_ids"][: int((row["labels"] != -100).sum())])
 
@@ -97,7 +106,7 @@ def test_unpacked_pysource_pads_the_last_chunk_of_each_document() -> None:
 def test_the_loader_reads_the_same_batches_in_the_same_order_with_workers() -> None:
     from launcher.data import StepBatches, feed
 
-    data = Synthetic("train", seq_len=16, num_samples=256)
+    data = preset_dataset("synthetic", "train", seq_len=16, num_samples=256)
     batches = GlobalBatches(len(data), 32, seed=3)
 
     def read(start: int, steps: int, workers: int) -> list[torch.Tensor]:

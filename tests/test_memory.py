@@ -94,3 +94,13 @@ def test_fsdp_setup_never_holds_the_whole_model_off_rank_0(tmp_path: Path) -> No
     bound = result["param_bytes"] / 2 + result["unit_bytes"]
     assert rank1 <= bound, (rank1 / result["param_bytes"], result)
     assert rank0 >= result["param_bytes"], result  # the whole model, once, on rank 0: the measure sees it
+
+
+def test_on_cpu_the_peak_is_measured_on_the_first_last_and_every_nth_logged_step(tmp_path: Path) -> None:
+    """The probe slows the step it measures: with every step logged, only the steps trainer.memory_every names (and
+    the first and last) carry a peak, and no other step carries an older one."""
+    from conftest import launch
+
+    run = launch(tmp_path, *TINY, "trainer.max_steps=7", "trainer.memory_every=3", "trainer.save_at_end=false").check()
+    measured = [m["step"] for m in run.metrics if "peak_memory_bytes" in m]
+    assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5, 6, 7] and measured == [1, 3, 6, 7], run.metrics

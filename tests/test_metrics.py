@@ -20,27 +20,25 @@ def test_the_readme_table_is_the_declarations() -> None:
 
 @pytest.mark.unit
 def test_each_figure_is_reduced_over_ranks_as_declared() -> None:
-    """Two ranks' figures, reduced by hand as the all-reduces would: each declared kind goes to its own reduction,
-    in one call each, and the others stay this rank's."""
+    """Two ranks' figures, gathered as the collective would (a row per rank): each declared kind reduced its own way,
+    in one collective for all of them and the counts beside them; the others stay this rank's."""
     ranks = [
-        {"loss": 1.0, "rss_bytes": 10.0, "comm_calls": 1.0, "val_loss": 0.5},
-        {"loss": 2.0, "rss_bytes": 30.0, "comm_calls": 1.0, "val_loss": 0.25},
+        {"loss": 1.0, "rss_bytes": 10.0, "comm_calls": 1.0, "val_loss": 0.5, "lr": 0.1},
+        {"loss": 2.0, "rss_bytes": 30.0, "comm_calls": 1.0, "val_loss": 0.25, "lr": 0.2},
     ]
-    calls: list[str] = []
+    sums = [[100.0], [28.0]]
+    calls: list[list[float]] = []
 
-    def reduction(kind: str, combine: object) -> object:
-        def reduce(values: list[float]) -> list[float]:
-            calls.append(kind)
-            names = [n for n in ranks[0] if METRICS[n].reduction == kind]
-            assert len(values) == len(names)
-            return [combine(r[n] for r in ranks) for n in names]  # type: ignore[operator]
+    def gather(values: list[float]) -> list[list[float]]:
+        calls.append(values)
+        names = [n for n in ranks[0] if METRICS[n].reduction in ("sum", "max")]
+        assert len(values) == len(names) + 1 and values == [*(ranks[0][n] for n in names), *sums[0]]
+        return [[*(r[n] for n in names), *s] for r, s in zip(ranks, sums)]
 
-        return reduce
-
-    out = over_ranks(ranks[0], reduction("sum", sum), reduction("max", max))  # type: ignore[arg-type]
-    assert out == {"loss": 3.0, "rss_bytes": 30.0, "comm_calls": 1.0, "val_loss": 0.75}
-    assert sorted(calls) == ["max", "sum"]
-    assert over_ranks({"lr": 0.1}, reduction("sum", sum), reduction("max", max)) == {"lr": 0.1}  # type: ignore[arg-type]
+    out, summed = over_ranks(ranks[0], gather, sums=sums[0])
+    assert out == {"loss": 3.0, "rss_bytes": 30.0, "comm_calls": 1.0, "val_loss": 0.75, "lr": 0.1}
+    assert summed == [128.0] and len(calls) == 1  # one collective
+    assert over_ranks({"lr": 0.1}, gather) == ({"lr": 0.1}, []) and len(calls) == 1  # nothing to reduce: none
 
 
 @pytest.mark.unit

@@ -155,7 +155,7 @@ def test_the_report_lists_trials_in_the_order_they_ran_and_marks_the_best(tmp_pa
 def test_the_ready_study_searches_lr_warmup_and_weight_decay_in_a_directory_of_its_own() -> None:
     from hydra import compose, initialize_config_module
 
-    from launcher.cli import CONFIG_MODULE, CONFIG_NAME
+    from launcher.overrides import CONFIG_MODULE, CONFIG_NAME
 
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         cfg = compose(CONFIG_NAME, overrides=["+sweep=search"], return_hydra_config=True)

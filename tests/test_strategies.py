@@ -197,10 +197,13 @@ def test_the_mean_of_micro_batch_means_would_fail_that_check(tmp: Path) -> None:
     import numpy as np
     import torch
 
-    from launcher.data import GlobalBatches, PySource
+    from launcher import schema
+    from launcher.context import preset_dataset
+    from launcher.data import GlobalBatches
     from launcher.models.gpt import GPT
 
-    data = PySource("train", seq_len=32, packing=False)
+    schema.register()
+    data = preset_dataset("pysource", "train", seq_len=32, packing=False)
     torch.manual_seed(1337)
     model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     samples = [data[int(i)] for i in GlobalBatches(len(data), 16, 1337).at(0)]

@@ -56,9 +56,12 @@ def _next_token_loss(folder: Path, global_size: int) -> float:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from launcher.data import GlobalBatches, PySource
+    from launcher import schema
+    from launcher.context import preset_dataset
+    from launcher.data import GlobalBatches
 
-    data = PySource("train", seq_len=16, packing=False, format="hf")
+    schema.register()
+    data = preset_dataset("pysource", "train", seq_len=16, packing=False, format="hf")
     rows = [data[int(i)] for i in GlobalBatches(len(data), global_size, SEED).at(0)]
     ids, labels = torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows])
     logits = AutoModelForCausalLM.from_pretrained(str(folder))(input_ids=ids).logits
