@@ -38,7 +38,7 @@ def fail(message: str, code: int | None = None) -> None:
     raise SystemExit(EXIT_BAD_INPUT if code is None else code)
 
 
-def _task(cfg: Any) -> int:
+def _task(cfg: Any) -> int | dict[str, Any]:
     """The task of one job: the run (`launcher.launch.run_job`), imported only once a job really starts (torch)."""
     from launcher.launch import run_job
 
@@ -52,8 +52,10 @@ def _app() -> None:
     from launcher.overrides import CONFIG_MODULE, CONFIG_NAME
 
     @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)
-    def app(cfg: Any) -> None:
+    def app(cfg: Any) -> dict[str, Any] | None:
         code = _task(cfg)
+        if isinstance(code, dict):  # a search's trial: its outcome and objective, for the sweeper
+            return code
         if code:
             raise SystemExit(code)
 

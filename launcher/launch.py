@@ -127,13 +127,13 @@ def check_job(cfg: DictConfig) -> None:
 
 
 def _name_logger_run(resolved: dict[str, Any]) -> None:
-    """In a sweep: one wandb group per sweep, one run per job, unless the user named them."""
+    """In a sweep: one wandb group per sweep (a search: per study), one run per job, unless the user named them."""
     logger, job = resolved["logger"], resolved["job"]
     if job.get("sweep_dir") and isinstance(logger, dict):
-        if "group" in logger and logger["group"] is None:
-            logger["group"] = Path(job["sweep_dir"]).name
-        if "name" in logger and logger["name"] is None:
-            logger["name"] = f"{Path(job['sweep_dir']).name}-{job['num']}"  # its overrides are in the logged config
+        group = resolved["sweep"]["study"] or Path(job["sweep_dir"]).name
+        for key, value in (("group", group), ("name", f"{group}-{job['num']}")):  # its overrides: in the logged config
+            if key in logger and logger[key] is None:
+                logger[key] = value
 
 
 def describe(cfg: DictConfig, derived: Derived, rdzv: Rendezvous, run_dir: Path) -> str:
@@ -178,11 +178,11 @@ OUTCOME = "outcome.json"
 """A sweep job's outcome in its folder, for the sweep's report: code, reason, seconds."""
 
 
-def run_job(cfg: DictConfig) -> int:
+def run_job(cfg: DictConfig) -> int | dict[str, Any]:
     """One run: the task function of the Hydra app (called once per job in a multirun, once per node on SLURM).
 
     In a sweep a job that fails does not end the sweep: its outcome is recorded for the report, which lists every
-    job and makes the sweep exit non-zero if any failed.
+    job and makes the sweep exit non-zero if any failed; a search's trial returns it, with its state and objective.
     """
     started = time.monotonic()
     run_dir, job = hydra_job()
@@ -195,8 +195,11 @@ def run_job(cfg: DictConfig) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"code": outcome.code, "reason": outcome.reason, "seconds": round(time.monotonic() - started, 1),
               "strategy": job["choices"].get("strategy"), "overrides": job["overrides"]}  # fmt: skip
+    from launcher.search.objective import trial_outcome
+
+    record |= trial_outcome(cfg, run_dir, outcome.code, outcome.reason)  # {} outside a search
     (run_dir / OUTCOME).write_text(json.dumps(record))
-    return 0
+    return record if "state" in record else 0
 
 
 def _run(cfg: DictConfig, run_dir: Path, job: dict[str, Any]) -> Outcome:
@@ -363,11 +366,8 @@ def _agent_logs_to_file(run_dir: Path) -> None:
     file = _QuietFileHandler(run_dir / "logs" / "agent.log", delay=True)
     file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     file.launch_run_log = True  # type: ignore[attr-defined]
-    for name in (
-        "torch.distributed.elastic",
-        "torch.distributed.launcher",
-        "torch.multiprocessing",
-    ):  # the agent, its launcher, its forks
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        # the agent, its launcher, its forks
         agent = logging.getLogger(name)
         agent.propagate = False  # torch's own handler would print them on the terminal
         for handler in list(agent.handlers):

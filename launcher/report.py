@@ -29,9 +29,14 @@ class Job:
     """The job's exit code (None: no outcome recorded, e.g. a sweep from before outcomes)."""
     reason: str = ""
     seconds: float | None = None
+    trial: dict[str, Any] | None = None
+    """A search's trial, as its outcome records it: number, parameters, state (complete, pruned, failed), objective
+    and direction."""
 
     @property
     def status(self) -> str:
+        if self.trial is not None:
+            return str(self.trial["state"])
         if self.code is None:
             return "?"
         return {0: "ok", 2: "refused"}.get(self.code, "stopped" if self.code >= 128 else "failed")
@@ -62,12 +67,14 @@ def collect(sweep_dir: Path) -> list[Job]:
     outcomes = [_read_json(f / "outcome.json") or {} for f in folders_sorted]
     overrides = [_overrides(f, o) for f, o in zip(folders_sorted, outcomes)]
     varying = {k for o in overrides for k in o if len({str(other.get(k)) for other in overrides}) > 1}
+    varying = {k for k in varying if not k.startswith("sweep.")}  # a trial's number and study: not its parameters
     jobs = []
     for folder, outcome, job_overrides in zip(folders_sorted, outcomes, overrides):
         cfg = OmegaConf.load(folder / "resolved.yaml") if (folder / "resolved.yaml").exists() else OmegaConf.create()
         metrics_file = folder / "metrics.jsonl"
         metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-        label = " ".join(f"{k}={v}" for k, v in job_overrides.items() if k in varying)
+        trial = _trial(outcome)  # a search's trial: named by its parameters
+        label = trial["params"] if trial else " ".join(f"{k}={v}" for k, v in job_overrides.items() if k in varying)
         strategy = OmegaConf.select(cfg, "job.choices.strategy", default=None) or outcome.get("strategy") or "?"
         jobs.append(
             Job(
@@ -79,9 +86,40 @@ def collect(sweep_dir: Path) -> list[Job]:
                 code=outcome.get("code"),
                 reason=str(outcome.get("reason", "")),
                 seconds=outcome.get("seconds"),
+                trial=trial,
             )
         )
     return jobs
+
+
+def _trial(outcome: dict[str, Any]) -> dict[str, Any] | None:
+    """A search trial's outcome (its sweeper wrote its parameters into it), its parameters as overrides."""
+    if "state" not in outcome or not isinstance(outcome.get("params"), dict):
+        return None
+    shown = (f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in outcome["params"].items())
+    return {**outcome, "params": " ".join(shown)}  # exact values: the study, and the run's resolved.yaml
+
+
+def trials(jobs: list[Job]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """A search's trials in the order they ran (by number), and the best complete one (None: none completed)."""
+    ran = sorted((j.trial for j in jobs if j.trial is not None), key=lambda t: t["trial"])
+    done = [t for t in ran if t["state"] == "complete" and t.get("objective") is not None]
+    if not done:
+        return ran, None
+    sign = -1.0 if done[0].get("direction") == "maximize" else 1.0
+    return ran, min(done, key=lambda t: sign * t["objective"])
+
+
+def trials_table(jobs: list[Job]) -> str:
+    """The search's trials: parameters, objective, state; the best marked."""
+    ran, best = trials(jobs)
+    if not ran:
+        return ""
+    lines = [f"| trial | parameters | {ran[0].get('objective_name')} | state | |", "|---|---|---|---|---|"]
+    for t in ran:
+        note = "best" if t is best else (f"at step {t['pruned_at']}" if t.get("pruned_at") else t.get("reason", ""))
+        lines.append(f"| {t['trial']} | {t['params']} | {_fmt(t.get('objective'), '.6g')} | {t['state']} | {note} |")
+    return "\n".join(lines) + "\n"
 
 
 def _overrides(job_dir: Path, outcome: dict[str, Any]) -> dict[str, str]:
@@ -105,7 +143,9 @@ def outcomes(jobs: list[Job]) -> str:
 
 
 def markdown(jobs: list[Job]) -> str:
+    search = trials_table(jobs)
     lines = [
+        *([search] if search else []),
         "| job | strategy | status | seconds | world size | accumulation | final loss | samples/s "
         "| model-state bytes per rank |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -126,17 +166,33 @@ def chart(jobs: list[Job], path: Path) -> None:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for j in jobs:
+    ran, best = trials(jobs)
+    fig, (curves, bars, *search) = plt.subplots(1, 3 if ran else 2, figsize=(18 if ran else 12, 4.5))
+    names = [f"trial {j.trial['trial']}" if j.trial else j.name for j in jobs]  # a trial's parameters: in the table
+    for j, name in zip(jobs, names):
         if j.losses:
             steps, losses = zip(*j.losses)
-            curves.plot(steps, losses, label=j.name, marker="." if len(steps) < 30 else None)
+            curves.plot(steps, losses, label=name, marker="." if len(steps) < 30 else None)
     curves.set(title="training loss", xlabel="optimizer step", ylabel="loss")
     curves.legend(fontsize="small")
-    names = [j.name for j in jobs]
     bars.barh(names, [j.samples_per_s or 0 for j in jobs], color="tab:blue")
     bars.set(title="throughput (median samples/s)", xlabel="samples/s")
     bars.invert_yaxis()
+    if ran:
+        for state, marker in (("complete", "o"), ("pruned", "x")):
+            shown = [
+                (t["trial"], t["objective"]) for t in ran if t["state"] == state and t.get("objective") is not None
+            ]
+            if shown:
+                search[0].scatter(*zip(*shown), marker=marker, label=state)
+        if best is not None:
+            search[0].scatter([best["trial"]], [best["objective"]], s=160, facecolors="none", edgecolors="tab:red",
+                              label="best")  # fmt: skip
+        name = ran[0].get("objective_name")
+        search[0].set(title=f"{name} per trial (pruned: when stopped)", xlabel="trial", ylabel=name)
+        search[0].set_xlim(-0.5, ran[-1]["trial"] + 0.5)  # every trial's place, the failed ones' too
+        search[0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        search[0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -158,8 +214,14 @@ class SweepReport(Callback):
         jobs = write_report(sweep_dir)
         if not jobs:
             return
-        print(outcomes(jobs), flush=True)
+        print((trials_table(jobs) or outcomes(jobs)).rstrip(), flush=True)  # a search: its trials
         print(f"launch: sweep report of {len(jobs)} job(s): {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.png'}")
+        ran, best = trials(jobs)
+        if ran:  # a search: failed trials are part of what it found (a learning rate that diverged), pruned ones too
+            if all(t["state"] == "failed" for t in ran):
+                print(f"launch: error: all {len(ran)} trial(s) failed", file=sys.stderr, flush=True)
+                raise SystemExit(1)
+            return
         unfinished = [j for j in jobs if j.code not in (0, None)]
         if unfinished:
             print(f"launch: error: {len(unfinished)} of {len(jobs)} job(s) did not finish", file=sys.stderr, flush=True)

@@ -30,6 +30,7 @@ from launcher.metrics import declared, over_ranks
 from launcher.optimizers import lr_at, optimizer_factory
 from launcher.profiling import MemorySnapshots, StepProfiler
 from launcher.resume import check_shared_directory, restart_count, resume
+from launcher.search.trial import TrialReport, record_pruned
 from launcher.speed import Speed, Window
 from launcher.step import all_reduce, evaluate, gather_rows, train_step
 from launcher.targets import import_targets
@@ -103,7 +104,8 @@ class Trainer:
       3. `commit`    whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
       4. `log`       on logged and evaluated steps only, on every rank alike: the figures reduced over ranks, and
                      the validation loss;
-      5. `agree`     one all-reduce: whether any rank got a stop signal, whether any still writes a checkpoint;
+      5. `agree`     one all-reduce: whether any rank got a stop signal, whether any still writes a checkpoint,
+                     whether a search's pruner ended the trial (rank 0 asked it in 4);
       6. `save`      what the save policy asks for, or the stop agreed in 5.
     The position advances in `advance`, once per step taken: a step not committed (trainer.nonfinite=skip) still
     consumes its samples; a step that was never taken leaves the position where it was, and the loop takes it
@@ -152,9 +154,12 @@ class Trainer:
             if logged or evaluated:
                 self.log(step, loss, grad_norm, evaluated)
             self.progress.update(step, self.metrics if logged else None)
-            stopping = self.agree(step)
-            if self.policy.due(step, stopping):  # a stop always saves
+            stopping, pruned = self.agree(step)
+            if self.policy.due(step, stopping or pruned):  # a stop always saves
                 self.save(step)
+            if pruned:  # the study's pruner ended this trial: the run is done, not interrupted
+                self.pruned(step)
+                return True
             if stopping and step < self.max_steps:
                 self.stopped(step)
                 return False
@@ -202,6 +207,7 @@ class Trainer:
             SavePolicy.of(trainer),
         )
         self.manifest = manifest_of(cfg, ctx.world_size, ctx.precision)
+        self.trial, self.prune = TrialReport(cfg, ctx.rank), False
         self.nonfinite = str(trainer.get("nonfinite", "stop"))
         self.guard = Guard(self.strategy, self.nonfinite, int(trainer.get("max_skipped", 10)), ctx.precision == "fp16",
                            ctx.rank, ctx.world_size)  # fmt: skip
@@ -276,18 +282,20 @@ class Trainer:
             declared(name)  # a figure nobody declared is refused, not logged with a meaning nobody chose
         self.loggers.log(metrics, step)
         self.metrics, self.window = metrics, Window()
+        self.prune = self.trial.report(step, metrics, last=step == self.max_steps)  # rank 0 of a search's trial
 
-    def agree(self, step: int) -> bool:
-        """Every rank learns of a stop signal any rank got, so all save the same step together; and whether any rank
-        still writes the checkpoint in flight: once none does, it is made visible. True: the run stops here."""
+    def agree(self, step: int) -> tuple[bool, bool]:
+        """Every rank learns of a stop signal any rank got, and of a search's pruner ending the trial (rank 0 asks
+        it), so all save the same step together; and whether any rank still writes the checkpoint in flight: once
+        none does, it is made visible. (stop signal, pruned): the run stops here if either is true."""
         self.phase(f"agreeing whether to stop after step {step}")
-        signalled, writing = float(self.stop.signal is not None), float(self.saves.writing())
-        stopping, writing = all_reduce([signalled, writing], dist.ReduceOp.MAX, self.device)
+        mine = [float(self.stop.signal is not None), float(self.saves.writing()), float(self.prune)]
+        stopping, writing, pruned = all_reduce(mine, dist.ReduceOp.MAX, self.device)
         if self.saves.pending is not None and not writing:
             self.phase(f"making the checkpoint of step {self.saves.pending.position.step} visible")
             self.saves.finalise()
             self.stalled = True
-        return bool(stopping)
+        return bool(stopping), bool(pruned)
 
     def save(self, step: int) -> None:
         self.phase(f"saving the checkpoint of step {step}")
@@ -300,6 +308,18 @@ class Trainer:
         self.saves.finish()
         if self.ctx.rank == 0:
             print(f"launch: stopped on a signal after step {step}; checkpoint {self.saves.last}", flush=True)
+        self.finish()
+
+    def pruned(self, step: int) -> None:
+        """The study's pruner ended this trial after `step`: its checkpoint written, a record for the sweeper, and
+        one line."""
+        self.phase(f"writing the checkpoint of step {step}")
+        self.saves.finish()
+        if self.ctx.rank == 0:
+            name = str(self.cfg.sweep.objective)
+            record_pruned(self.run_dir, step, name, self.metrics[name])
+            print(f"launch: trial {self.cfg.sweep.trial} pruned after step {step} ({name} {self.metrics[name]:.4f}); "
+                  f"checkpoint {self.saves.last}", flush=True)  # fmt: skip
         self.finish()
 
     def finish(self) -> None:

@@ -20,6 +20,7 @@ from launcher import data_schema
 from launcher.data_schema import PySourceDataConfig, SyntheticDataConfig, TokensDataConfig
 from launcher.groups import choices
 from launcher.ranges import COUNT, FRACTION, PORT, POSITIVE, SIZE, UNIT, ZERO_STAGE, launch_only, ranged
+from launcher.search.schema import SweepConfig
 
 __all__ = ["choices", "register"]  # the options read from here
 
@@ -353,6 +354,8 @@ class LaunchConfig:
     """Continue from a checkpoint: auto (the newest among earlier runs), a run directory or a checkpoint folder."""
     rdzv: RdzvConfig = launch_only(factory=RdzvConfig)
     plan: PlanConfig = launch_only(factory=PlanConfig)
+    sweep: SweepConfig = launch_only(factory=SweepConfig)
+    """A search's objective, and which trial of which study a run is (`launcher.search`)."""
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -387,6 +390,11 @@ def register() -> None:
 
         OmegaConf.register_new_resolver("launch_strategies", smoke.runnable_strategies, use_cache=True)
         OmegaConf.register_new_resolver("launch_scratch", smoke.scratch, use_cache=True)
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.launch_optuna import sweeper  # hydra/sweeper=launch_optuna, stored as the module is imported
+
+    Plugins.instance().register(sweeper.LaunchOptunaSweeper)  # Hydra's own scan misses it in an editable install
     store = ConfigStore.instance()
     store.store(name="launch_schema", node=LaunchConfig)
     for group, nodes in SCHEMAS.items():

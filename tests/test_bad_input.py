@@ -79,6 +79,9 @@ BAD = {
     "profile steps backwards": (["trainer.profile_steps=[4,2]"], "trainer.profile_steps=[4, 2]"),
     "profile past the end": (["trainer.max_steps=5", "trainer.profile_steps=[3,9]"], "trainer.max_steps=5"),
     "snapshot step without snapshots": (["trainer.memory_snapshot_step=3"], "trainer.memory_snapshot=true"),
+    # a search's objective, read by every trial's run
+    "unknown objective place": (["sweep.objective_at=first"], "Invalid value 'first', expected one of [last, best]; "
+                                                              "full_key: sweep.objective_at"),  # fmt: skip
     # the run directory: Hydra would make it first, with a traceback
     # a checkpoint to resume from
     "no checkpoint there": (["resume={tmp}/nowhere"], "no complete checkpoint there"),

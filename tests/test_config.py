@@ -83,17 +83,18 @@ def _cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_help_and_cfg_import_no_heavy_module(tmp_path: Path) -> None:
-    """`--cfg job` composes without torch, deepspeed or wandb; `--help` lists the groups without Hydra (its
+    """`--cfg job` composes without torch, deepspeed, wandb or optuna; `--help` lists the groups without Hydra (its
     instantiate module above all) or OmegaConf: it composes nothing."""
     probe = (
         "import sys; from launcher import cli\n"
         "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-        "heavy = ['torch', 'deepspeed', 'wandb', 'datasets', 'transformers'] + (['hydra', 'omegaconf'] if '--help' in "
-        "sys.argv else [])\n"
+        "heavy = ['torch', 'deepspeed', 'wandb', 'optuna', 'datasets', 'transformers'] + (['hydra', 'omegaconf'] if "
+        "'--help' in sys.argv else [])\n"
         "print('HEAVY', [m for m in sys.modules if m.split('.')[0] in heavy], file=sys.stderr)\n"
     )
-    for args in (["--help"], ["model=gpt_124m", "--help"], ["--cfg", "job"], ["strategy=ddp", "--cfg", "job"],
-                 ["data=text", "--cfg", "job"]):  # fmt: skip
+    cases = (["--help"], ["model=gpt_124m", "--help"], ["--cfg", "job"], ["strategy=ddp", "--cfg", "job"],
+             ["+sweep=search", "--cfg", "hydra"], ["data=text", "--cfg", "job"])  # fmt: skip
+    for args in cases:
         proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True)
         assert "HEAVY []" in proc.stderr, (args, proc.stderr)
 

@@ -22,6 +22,9 @@ def test_a_wheel_install_finds_its_configs_and_runs(tmp_path: Path) -> None:
     shipped = {f"launcher/conf/{p.relative_to(ROOT / 'conf').as_posix()}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert shipped <= names, sorted(shipped - names)  # every config group, present and future
     assert "strategies/ddp.py" in names
+    packages = {p.relative_to(ROOT).as_posix() for top in ("launcher", "strategies", "hydra_plugins")
+                for p in (ROOT / top).rglob("__init__.py")}  # fmt: skip
+    assert packages <= names, sorted(packages - names)  # every package, present and future
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
@@ -41,6 +44,10 @@ def test_a_wheel_install_finds_its_configs_and_runs(tmp_path: Path) -> None:
         check=True,
     ).stdout
     assert where.count(str(site)) == 2, where
+    # The search sweeper, found by Hydra's own scan of the hydra_plugins namespace in the wheel.
+    scan = "from hydra.core.plugins import Plugins; print([c.__module__ for c in Plugins.instance().discover()])"
+    found = subprocess.run([sys.executable, "-c", scan], cwd=work, env=env, capture_output=True, text=True).stdout
+    assert "hydra_plugins.launch_optuna.sweeper" in found, found
     entry = "import sys; from launcher.cli import main; main(sys.argv[1:])"
     run = subprocess.run(
         [

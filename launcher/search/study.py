@@ -1,0 +1,129 @@
+"""A study in its storage, as the search sweeper drives it: opened (made on the first run), held by one sweeper at a
+time, checked to be the study this command describes, and continued after a kill without repeating a finished trial.
+
+The storage is a SQLite file in the sweep directory (`study.db`) unless `hydra.sweeper.storage` names a database
+URL. A lock on `<sweep dir>/.study.lock`, held while the sweeper runs (the kernel drops it when the process dies),
+makes every trial of this sweep directory still marked RUNNING an orphan of a sweeper that is gone: the next run of
+the same command continues it first, in its own folder, from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import IO, Any
+
+DB = "study.db"
+LOCK = ".study.lock"
+SWEEP_DIR = "sweep_dir"
+"""A trial's user attribute: the sweep directory whose sweeper runs it (its run is `<sweep dir>/<trial number>`)."""
+DEFINITION = "definition"
+"""The study's user attribute: what this command searched (distributions, fixed overrides, objective)."""
+
+
+class StudyError(ValueError):
+    """A study this command cannot run: one line naming it and the fix."""
+
+
+def storage_url(given: str | None, sweep_dir: Path) -> str:
+    return given or f"sqlite:///{(sweep_dir / DB).absolute()}"
+
+
+def hold(sweep_dir: Path) -> IO[str]:
+    """The sweep directory's study lock, held until the process ends; StudyError if another sweeper holds it."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(sweep_dir / LOCK, "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise StudyError(
+            f"the study in hydra.sweep.dir={sweep_dir} is being run by another launch; wait for it to end, or choose "
+            "another hydra.sweep.dir"
+        ) from None
+    os.register_at_fork(after_in_child=lock.close)  # a worker forked from here does not hold it
+    return lock
+
+
+def open_study(name: str, url: str, direction: str, sampler: Any, pruner: Any, definition: list[str]) -> Any:
+    """The study `name` in `url`, made if new; StudyError if it exists and searched something else."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        study_name=name, storage=url, direction=direction, sampler=sampler, pruner=pruner, load_if_exists=True
+    )
+    before = study.user_attrs.get(DEFINITION)
+    if before is None:
+        study.set_user_attr(DEFINITION, definition)
+    elif before != definition:
+        was, now = sorted(set(before) - set(definition)), sorted(set(definition) - set(before))
+        raise StudyError(
+            f"study {name!r} in {url} searched {'; '.join(was) or 'less'}, this command {'; '.join(now) or 'less'}: "
+            "continue it with its own overrides, or start another with hydra.sweeper.study_name=... (or another "
+            "hydra.sweep.dir)"
+        )
+    return study
+
+
+def finished(study: Any) -> int:
+    """Trials that count against the budget: complete, pruned or failed."""
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
+
+
+def orphans(study: Any, sweep_dir: Path) -> list[Any]:
+    """This sweep directory's trials still marked RUNNING while its lock is ours: their sweeper is gone."""
+    from optuna.trial import TrialState
+
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    return [t for t in running if t.user_attrs.get(SWEEP_DIR) == str(sweep_dir)]
+
+
+def ended(run_dir: Path) -> dict[str, Any] | None:
+    """An orphan's outcome, when its run had ended before the kill reached the study (`outcome.json`, read as data):
+    told as it is, not run again."""
+    import json
+    import math
+
+    try:
+        record = json.loads((run_dir / "outcome.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("state") not in ("complete", "pruned", "failed"):
+        return None
+    value = record.get("objective")
+    if record["state"] == "complete" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+        return None
+    return record
+
+
+def resumed(study: Any, frozen: Any) -> Any:
+    """A trial object for a RUNNING trial of an earlier run of this sweep, to report to and tell."""
+    import optuna
+
+    return optuna.trial.Trial(study, frozen._trial_id)
+
+
+def tell(study: Any, trial: Any, record: dict[str, Any]) -> tuple[str, bool]:
+    """Tell the study what the trial's run came to (`launcher.search.objective.trial_outcome`): its state's name, and
+    whether the sampler has nothing left to try (a grid or brute-force sampler that has tried every point)."""
+    from optuna.trial import TrialState
+
+    state = str(record.get("state"))
+    if state not in ("complete", "pruned"):
+        trial.set_user_attr("reason", str(record.get("reason", ""))[:500])
+        state = "failed"
+    # Samplers that run out of points call `Study.stop()`, which optuna accepts only inside `optimize`: here the
+    # sweeper's loop is that loop, and it reads the flag the call sets.
+    study._thread_local.in_optimize_loop, study._stop_flag = True, False
+    try:
+        if state == "complete":
+            study.tell(trial, record["objective"])
+        else:
+            study.tell(trial, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL)
+    finally:
+        study._thread_local.in_optimize_loop = False
+    return state, bool(study._stop_flag)
