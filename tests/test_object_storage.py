@@ -244,6 +244,40 @@ def test_damaged_or_crafted_checkpoints_in_the_bucket_are_refused_as_local_ones(
     assert _max_diff(reference, run.run_dir, range(7, 9)) <= 1e-6
 
 
+GPT2 = [  # transformers' GPT-2, built from its config: nothing downloaded
+    "model=custom",
+    "model._target_=transformers.AutoModelForCausalLM.from_config",
+    "+model.config._target_=transformers.GPT2Config",
+    *(f"+model.config.{k}={v}" for k, v in {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256}.items()),
+    "+model.config.n_positions=32",
+]
+
+
+def test_a_transformers_model_sharded_by_fsdp_saves_to_the_bucket_and_converts_from_it(s3: S3, tmp_path: Path) -> None:
+    """FSDP's DTensor shards of a third-party model, written by every rank into the bucket; `launch convert <url>`
+    writes its weights, which the same transformers model built from its config loads whole (strict)."""
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from launcher.checkpoint.storage import location
+    from launcher.convert import weights
+
+    url, env = s3.url("gpt2"), clean_env(tmp_path) | s3.env
+    hf = [*(o for o in JOB if not o.startswith(("model", "trainer.max_steps"))), *GPT2, "data.format=hf"]
+    launch(tmp_path, *hf, "strategy=fsdp", "trainer.max_steps=2", f"trainer.checkpoint_dir={url}", env=env).check()
+    assert json.loads(s3.fs().cat(f"{BUCKET}/gpt2/{_step(2)}/manifest.json"))["strategy"] == "fsdp"
+    out = tmp_path / "gpt2.safetensors"
+    proc = subprocess.run([LAUNCH, "convert", url, f"out={out}"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32))
+    converted = load_file(str(out))
+    model.load_state_dict(converted, strict=True)
+    saved = weights(location(f"{url}/{_step(2)}"))
+    assert sorted(saved) == sorted(converted) and all(torch.equal(converted[k], saved[k]) for k in saved)
+    x = torch.randint(0, 256, (2, 32))
+    assert torch.isfinite(model(input_ids=x, labels=x).loss)
+
+
 def test_a_checkpoint_dir_that_cannot_hold_checkpoints_is_one_line_before_start(s3: S3, tmp_path: Path) -> None:
     import s3fs
 
