@@ -6,7 +6,7 @@ They take the model already built on the meta device (`launcher.meta`), so nothi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -14,6 +14,9 @@ from launcher.config import ConfigError
 from launcher.context import make_strategy, run_context
 from launcher.identity import sweep_identity
 from strategies import Strategy
+
+if TYPE_CHECKING:
+    from launcher.checkpoint.storage import Location
 
 PROTOCOL = tuple(name for name, value in vars(Strategy).items() if callable(value) and not name.startswith("_"))
 """The methods of `strategies.base.Strategy`."""
@@ -40,16 +43,21 @@ def check_strategy(frozen: DictConfig, model: Any) -> None:
         raise ConfigError(str(e)) from e
 
 
-def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Path | None:
-    """The checkpoint `resume=` names, checked against the model's shapes; None when there is none."""
+def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Location | None:
+    """The checkpoint `resume=` names (a local path or a URL), checked against the model's shapes; None when there is
+    none. trainer.checkpoint_dir, when set, is checked first (`check_folder`)."""
     from launcher.checkpoint.format import CheckpointError
-    from launcher.checkpoint.loading import check_fits, find_resume
+    from launcher.checkpoint.loading import check_fits, check_folder, find_resume
+    from launcher.checkpoint.storage import checkpoints_of
 
     try:
         identity = {"config_hash": frozen.job.config_hash, "sweep_dir": frozen.job.get("sweep_dir")}
         if identity["sweep_dir"]:  # a sweep's job: the same job of an earlier sweep, by its overrides
             identity["overrides"] = sweep_identity(frozen.job.overrides)
-        found = find_resume(frozen.resume, run_dir, identity)
+        checkpoints = checkpoints_of(frozen.trainer, run_dir) if frozen.trainer.get("checkpoint_dir") else None
+        if checkpoints is not None:  # trainer.checkpoint_dir: reachable, and this run's
+            check_folder(checkpoints, identity)
+        found = find_resume(frozen.resume, run_dir, identity, checkpoints)
         if found is not None:
             check_fits(found, model)
             _check_steps_left(found, frozen.trainer.max_steps)
@@ -60,7 +68,7 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Path | None:
     return found
 
 
-def _check_steps_left(checkpoint: Path, max_steps: int) -> None:
+def _check_steps_left(checkpoint: Location, max_steps: int) -> None:
     """A checkpoint at or past trainer.max_steps leaves nothing to train: refused, not a run that says nothing."""
     from launcher.checkpoint.format import read_manifest
     from launcher.checkpoint.untrusted import UntrustedDataError

@@ -267,7 +267,7 @@ def convert(args: Sequence[str]) -> None:
                 if error:
                     fail(error)
                 model = freeze(composed).model
-        written = write(Path(paths[0]), out, model, merge)
+        written = write(paths[0], out, model, merge)  # a local path or a URL
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         fail(str(e).splitlines()[0])
     print(f"launch: wrote {written}")

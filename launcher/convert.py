@@ -7,6 +7,8 @@
     launch convert CHECKPOINT out=DIR merge=true [overrides]    a PEFT model's adapters merged into its base model:
                                                                 the whole model's folder
 
+CHECKPOINT: a checkpoint, a checkpoints folder or a run directory, local or at a URL (s3://bucket/prefix/step_N).
+
 The checkpoint is read as data (`launcher.checkpoint.untrusted`); the model a folder needs comes from the overrides
 given on this command line, as for `launch` itself, never from files next to the checkpoint: a config is code.
 """
@@ -20,10 +22,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.checkpoint.format import MANIFEST, CheckpointError, intact, newest_intact
+from launcher.checkpoint.storage import Location, check_url, is_remote, location
 from launcher.checkpoint.untrusted import UntrustedDataError, dcp_load, read_metadata
 
 
-def find_checkpoint(path: Path) -> Path:
+def find_checkpoint(path: Location) -> Location:
     """A checkpoint folder that verifies, or the newest one that does of a run directory or checkpoints folder (a
     line for each newer one skipped)."""
     if (path / MANIFEST).exists():
@@ -37,7 +40,7 @@ def find_checkpoint(path: Path) -> Path:
     return found
 
 
-def weights(checkpoint: Path) -> dict[str, Any]:
+def weights(checkpoint: Location) -> dict[str, Any]:
     """The model's full tensors, whatever layout saved them, read in this process."""
     import torch
 
@@ -60,7 +63,7 @@ def weights(checkpoint: Path) -> dict[str, Any]:
     return {name: t.contiguous() for name, t in template.items()}
 
 
-def write_file(tensors: dict[str, Any], out: Path, checkpoint: Path) -> None:
+def write_file(tensors: dict[str, Any], out: Path, checkpoint: Location) -> None:
     from safetensors.torch import save_file
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +73,7 @@ def write_file(tensors: dict[str, Any], out: Path, checkpoint: Path) -> None:
 
 
 def write_folder(
-    tensors: dict[str, Any], out: Path, model_cfg: DictConfig, checkpoint: Path, merge: bool = False
+    tensors: dict[str, Any], out: Path, model_cfg: DictConfig, checkpoint: Location, merge: bool = False
 ) -> str:
     """The model of `model_cfg` with the checkpoint's weights, saved as a folder its own loader reads back; returns
     what was written, and how to load it, in words."""
@@ -124,10 +127,13 @@ def _count(weights: Any) -> int:
     return sum(t.numel() for t in (weights.values() if isinstance(weights, dict) else weights.parameters()))
 
 
-def convert(path: Path, out: Path, model_cfg: DictConfig | None, merge: bool = False) -> str:
+def convert(path: str | Path, out: Path, model_cfg: DictConfig | None, merge: bool = False) -> str:
     """Write the checkpoint's weights to `out` (a .safetensors file, or a folder with `model_cfg`'s model); returns
-    what was written, in words."""
-    checkpoint = find_checkpoint(path)
+    what was written, in words. `path`: a local path or a URL (`launcher.checkpoint.storage.location`)."""
+    where = location(path)
+    if is_remote(where) and (why := check_url(str(where))):  # credentials, a bucket: one line, not a traceback
+        raise CheckpointError(f"{where}: {why}")
+    checkpoint = find_checkpoint(where)
     tensors = weights(checkpoint)
     if out.suffix == ".safetensors":
         write_file(tensors, out, checkpoint)

@@ -309,7 +309,7 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         else:
             elastic_launch(config, sys.executable)("-u", "-m", "launcher.worker", str(resolved))
     except SignalException as e:
-        return _stopped(e.sigval, run_dir, previous)
+        return _stopped(e.sigval, run_dir, previous, trainer)
     except RendezvousError as e:
         if gone := lost():
             return Outcome(EXIT_FAILED, gone)
@@ -385,16 +385,16 @@ class _QuietFileHandler(logging.FileHandler):
         pass
 
 
-def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, Any]) -> Outcome:
+def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, Any], trainer: DictConfig) -> Outcome:
     """The workers saved and stopped on a signal: say where the checkpoint is and how to go on."""
     from launcher.checkpoint.format import latest
+    from launcher.checkpoint.storage import checkpoints_of
 
-    saved = latest(run_dir / "checkpoints")
-    where = (
-        f"checkpoint {saved}; continue with the same command plus resume={run_dir}"
-        if saved
-        else "no checkpoint was saved"
+    saved = latest(checkpoints_of(trainer, run_dir))  # <run dir>/checkpoints, or trainer.checkpoint_dir
+    again = saved if trainer.get("checkpoint_dir") else run_dir  # resume=<run dir> takes its newest
+    where = f"checkpoint {saved}; continue with the same command plus resume={again}"
+    print(
+        f"launch: stopped by {sig.name}: {where if saved else 'no checkpoint was saved'}", file=sys.stderr, flush=True
     )
-    print(f"launch: stopped by {sig.name}: {where}", file=sys.stderr, flush=True)
     detect(os.environ).stopped(sig, previous.get(sig))  # SLURM: submitit's handler requeues the job
     return Outcome(128 + sig, f"stopped by {sig.name}")

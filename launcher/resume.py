@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.checkpoint.format import Position, by_time, damage, read_manifest, remove_partial, skipped
 from launcher.checkpoint.loading import load
+from launcher.checkpoint.storage import checkpoints_of, inside, location
 from launcher.durable import write_durably
 from strategies import RunContext, Strategy
 
@@ -60,17 +61,17 @@ def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) 
     before it, with a line naming the checkpoint skipped, the file and why; a checkpoint named by `resume=` (verified
     by the launcher moments ago) does not fall back.
     """
-    folder = run_dir / "checkpoints"
+    folder = checkpoints_of(cfg.trainer, run_dir)  # a local folder or a URL
     paths: list[str] | None = None
     if ctx.rank == 0:
         remove_partial(folder)  # saves that never finished: nobody else writes here (the run's claim)
         given = OmegaConf.select(cfg, "job.resume_from", default=None)
         paths = [str(p) for p in by_time(folder, say=_say)] or ([given] if given else [])
     paths = _broadcast(paths)
-    for i, path in enumerate(map(Path, paths)):
+    for i, path in enumerate(map(location, paths)):
         manifest: dict[str, Any] | None = None
         if ctx.rank == 0:
-            own = path.is_relative_to(folder)
+            own = inside(path, folder)
             why = damage(path) if own else None
             if why is None:
                 manifest = read_manifest(path)
@@ -82,7 +83,7 @@ def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) 
         try:
             position = load(path, manifest, strategy, ctx.rank, ctx.world_size)
         except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank alike
-            if isinstance(e, KeyboardInterrupt) or i == len(paths) - 1 or not path.is_relative_to(folder):
+            if isinstance(e, KeyboardInterrupt) or i == len(paths) - 1 or not inside(path, folder):
                 raise
             if ctx.rank == 0:
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[-1]

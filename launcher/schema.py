@@ -92,6 +92,9 @@ class TrainerConfig:
     """Seconds workers get, after a stop signal, to finish the step and save before they are killed."""
     keep_last: int = ranged(2, COUNT, identity=False)
     """Complete checkpoints kept in the run directory; older ones are deleted (0 keeps all)."""
+    checkpoint_dir: str | None = launch_only(None)
+    """Where checkpoints go: a local folder or an fsspec URL (s3://bucket/prefix, gs://...); unset:
+    <run dir>/checkpoints. Credentials come from the environment, never from here."""
     async_checkpoint: bool = launch_only(False)
     """Save checkpoints in the background (DCP's async_save): the state is copied to host memory, the loop goes on
     while it is written, and the checkpoint becomes visible (manifest, `latest`) once every rank's write is over;

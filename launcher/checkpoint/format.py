@@ -1,12 +1,15 @@
 """The checkpoint format, written once: what a checkpoint folder holds, what makes it complete, which is newest.
 
-Layout of `<run dir>/checkpoints/`:
+Layout of `<run dir>/checkpoints/` (or trainer.checkpoint_dir: a local folder or a URL, `launcher.checkpoint.storage`):
     step_00000006/        .metadata + one .distcp per rank (torch.distributed.checkpoint), rng_<rank>.pt,
                           manifest.json (written last: step, samples, identity, and every file with its size and its
                           xxh3-128 checksum, computed as the bytes were written)
     .step_00000008.partial/   a save still being written, or one that never finished: never read
     latest                the name of the newest complete checkpoint, moved after the rename (for people and
                           tools: the launcher orders checkpoints by their manifests' times, `by_time`)
+
+In object storage there is no atomic rename: a save is written in place, `step_N/`, and is partial until its
+manifest, written last, is there (`is_partial`); the rest is the same.
 
 Model and optimizer state are whatever `strategy.state_dict()` returns: torch's state-dict shape keyed by
 parameter names (plain tensors for replicated strategies, DTensor shards for FSDP, full tensors exported by
@@ -18,12 +21,12 @@ goes through `launcher.checkpoint.untrusted`: a checkpoint is data, never code.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from launcher.checkpoint import storage
+from launcher.checkpoint.storage import Location, is_remote
 from launcher.checkpoint.untrusted import UntrustedDataError
 
 LATEST = "latest"
@@ -55,6 +58,24 @@ def rng_name(rank: int) -> str:
     return f"rng_{rank}.pt"
 
 
+def writing_folder(checkpoints: Location, step: int) -> Location:
+    """Where the save of `step` is written: locally `.step_N.partial`, renamed into place once complete; in object
+    storage (no atomic rename) `step_N` itself, complete once its manifest, written last, is there."""
+    return checkpoints / (folder_name(step) if is_remote(checkpoints) else partial_name(step))
+
+
+def is_partial(path: Location) -> bool:
+    """A save that is being written or never finished: never read, never listed as a checkpoint."""
+    if is_remote(path):
+        return path.name.startswith("step_") and not (path / MANIFEST).exists()
+    return path.name.startswith(".step_") and path.name.endswith(".partial")
+
+
+def remove(folder: Location) -> None:
+    """A checkpoint folder removed (in object storage its manifest first: what is left is partial)."""
+    storage.remove(folder, first=MANIFEST)
+
+
 # ------------------------------------------------------------------ manifests
 
 _MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -68,7 +89,7 @@ _MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Location) -> dict[str, Any]:
     """The manifest of checkpoint folder `path`, checked: UntrustedDataError (one line) if it is not one we wrote."""
     file = path / MANIFEST
     try:
@@ -119,12 +140,12 @@ def manifest_of(cfg: Any, world_size: int, precision: str) -> dict[str, Any]:
 CHUNK = 8 << 20
 
 
-def checksum(path: Path) -> str:
+def checksum(path: Location) -> str:
     """The xxh3-128 checksum of a file's bytes, as `launcher.checkpoint.saving` records it while writing."""
     import xxhash
 
     digest = xxhash.xxh3_128()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -133,7 +154,7 @@ def checksum(path: Path) -> str:
 # ------------------------------------------------------------------ finding checkpoints
 
 
-def is_complete(path: Path) -> bool:
+def is_complete(path: Location) -> bool:
     """A checkpoint whose manifest parses and whose every listed file is there, at its recorded size (cheap: no file
     is read; `damage` also verifies the contents)."""
     try:
@@ -146,14 +167,17 @@ def is_complete(path: Path) -> bool:
         return False
 
 
-def by_time(checkpoints: Path, say: Callable[[str], None] | None = None) -> list[Path]:
+def by_time(checkpoints: Location, say: Callable[[str], None] | None = None) -> list[Location]:
     """The checkpoints under `checkpoints/` whose manifests parse, newest first: by the time each manifest records,
     then by step; `say`, if given, is told one line for each folder whose manifest does not parse. Not by the
     `latest` pointer, which is moved last: a save killed between its rename and the pointer's move is the newest. Not
     by step alone: a run resumed from further back saves steps older than ones already there, and those it saves are
-    the newer. The one meaning of "newest": resume, `resume=auto`, convert and pruning all use it."""
+    the newer. The one meaning of "newest": resume, `resume=auto`, convert and pruning all use it. A save still
+    being written in object storage (`is_partial`) is no checkpoint yet, and is not said."""
     found = []
     for path in sorted(checkpoints.glob("step_*")):
+        if is_remote(path) and is_partial(path):
+            continue
         try:
             found.append((float(read_manifest(path)["time"]), path.name, path))
         except UntrustedDataError as e:
@@ -162,17 +186,17 @@ def by_time(checkpoints: Path, say: Callable[[str], None] | None = None) -> list
     return [path for *_, path in sorted(found, reverse=True)]
 
 
-def complete(checkpoints: Path) -> list[Path]:
+def complete(checkpoints: Location) -> list[Location]:
     """The complete checkpoints under `checkpoints/`, newest first (`by_time`)."""
     return [path for path in by_time(checkpoints) if is_complete(path)]
 
 
-def latest(checkpoints: Path) -> Path | None:
+def latest(checkpoints: Location) -> Location | None:
     found = complete(checkpoints)
     return found[0] if found else None
 
 
-def damage(path: Path) -> str | None:
+def damage(path: Location) -> str | None:
     """Why the checkpoint at `path` cannot be used, naming the file: an unreadable manifest, a file missing,
     truncated (its recorded and actual sizes) or unreadable, or whose bytes fail the checksum its manifest records.
     None when every file verifies. Reads every file once."""
@@ -197,12 +221,12 @@ def damage(path: Path) -> str | None:
     return None
 
 
-def skipped(path: Path, why: str) -> str:
+def skipped(path: Location, why: str) -> str:
     """The line a fallback prints."""
     return f"launch: skipping checkpoint {path}: {why}"
 
 
-def newest_intact(checkpoints: Path, say: Callable[[str], None] = print) -> Path | None:
+def newest_intact(checkpoints: Location, say: Callable[[str], None] = print) -> Location | None:
     """The newest checkpoint under `checkpoints/` (`by_time`) that verifies (`damage`); `say` is told one line for
     each newer one skipped, and for each folder whose manifest does not parse."""
     for path in by_time(checkpoints, say):
@@ -213,7 +237,7 @@ def newest_intact(checkpoints: Path, say: Callable[[str], None] = print) -> Path
     return None
 
 
-def intact(path: Path) -> Path:
+def intact(path: Location) -> Location:
     """`path` if the checkpoint there verifies; else CheckpointError, the line that names the file and why."""
     why = damage(path)
     if why is not None:
@@ -240,7 +264,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def remove_partial(checkpoints: Path) -> None:
+def remove_partial(checkpoints: Location) -> None:
     """Folders of saves that never finished (a kill, a crash): no complete checkpoint is among them."""
-    for stale in checkpoints.glob(".step_*.partial"):
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in checkpoints.glob(".step_*.partial" if not is_remote(checkpoints) else "step_*"):
+        if is_partial(stale):
+            remove(stale)

@@ -4,6 +4,7 @@ before any worker starts (which checkpoint `resume=` names, whether it fits the 
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -15,15 +16,17 @@ from launcher.checkpoint.format import (
     by_time,
     intact,
     is_complete,
+    latest,
     newest_intact,
     read_manifest,
     rng_name,
     set_rng_state,
 )
+from launcher.checkpoint.storage import Location, check_url, is_remote, location
 from launcher.checkpoint.untrusted import UntrustedDataError, dcp_load, read_metadata
 
 
-def load(checkpoint: Path, manifest: dict[str, Any], strategy: Any, rank: int, world_size: int) -> Position:
+def load(checkpoint: Location, manifest: dict[str, Any], strategy: Any, rank: int, world_size: int) -> Position:
     """Load model and optimizer state into the strategy (collective); restore RNG when the world size is unchanged.
 
     `manifest` is rank 0's reading of the checkpoint's manifest (`read_manifest`), the same on every rank."""
@@ -34,11 +37,11 @@ def load(checkpoint: Path, manifest: dict[str, Any], strategy: Any, rank: int, w
     strategy.load_state_dict(state)
     rng = checkpoint / rng_name(rank)
     if manifest["world_size"] == world_size and rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=True))
+        set_rng_state(torch.load(io.BytesIO(rng.read_bytes()), weights_only=True))
     return Position(step=manifest["step"], samples=manifest["samples"])
 
 
-def read_into(state: dict[str, Any], checkpoint: Path) -> None:
+def read_into(state: dict[str, Any], checkpoint: Location) -> None:
     """Fill `state` (a strategy's state dict: model, optim) in place from a checkpoint of any layout (collective)."""
     stored = set(read_metadata(checkpoint).state_dict_metadata)
     # Optimizers name their hyperparameters differently (torch's AdamW has `maximize`, DeepSpeed's
@@ -53,28 +56,50 @@ def read_into(state: dict[str, Any], checkpoint: Path) -> None:
         group.update(values)
 
 
-def find_resume(resume: str | None, run_dir: Path, identity: dict[str, Any]) -> Path | None:
-    """Resolve `resume=` (None, auto, a run directory or a checkpoint directory) to a checkpoint.
+def find_resume(
+    resume: str | None, run_dir: Path, identity: dict[str, Any], checkpoints: Location | None = None
+) -> Location | None:
+    """Resolve `resume=` (None, auto, a run directory, a checkpoints folder or a checkpoint, local or at a URL) to a
+    checkpoint.
 
     `auto` takes the newest checkpoint of an earlier run of the same identity (`identity["config_hash"]`; in a
-    sweep also the same overrides, and never a sibling job of this sweep), owned by this user.
+    sweep also the same overrides, and never a sibling job of this sweep), owned by this user; with
+    trainer.checkpoint_dir set (`checkpoints`), the newest there (`check_folder` made sure they are this run's).
     """
     if resume is None:
         return None
     if resume == "auto":
-        return _auto(run_dir, identity)
-    path = Path(resume).expanduser()
+        return _auto(run_dir, identity) if checkpoints is None else newest_intact(checkpoints)
+    path = location(resume)
     if (path / MANIFEST).exists():  # a checkpoint folder: this one or none
         return intact(path)
-    found = newest_intact(path / "checkpoints") if path.is_dir() else None
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = newest_intact(folder) if folder.is_dir() else None
     if found is None:
         raise CheckpointError(
-            f"resume={resume}: no complete checkpoint there; give a run directory or a checkpoints/step_* folder"
+            f"resume={resume}: no complete checkpoint there; give a run directory, a checkpoints folder or a "
+            "checkpoints/step_* folder (local, or its URL)"
         )
     return found
 
 
-def _auto(run_dir: Path, identity: dict[str, Any]) -> Path | None:
+def check_folder(checkpoints: Location, identity: dict[str, Any]) -> None:
+    """trainer.checkpoint_dir, checked before anything is written: a URL that can hold checkpoints
+    (`storage.check_url`), and no other run's checkpoints there (locally the run directory's claim guards them)."""
+    if is_remote(checkpoints) and (why := check_url(str(checkpoints))):
+        raise CheckpointError(f"trainer.checkpoint_dir={checkpoints}: {why}")
+    found = latest(checkpoints)
+    if found is None:
+        return
+    manifest = read_manifest(found)
+    if manifest["config_hash"] != identity["config_hash"] or manifest.get("overrides") != identity.get("overrides"):
+        raise CheckpointError(
+            f"trainer.checkpoint_dir={checkpoints} holds checkpoints of another run ({found}, config hash "
+            f"{manifest['config_hash']}); choose another trainer.checkpoint_dir, and resume={found} to start from them"
+        )
+
+
+def _auto(run_dir: Path, identity: dict[str, Any]) -> Location | None:
     roots = [run_dir.parent, run_dir.parent.parent]
     sweep = identity.get("sweep_dir")
     seen: dict[Path, float] = {}
@@ -97,7 +122,7 @@ def _auto(run_dir: Path, identity: dict[str, Any]) -> Path | None:
     return newest_intact(found.parent) if found is not None else None
 
 
-def check_fits(checkpoint: Path, model: Any) -> None:
+def check_fits(checkpoint: Location, model: Any) -> None:
     """Compare the checkpoint's model tensors with a model built on the meta device, and read every non-tensor
     entry as the workers will: CheckpointError (one line) names a mismatch or an entry that is not plain data."""
     try:
@@ -123,7 +148,7 @@ def check_fits(checkpoint: Path, model: Any) -> None:
             )
 
 
-def _check_plain(checkpoint: Path, entries: dict[str, Any]) -> None:
+def _check_plain(checkpoint: Location, entries: dict[str, Any]) -> None:
     """Read every non-tensor entry in this process (no process group); CheckpointError if one is not plain data."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata

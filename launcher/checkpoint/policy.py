@@ -10,6 +10,7 @@ from typing import Any
 from launcher.checkpoint.format import complete
 from launcher.checkpoint.saving import Saver
 from launcher.checkpoint.space import check_space, checkpoint_bytes
+from launcher.checkpoint.storage import checkpoints_of, is_remote
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,13 @@ def saver(cfg: Any, ctx: Any, run_dir: Path, strategy: Any, step: int) -> Saver:
     import torch.distributed as dist
 
     trainer, policy = cfg.trainer, SavePolicy.of(cfg.trainer)
-    folder = run_dir / "checkpoints"
+    folder = checkpoints_of(trainer, run_dir)  # a local folder or a URL
     folder.mkdir(parents=True, exist_ok=True)
     box = [len(complete(folder)) if ctx.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     held = int(box[0])  # type: ignore[arg-type]
     count = policy.held_at_once(step, held)
-    if count:
+    if count and not is_remote(folder):  # object storage has no free space to check
         keep = f"trainer.keep_last={policy.keep_last}" if policy.keep_last > 0 else "trainer.keep_last=0: all kept"
         what = f"the {count} checkpoint(s) this run holds at once ({keep}, {held} saved before)"
         check_space(folder, checkpoint_bytes(strategy.state_dict(), ctx.world_size), count, what)

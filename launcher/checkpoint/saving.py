@@ -1,6 +1,7 @@
 """Saving checkpoints, collectively, atomically and durably: synchronous (`dcp.save`) or asynchronous
 (`dcp.async_save`, under trainer.async_checkpoint). What is written, and what makes it complete, is
-`launcher.checkpoint.format`; when a run saves is `launcher.checkpoint.policy`.
+`launcher.checkpoint.format`; when a run saves is `launcher.checkpoint.policy`; a local folder or a URL,
+`launcher.checkpoint.storage` (in object storage: written in place, the manifest last, no rename).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import io
 import json
 import os
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,21 +25,24 @@ from launcher.checkpoint.format import (
     complete,
     folder_name,
     latest,
-    partial_name,
     record,
+    remove,
     rng_name,
     rng_state,
+    writing_folder,
 )
+from launcher.checkpoint.hashing import hashing_writer, xxh3
 from launcher.checkpoint.space import check_space, checkpoint_bytes
-from launcher.durable import disk, fsync_dir, write_durably
+from launcher.checkpoint.storage import Location, write_durably, write_file
+from launcher.durable import disk, fsync_dir
 
 
 @dataclass
 class _Pending:
     """A save whose files are still being written in the background."""
 
-    tmp: Path
-    final: Path
+    tmp: Location
+    final: Location
     position: Position
     manifest: dict[str, Any]
     future: Any
@@ -60,7 +63,7 @@ class Saver:
 
     def __init__(
         self,
-        checkpoints: Path,
+        checkpoints: Location,
         rank: int,
         world_size: int,
         keep_last: int,
@@ -71,7 +74,7 @@ class Saver:
         self.checkpoints, self.rank, self.world_size, self.keep_last = checkpoints, rank, world_size, keep_last
         self.asynchronous, self.timeout, self.pinned = asynchronous, timeout, pinned
         self.pending: _Pending | None = None
-        self.last: Path | None = None
+        self.last: Location | None = None
         """The newest checkpoint this saver made visible."""
         self.stall = 0.0
         """Seconds the caller was blocked in this saver since it last read (and reset) the figure."""
@@ -116,20 +119,22 @@ class Saver:
             self._make_visible(pending.tmp, pending.final, pending.position, pending.manifest, metadata, sums)
 
     @contextmanager
-    def _writing(self, step: int, tmp: Path) -> Iterator[None]:
+    def _writing(self, step: int, tmp: Location) -> Iterator[None]:
         """A full disk while the checkpoint of `step` is written, on any rank: its partial folder removed, and one
-        line naming the disk, this checkpoint and the newest one still intact."""
+        line naming the disk, this checkpoint and the newest one still intact (object storage has no disk)."""
         try:
             yield
         except BaseException as e:
             # torch.save's writer reports a short write as "unexpected pos", not as the OSError behind it: a disk
             # left with less than a megabyte is full too
-            if isinstance(e, (KeyboardInterrupt, SystemExit)) or (
-                _no_space(e) is None and shutil.disk_usage(self.checkpoints).free >= 1 << 20
+            if (
+                isinstance(e, (KeyboardInterrupt, SystemExit))
+                or not isinstance(self.checkpoints, Path)
+                or (_no_space(e) is None and shutil.disk_usage(self.checkpoints).free >= 1 << 20)
             ):
                 raise
             if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove(tmp)
             intact = self.last or latest(self.checkpoints)
             kept = f"the newest intact checkpoint is {intact}" if intact else "no checkpoint was saved before it"
             # a full disk that the check before the save did not foresee: another process wrote meanwhile
@@ -155,24 +160,25 @@ class Saver:
         self._finalise()
 
     def _save(self, position: Position, strategy: Any, manifest: dict[str, Any]) -> None:
-        final, tmp = self.checkpoints / folder_name(position.step), self.checkpoints / partial_name(position.step)
+        final, tmp = self.checkpoints / folder_name(position.step), writing_folder(self.checkpoints, position.step)
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed: their room is free again
+            remove(tmp)  # leftovers of a save that was killed (in object storage, or this step saved again)
             self.checkpoints.mkdir(parents=True, exist_ok=True)
         state = strategy.state_dict()
-        intact = self.last or latest(self.checkpoints)
-        check_space(  # collective: it also orders the removal above before any rank writes
-            self.checkpoints,
-            checkpoint_bytes(state, self.world_size),
-            1,
-            f"the checkpoint of step {position.step}",
-            f"; the newest intact checkpoint is {intact}" if intact else "; no checkpoint was saved before it",
-        )
+        if isinstance(self.checkpoints, Path):  # object storage has no free space to check
+            intact = self.last or latest(self.checkpoints)
+            check_space(  # collective
+                self.checkpoints,
+                checkpoint_bytes(state, self.world_size),
+                1,
+                f"the checkpoint of step {position.step}",
+                f"; the newest intact checkpoint is {intact}" if intact else "; no checkpoint was saved before it",
+            )
         with self._writing(position.step, tmp):  # a disk that fills while it is written (another writer)
             self._write(position, state, manifest, final, tmp)
 
     def _write(
-        self, position: Position, state: dict[str, Any], manifest: dict[str, Any], final: Path, tmp: Path
+        self, position: Position, state: dict[str, Any], manifest: dict[str, Any], final: Location, tmp: Location
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -180,15 +186,12 @@ class Saver:
 
         if self.rank == 0:
             tmp.mkdir(parents=True)
-        dist.barrier()
+        dist.barrier()  # every rank writes after rank 0's removal of what was there
         sums: dict[str, str] = {}
         rng = io.BytesIO()
         torch.save(rng_state(), rng)
-        sums[rng_name(self.rank)] = _xxh3(rng.getbuffer())
-        with open(tmp / rng_name(self.rank), "wb") as f:
-            f.write(rng.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
+        sums[rng_name(self.rank)] = xxh3(rng.getbuffer())
+        write_file(tmp / rng_name(self.rank), rng.getvalue())
         staged = self._stage(state) if self.asynchronous else None
         if staged is not None:
             del state  # training may change the live tensors now: the staged copy is what gets written
@@ -259,10 +262,17 @@ class Saver:
         return self._group
 
     def _make_visible(
-        self, tmp: Path, final: Path, position: Position, manifest: dict[str, Any], metadata: Any, sums: dict[str, str]
+        self,
+        tmp: Location,
+        final: Location,
+        position: Position,
+        manifest: dict[str, Any],
+        metadata: Any,
+        sums: dict[str, str],
     ) -> None:
         """Rank 0, once every rank's files are on disk: manifest (sizes and the checksums computed as the files were
-        written), rename, `latest`, pruning."""
+        written), rename (in object storage: none, the manifest written last makes it complete), `latest`,
+        pruning."""
         if self.rank == 0:
             names = {info.relative_path for info in metadata.storage_data.values()} | {".metadata"}
             names |= {rng_name(r) for r in range(self.world_size)}
@@ -276,9 +286,10 @@ class Saver:
             files = {n: (tmp / n).stat().st_size for n in sorted(names)}
             hashed = {n: sums.get(n) or checksum(tmp / n) for n in sorted(names)}  # read only if not hashed
             write_durably(tmp / MANIFEST, json.dumps(record(manifest, position, time.time(), files, hashed), indent=2))
-            shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run's last step)
-            os.replace(tmp, final)
-            fsync_dir(self.checkpoints)
+            if tmp != final:  # a local folder: renamed into place
+                shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run's last step)
+                os.replace(tmp, final)
+                fsync_dir(self.checkpoints)  # type: ignore[arg-type]
             write_durably(self.checkpoints / LATEST, final.name)
             _prune(self.checkpoints, self.keep_last)
         self.last = final
@@ -315,68 +326,6 @@ def _no_space(error: BaseException) -> OSError | None:
     return next((e for e in seen if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)), None)
 
 
-def _xxh3(data: Any) -> str:
-    import xxhash
-
-    return xxhash.xxh3_128(data).hexdigest()
-
-
-class _Hashing:
-    """A file being written, hashed as its bytes go through `write`: no second read. A stream that moves (`seek`)
-    is hashed from the file once closed."""
-
-    def __init__(self, raw: Any) -> None:
-        import xxhash
-
-        self.raw, self.digest, self.moved = raw, xxhash.xxh3_128(), False
-
-    def write(self, data: Any) -> int:
-        written = self.raw.write(data)
-        self.digest.update(memoryview(data).cast("B")[:written] if written is not None else data)
-        return written
-
-    def seek(self, *args: Any) -> int:
-        self.moved = True
-        return self.raw.seek(*args)
-
-    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's own
-        return getattr(self.raw, name)
-
-
-def hashing_writer(path: Path, sums: dict[str, str]) -> Any:
-    """DCP's file-system writer into `path` (fsyncs every file) that records each file's xxh3-128 checksum in `sums`
-    as it writes it: in the thread that writes, the background one under `dcp.async_save`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    lock = threading.Lock()
-
-    class HashingFileSystem(FileSystem):
-        @contextmanager
-        def create_stream(self, file: str | os.PathLike, mode: str) -> Iterator[Any]:
-            if "w" not in mode:
-                with super().create_stream(file, mode) as stream:
-                    yield stream
-                return
-            with super().create_stream(file, mode) as stream:
-                hashing = _Hashing(stream)
-                yield hashing
-            name = Path(file).name
-            digest = checksum(Path(file)) if hashing.moved else hashing.digest.hexdigest()
-            with lock:
-                sums[name] = digest
-
-        def rename(self, file: str | os.PathLike, new: str | os.PathLike) -> None:
-            super().rename(file, new)
-            with lock:  # DCP writes `.metadata.tmp`, then renames it
-                if Path(file).name in sums:
-                    sums[Path(new).name] = sums.pop(Path(file).name)
-
-    writer = dcp.FileSystemWriter(str(path))
-    writer.fs = HashingFileSystem()
-    return writer
-
-
 def _same_containers(original: Any, staged: Any) -> Any:
     """DCP's staging turns tuples (AdamW's betas) into lists: give them back the original's containers."""
     if isinstance(original, dict):
@@ -386,10 +335,10 @@ def _same_containers(original: Any, staged: Any) -> Any:
     return staged
 
 
-def _prune(checkpoints: Path, keep_last: int) -> None:
+def _prune(checkpoints: Location, keep_last: int) -> None:
     """Keep the newest `keep_last` complete checkpoints, newest by the order resume uses (`format.by_time`): after
     a fallback, an abandoned folder of a higher step is older than the saves made since, and goes first."""
     if keep_last <= 0:
         return
     for old in complete(checkpoints)[keep_last:]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old)

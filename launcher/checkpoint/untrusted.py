@@ -17,8 +17,9 @@ Configs and `_target_`s, by contrast, are code: they name what to import and run
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
 from typing import Any
+
+from launcher.checkpoint.storage import Location, is_remote
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -58,12 +59,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent references are not allowed in checkpoint metadata")
 
 
-def read_metadata(path: Path) -> Any:
+def read_metadata(path: Location) -> Any:
     """DCP's `Metadata` of the checkpoint folder `path`, through the allow-list unpickler."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        with open(path / ".metadata", "rb") as f:
+        with (path / ".metadata").open("rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except Exception as e:  # truncated, foreign or crafted: one line, never a traceback
         raise UntrustedDataError(f"checkpoint {path} has unreadable metadata ({type(e).__name__}: {e})") from e
@@ -72,12 +73,14 @@ def read_metadata(path: Path) -> Any:
     return metadata
 
 
-def safe_reader(path: Path) -> Any:
-    """A DCP storage reader for `path` that reads its metadata through `read_metadata`."""
+def safe_reader(path: Location) -> Any:
+    """A DCP storage reader for `path` (a local folder, or a URL through fsspec) that reads its metadata through
+    `read_metadata`."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # not exported by the package
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class SafeReader(FileSystemReader):
+    class SafeReader(FsspecReader if is_remote(path) else FileSystemReader):  # type: ignore[misc]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("rank") is not None:  # per-rank metadata files: not written by our saves
                 raise UntrustedDataError(f"checkpoint {path}: per-rank metadata is not supported")
@@ -107,7 +110,7 @@ def weights_only_planner() -> Any:
     return WeightsOnly()
 
 
-def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+def dcp_load(state: dict[str, Any], path: Location, no_dist: bool = False) -> None:
     """Fill `state` in place from the checkpoint at `path` (collective unless `no_dist`), reading only data."""
     import warnings
 
