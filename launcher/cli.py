@@ -221,6 +221,11 @@ def export(args: Sequence[str]) -> None:
             if frozen.gpus is None:
                 raise ConfigError("gpus is unset; give gpus=N, the workers (GPUs) of each pod")
             derived = derive(frozen, cuda_devices=frozen.gpus if frozen.device != "cpu" else 0)  # as each pod derives
+            if derived.nodes > 1 and not frozen.trainer.checkpoint_dir:
+                raise ConfigError(
+                    f"the {derived.nodes} pods share no file system: give trainer.checkpoint_dir=s3://bucket/prefix "
+                    "(any fsspec URL), or a folder on a volume you mount in every pod"
+                )
         except ConfigError as e:
             fail(str(e))
     name = own["name"][-1] if own["name"] else f"launch-{identity_hash(frozen, composed)[:10]}"

@@ -27,6 +27,18 @@ class ConfigError(ValueError):
     """A bad value in the user's config; its message is one line naming the value and the fix."""
 
 
+def one_line(e: BaseException) -> str:
+    """Hydra's or OmegaConf's multi-line report (and its causes) as one line: its first three distinct lines."""
+    parts: list[str] = []
+    seen: BaseException | None = e
+    while seen is not None:
+        for line in (line.strip() for line in str(seen).splitlines()):
+            if line and not line.startswith(("object_type", "reference_type")) and line not in parts:
+                parts.append(line)
+        seen = seen.__cause__
+    return "; ".join(parts[:3]) or "invalid configuration"
+
+
 def freeze(cfg: DictConfig) -> DictConfig:
     """The composed config as plain values: interpolations resolved, enums as their names, no schema attached.
 

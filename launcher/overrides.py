@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from launcher import schema
+from launcher.config import one_line
 
 CONFIG_MODULE = "launcher.conf"
 CONFIG_NAME = "config"
@@ -82,7 +83,7 @@ def compose_checked(overrides: Sequence[str], hydra_node: bool = False) -> tuple
     try:
         parsed = OverridesParser.create().parse_overrides(user)
     except HydraException as e:
-        return None, _one_line(e)
+        return None, one_line(e)
     groups = set(GlobalHydra.instance().config_loader().get_group_options("", results_filter=None))
     first: list[str] = []
     for o in parsed:
@@ -102,7 +103,7 @@ def compose_checked(overrides: Sequence[str], hydra_node: bool = False) -> tuple
     try:
         composed = compose(CONFIG_NAME, overrides=first, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as e:
-        return None, _unknown_key(e, first) or _one_line(e)
+        return None, _unknown_key(e, first) or one_line(e)
     problem = _run_dir_problem(composed.hydra, overrides, parsed)
     if problem:
         return None, problem
@@ -163,7 +164,7 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
                     cfg.pop("hydra")
                 check_job(cfg)  # ranges (config.freeze) and every check a run makes before it starts
             except (HydraException, OmegaConfBaseException) as e:
-                problem = _one_line(e)
+                problem = one_line(e)
             except ConfigError as e:
                 problem = str(e)
             if problem:
@@ -231,15 +232,3 @@ def _unknown_key(e: Exception, overrides: list[str]) -> str | None:
     valid = ", ".join(sorted(node.keys())) if isinstance(node, DictConfig) else "?"
     where = parent or "the top level"
     return f"unknown key '{key}'; {where} has: {valid} (to add a new key use +{key}=...)"
-
-
-def _one_line(e: BaseException) -> str:
-    parts: list[str] = []
-    while e is not None:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        for line in lines:
-            if line.startswith(("object_type", "reference_type")) or line in parts:
-                continue
-            parts.append(line)
-        e = e.__cause__  # type: ignore[assignment]
-    return "; ".join(parts[:3]) or "invalid configuration"

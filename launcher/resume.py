@@ -22,6 +22,14 @@ from launcher.durable import write_durably
 from strategies import RunContext, Strategy
 
 SHARED_CHECK = ".shared-directory"
+RUN_DIR_FIX = (
+    "the nodes of one run need one shared run directory; set hydra.run.dir to a folder on a file system every node "
+    "mounts"
+)
+CHECKPOINT_DIR_FIX = (
+    "the nodes of one run need one checkpoint folder; set trainer.checkpoint_dir to an object-store URL "
+    "(s3://bucket/prefix) or to a folder on a file system every node mounts"
+)
 
 
 def _broadcast(value: Any) -> Any:
@@ -30,9 +38,9 @@ def _broadcast(value: Any) -> Any:
     return box[0]
 
 
-def check_shared_directory(run_dir: Path, ctx: RunContext) -> None:
-    """Several nodes that share one run directory (`launcher.clusters.Job.shared_run_dir`): every rank must see the
-    file rank 0 writes into it."""
+def check_shared_directory(run_dir: Path, ctx: RunContext, fix: str = RUN_DIR_FIX) -> None:
+    """Several nodes that share one folder (the run directory, `launcher.clusters.Job.shared_run_dir`, or a local
+    checkpoint folder): every rank must see the file rank 0 writes into it; `fix`: what to do where one does not."""
     marker = run_dir / SHARED_CHECK
     nonce = secrets.token_hex(8) if ctx.rank == 0 else None
     if ctx.rank == 0:
@@ -47,10 +55,7 @@ def check_shared_directory(run_dir: Path, ctx: RunContext) -> None:
     blind = [(rank, host) for ok, rank, host in views if not ok]
     if blind:
         rank, host = blind[0]
-        raise RuntimeError(
-            f"rank {rank} (on {host}) does not see {run_dir} as rank 0 wrote it: the nodes of one run need one "
-            "shared run directory; set hydra.run.dir to a folder on a file system every node mounts"
-        )
+        raise RuntimeError(f"rank {rank} (on {host}) does not see {run_dir} as rank 0 wrote it: {fix}")
 
 
 def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -> Position:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
+from launcher.checkpoint.storage import checkpoints_of, inside, is_remote
 from launcher.data import BUILT_IN_DATA, GlobalBatches, StepBatches, build_dataset, check_token_ids, feed
 from launcher.guard import Guard
 from launcher.lifecycle import Phase, StopRequest
@@ -29,7 +30,7 @@ from launcher.meta import build_on_meta
 from launcher.metrics import declared, over_ranks
 from launcher.optimizers import lr_at, optimizer_factory
 from launcher.profiling import MemorySnapshots, StepProfiler
-from launcher.resume import check_shared_directory, restart_count, resume
+from launcher.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_count, resume
 from launcher.search.trial import TrialReport, record_pruned
 from launcher.speed import Speed, Window
 from launcher.step import all_reduce, evaluate, gather_rows, train_step
@@ -177,8 +178,8 @@ class Trainer:
         batches = GlobalBatches(len(train_set), self.B, cfg.seed)  # its permutation is data: held before the model
         # What the process holds before the model exists: torch, and the data (host memory, as on a GPU machine).
         self.memory = StepMemory(self.device, ctx.compile)
-        if int(cfg.derived.nodes) > 1 and OmegaConf.select(cfg, "derived.shared_run_dir", default=True):
-            check_shared_directory(self.run_dir, ctx)  # before the first save
+        if int(cfg.derived.nodes) > 1:  # before the first save: where the nodes write together, they see one folder
+            self.check_shared_folders()
         phase("building the model")
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and in a one-process run
 
@@ -237,6 +238,17 @@ class Trainer:
             return False
         every = self.trainer.memory_every
         return self.device.type == "cuda" or not self.metrics or step == self.max_steps or step % every == 0
+
+    def check_shared_folders(self) -> None:
+        """The run directory where the cluster shares it (SLURM, nodes by hand), and a local checkpoint folder
+        elsewhere (a Kubernetes pod's run directory is its own): every rank sees what rank 0 writes there."""
+        shared_run_dir = OmegaConf.select(self.cfg, "derived.shared_run_dir", default=True)
+        if shared_run_dir:
+            check_shared_directory(self.run_dir, self.ctx)
+        where = checkpoints_of(self.trainer, self.run_dir)
+        if not is_remote(where) and not (shared_run_dir and inside(where, self.run_dir)):
+            where.mkdir(parents=True, exist_ok=True)
+            check_shared_directory(where, self.ctx, CHECKPOINT_DIR_FIX)
 
     def logged(self, step: int) -> bool:
         """trainer.log_every, the last step, and the first (the loss is seen at once)."""

@@ -10,14 +10,25 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from launcher.config import ConfigError
 
-if TYPE_CHECKING:
-    from launcher.text import Corpus
+
+class Corpus(Protocol):
+    """What the build reads of `launcher.text.Corpus` (declared here: the build module does not import its caller)."""
+
+    train: tuple[Path, ...]
+    val: tuple[Path, ...]
+    tokenizer: Path
+    settings: dict[str, Any]
+
+    def key(self) -> dict[str, Any]: ...
+
+    @staticmethod
+    def reader(path: Path) -> str: ...
 
 
 class Encode:

@@ -120,8 +120,16 @@ def _manifest(*args: str) -> dict:
 @pytest.mark.unit
 def test_export_refuses_what_a_run_would_refuse(tmp_path: Path) -> None:
     cases = {
-        ("image=x", "gpus=8", "nodes=2", "batch.global_size=30"): "batch.global_size=30 is not divisible",
+        (
+            "image=x",
+            "gpus=8",
+            "nodes=2",
+            "batch.global_size=30",
+            "trainer.checkpoint_dir=s3://b/p",
+        ): "batch.global_size=30 is not divisible",
         ("image=x", "nodes=2"): "gpus is unset; give gpus=N, the workers (GPUs) of each pod",
+        ("image=x", "nodes=2", "gpus=8", "batch.global_size=64"): "the 2 pods share no file system: give "
+        "trainer.checkpoint_dir=s3://bucket/prefix",
         ("gpus=1",): "usage: launch export kubeflow image=IMAGE",
         ("image=x", "gpus=1", "name=My_Job"): "name=My_Job is not a Kubernetes object name",
         ("image=x", "gpus=1", "trainer.max_stpes=3"): "unknown key 'trainer.max_stpes'",
@@ -133,34 +141,54 @@ def test_export_refuses_what_a_run_would_refuse(tmp_path: Path) -> None:
         assert len(lines) == 1 and lines[0].startswith(f"launch: error: {message}"), (args, run.stderr)
 
 
-def test_the_exported_pytorchjob_runs_as_two_pods_that_match_one_node(conformance_dir: Path, tmp_path: Path) -> None:
-    """The manifest names the run's overrides; its pods, started with the environment the operator gives them (on
-    loopback), join as nodes 0 and 1 and train as one node of 2 ranks does."""
-    job = _manifest("image=registry.local/train:1", "name=tiny", *JOB, "nodes=2", "gpus=1", "trainer.save_at_end=false")
-    assert (job["apiVersion"], job["kind"], job["metadata"]["name"]) == ("kubeflow.org/v1", "PyTorchJob", "tiny")
-    specs = job["spec"]["pytorchReplicaSpecs"]
-    assert (specs["Master"]["replicas"], specs["Worker"]["replicas"], job["spec"]["nprocPerNode"]) == (1, 1, "1")
-    pods = [specs[kind]["template"]["spec"]["containers"][0] for kind in ("Master", "Worker")]
-    assert all(pod["image"] == "registry.local/train:1" and pod["name"] == "pytorch" for pod in pods)
-    command = pods[0]["command"]
-    assert command[0] == "launch" and command[1:-1] == [*JOB, "nodes=2", "gpus=1", "trainer.save_at_end=false"]
-    assert pods[1]["command"] == command and command[-1].startswith("hydra.run.dir=")
-    port = free_port()
-    procs = []
-    for rank, pod in enumerate(pods):
-        env = (
-            clean_env(tmp_path)
-            | _pod(rank, port, nproc="1")
-            | {"PET_MASTER_ADDR": "127.0.0.1", "MASTER_ADDR": "127.0.0.1"}
-        )
-        args = [*pod["command"][1:-1], f"hydra.run.dir={tmp_path / f'pod{rank}'}"]  # each pod's own disk
+def _pods(tmp_path: Path, command: list[str], extra_env: dict[str, str] | None = None) -> list[tuple[int, str, str]]:
+    """The two pods of a PyTorchJob, each with its own disk (run directory), started as the operator starts them (its
+    variables, the master's address on loopback); their (exit code, stdout, stderr)."""
+    port, procs = free_port(), []
+    for rank in range(2):
+        loopback = {"PET_MASTER_ADDR": "127.0.0.1", "MASTER_ADDR": "127.0.0.1"}  # the master pod's address, here
+        env = clean_env(tmp_path) | _pod(rank, port, nproc="1") | loopback | (extra_env or {})
+        args = [*command[1:-1], f"hydra.run.dir={tmp_path / f'pod{rank}'}"]  # the manifest's, on this pod's disk
         procs.append(subprocess.Popen([LAUNCH, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))  # fmt: skip
-    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
-    assert [r[0] for r in results] == [0, 0], results
-    assert "node 0 of a kubernetes job" in results[0][1] and "node 1 of a kubernetes job" in results[1][1], results
+    return [(p.wait(timeout=300), *p.communicate()) for p in procs]
+
+
+def test_the_exported_pytorchjob_runs_as_two_pods_that_match_one_node(conformance_dir: Path, tmp_path: Path) -> None:
+    """The manifest names the run's overrides; its pods, started with the environment the operator gives them (on
+    loopback), join as nodes 0 and 1, train as one node of 2 ranks does, and keep their checkpoints in object storage
+    (moto's S3 server): the pods share no file system. Without a shared checkpoint folder they stop before the first
+    step, saying so."""
+    from object_store import s3_server
+
+    with s3_server() as s3:
+        url = s3.url("k8s/tiny")
+        job = _manifest("image=registry.local/train:1", "name=tiny", *JOB, "nodes=2", "gpus=1",
+                        f"trainer.checkpoint_dir={url}")  # fmt: skip
+        assert (job["apiVersion"], job["kind"], job["metadata"]["name"]) == ("kubeflow.org/v1", "PyTorchJob", "tiny")
+        specs = job["spec"]["pytorchReplicaSpecs"]
+        assert (specs["Master"]["replicas"], specs["Worker"]["replicas"], job["spec"]["nprocPerNode"]) == (1, 1, "1")
+        pods = [specs[kind]["template"]["spec"]["containers"][0] for kind in ("Master", "Worker")]
+        assert all(pod["image"] == "registry.local/train:1" and pod["name"] == "pytorch" for pod in pods)
+        command = pods[0]["command"]
+        assert command[0] == "launch" and command[1:-1] == [*JOB, "nodes=2", "gpus=1", f"trainer.checkpoint_dir={url}"]
+        assert pods[1]["command"] == command and command[-1].startswith("hydra.run.dir=")
+        results = _pods(tmp_path, command, s3.env)
+        assert [r[0] for r in results] == [0, 0], results
+        assert "node 0 of a kubernetes job" in results[0][1] and "node 1 of a kubernetes job" in results[1][1], results
+        saved = sorted(p.rsplit("/", 1)[-1] for p in s3.fs().ls(url.removeprefix("s3://")))
+        assert "step_00000005" in saved, saved  # both pods' shards and the manifest, in the bucket
+        assert not (tmp_path / "pod0" / "checkpoints").exists() and not (tmp_path / "pod1" / "checkpoints").exists()
     metrics = (tmp_path / "pod0" / "metrics.jsonl").read_text().splitlines()
     two = [json.loads(line)["loss"] for line in metrics]
     one = launch_once(conformance_dir, *JOB, "gpus=2", name="cluster-one-node").check().losses()
     assert max(abs(a - b) for a, b in zip(one, two, strict=True)) <= 1e-6, (one, two)
     assert not (tmp_path / "pod1" / "metrics.jsonl").exists()  # metrics are rank 0's, in its pod's run directory
+    apart = tmp_path / "apart"
+    apart.mkdir()
+    results = _pods(apart, ["launch", *JOB, "nodes=2", "gpus=1", "hydra.run.dir=/workspace/run"])
+    assert [r[0] for r in results] == [1, 1], results
+    err = "".join(r[2] for r in results)
+    assert "does not see" in err and "the nodes of one run need one checkpoint folder; set trainer.checkpoint_dir to " \
+        "an object-store URL (s3://bucket/prefix)" in err, err  # fmt: skip
+    assert not (apart / "pod0" / "metrics.jsonl").exists()  # stopped before the first step

@@ -208,6 +208,6 @@ class LaunchOptunaSweeper(Sweeper):
 
 
 def _one_line(e: BaseException) -> str:
-    from launcher.overrides import _one_line as one_line
+    from launcher.config import one_line
 
     return one_line(e)
