@@ -311,7 +311,8 @@ class Trainer:
 
     def save(self, step: int) -> None:
         self.phase(f"saving the checkpoint of step {step}")
-        self.saves.save(self.position, self.strategy, self.manifest)
+        with self.memory.imports_excluded():  # the writer's modules, imported by the first save, are no step's memory
+            self.saves.save(self.position, self.strategy, self.manifest)
         self.stalled = True
 
     def stopped(self, step: int) -> None:

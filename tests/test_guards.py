@@ -132,8 +132,16 @@ def test_token_ids_beyond_the_vocabulary(tmp_path: Path) -> None:
     path = tmp_path / "train.bin"
     np.array([*range(200), 300, *range(200)], dtype=np.uint16).tofile(path)
     assert largest_id(path) == 300 and (tmp_path / "train.bin.max-id.json").is_file()
-    line = launch(tmp_path, *TINY, "data=tokens", f"data.path={path}", "data.seq_len=16", "data.val_fraction=0.5",
-                  "trainer.eval_every=0").refused()  # fmt: skip
+    line = launch(
+        tmp_path,
+        *TINY,
+        "data=tokens",
+        f"data.path={path}",
+        "data.seq_len=16",
+        "data.val_fraction=0.5",
+        "trainer.eval_every=0",
+        "batch.global_size=8",
+    ).refused()  # fmt: skip (12 samples: a global batch)
     assert f"data.path={path} holds token id 300, but the model's vocabulary has 256 ids" in line, line
     np.array([*range(200), 400, *range(200)], dtype=np.uint16).tofile(path)  # same size: a new time, a new scan
     os.utime(path, ns=(1, 1))
