@@ -58,3 +58,15 @@ for name in names:
     print(f"| {name} | {m['step_time_s']:.3f} | {m['tokens_per_s']:.0f} | {mfu} | {m['peak_memory_bytes'] / 1e9:.1f} "
           f"| {m.get('model_state_bytes', 0) / 1e9:.1f} |")
 PY
+
+# A real out-of-memory error under batch.micro_size=auto: the plan is told the GPU holds 8x its memory, so the planner
+# picks a micro-batch that cannot fit; each CUDA out-of-memory error restarts the worker group at half of it, and the
+# run ends at exit 0 with the micro-batch that fits (its lines, then the micro-batches its steps ran at).
+echo "== ddp, batch.micro_size=auto over an 8x overstated plan.device_memory_gb" >&2
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+timeout 240 "$LAUNCH" strategy=ddp "${JOB[@]/batch.micro_size=8/batch.micro_size=auto}" device=cuda \
+  batch.global_size=64 trainer.max_steps=6 trainer.log_every=1 trainer.checkpoint_every=2 \
+  plan.device_memory_gb=$(( MEM * 8 / 1000 )) hydra.run.dir="$OUT/oom" > "$OUT/oom.log" 2>&1; echo "exit $?"
+grep -E "^auto: batch.micro_size|ran out of memory|^launch: micro-batch" "$OUT/oom.log" || true
+python -c "import json,sys; print(sorted({(m['micro_size'], m['accumulation']) for m in map(json.loads, open(sys.argv[1]))}))" \
+  "$OUT/oom/metrics.jsonl" || true

@@ -9,6 +9,7 @@ config-only commands stay fast. The caller passes what it detected about the mac
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,12 @@ class Derived:
     world_size: int
     accumulation: int
     """Micro-steps per optimizer step: global / (micro x world size)."""
+    min_nodes: int = 1
+    """The fewest nodes an elastic job (nodes=MIN:MAX) goes on with; `nodes` is the most, and what is planned for.
+    Equal to `nodes` for a job of a fixed size."""
+    micro_auto: bool = False
+    """batch.micro_size=auto: the planner chose the micro-batch, and an out-of-memory error halves it
+    (`launcher.adapt`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,6 +146,10 @@ def _nearest_multiples(value: int, unit: int) -> str:
     below = (value // unit) * unit
     above = below + unit
     return f"{below} or {above}" if below > 0 else f"{above}"
+
+
+AUTO = "auto"
+"""batch.micro_size=auto: the planner picks it (`launcher.plan.commands.choose_micro`, `launcher.adapt`)."""
 
 
 class BatchSizeError(ConfigError):
@@ -176,19 +187,83 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
     else:
         gpus = cfg.gpus if cfg.gpus is not None else CPU_DEFAULT_GPUS
 
-    world_size = gpus * cfg.nodes
-    per_step = batch.micro_size * world_size
+    low, high = node_range(cfg.nodes)
+    world_size = gpus * high
+    auto = batch.micro_size == AUTO
+    micro = 1 if auto else int(batch.micro_size)  # auto: planned later (`plan.commands.choose_micro`)
+    per_step = micro * world_size
+    check_world_sizes(batch.global_size, batch.micro_size, cfg.nodes, gpus)  # an elastic range: every size in it
     if batch.global_size % per_step:
+        given = "" if auto else f" batch.micro_size={micro} x"
         raise BatchSizeError(
             per_step,
-            f"batch.global_size={batch.global_size} is not divisible by batch.micro_size={batch.micro_size} "
-            f"x world size {world_size} (= {per_step}); use batch.global_size="
+            f"batch.global_size={batch.global_size} is not divisible by{given} world size {world_size} "
+            f"(= {per_step}); use batch.global_size="
             f"{_nearest_multiples(batch.global_size, per_step)}, or change batch.micro_size or gpus",
+        )
+    if low < high and not cfg.trainer.max_restarts:
+        raise ConfigError(
+            f"nodes={cfg.nodes} lets nodes leave and join, but trainer.max_restarts=0 ends the job when the first one "
+            "leaves; set trainer.max_restarts=3 (each node that leaves costs one restart; one that joins, none)"
         )
     _check_data(cfg)
     _check_trainer(cfg.trainer)
     _check_targets(cfg)
-    return Derived(device, gpus, cfg.nodes, world_size, batch.global_size // per_step)
+    return Derived(device, gpus, high, world_size, batch.global_size // per_step, low, auto)
+
+
+def node_range(nodes: Any) -> tuple[int, int]:
+    """`nodes` as (fewest, most): N is (N, N); MIN:MAX an elastic range. ConfigError (one line) for an empty range."""
+    if isinstance(nodes, int):
+        return nodes, nodes
+    match = re.fullmatch(r"(\d+):(\d+)", str(nodes))
+    if not match:
+        raise ConfigError(f"nodes={nodes} is neither a number of nodes nor MIN:MAX; e.g. nodes=2 or nodes=1:4")
+    low, high = int(match[1]), int(match[2])
+    if not 1 <= low <= high:
+        raise ConfigError(f"nodes={nodes} is not a range MIN:MAX with 1 <= MIN <= MAX; e.g. nodes={max(1, high)}:{low}")
+    return low, high
+
+
+def world_sizes(nodes: Any, gpus: int) -> list[int]:
+    low, high = node_range(nodes)
+    return [n * gpus for n in range(low, high + 1)]
+
+
+def valid_micro_sizes(global_size: int, worlds: list[int]) -> list[int]:
+    """Every micro-batch that divides the global batch at each world size of `worlds`, largest first."""
+    return [m for m in range(global_size, 0, -1) if all(global_size % (m * w) == 0 for w in worlds)]
+
+
+def check_world_sizes(global_size: int, micro: Any, nodes: Any, gpus: int) -> None:
+    """An elastic job's global batch must divide over micro-batches and ranks at every world size it may run at:
+    ConfigError naming a micro-batch that works for all of them (or a global batch, where none does)."""
+    worlds = world_sizes(nodes, gpus)
+    if len(worlds) == 1:
+        return
+    valid = valid_micro_sizes(global_size, worlds)
+    if micro == AUTO:
+        if valid:
+            return
+        bad = [w for w in worlds if global_size % w]  # not even at micro-batch 1
+    else:
+        bad = [w for w in worlds if global_size % (int(micro) * w)]
+        if not bad:
+            return
+    import math
+
+    lcm = math.lcm(*worlds)
+    fix = (
+        f"batch.micro_size={next(m for m in valid if micro == AUTO or m <= int(micro))} works at all of them"
+        if valid
+        else f"batch.global_size={_nearest_multiples(global_size, lcm * (1 if micro == AUTO else int(micro)))} divides "
+        "over all of them"
+    )
+    shown = f"batch.micro_size={micro}" if micro != AUTO else "any micro-batch"
+    raise ConfigError(
+        f"nodes={nodes} may run at world sizes {', '.join(map(str, worlds))}, but batch.global_size={global_size} "
+        f"does not divide over {shown} x world size {bad[0]}; {fix}"
+    )
 
 
 def _check_data(cfg: DictConfig) -> None:

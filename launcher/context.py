@@ -14,9 +14,16 @@ from omegaconf import DictConfig
 from strategies import RunContext, Strategy
 
 
-def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int) -> RunContext:
-    """What a strategy may know of the run, for one rank of a frozen config that carries `derived`."""
+def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int, micro: int | None = None) -> RunContext:
+    """What a strategy may know of the run, for one rank of a frozen config that carries `derived`: at `world_size`
+    and `micro` (an elastic job's size now, the micro-batch an out-of-memory error left: `launcher.adapt`), with
+    the accumulation that keeps the global batch."""
     derived = cfg.derived
+    micro = micro or int(cfg.batch.micro_size)
+    accumulation, rest = divmod(int(cfg.batch.global_size), micro * world_size)
+    if rest or not accumulation:
+        raise ValueError(f"batch.global_size={cfg.batch.global_size} does not divide over micro-batch {micro} x world "
+                         f"size {world_size}")  # fmt: skip
     return RunContext(
         device=f"cuda:{local_rank}" if derived.device == "cuda" else "cpu",
         rank=rank,
@@ -24,8 +31,8 @@ def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int) ->
         world_size=world_size,
         precision=str(cfg.precision),
         grad_clip=float(cfg.trainer.grad_clip),
-        accumulation=int(derived.accumulation),
-        micro_size=int(cfg.batch.micro_size),
+        accumulation=accumulation,
+        micro_size=micro,
         compile=bool(cfg.trainer.compile),
         local_world_size=int(derived.gpus),
     )

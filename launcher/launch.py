@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.agent import agent_logs_to_file, failed_group_grace
 from launcher.checks import check_built, check_keys, check_protocol, check_resume, check_strategy, vocabulary
 from launcher.clusters import detect, shaped
 from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze
@@ -50,6 +51,8 @@ class Prepared:
     rdzv: Rendezvous
     ownership: Ownership
     """This launch's claim on the run directory, held until the workers are done."""
+    restarts: int
+    """The elastic agent's restarts: trainer.max_restarts, and one per halving batch.micro_size=auto has left."""
 
 
 def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -> Prepared:
@@ -59,12 +62,15 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     `job` carries what Hydra knows of this job (its config-group choices, its overrides, its place in a sweep);
     it is recorded in the frozen config and names the job's wandb group and run.
     """
+    from launcher.adapt import oom_restarts, read_adapted
     from launcher.meta import build_on_meta, measure
-    from launcher.plan.commands import choose, is_auto, planned_peak
+    from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak
 
     frozen = shaped(freeze(cfg), os.environ, (job or {}).get("overrides", []))  # a cluster's nodes and gpus
     cuda = visible_cuda_devices()
     derived = derive(frozen, cuda)
+    if derived.micro_auto:  # checked and planned (strategy=auto) at one sample; chosen once the strategy is
+        frozen.batch.micro_size = 1
     if forks_workers(derived, frozen.trainer):
         import torch
 
@@ -79,6 +85,8 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         if job and "choices" in job:
             job = {**job, "choices": {**job["choices"], "strategy": name}}  # record what runs, for reports and names
     check_protocol(frozen)  # before the planner reads the strategy (a user's, written to an older protocol)
+    if derived.micro_auto:  # batch.micro_size=auto: the largest that fits, or what an out-of-memory error left
+        frozen, derived = choose_micro(frozen, derived, model, read_adapted(run_dir))
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(model)
@@ -102,7 +110,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     tmp = run_dir / f".resolved.{os.getpid()}.yaml"
     OmegaConf.save(frozen, tmp)
     os.replace(tmp, path)
-    return Prepared(path, derived, rdzv, ownership)
+    return Prepared(path, derived, rdzv, ownership, oom_restarts(frozen, derived) + int(frozen.trainer.max_restarts))
 
 
 def check_job(cfg: DictConfig) -> None:
@@ -112,17 +120,21 @@ def check_job(cfg: DictConfig) -> None:
     import io
 
     from launcher.meta import build_on_meta
-    from launcher.plan.commands import choose, is_auto
+    from launcher.plan.commands import choose, choose_micro, is_auto
 
     with contextlib.redirect_stdout(io.StringIO()):  # strategy=auto's table is for the job itself to print
         frozen = shaped(freeze(cfg), os.environ, [])
         derived = derive(frozen, visible_cuda_devices())
+        if derived.micro_auto:
+            frozen.batch.micro_size = 1
         check_keys(frozen)
         model = build_on_meta(frozen.model)
         check_built(frozen, model)
         if is_auto(frozen):
             _, frozen = choose(frozen, derived, model)
         check_protocol(frozen)
+        if derived.micro_auto:
+            frozen, derived = choose_micro(frozen, derived, model, None)
         check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), model)
 
 
@@ -141,11 +153,15 @@ def describe(cfg: DictConfig, derived: Derived, rdzv: Rendezvous, run_dir: Path)
     where = f" via rendezvous {rdzv.endpoint} (id {rdzv.run_id})" if derived.nodes > 1 else ""
     if rdzv.job.cluster != "local":
         where += f", node {rdzv.job.node_rank} of a {rdzv.job.cluster} job"
+    nodes, world = f"{derived.nodes} node(s)", f"world size {derived.world_size}"
+    micro = b.global_size // (derived.accumulation * derived.world_size)  # batch.micro_size=auto: the planner's
+    if derived.min_nodes < derived.nodes:  # elastic: accumulation follows the world size the group starts with
+        nodes = f"{derived.min_nodes} to {derived.nodes} nodes (elastic)"
+        world = f"world size {derived.min_nodes * derived.gpus} to {derived.world_size}"
     return (
-        f"launch: {derived.nodes} node(s) x {derived.gpus} {derived.device} worker(s) "
-        f"= world size {derived.world_size}{where}; "
-        f"batch: micro {b.micro_size} x accumulation {derived.accumulation} x world {derived.world_size} "
-        f"= global {b.global_size}; run dir {run_dir}"
+        f"launch: {nodes} x {derived.gpus} {derived.device} worker(s) = {world}{where}; "
+        f"batch: micro {micro}{' (auto)' if derived.micro_auto else ''} x accumulation {derived.accumulation} "
+        f"x world {derived.world_size} = global {b.global_size}; run dir {run_dir}"
     )
 
 
@@ -213,7 +229,7 @@ def _run(cfg: DictConfig, run_dir: Path, job: dict[str, Any]) -> Outcome:
         return Outcome(EXIT_BAD_INPUT, str(e))
     print(describe(cfg, prepared.derived, prepared.rdzv, run_dir), flush=True)
     try:
-        return start_workers(prepared.resolved, prepared.derived, prepared.rdzv, cfg.trainer, run_dir)
+        return start_workers(prepared, cfg.trainer, run_dir)
     finally:
         prepared.ownership.release()
 
@@ -260,20 +276,21 @@ def forks_workers(derived: Derived, trainer: DictConfig) -> bool:
     return derived.device == "cpu" and bool(trainer.fork_workers)
 
 
-def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: DictConfig, run_dir: Path) -> Outcome:
+def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Outcome:
     """Start `gpus` workers on this node through torch's elastic agent and wait for them."""
+    resolved, derived, rdzv = prepared.resolved, prepared.derived, prepared.rdzv
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _worker_environment(derived, rdzv, run_dir)
-    _agent_logs_to_file(run_dir)
+    agent_logs_to_file(run_dir)
     cheap_event_names()
     forked = forks_workers(derived, trainer)
     quiet = {rank: Std.ALL for rank in range(1, derived.gpus)}  # rank 0 talks to the terminal
     config = LaunchConfig(
-        min_nodes=derived.nodes,
+        min_nodes=derived.min_nodes,  # nodes=MIN:MAX: the group restarts at the new size when a node leaves or joins
         max_nodes=derived.nodes,
         nproc_per_node=derived.gpus,
         run_id=rdzv.run_id,
@@ -281,14 +298,14 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         rdzv_endpoint=rdzv.endpoint,
         rdzv_configs=rdzv.configs,
         local_addr=rdzv.local_addr,
-        max_restarts=trainer.max_restarts,
+        max_restarts=prepared.restarts,
         # The agent passes these on to the workers, which finish the step and checkpoint (SIGUSR2: SLURM's warning).
         signals_to_handle=",".join(s.name for s in STOP_SIGNALS),
         shutdown_timeout=trainer.stop_timeout,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
         start_method="fork" if forked else "spawn",
     )
-    _failed_group_grace(min(trainer.stop_timeout, STOP_REPEAT_GRACE))
+    failed_group_grace(min(trainer.stop_timeout, STOP_REPEAT_GRACE))
     previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, DUMP_SIGNAL)}
     signal.signal(DUMP_SIGNAL, _ask_workers)
     oom_before, (_, available) = oom_kills(), memory_available()
@@ -336,53 +353,6 @@ def start_workers(resolved: Path, derived: Derived, rdzv: Rendezvous, trainer: D
         for sig, handler in previous.items():  # the agent leaves its own handlers behind
             signal.signal(sig, handler)
     return Outcome(0)
-
-
-def _failed_group_grace(seconds: float) -> None:
-    """Once a worker failed, torch's agent stops the others with SIGTERM and waits a fixed 30 s before SIGKILL
-    (`PContext.close()` and `LocalElasticAgent._stop_workers` take no setting; only a stop signal's shutdown uses
-    `shutdown_timeout`, trainer.stop_timeout). A worker of a failed group has nothing to save (its peers are gone),
-    and one that is hung or stopped never answers SIGTERM: the job ends `seconds` after the failure, not 30 s."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import PContext
-
-    close = getattr(PContext.close, "launch_original", PContext.close)
-
-    def close_failed(context: Any, death_sig: Any = None, timeout: float = seconds) -> None:
-        close(context, death_sig, timeout)
-
-    def stop_workers(agent: Any, worker_group: Any, *args: Any, **kwargs: Any) -> None:
-        agent._shutdown(timeout=seconds)
-
-    close_failed.launch_original = close  # type: ignore[attr-defined]
-    PContext.close = close_failed  # type: ignore[method-assign]
-    LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
-
-
-def _agent_logs_to_file(run_dir: Path) -> None:
-    """The elastic agent's own log lines ("Sending process ... SIGTERM", "failed (exitcode: 1)") go to
-    `<run dir>/logs/agent.log`, not the terminal: there the launcher says it once, one line per failing rank."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    file = _QuietFileHandler(run_dir / "logs" / "agent.log", delay=True)
-    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    file.launch_run_log = True  # type: ignore[attr-defined]
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
-        # the agent, its launcher, its forks
-        agent = logging.getLogger(name)
-        agent.propagate = False  # torch's own handler would print them on the terminal
-        for handler in list(agent.handlers):
-            if getattr(handler, "launch_run_log", False):
-                agent.removeHandler(handler)  # the previous job's, in a sweep
-                handler.close()
-        agent.addHandler(file)
-
-
-class _QuietFileHandler(logging.FileHandler):
-    """A log file that cannot be written (a full disk) loses the agent's lines, without a traceback per line on the
-    terminal: the launcher says what failed in its own line."""
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        pass
 
 
 def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, Any], trainer: DictConfig) -> Outcome:

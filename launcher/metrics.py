@@ -35,6 +35,7 @@ METRICS = {
         Metric("lr", "", "same", "runner", "the step's learning rate"),
         Metric("grad_norm", "", "same", "strategy", "the global gradient norm, before clipping"),
         Metric("accumulation", "", "same", "runner", "micro-steps per optimizer step"),
+        Metric("micro_size", "", "same", "runner", "samples per rank per forward pass (batch.micro_size=auto: adapts)"),
         Metric("world_size", "", "same", "runner", "ranks of the worker group"),
         Metric("restart", "", "same", "runner", "the attempt of the worker group that logged the step (0: the first)"),
         Metric(

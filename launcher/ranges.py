@@ -21,8 +21,20 @@ class Range:
     open_high: bool = False
     rule: str = ""
     """How the rule reads in an error: "a positive integer", "a fraction in [0, 1)"."""
+    words: tuple[str, ...] = ()
+    """Strings the field also takes (`batch.micro_size=auto`), for a field typed Any."""
+    pattern: str | None = None
+    """A regular expression a string value may match instead (`nodes=MIN:MAX`)."""
+    integer: bool = False
+    """Whole numbers only: for a field typed Any, which OmegaConf does not convert to int."""
 
-    def holds(self, value: float) -> bool:
+    def holds(self, value: Any) -> bool:
+        import re
+
+        if isinstance(value, str):
+            return value in self.words or bool(self.pattern and re.fullmatch(self.pattern, value))
+        if not isinstance(value, int | float) or (self.integer and not float(value).is_integer()):
+            return False
         above = self.low is None or (value > self.low if self.open_low else value >= self.low)
         below = self.high is None or (value < self.high if self.open_high else value <= self.high)
         return above and below
@@ -35,6 +47,8 @@ FRACTION = Range(low=0, high=1, open_high=True, rule="a fraction in [0, 1)")
 UNIT = Range(low=0, high=1, rule="in [0, 1]")
 PORT = Range(low=1, high=65535, rule="a port in [1, 65535]")
 ZERO_STAGE = Range(low=1, high=3, rule="a ZeRO stage: 1, 2 or 3")
+MICRO = Range(low=1, rule="a positive integer, or auto", words=("auto",), integer=True)
+NODES = Range(low=1, rule="a positive integer, or MIN:MAX (an elastic job)", pattern=r"\d+:\d+", integer=True)
 
 
 def ranged(default: Any, valid: Range, identity: bool = True) -> Any:

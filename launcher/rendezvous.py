@@ -45,6 +45,13 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
             f"nodes={derived.nodes} needs rdzv.endpoint=HOST:PORT and rdzv.id=NAME, the same on every node "
             "(or run inside a SLURM allocation or a Kubernetes PyTorchJob)"
         )
+    if derived.min_nodes < derived.nodes:
+        if backend != "c10d":
+            raise ConfigError(
+                f"nodes={derived.min_nodes}:{derived.nodes} (elastic) needs the c10d rendezvous, not "
+                f"rdzv.backend={backend}; use rdzv.backend=c10d with rdzv.endpoint and rdzv.id"
+            )
+        configs["last_call_timeout"] = int(r.last_call_timeout)
     if backend == "static":
         if derived.nodes > 1 and node_rank is None:
             raise ConfigError("rdzv.backend=static needs rdzv.node_rank=N on each node (or SLURM_NODEID)")

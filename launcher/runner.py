@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.adapt import after_out_of_memory
 from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
 from launcher.checkpoint.storage import checkpoints_of, inside, is_remote
@@ -57,6 +58,7 @@ def train(
         return Trainer(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase, snapshots).run()
     except torch.OutOfMemoryError as e:
         phase.try_flush()
+        after_out_of_memory(cfg, ctx, run_dir, phase.now)  # batch.micro_size=auto: the restarted group halves it
         error = snapshots.out_of_memory(e)
         error.launch_phase = phase.now  # type: ignore[attr-defined]
         raise error from e
@@ -367,6 +369,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "accumulation": self.ctx.accumulation,
+            "micro_size": self.ctx.micro_size,
             "world_size": self.ctx.world_size,
             "restart": restart_count(),  # which attempt of the worker group logged the step
             **reduced,

@@ -19,7 +19,19 @@ from omegaconf import MISSING, OmegaConf
 from launcher import data_schema
 from launcher.data_schema import PySourceDataConfig, SyntheticDataConfig, TokensDataConfig
 from launcher.groups import choices
-from launcher.ranges import COUNT, FRACTION, PORT, POSITIVE, SIZE, UNIT, ZERO_STAGE, launch_only, ranged
+from launcher.ranges import (
+    COUNT,
+    FRACTION,
+    MICRO,
+    NODES,
+    PORT,
+    POSITIVE,
+    SIZE,
+    UNIT,
+    ZERO_STAGE,
+    launch_only,
+    ranged,
+)
 from launcher.search.schema import SweepConfig
 from launcher.trainer_schema import TrainerConfig
 
@@ -42,8 +54,10 @@ class Precision(Enum):
 class BatchConfig:
     global_size: int = ranged(32, SIZE)
     """Samples per optimizer step, over all ranks and micro-steps."""
-    micro_size: int = ranged(4, SIZE)
-    """Samples per rank per forward pass."""
+    micro_size: Any = ranged(4, MICRO, identity=False)
+    """Samples per rank per forward pass; not part of the run's identity (the trajectory depends on the global batch
+    alone: `launcher.loss`). auto: the largest that divides the global batch and whose planned peak
+    fits the device, halved (accumulation doubled) after an out-of-memory error (`launcher.adapt`)."""
 
 
 @dataclass
@@ -220,6 +234,9 @@ class RdzvConfig:
     rendezvous id and port, so that knowing a job id is not enough to join its rendezvous."""
     join_timeout: float = ranged(600.0, POSITIVE)
     """Seconds to wait for every node to join before giving up."""
+    last_call_timeout: int = ranged(30, SIZE)
+    """nodes=MIN:MAX: once MIN nodes have joined, seconds to wait for more before the worker group starts (or
+    restarts at its new size)."""
     node_rank: int | None = ranged(None, COUNT)
     """This node's rank for the static backend; unset: SLURM_NODEID."""
 
@@ -268,8 +285,9 @@ class LaunchConfig:
     logger: Any = launch_only(MISSING)
     gpus: int | None = ranged(None, SIZE, identity=False)
     """Worker processes per node (one per GPU); unset: every visible GPU, or 2 on CPU."""
-    nodes: int = ranged(1, SIZE, identity=False)
-    """Machines in the job; world size = nodes x gpus."""
+    nodes: Any = ranged(1, NODES, identity=False)
+    """Machines in the job; world size = nodes x gpus. MIN:MAX: an elastic job, which goes on at any number of nodes
+    in the range (the global batch fixed, accumulation derived again: `launcher.adapt`)."""
     device: Device = launch_only(Device.auto)
     """auto picks cuda when a GPU is visible, else cpu."""
     precision: Precision = Precision.fp32

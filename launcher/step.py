@@ -34,7 +34,7 @@ def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
     """Every rank's `values` (the same length on each), a row per rank in rank order: one collective."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     rows = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)  # flat: gloo's shape
-    dist.all_gather_into_tensor(rows, mine)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine)  # torch 2.13 renamed it
     return rows.view(-1, len(values)).tolist()
 
 

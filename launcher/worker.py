@@ -35,15 +35,16 @@ def run_rank(path: str, stop: StopRequest, phase: Phase) -> int:
     import torch.distributed as dist
     from omegaconf import DictConfig, OmegaConf
 
+    from launcher.adapt import agreed_micro, say_batch
     from launcher.context import make_strategy, run_context
     from launcher.runner import train
 
     cfg = OmegaConf.load(path)
     assert isinstance(cfg, DictConfig)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    if world_size != cfg.derived.world_size:
-        raise RuntimeError(f"the agent started {world_size} workers but the launcher planned {cfg.derived.world_size}")
+    world_size, derived = int(os.environ["WORLD_SIZE"]), cfg.derived
+    if world_size not in range(derived.min_nodes * derived.gpus, derived.world_size + 1, derived.gpus):
+        raise RuntimeError(f"the agent started {world_size} workers but the launcher planned {derived.world_size}")
     ctx = run_context(cfg, rank, local_rank, world_size)
     if ctx.device_type == "cuda":
         torch.cuda.set_device(ctx.device)
@@ -56,6 +57,10 @@ def run_rank(path: str, stop: StopRequest, phase: Phase) -> int:
         timeout=timedelta(seconds=cfg.trainer.collective_timeout),
     )
     joined(Path(path).parent, rank)
+    micro = agreed_micro(cfg, rank, Path(path).parent, ctx.device)  # batch.micro_size=auto: after an out-of-memory
+    ctx = run_context(cfg, rank, local_rank, world_size, micro)
+    if rank == 0:
+        say_batch(cfg, micro, world_size, Path(path).parent)
     strategy = make_strategy(cfg.strategy)
     try:
         finished = train(cfg, ctx, strategy, Path(path).parent, stop, phase)

@@ -64,3 +64,18 @@ class DiskFillingGPT(_Faulty):
                     f.write(bytes(1 << 12))
             except OSError:  # full
                 f.truncate(max(0, f.tell() - self.leave))
+
+
+class SmallMemoryGPT(GPT):
+    """A device that holds `fits` samples per forward: from its `at_call`-th forward on, every rank whose micro-batch
+    is larger runs out of memory, as the CUDA allocator says it (batch.micro_size=auto halves it until it fits)."""
+
+    def __init__(self, *args, fits: int = 2, at_call: int = 5, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fits, self.at_call, self.calls = fits, at_call, 0
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if idx.shape[0] > self.fits and self.calls >= self.at_call and torch.is_grad_enabled():
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {idx.shape[0]} samples")
+        return super().forward(idx, targets)

@@ -50,6 +50,24 @@ BAD = {
     # the batch contract and the machine
     "not divisible": (["batch.global_size=30", "batch.micro_size=4", "gpus=2"], "use batch.global_size=24 or 32"),
     "cuda without cuda": (["device=cuda"], "device=cuda but no CUDA device"),
+    "micro batch neither a size nor auto": (["batch.micro_size=most"],
+                                            "batch.micro_size=most is invalid: it must be a positive integer, or auto"),
+    "fractional micro batch": (["batch.micro_size=2.5"], "batch.micro_size=2.5 is invalid: it must be a positive "
+                                                         "integer, or auto"),  # fmt: skip
+    "nodes neither a count nor a range": (["nodes=two"], "nodes=two is invalid: it must be a positive integer, or "
+                                                         "MIN:MAX (an elastic job)"),  # fmt: skip
+    "an empty node range": (["nodes=3:2"], "nodes=3:2 is not a range MIN:MAX with 1 <= MIN <= MAX"),
+    "elastic sizes the batch does not divide over": (
+        ["nodes=1:3", "batch.global_size=32", "batch.micro_size=4", "gpus=2", "trainer.max_restarts=3"],
+        "nodes=1:3 may run at world sizes 2, 4, 6, but batch.global_size=32 does not divide over batch.micro_size=4 "
+        "x world size 6; batch.global_size=48 divides over all of them",
+    ),
+    "elastic sizes only a smaller micro batch divides over": (
+        ["nodes=1:2", "batch.global_size=8", "batch.micro_size=4", "gpus=2", "trainer.max_restarts=3"],
+        "batch.global_size=8 does not divide over batch.micro_size=4 x world size 4; batch.micro_size=2 works at all",
+    ),
+    "elastic without restarts": (["nodes=1:2", "rdzv.endpoint=127.0.0.1:29999", "rdzv.id=x"],
+                                 "nodes=1:2 lets nodes leave and join, but trainer.max_restarts=0 ends the job"),
     # the data, built in the launcher
     "missing token file": (["data=tokens", "data.path=/nonexistent/train.bin"], "data.path=/nonexistent/train.bin"),
     "token file not given": (["data=tokens"], "data.path has no value"),

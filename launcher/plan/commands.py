@@ -213,3 +213,41 @@ def planned_peak(frozen: DictConfig, derived: Derived, size: Any) -> float | Non
         return None
     (sp,) = plan.strategies
     return plan.peak(sp)
+
+
+def choose_micro(frozen: DictConfig, derived: Derived, model: Any, adapted: int | None) -> tuple[DictConfig, Derived]:
+    """batch.micro_size=auto: the largest micro-batch that divides the global batch over every world size the job
+    may run at and whose planned peak fits the device with plan.headroom there; at most `adapted`, the size an
+    out-of-memory error already brought this run down to (`launcher.adapt`). The frozen config with it, derived
+    again; one line says the choice. `model` is built on the meta device."""
+    from launcher.config import valid_micro_sizes, world_sizes
+    from launcher.meta import measure
+    from launcher.plan.render import _size
+
+    worlds = world_sizes(f"{derived.min_nodes}:{derived.nodes}", derived.gpus)
+    valid = [m for m in valid_micro_sizes(int(frozen.batch.global_size), worlds) if adapted is None or m <= adapted]
+    with read_write(frozen):
+        frozen.batch.micro_size = 1  # planned as one sample; activations scale linearly with the micro-batch
+    plan = make_plan(frozen, derived, measure(model), {"run": make_strategy(frozen.strategy)})
+    (run,) = plan.strategies
+
+    def peak(micro: int) -> float:
+        return max(plan.need(plan.for_strategy("run", run.strategy, w, micro)) for w in worlds)
+
+    micro = next((m for m in valid if peak(m) <= plan.device.usable), valid[-1])
+    with read_write(frozen):
+        frozen.batch.micro_size = micro
+    accumulation = int(frozen.batch.global_size) // (micro * derived.world_size)
+    chosen = dataclasses.replace(derived, accumulation=accumulation, micro_auto=True)
+    larger = [m for m in valid if m > micro]
+    fits = "fits" if peak(micro) <= plan.device.usable else "does not fit (none does; the smallest)"
+    why = f"; {larger[-1]} would need {_size(peak(larger[-1]))}" if larger else ""
+    after = f"; at most {adapted}, where an out-of-memory error brought this run" if adapted is not None else ""
+    print(
+        f"auto: batch.micro_size={micro} (accumulation {accumulation} at world size {derived.world_size}): the "
+        f"largest that divides batch.global_size={frozen.batch.global_size} whose planned peak {_size(peak(micro))} "
+        f"{fits} {_size(plan.device.usable)} per rank ({plan.device.source}, plan.headroom={plan.device.headroom:g})"
+        f"{why}{after}",
+        flush=True,
+    )
+    return frozen, chosen

@@ -1,0 +1,55 @@
+"""What the launcher sets on torch's elastic agent beyond its LaunchConfig: where the agent's own log lines go, and how
+long a failed worker group is given to end."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+
+def failed_group_grace(seconds: float) -> None:
+    """Once a worker failed, torch's agent stops the others with SIGTERM and waits a fixed 30 s before SIGKILL
+    (`PContext.close()` and `LocalElasticAgent._stop_workers` take no setting; only a stop signal's shutdown uses
+    `shutdown_timeout`, trainer.stop_timeout). A worker of a failed group has nothing to save (its peers are gone),
+    and one that is hung or stopped never answers SIGTERM: the job ends `seconds` after the failure, not 30 s."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = getattr(PContext.close, "launch_original", PContext.close)
+
+    def close_failed(context: Any, death_sig: Any = None, timeout: float = seconds) -> None:
+        close(context, death_sig, timeout)
+
+    def stop_workers(agent: Any, worker_group: Any, *args: Any, **kwargs: Any) -> None:
+        agent._shutdown(timeout=seconds)
+
+    close_failed.launch_original = close  # type: ignore[attr-defined]
+    PContext.close = close_failed  # type: ignore[method-assign]
+    LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
+
+
+def agent_logs_to_file(run_dir: Path) -> None:
+    """The elastic agent's own log lines ("Sending process ... SIGTERM", "failed (exitcode: 1)") go to
+    `<run dir>/logs/agent.log`, not the terminal: there the launcher says it once, one line per failing rank."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    file = _QuietFileHandler(run_dir / "logs" / "agent.log", delay=True)
+    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    file.launch_run_log = True  # type: ignore[attr-defined]
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        # the agent, its launcher, its forks
+        agent = logging.getLogger(name)
+        agent.propagate = False  # torch's own handler would print them on the terminal
+        for handler in list(agent.handlers):
+            if getattr(handler, "launch_run_log", False):
+                agent.removeHandler(handler)  # the previous job's, in a sweep
+                handler.close()
+        agent.addHandler(file)
+
+
+class _QuietFileHandler(logging.FileHandler):
+    """A log file that cannot be written (a full disk) loses the agent's lines, without a traceback per line on the
+    terminal: the launcher says what failed in its own line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
