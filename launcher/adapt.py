@@ -21,6 +21,8 @@ from typing import Any
 from launcher.config import ConfigError, Derived, valid_micro_sizes, world_sizes
 
 ADAPTED = "adapted.json"
+RESIZING = "logs/resizing"
+"""Touched by the elastic agent when it stops a healthy worker group because a node joins (`launcher.agent`)."""
 
 
 def smaller(micro: int, valid: list[int]) -> int | None:
@@ -126,3 +128,11 @@ def after_out_of_memory(cfg: Any, ctx: Any, run_dir: Path, phase: str) -> bool:
         flush=True,
     )
     return True
+
+
+def resizing(run_dir: Path, since: float) -> bool:
+    """Whether the stop signal this worker got (after `since`, its start) is the agent's resize of the group."""
+    try:
+        return (run_dir / RESIZING).stat().st_mtime >= since
+    except OSError:
+        return False

@@ -8,13 +8,20 @@ from pathlib import Path
 from typing import Any
 
 
-def failed_group_grace(seconds: float) -> None:
+def failed_group_grace(seconds: float, resize_timeout: float, run_dir: Path) -> None:
     """Once a worker failed, torch's agent stops the others with SIGTERM and waits a fixed 30 s before SIGKILL
     (`PContext.close()` and `LocalElasticAgent._stop_workers` take no setting; only a stop signal's shutdown uses
     `shutdown_timeout`, trainer.stop_timeout). A worker of a failed group has nothing to save (its peers are gone),
-    and one that is hung or stopped never answers SIGTERM: the job ends `seconds` after the failure, not 30 s."""
+    and one that is hung or stopped never answers SIGTERM: the job ends `seconds` after the failure, not 30 s.
+
+    A healthy group the agent stops because a node joins (nodes=MIN:MAX) has work worth saving: its ranks get
+    `resize_timeout` (trainer.stop_timeout) to checkpoint the step they are in, told by `<run dir>/RESIZING` that
+    this stop is a resize (`launcher.adapt.resizing`), not the user's."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import PContext
+
+    from launcher.adapt import RESIZING
 
     close = getattr(PContext.close, "launch_original", PContext.close)
 
@@ -22,7 +29,11 @@ def failed_group_grace(seconds: float) -> None:
         close(context, death_sig, timeout)
 
     def stop_workers(agent: Any, worker_group: Any, *args: Any, **kwargs: Any) -> None:
-        agent._shutdown(timeout=seconds)
+        if worker_group.state == WorkerState.HEALTHY:  # a node is waiting to join: the group restarts at a new size
+            (run_dir / RESIZING).touch()
+            agent._shutdown(timeout=resize_timeout)
+        else:
+            agent._shutdown(timeout=seconds)
 
     close_failed.launch_original = close  # type: ignore[attr-defined]
     PContext.close = close_failed  # type: ignore[method-assign]

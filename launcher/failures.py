@@ -147,7 +147,8 @@ def lost_node(run_dir: Path, since: float, world_size: int, me: str) -> str | No
     return (
         f"node {node} ({records[ranks[0]].get('host')}; rank{'s' if len(ranks) > 1 else ''} "
         f"{', '.join(map(str, ranks))}) went away {where}: rank {ranks[0]} was last {what}; the job stopped without "
-        "it (each node's lines are in <run dir>/logs/agent.log); start launch again on every node to resume"
+        "it (each node's lines are in <run dir>/logs/agent.log); start launch again on every node to resume, or "
+        "make the job elastic to go on without a node that leaves (nodes=MIN:MAX with trainer.max_restarts=N)"
     )
 
 

@@ -305,7 +305,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
         start_method="fork" if forked else "spawn",
     )
-    failed_group_grace(min(trainer.stop_timeout, STOP_REPEAT_GRACE))
+    failed_group_grace(min(trainer.stop_timeout, STOP_REPEAT_GRACE), trainer.stop_timeout, run_dir)
     previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, DUMP_SIGNAL)}
     signal.signal(DUMP_SIGNAL, _ask_workers)
     oom_before, (_, available) = oom_kills(), memory_available()

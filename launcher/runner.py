@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.adapt import after_out_of_memory
+from launcher.adapt import after_out_of_memory, resizing
 from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
 from launcher.checkpoint.storage import checkpoints_of, inside, is_remote
@@ -133,6 +133,7 @@ class Trainer:
         self.metrics: dict[str, float] = {}
         """The newest logged figures."""
         self.window = Window()
+        self.started = time.time()
         self.stalled = False
         """A save (or its finalisation) blocked the loop since the last log: its seconds go in the next."""
 
@@ -321,7 +322,10 @@ class Trainer:
         """A stop signal ended the run after `step`: its checkpoint written, and one line saying where it is."""
         self.phase(f"writing the checkpoint of step {step}")
         self.saves.finish()
-        if self.ctx.rank == 0:
+        if self.ctx.rank == 0 and resizing(self.run_dir, self.started):
+            print(f"launch: a node joins: the worker group saved step {step} ({self.saves.last}) and restarts at its "
+                  "new size", flush=True)  # fmt: skip
+        elif self.ctx.rank == 0:
             print(f"launch: stopped on a signal after step {step}; checkpoint {self.saves.last}", flush=True)
         self.finish()
 

@@ -79,3 +79,15 @@ class SmallMemoryGPT(GPT):
         if idx.shape[0] > self.fits and self.calls >= self.at_call and torch.is_grad_enabled():
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {idx.shape[0]} samples")
         return super().forward(idx, targets)
+
+
+class SlowGPT(GPT):
+    """Sleeps `delay` seconds in every forward: a run slow enough for a test to act between its steps."""
+
+    def __init__(self, *args, delay: float = 0.05, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay = delay
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay)
+        return super().forward(idx, targets)

@@ -4,10 +4,17 @@ micro-batch from the start."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import TINY, launch
+from conftest import LAUNCH, TINY, clean_env, launch
 
 ADAPTIVE = [
     *TINY,
@@ -49,3 +56,77 @@ def test_an_out_of_memory_error_halves_the_micro_batch_and_keeps_the_trajectory(
     worst = max(abs(m["loss"] - reference[int(m["step"])]) for m in metrics)
     assert worst <= 1e-6, worst
     assert sorted({int(m["step"]) for m in metrics}) == sorted(reference)
+
+
+ELASTIC = [
+    *TINY,
+    "model._target_=faulty.SlowGPT",
+    "batch.global_size=8",
+    "batch.micro_size=2",  # accumulation 2 at world size 2, 4 at world size 1
+    "trainer.max_steps=120",
+    "trainer.checkpoint_every=2",
+    "trainer.collective_timeout=60",
+]
+
+
+def _node(tmp_path: Path, port: int, name: str) -> subprocess.Popen[str]:
+    """One node of an elastic job of one or two one-rank nodes on loopback, in a session of its own (to be killed
+    whole); its output in files (a pipe nobody reads would stall it)."""
+    overrides = [*ELASTIC, "+model.delay=0.05", "nodes=1:2", "gpus=1", "trainer.max_restarts=3",
+                 f"rdzv.endpoint=127.0.0.1:{port}", "rdzv.id=elastic", "rdzv.last_call_timeout=2",
+                 f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    out = open(tmp_path / f"{name}.out", "w")
+    return subprocess.Popen([LAUNCH, *overrides], cwd=tmp_path, env=clean_env(tmp_path), stdout=out,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+
+
+def _until(condition: Callable[[], bool], *nodes: subprocess.Popen[str], what: str) -> None:
+    for _ in range(3000):
+        if condition():
+            return
+        assert all(n.poll() is None for n in nodes), f"a node ended before {what}"
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} within 300 s")
+
+
+def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp_path: Path) -> None:
+    """Two one-rank nodes train together; one is killed whole mid-run, and the survivor goes on alone at twice the
+    accumulation; a third node joining later brings the world back to 2. Every logged step's loss, the redone ones
+    too, is an uninterrupted run's."""
+    reference = launch(tmp_path, *ELASTIC, "+model.delay=0", "gpus=2", name="reference")
+    assert reference.returncode == 0, reference.stderr
+    expected = {int(m["step"]): m["loss"] for m in reference.metrics}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = _node(tmp_path, port, "first")  # binds the rendezvous store: the node that stays
+    _until(lambda: _listening(port), first, what="the rendezvous store")
+    second = _node(tmp_path, port, "second")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def sizes() -> list[int]:
+        return (
+            [int(json.loads(line)["world_size"]) for line in metrics.read_text().splitlines()]
+            if metrics.exists()
+            else []
+        )
+
+    _until(lambda: sizes()[-6:] == [2] * 6, first, second, what="six steps at world size 2")
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait()
+    killed = len(sizes())
+    _until(lambda: 1 in sizes()[killed:], first, what="a step of the survivor alone")
+    alone = killed + sizes()[killed:].index(1)
+    third = _node(tmp_path, port, "third")
+    _until(lambda: 2 in sizes()[alone:], first, third, what="a step at world size 2 again")
+    assert first.wait(timeout=300) == 0 and third.wait(timeout=300) == 0, (tmp_path / "first.out").read_text()
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert int(logged[alone]["accumulation"]) == 4 and int(logged[alone]["restart"]) >= 1  # after the lost node
+    assert max(abs(m["loss"] - expected[int(m["step"])]) for m in logged) <= 1e-6
+    assert {int(m["step"]) for m in logged} == set(expected)
+    assert logged[-1]["world_size"] == 2 and logged[-1]["step"] == 120
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0

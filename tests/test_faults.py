@@ -376,6 +376,7 @@ def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None
     assert survivor.returncode == 1 and len(lines) == 1, err
     assert f"; rank {gone[0]}) went away at step " in lines[0] and lines[0].startswith("launch: error: node "), err
     assert "did not all join" not in err and "frame #" not in err + out, (out, err)
+    assert lines[0].endswith("(nodes=MIN:MAX with trainer.max_restarts=N)"), err  # how to make the job elastic
 
 
 @pytest.mark.unit
