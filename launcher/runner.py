@@ -102,7 +102,8 @@ class Trainer:
     so no phase may be skipped on one rank and not on the others):
       1. `data`      this rank's K micro-batches of global batch s (no collective);
       2. `step`      forward/backward per micro-step, the strategy's gradient sync on the last one, the optimizer
-                     step (the global gradient norm);
+                     step (the global gradient norm); on logged steps a probe before the last backward, which times
+                     each rank's wait (`launcher.stragglers`);
       3. `commit`    whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
       4. `log`       on logged and evaluated steps only, on every rank alike: the figures reduced over ranks, and
                      the validation loss;
