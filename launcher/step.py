@@ -81,15 +81,16 @@ def train_step(
     (`launcher.stragglers`)."""
     device, K = torch.device(ctx.device), len(micro)
 
-    def reduce(values: list[float]) -> list[float]:
-        return all_reduce(values, dist.ReduceOp.SUM, device)
+    def reduce(values: list[float]) -> list[float]:  # the step's first collective: a logged step times its wait
+        if clock is None:
+            return all_reduce(values, dist.ReduceOp.SUM, device)
+        return clock.waiting(lambda: all_reduce(values, dist.ReduceOp.SUM, device))
 
     if clock is not None:
         clock.batches_read()
     # The global batch's targets, counted before the first forward: each micro-step's loss is scaled so that the
     # step's gradient is that of one forward over the whole global batch.
-    counting = reduce if clock is None else lambda v: clock.waiting(lambda: reduce(v))
-    targets = count_targets(micro, ctx.world_size, counting, rule.label_shift)
+    targets = count_targets(micro, ctx.world_size, reduce, rule.label_shift)
     divided = targets.counted and rule.takes_num_items and all(targets.labels)
     loss_sum, normalised = torch.zeros((), dtype=torch.float64, device=device), False
     for k, batch in enumerate(micro):

@@ -12,8 +12,9 @@ optimizer step.
 What it cannot see: a collective inside the strategy's own work holds the ranks in step there, untimed, and the wait
 counts as computing on every rank alike. So slowness in the last backward (DDP's gradient all-reduce, ZeRO's and
 FSDP's reductions), in the optimizer step (the global gradient norm), and under FSDP or ZeRO-3 in any forward (the
-parameter all-gathers keep the ranks in step inside it) shows as every rank's time, not as one rank's. On CUDA the
-rank's queued device work is waited for before each timed collective, so it counts as computing, not waiting.
+parameter all-gathers keep the ranks in step inside it) shows as every rank's time, not as one rank's; under HSDP a
+slow rank's whole shard group is slow alike, and no one rank of it is named. On CUDA the rank's queued device work is
+waited for before each timed collective, so it counts as computing, not waiting.
 """
 
 from __future__ import annotations
