@@ -281,6 +281,14 @@ def joined(run_dir: Path, rank: int) -> None:
         pass
 
 
+def host_of(run_dir: Path, rank: int) -> str | None:
+    """The host `joined` wrote for `rank`; None where its record cannot be read."""
+    try:
+        return json.loads((run_dir / "logs" / "ranks" / f"rank{rank}.json").read_text()).get("host")
+    except (OSError, ValueError):
+        return None
+
+
 def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
     """A worker's exception, told once: its whole traceback into `<run dir>/logs/rank<N>.traceback`, one line (where
     in the run, the exception, the traceback's path) into the error file torch's elastic agent reads, from which the

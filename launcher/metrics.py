@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Reduction = Literal["sum", "max", "same", "rank0"]
-"""sum: each rank's part added; max: the largest rank's; same: equal on every rank (rank 0's is logged); rank0: rank
-0's own measurement."""
+Reduction = Literal["sum", "max", "argmax", "same", "rank0"]
+"""sum: each rank's part added; max: the largest rank's; argmax: which rank that is (the lowest of equal ones); same:
+equal on every rank (rank 0's is logged); rank0: rank 0's own measurement."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,18 @@ METRICS = {
         Metric("comm_bytes", "bytes", "max", "strategy", "their payload"),
         Metric("comm_sent_bytes", "bytes", "max", "strategy", "the ring bytes a rank sent in the last step"),
         Metric("loss_scale", "", "max", "strategy", "precision=fp16: the loss scaler's scale after the step"),
+        Metric(
+            "compute_s_max",
+            "s",
+            "max",
+            "runner",
+            "a rank's seconds in the step out of its timed collectives (`launcher.stragglers`), the most",
+        ),
+        Metric("compute_s_rank", "", "argmax", "runner", "the rank that computed that long"),
+        Metric(
+            "wait_s_max", "s", "max", "runner", "a rank's seconds waiting in the step's timed collectives, the most"
+        ),
+        Metric("wait_s_rank", "", "argmax", "runner", "the rank that waited that long"),
     )
 }
 
@@ -74,22 +86,36 @@ def declared(name: str) -> Metric:
         ) from None
 
 
+REDUCERS: dict[Reduction, Callable[[Sequence[float]], float]] = {
+    "sum": sum,
+    "max": max,
+    "argmax": lambda column: column.index(max(column)),
+}
+"""The reductions that take a collective; the others are this rank's value as it is. A column is in rank order,
+the same on every rank, so every rank reduces it to the same value."""
+
+
 def over_ranks(
-    figures: dict[str, float], gather: Callable[[list[float]], list[list[float]]], sums: Sequence[float] = ()
-) -> tuple[dict[str, float], list[float]]:
+    figures: dict[str, float],
+    gather: Callable[[list[float]], list[list[float]]],
+    sums: Sequence[float] = (),
+    each: Sequence[float] = (),
+) -> tuple[dict[str, float], list[float], list[list[float]]]:
     """This rank's `figures`, reduced over ranks by each one's declaration, in one collective (`gather`: every rank's
     values, a row per rank, in rank order; every rank passes the same names, in the same order). Figures that are
     the same on every rank, or rank 0's own, are returned as they are. `sums`: values that are no figure (a count the
-    figures are computed from), summed over ranks in the same collective and returned beside them."""
+    figures are computed from), summed over ranks in the same collective and returned beside them; `each`: values
+    returned as every rank's, a row per rank (what `launcher.stragglers` compares ranks by)."""
     out = dict(figures)
-    names = [name for name in figures if declared(name).reduction in ("sum", "max")]
-    if not names and not sums:
-        return out, []
-    rows = gather([*(figures[name] for name in names), *sums])
+    names = [name for name in figures if declared(name).reduction in REDUCERS]
+    if not names and not sums and not each:
+        return out, [], []
+    rows = gather([*(figures[name] for name in names), *sums, *each])
     columns = list(zip(*rows, strict=True))
     for name, column in zip(names, columns):
-        out[name] = sum(column) if declared(name).reduction == "sum" else max(column)  # rank order: the same everywhere
-    return out, [sum(column) for column in columns[len(names) :]]
+        out[name] = REDUCERS[declared(name).reduction](column)
+    summed = [sum(column) for column in columns[len(names) : len(names) + len(sums)]]
+    return out, summed, [row[len(row) - len(each) :] for row in rows] if each else []
 
 
 def table() -> str:

@@ -35,6 +35,7 @@ from launcher.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_
 from launcher.search.trial import TrialReport, record_pruned
 from launcher.speed import Speed, Window
 from launcher.step import all_reduce, evaluate, gather_rows, train_step
+from launcher.stragglers import StepClock, Stragglers
 from launcher.targets import import_targets
 from strategies import RunContext, Strategy
 
@@ -103,7 +104,8 @@ class Trainer:
     so no phase may be skipped on one rank and not on the others):
       1. `data`      this rank's K micro-batches of global batch s (no collective);
       2. `step`      forward/backward per micro-step, the strategy's gradient sync on the last one, the optimizer
-                     step (the global gradient norm);
+                     step (the global gradient norm); on logged steps a probe before the last backward, which times
+                     each rank's wait (`launcher.stragglers`);
       3. `commit`    whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
       4. `log`       on logged and evaluated steps only, on every rank alike: the figures reduced over ranks, and
                      the validation loss;
@@ -147,6 +149,7 @@ class Trainer:
             with self.profiler.step(step):
                 self.phase(f"reading the batches of step {step}")
                 started = time.perf_counter()  # from the wait for the data on: a slow loader shows here
+                self.clock = StepClock(self.device) if logged or evaluated else None  # compute and waits, per rank
                 micro = self.data()
                 loss, grad_norm = self.step(step, micro, measured)
                 self.commit(step, grad_norm)
@@ -212,6 +215,7 @@ class Trainer:
         )
         self.manifest = manifest_of(cfg, ctx.world_size, ctx.precision)
         self.trial, self.prune = TrialReport(cfg, ctx.rank), False
+        self.stragglers = Stragglers.of(trainer, self.run_dir)
         self.nonfinite = str(trainer.get("nonfinite", "stop"))
         self.guard = Guard(self.strategy, self.nonfinite, int(trainer.get("max_skipped", 10)), ctx.precision == "fp16",
                            ctx.rank, ctx.world_size)  # fmt: skip
@@ -273,7 +277,7 @@ class Trainer:
         Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is sampled by a thread on
         CPU: the per-operator probe would be in the profile, around every op of the step."""
         with self.memory.measure(measured, sampled=self.profiler.covers(step)):
-            return train_step(self.guard, micro, self.ctx, self.lr(step), self.rule, step, self.phase)  # type: ignore[arg-type]
+            return train_step(self.guard, micro, self.ctx, self.lr(step), self.rule, step, self.phase, self.clock)  # type: ignore[arg-type]
 
     def commit(self, step: int, grad_norm: float) -> bool:
         """Before anything is logged or saved: a step that is not finite was not applied (False), and may end the
@@ -365,8 +369,10 @@ class Trainer:
             mine["peak_memory_bytes"] = float(self.memory.peak)
         if self.stalled:  # a save (or its finalisation) blocked the loop since the last log
             mine["checkpoint_stall_s"], self.saves.stall, self.stalled = self.saves.stall, 0.0, False
-        mine |= self.strategy.metrics()
-        reduced, (tokens,) = over_ranks(mine, self._gather, sums=[self.window.tokens()])  # one collective
+        mine |= self.strategy.metrics() | self.clock.figures()  # type: ignore[union-attr]
+        reduced, (tokens,), rows = over_ranks(mine, self._gather, [self.window.tokens()], self.clock.times())  # type: ignore[union-attr]
+        if self.ctx.rank == 0 and (straggler := self.stragglers.see(rows)):
+            print(straggler, flush=True)
         reduced |= self.window.figures(self.B, tokens)
         return {
             "loss": reduced.pop("loss"),

@@ -3,7 +3,7 @@ arithmetic of a step, with no state of the run."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from launcher.loss import (
     usual_recipe_line,
 )
 from strategies import RunContext, Strategy
+
+if TYPE_CHECKING:
+    from launcher.stragglers import StepClock
 
 
 def all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
@@ -63,14 +66,31 @@ def evaluate(
 
 
 def train_step(
-    strategy: Strategy, micro: list[Any], ctx: RunContext, lr: float, rule: LabelRule, step: int, phase: Phase
+    strategy: Strategy,
+    micro: list[Any],
+    ctx: RunContext,
+    lr: float,
+    rule: LabelRule,
+    step: int,
+    phase: Phase,
+    clock: StepClock | None = None,
 ) -> tuple[torch.Tensor, float]:
     """One optimizer step over this rank's K micro-batches; returns this rank's part of the step's loss (summed over
-    ranks it is the loss of the whole global batch: `launcher.loss`) and the pre-clip gradient norm."""
+    ranks it is the loss of the whole global batch: `launcher.loss`) and the pre-clip gradient norm. `clock` (a
+    logged step's): this rank's seconds in the step's first collective and in a probe before the last backward
+    (`launcher.stragglers`)."""
     device, K = torch.device(ctx.device), len(micro)
+
+    def reduce(values: list[float]) -> list[float]:  # the step's first collective: a logged step times its wait
+        if clock is None:
+            return all_reduce(values, dist.ReduceOp.SUM, device)
+        return clock.waiting(lambda: all_reduce(values, dist.ReduceOp.SUM, device))
+
+    if clock is not None:
+        clock.batches_read()
     # The global batch's targets, counted before the first forward: each micro-step's loss is scaled so that the
     # step's gradient is that of one forward over the whole global batch.
-    targets = count_targets(micro, ctx.world_size, lambda v: all_reduce(v, dist.ReduceOp.SUM, device), rule.label_shift)
+    targets = count_targets(micro, ctx.world_size, reduce, rule.label_shift)
     divided = targets.counted and rule.takes_num_items and all(targets.labels)
     loss_sum, normalised = torch.zeros((), dtype=torch.float64, device=device), False
     for k, batch in enumerate(micro):
@@ -79,11 +99,16 @@ def train_step(
             batch = {**batch, NUM_ITEMS: targets.total / ctx.world_size}
         # Gradients are synchronised once per optimizer step: on the last micro-step only.
         with strategy.sync(k == K - 1):
-            backward, part, normalised = micro_loss(strategy.forward(batch), k, targets, K, divided)
+            output = strategy.forward(batch)
+            if clock is not None and k == K - 1:  # before the gradient sync: a slow forward is waited for here
+                clock.probe()
+            backward, part, normalised = micro_loss(output, k, targets, K, divided)
             strategy.backward(backward)
         loss_sum += part.double()
     if not normalised and ctx.rank == 0:
         say_once(usual_recipe_line(targets))
     phase(f"in the optimizer step {step}")
     grad_norm = strategy.step(lr)
+    if clock is not None:
+        clock.stop()
     return loss_sum / (targets.total if normalised else ctx.world_size), grad_norm

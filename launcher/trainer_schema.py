@@ -84,3 +84,9 @@ class TrainerConfig:
     the step. Under precision=fp16 a gradient overflow with finite losses is the loss scaler's own skip, not this."""
     max_skipped: int = ranged(10, SIZE, identity=False)
     """trainer.nonfinite=skip: stop after this many non-finite steps in a row."""
+    straggler_fraction: float | None = ranged(0.2, COUNT, identity=False)
+    """A rank whose seconds computing in a logged step exceed the median of the other ranks' by more than this
+    fraction, in straggler_steps logged steps in a row, is named in one line (`launcher.stragglers`); 0 or null:
+    never named (the logged compute_s and wait_s figures stay)."""
+    straggler_steps: int = ranged(3, SIZE, identity=False)
+    """Logged steps in a row a rank must straggle in before it is named."""
