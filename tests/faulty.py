@@ -6,6 +6,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from launcher.models.gpt import GPT
 
@@ -82,12 +83,15 @@ class SmallMemoryGPT(GPT):
 
 
 class SlowGPT(GPT):
-    """Sleeps `delay` seconds in every forward: a run slow enough for a test to act between its steps."""
+    """The built-in GPT whose training forward sleeps `sleep_s` seconds on rank `slow_rank` (None: every rank), read
+    from the process group inside forward (the launcher's own forward, before any group exists, never sleeps): a
+    straggler, or a run slow enough for a test to act between its steps."""
 
-    def __init__(self, *args, delay: float = 0.05, **kwargs) -> None:
+    def __init__(self, *args, sleep_s: float = 0.0, slow_rank: int | None = 1, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.delay = delay
+        self.sleep_s, self.slow_rank = sleep_s, slow_rank
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.delay)
+        if self.training and dist.is_initialized() and self.slow_rank in (None, dist.get_rank()):
+            time.sleep(self.sleep_s)
         return super().forward(idx, targets)

@@ -72,9 +72,9 @@ ELASTIC = [
 def _node(tmp_path: Path, port: int, name: str) -> subprocess.Popen[str]:
     """One node of an elastic job of one or two one-rank nodes on loopback, in a session of its own (to be killed
     whole); its output in files (a pipe nobody reads would stall it)."""
-    overrides = [*ELASTIC, "+model.delay=0.05", "nodes=1:2", "gpus=1", "trainer.max_restarts=3",
-                 f"rdzv.endpoint=127.0.0.1:{port}", "rdzv.id=elastic", "rdzv.last_call_timeout=2",
-                 f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    overrides = [*ELASTIC, "+model.sleep_s=0.05", "+model.slow_rank=null", "nodes=1:2", "gpus=1",
+                 "trainer.max_restarts=3", f"rdzv.endpoint=127.0.0.1:{port}", "rdzv.id=elastic",
+                 "rdzv.last_call_timeout=2", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     out = open(tmp_path / f"{name}.out", "w")
     return subprocess.Popen([LAUNCH, *overrides], cwd=tmp_path, env=clean_env(tmp_path), stdout=out,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
@@ -93,7 +93,7 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
     """Two one-rank nodes train together; one is killed whole mid-run, and the survivor goes on alone at twice the
     accumulation; a third node joining later brings the world back to 2. Every logged step's loss, the redone ones
     too, is an uninterrupted run's."""
-    reference = launch(tmp_path, *ELASTIC, "+model.delay=0", "gpus=2", name="reference")
+    reference = launch(tmp_path, *ELASTIC, "+model.sleep_s=0", "gpus=2", name="reference")
     assert reference.returncode == 0, reference.stderr
     expected = {int(m["step"]): m["loss"] for m in reference.metrics}
     with socket.socket() as s:

@@ -76,7 +76,7 @@ def _slow_run(tmp_path: Path, sleep_s: float, name: str) -> Run:
     """2 CPU ranks (gloo) of the tiny GPT whose training forward sleeps `sleep_s` on rank 1; 4 logged steps."""
     return launch(
         tmp_path, *TINY, "gpus=2", "batch.global_size=8", "batch.micro_size=4", "trainer.max_steps=4",
-        "trainer.save_at_end=false", "model._target_=straggler_models.SlowGPT", f"+model.sleep_s={sleep_s}",
+        "trainer.save_at_end=false", "model._target_=faulty.SlowGPT", f"+model.sleep_s={sleep_s}",
         f"trainer.straggler_fraction={FRACTION}", "trainer.straggler_steps=3", name=name,
     ).check()  # fmt: skip
 
