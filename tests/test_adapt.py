@@ -93,9 +93,10 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
     """Two one-rank nodes train together; one is killed whole mid-run, and the survivor goes on alone at twice the
     accumulation; a third node joining later brings the world back to 2. Every logged step's loss, the redone ones
     too, is an uninterrupted run's."""
-    reference = launch(tmp_path, *ELASTIC, "+model.sleep_s=0", "gpus=2", name="reference")
-    assert reference.returncode == 0, reference.stderr
-    expected = {int(m["step"]): m["loss"] for m in reference.metrics}
+    reference = subprocess.Popen(  # meanwhile: the job mostly sleeps
+        [LAUNCH, *ELASTIC, "+model.sleep_s=0", "gpus=2", f"hydra.run.dir={tmp_path / 'reference'}"], cwd=tmp_path,
+        env=clean_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -120,6 +121,8 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
     third = _node(tmp_path, port, "third")
     _until(lambda: 2 in sizes()[alone:], first, third, what="a step at world size 2 again")
     assert first.wait(timeout=300) == 0 and third.wait(timeout=300) == 0, (tmp_path / "first.out").read_text()
+    assert reference.wait(timeout=300) == 0, reference.stderr.read()  # type: ignore[union-attr]
+    expected = {int(m["step"]): m["loss"] for m in map(json.loads, (tmp_path / "reference" / "metrics.jsonl").open())}
     logged = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert int(logged[alone]["accumulation"]) == 4 and int(logged[alone]["restart"]) >= 1  # after the lost node
     assert max(abs(m["loss"] - expected[int(m["step"])]) for m in logged) <= 1e-6
