@@ -98,24 +98,30 @@ def test_one_wandb_run_per_job_on_one_step_axis_across_kills_restarts_and_resume
     assert notes == f"continues wandb run {run_id}", notes
 
 
-def _make(run_dir: str) -> str:
-    from launcher.run_id import make_run_id
-
-    return make_run_id(Path(run_dir))
-
-
 @pytest.mark.unit
 def test_the_launchers_of_one_run_directory_agree_on_one_run_id(tmp_path: Path) -> None:
     """Eight launchers (the nodes of one job) prepare one shared run directory at once: the first writes its id,
     the others read it; a later launch reads it too."""
-    from concurrent.futures import ProcessPoolExecutor
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
-    from launcher.run_id import PATTERN, read_run_id
+    from launcher.run_id import PATTERN, make_run_id, read_run_id
 
-    with ProcessPoolExecutor(8) as pool:
-        ids = set(pool.map(_make, [str(tmp_path)] * 8))
+    start = threading.Barrier(8)
+
+    def make(_: int) -> str:
+        start.wait()
+        return make_run_id(tmp_path)
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = set(pool.map(make, range(8)))
     assert len(ids) == 1 and PATTERN.fullmatch(next(iter(ids))), ids
-    assert read_run_id(tmp_path) == _make(str(tmp_path)) == (tmp_path / "run_id").read_text().strip() in ids
+    assert read_run_id(tmp_path) == make_run_id(tmp_path) == (tmp_path / "run_id").read_text().strip() in ids
+    slow = tmp_path / "slow"  # the first launcher created the file and has not written it yet: the others wait
+    slow.mkdir()
+    (slow / "run_id").touch()
+    threading.Timer(0.3, (slow / "run_id").write_text, ["k3x9a0qz\n"]).start()
+    assert make_run_id(slow) == "k3x9a0qz"
 
 
 @pytest.mark.unit
