@@ -104,6 +104,31 @@ def _reach_wandb() -> None:
         ) from e
 
 
+WANDB_FINISH_GRACE = 3.0
+"""Seconds a failing rank 0 gives its wandb run to finish (`finish_failed`) before it exits anyway."""
+_OPEN: list[WandbLogger] = []
+"""This process's wandb runs not finished yet."""
+
+
+def finish_failed() -> None:
+    """A failing rank 0, just before it exits (`launcher.lifecycle.report_failure`): its wandb run finishes as failed,
+    so what the attempt logged reaches wandb's file (offline, wandb writes it 32 KiB at a time: a short attempt's
+    whole history) and the next attempt resumes a run that says it failed. In a thread, for at most
+    `WANDB_FINISH_GRACE` seconds: a wandb that hangs (its server gone) does not hold the failure up."""
+    import threading
+
+    def finish() -> None:
+        for logger in list(_OPEN):
+            try:
+                logger.run.finish(exit_code=1)
+            except Exception:  # the run is lost either way; the failure being reported is what matters
+                pass
+
+    thread = threading.Thread(target=finish, daemon=True)
+    thread.start()
+    thread.join(WANDB_FINISH_GRACE)
+
+
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_FORBIDDEN = set("/\\#?%:")
 """Characters wandb refuses in project and entity names."""
@@ -168,6 +193,7 @@ class WandbLogger:
             settings=wandb.Settings(silent=True),
         )
         self.offline = mode == "offline"
+        _OPEN.append(self)
         # One step axis: the steps an earlier attempt of this run logged (it went past the checkpoint this one
         # resumed from) are not logged again; wandb would drop them, and offline runs would hold them twice.
         self.logged = last_logged_step(Path(run_dir) / "metrics.jsonl") if run_id else 0
@@ -188,6 +214,7 @@ class WandbLogger:
 
     def finish(self) -> None:
         run_dir = getattr(self.run, "dir", None)
+        _OPEN.remove(self)
         self.run.finish()
         if self.offline and run_dir:
             folder = Path(run_dir).parent
