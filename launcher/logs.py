@@ -203,9 +203,10 @@ class WandbLogger:
         if step <= self.logged:
             if not self.said:
                 self.said = True
+                steps = f"step {step} is" if step == self.logged else f"steps {step}..{self.logged} are"
                 print(
-                    f"wandb: steps {step}..{self.logged} are in run {self.run.id} already (an earlier attempt "
-                    f"logged them): logging from step {self.logged + 1} on",
+                    f"wandb: {steps} in run {self.run.id} already (an earlier attempt logged them): logging from "
+                    f"step {self.logged + 1} on",
                     file=sys.stderr,
                     flush=True,
                 )
