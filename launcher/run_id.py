@@ -1,7 +1,8 @@
 """One logger run per job: its id, made once per run directory, and the run a `resume=` into a new directory continues.
 
 `<run dir>/run_id` holds the id (one line). Every launch of the directory reads it: an elastic restart, a resize,
-a SLURM requeue and `resume=<run dir>` all continue one wandb run (`launcher.logs.WandbLogger`). The parent records
+a SLURM requeue and `resume=<run dir>` all continue one wandb run (`launcher.logs.WandbLogger`). Nodes that share no
+run directory derive it from what their job shares instead (`derived_run_id`). The parent records
 it in resolved.yaml as `job.run_id`, the workers in each checkpoint's manifest; a `resume=` of a checkpoint whose
 manifest names another run id records that one as `job.continues`: the new run names the one it continues.
 
@@ -13,6 +14,7 @@ run's history in two.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -20,6 +22,8 @@ import string
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from omegaconf import OmegaConf
 
 from launcher.config import ConfigError
 
@@ -82,6 +86,14 @@ def make_run_id(run_dir: Path) -> str:
     return candidate
 
 
+def derived_run_id(job: str, config_hash: str, checkpoints: str | None) -> str:
+    """The run id of a job whose nodes share no run directory (`launcher.clusters.Job.shared_run_dir`: a Kubernetes
+    pod's is its own, and new whenever the pod is): derived alike on every node, and on every new pod, from what
+    they share: the rendezvous id, the run's identity and its checkpoint folder (where it resumes from; a job of
+    the same name that saves elsewhere is another run)."""
+    return hashlib.sha256(f"launch-run-id:{job}:{config_hash}:{checkpoints}".encode()).hexdigest()[:8]
+
+
 def manifest_run_id(checkpoint: Location) -> str | None:
     """The run id a checkpoint's manifest records (None: a checkpoint saved before manifests recorded it)."""
     from launcher.checkpoint.format import read_manifest
@@ -99,7 +111,10 @@ def claim_run(frozen: Any, run_dir: Path, found: Location | None, job: str | Non
     else None). The id file is checked before the claim and written after it: refused input writes nothing."""
     from launcher.rundir import claim
 
-    known = read_run_id(run_dir)
+    if job is not None and not OmegaConf.select(frozen, "derived.shared_run_dir", default=True):
+        known = derived_run_id(job, frozen.job.config_hash, frozen.trainer.get("checkpoint_dir"))
+    else:
+        known = read_run_id(run_dir)
     previous = manifest_run_id(found) if found is not None else None
     ownership = claim(run_dir, frozen.job.config_hash, job)
     try:

@@ -140,6 +140,24 @@ def test_a_run_id_file_that_holds_no_id_is_refused_before_the_claim(tmp_path: Pa
 
 
 @pytest.mark.unit
+def test_nodes_that_share_no_run_directory_derive_one_run_id_from_their_job(tmp_path: Path) -> None:
+    """Kubernetes: each pod's run directory is its own, and new with each pod. Every pod of the job, and a pod made
+    again after a failure, gets the same id from what they share; a job saving to another checkpoint folder another."""
+    from launcher.run_id import claim_run
+
+    def run_id(pod: str, checkpoints: str = "s3://bucket/run") -> str:
+        frozen = OmegaConf.create(
+            {"job": {"config_hash": "0" * 16}, "trainer": {"checkpoint_dir": checkpoints},
+             "derived": {"shared_run_dir": False}}
+        )  # fmt: skip
+        claim_run(frozen, tmp_path / pod, None, "k8s-master-29500").release()
+        return frozen.job.run_id
+
+    assert run_id("pod-0") == run_id("pod-1") == run_id("pod-0-again") != run_id("other", "s3://bucket/other")
+    assert not list(tmp_path.glob("*/run_id"))
+
+
+@pytest.mark.unit
 def test_a_manifest_records_its_run_id_checked_and_older_ones_without_it_load(tmp_path: Path) -> None:
     from launcher.checkpoint.format import read_manifest
     from launcher.checkpoint.untrusted import UntrustedDataError
