@@ -40,7 +40,8 @@ from launcher.lifecycle import (
 )
 from launcher.machine import loopback_interface, memory_available, usable_cpus, visible_cuda_devices
 from launcher.rendezvous import LOOPBACK, Rendezvous, cheap_event_names, rendezvous
-from launcher.rundir import Ownership, claim, remove_made
+from launcher.run_id import claim_run
+from launcher.rundir import Ownership, remove_made
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     frozen = OmegaConf.create(resolved)
     check_strategy(frozen, model)
     found = check_resume(frozen, run_dir, model)
-    frozen.job.resume_from = str(found) if found else None
-    ownership = claim(run_dir, frozen.job.config_hash, rdzv.run_id if derived.nodes > 1 else None)
+    ownership = claim_run(frozen, run_dir, found, rdzv.run_id if derived.nodes > 1 else None)  # and its run id
     path = run_dir / "resolved.yaml"
     # Atomic: in a SLURM allocation every node's launcher writes the same file on a shared disk.
     tmp = run_dir / f".resolved.{os.getpid()}.yaml"

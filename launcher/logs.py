@@ -1,7 +1,10 @@
 """Metric loggers and the progress line. Only rank 0 gets a real logger; other ranks get NullLogger.
 
 A logger is any `_target_` with `log(metrics, step)` and `finish()`; it is constructed with its
-own config keys plus `run_config` (the resolved run config as a dict) and `run_dir`.
+own config keys plus `run_config` (the resolved run config as a dict) and `run_dir`. `run_config["job"]["run_id"]`
+is the job's one run id, kept across restarts, requeues and `resume=` of its run directory, and
+`run_config["job"]["continues"]` the run a `resume=` into a new run directory continues (`launcher.run_id`);
+`last_logged_step(run_dir / "metrics.jsonl")` is where an earlier attempt of the run stopped logging.
 """
 
 from __future__ import annotations
@@ -43,6 +46,26 @@ class JsonlLogger:
         self.file.close()
 
 
+def last_logged_step(path: Path) -> int:
+    """The highest step metrics.jsonl at `path` holds (0: none), for a logger that must not log a step twice.
+
+    Each attempt of a run appends from the step it resumed at, so the file is increasing stretches, one per attempt,
+    and its highest step need not be its last (an attempt killed before it passed the one before): the whole file is
+    read once, when the logger starts (about a second a million steps). A torn last line (a kill mid-write) is
+    skipped: that step reached no logger, which are written after metrics.jsonl (`Loggers.log`)."""
+    highest = 0
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if line.startswith(b'{"step": ') and line.endswith(b"\n"):
+                    step = line[len(b'{"step": ') :].split(b",", 1)[0]
+                    if step.isdigit():
+                        highest = max(highest, int(step))
+    except FileNotFoundError:
+        pass
+    return highest
+
+
 def _has_api_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
@@ -79,6 +102,31 @@ def _reach_wandb() -> None:
             f"logger=wandb runs online but {url} cannot be reached ({reason}); log offline with WANDB_MODE=offline "
             "(upload later with wandb sync), or use logger=none"
         ) from e
+
+
+WANDB_FINISH_GRACE = 3.0
+"""Seconds a failing rank 0 gives its wandb run to finish (`finish_failed`) before it exits anyway."""
+_OPEN: list[WandbLogger] = []
+"""This process's wandb runs not finished yet."""
+
+
+def finish_failed() -> None:
+    """A failing rank 0, just before it exits (`launcher.lifecycle.report_failure`): its wandb run finishes as failed,
+    so what the attempt logged reaches wandb's file (offline, wandb writes it 32 KiB at a time: a short attempt's
+    whole history) and the next attempt resumes a run that says it failed. In a thread, for at most
+    `WANDB_FINISH_GRACE` seconds: a wandb that hangs (its server gone) does not hold the failure up."""
+    import threading
+
+    def finish() -> None:
+        for logger in list(_OPEN):
+            try:
+                logger.run.finish(exit_code=1)
+            except Exception:  # the run is lost either way; the failure being reported is what matters
+                pass
+
+    thread = threading.Thread(target=finish, daemon=True)
+    thread.start()
+    thread.join(WANDB_FINISH_GRACE)
 
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -128,24 +176,46 @@ class WandbLogger:
         import wandb  # heavy: only rank 0 of a run that asked for wandb pays for it
 
         mode = _wandb_mode(mode)
+        job = run_config.get("job") or {}
+        run_id, continues = job.get("run_id"), job.get("continues")  # `launcher.run_id`: one wandb run per job
         self.run = wandb.init(
             project=project,
             entity=entity,
             group=group,
             name=name or Path(run_dir).name,
             tags=list(tags or []),
+            notes=f"continues wandb run {continues}" if continues else None,  # and job.continues in its config
             mode=mode,
             dir=run_dir,
             config=run_config,
+            id=run_id,
+            resume="allow" if run_id else None,
             settings=wandb.Settings(silent=True),
         )
         self.offline = mode == "offline"
+        _OPEN.append(self)
+        # One step axis: the steps an earlier attempt of this run logged (it went past the checkpoint this one
+        # resumed from) are not logged again; wandb would drop them, and offline runs would hold them twice.
+        self.logged = last_logged_step(Path(run_dir) / "metrics.jsonl") if run_id else 0
+        self.said = False
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        if step <= self.logged:
+            if not self.said:
+                self.said = True
+                steps = f"step {step} is" if step == self.logged else f"steps {step}..{self.logged} are"
+                print(
+                    f"wandb: {steps} in run {self.run.id} already (an earlier attempt logged them): logging from "
+                    f"step {self.logged + 1} on",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
         self.run.log(metrics, step=step)
 
     def finish(self) -> None:
         run_dir = getattr(self.run, "dir", None)
+        _OPEN.remove(self)
         self.run.finish()
         if self.offline and run_dir:
             folder = Path(run_dir).parent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import torch
@@ -95,3 +96,16 @@ class SlowGPT(GPT):
         if self.training and dist.is_initialized() and self.slow_rank in (None, dist.get_rank()):
             time.sleep(self.sleep_s)
         return super().forward(idx, targets)
+
+
+class KilledGPT(_Faulty):
+    """SIGKILLed at its call `at_call` of each attempt while the file `while_there` exists: a worker lost to the
+    kernel, a node or an operator, as often as the test wants (remove the file to let the run go on)."""
+
+    def __init__(self, *args, while_there: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.while_there = while_there
+
+    def fail(self) -> None:
+        if os.path.exists(self.while_there):
+            os.kill(os.getpid(), signal.SIGKILL)

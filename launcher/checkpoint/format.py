@@ -2,8 +2,8 @@
 
 Layout of `<run dir>/checkpoints/` (or trainer.checkpoint_dir: a local folder or a URL, `launcher.checkpoint.storage`):
     step_00000006/        .metadata + one .distcp per rank (torch.distributed.checkpoint), rng_<rank>.pt,
-                          manifest.json (written last: step, samples, identity, and every file with its size and its
-                          xxh3-128 checksum, computed as the bytes were written)
+                          manifest.json (written last: step, samples, identity, run id (`launcher.run_id`), and
+                          every file with its size and its xxh3-128 checksum, computed as the bytes were written)
     .step_00000008.partial/   a save still being written, or one that never finished: never read
     latest                the name of the newest complete checkpoint, moved after the rename (for people and
                           tools: the launcher orders checkpoints by their manifests' times, `by_time`)
@@ -28,6 +28,7 @@ from typing import Any
 from launcher.checkpoint import storage
 from launcher.checkpoint.storage import Location, is_remote
 from launcher.checkpoint.untrusted import UntrustedDataError
+from launcher.run_id import PATTERN
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -110,6 +111,9 @@ def read_manifest(path: Location) -> dict[str, Any]:
             raise UntrustedDataError(f"{file} lists a bad file entry {name!r}: {size!r}")
         if not isinstance(sums.get(name), str):
             raise UntrustedDataError(f"{file} records no checksum of {name!r}: written by an older launch")
+    run_id = manifest.get("run_id")  # absent or None: saved before manifests recorded it, or outside a launch
+    if run_id is not None and not (isinstance(run_id, str) and PATTERN.fullmatch(run_id)):
+        raise UntrustedDataError(f"{file} has a bad 'run_id': {run_id!r}")
     return manifest
 
 
@@ -134,6 +138,7 @@ def manifest_of(cfg: Any, world_size: int, precision: str) -> dict[str, Any]:
         "precision": precision,
         "config_hash": job.config_hash,
         "overrides": sweep_identity(job.overrides) if job.get("sweep_dir") else None,
+        "run_id": job.get("run_id"),  # the logger run it belongs to (`launcher.run_id`)
     }
 
 
