@@ -7,7 +7,7 @@ same random-token task; `launch` twice, logging every 5th step and every step. S
 median over windows of 5 steps (every step's, when it logs every step), the first window (warm-up)
 left out; start-up is the wall time from starting the command to the end of the first optimizer
 step; the whole process is its wall and CPU time (its children's). Runs alternate, so drifting
-machine load hits all alike.
+machine load hits all alike. Launch's start-up is split into its parts (`STARTUP`), each with its seconds.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ LAUNCH = str(Path(sys.executable).parent / "launch")
 WINDOW = 5
 
 
-def run_launch(steps: int, out: Path, log_every: int = WINDOW) -> tuple[float, list[float]]:
+def run_launch(steps: int, out: Path, log_every: int = WINDOW) -> tuple[float, list[float], dict[str, float]]:
+    """Start to the end of the first optimizer step, the windows' step times, and the start-up's parts (`startup`)."""
     run_dir = out / f"launch-{time.monotonic_ns()}"
     started = time.time()
     subprocess.run(
@@ -54,7 +55,31 @@ def run_launch(steps: int, out: Path, log_every: int = WINDOW) -> tuple[float, l
     )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # The runner always logs step 1; the next row covers steps 2-5, then windows of 5 (or one row per step).
-    return rows[0]["time"] - started, [r["step_time_s"] for r in rows[2 if log_every == WINDOW else WINDOW + 1 :]]
+    windows = [r["step_time_s"] for r in rows[2 if log_every == WINDOW else WINDOW + 1 :]]
+    return rows[0]["time"] - started, windows, startup(run_dir, started, rows[0])
+
+
+STARTUP = {
+    "start to the checked config (imports, composition, the model on the meta device, the checks)": "claimed",
+    "to every rank in the process group (the elastic agent, its rendezvous, the workers)": "joined",
+    "to the first step's start (the data, the model built and wrapped, the resume, the loggers)": "setup",
+    "the first optimizer step": "first_step",
+}
+"""The parts of a launch's start-up, each told by a file the run writes at its end: the run directory's claim
+(`claim.json`, once every check passed), rank 0's record of the process group (`logs/ranks/rank0.json`), and the
+first logged step (its time, less its step time)."""
+
+
+def startup(run_dir: Path, started: float, first: dict[str, float]) -> dict[str, float]:
+    claimed = (run_dir / "claim.json").stat().st_mtime
+    joined = (run_dir / "logs" / "ranks" / "rank0.json").stat().st_mtime
+    step_start = first["time"] - first["step_time_s"]
+    return {
+        "claimed": claimed - started,
+        "joined": joined - claimed,
+        "setup": step_start - joined,
+        "first_step": first["step_time_s"],
+    }
 
 
 def run_plain(steps: int, out: Path) -> tuple[float, list[float]]:
@@ -91,36 +116,55 @@ def _whole(fn, *args):  # type: ignore[no-untyped-def]
     return result, wall, (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime)
 
 
+RUNNERS = {
+    "torchrun": lambda steps, out: (*run_plain(steps, out), {}),
+    "launch": lambda steps, out: run_launch(steps, out),
+    "launch, every step logged": lambda steps, out: run_launch(steps, out, log_every=1),
+}
+
+
+def compare(steps: int, repeats: int, out: Path) -> dict[str, dict[str, float]]:
+    """Each runner's medians (step, start, wall, CPU, and launch's start-up parts) over `repeats` alternating runs."""
+    figures: dict[str, dict[str, list[float]]] = {k: {"start": [], "step": [], "wall": [], "cpu": []} for k in RUNNERS}
+    for _ in range(repeats):
+        for name, fn in RUNNERS.items():
+            (first, windows, parts), wall, cpu = _whole(fn, steps, out)
+            figures[name]["start"].append(first)
+            figures[name]["step"].extend(windows)
+            figures[name]["wall"].append(wall)
+            figures[name]["cpu"].append(cpu)
+            for part, seconds in parts.items():
+                figures[name].setdefault(part, []).append(seconds)
+    return {k: {m: statistics.median(v) for m, v in f.items()} for k, f in figures.items()}
+
+
+def report(med: dict[str, dict[str, float]]) -> str:
+    """The table, each launch runner's ratios against plain torchrun, and where launch's start-up goes."""
+    lines = [
+        "| runner | median step time (s) | start to first optimizer step (s) | whole process: wall (s) | CPU (s) |",
+        "|---|---|---|---|---|",
+        *(f"| {n} | {m['step']:.4f} | {m['start']:.2f} | {m['wall']:.2f} | {m['cpu']:.2f} |" for n, m in med.items()),
+    ]
+    base = med["torchrun"]
+    for name in ("launch", "launch, every step logged"):
+        m = med[name]
+        lines.append(f"\n{name} / torchrun: step time {m['step'] / base['step']:.3f} (goal <= 1.02), start-up "
+                     f"{m['start'] / base['start']:.3f}, whole process {m['wall'] / base['wall']:.3f} wall and "
+                     f"{m['cpu'] / base['cpu']:.3f} CPU (goal <= 1.05)")  # fmt: skip
+    m = med["launch"]
+    lines.append(f"\nlaunch's start-up ({m['start']:.2f} s to the end of the first step; torchrun's: "
+                 f"{base['start']:.2f} s):")  # fmt: skip
+    lines += [f"  {m[key]:6.2f} s  {what}" for what, key in STARTUP.items()]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
     a = p.parse_args()
-    runners = {
-        "torchrun": lambda steps, out: run_plain(steps, out),
-        "launch": lambda steps, out: run_launch(steps, out),
-        "launch, every step logged": lambda steps, out: run_launch(steps, out, log_every=1),
-    }
-    figures: dict[str, dict[str, list[float]]] = {k: {"start": [], "step": [], "wall": [], "cpu": []} for k in runners}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(a.repeats):
-            for name, fn in runners.items():
-                (first, windows), wall, cpu = _whole(fn, a.steps, Path(tmp))
-                figures[name]["start"].append(first)
-                figures[name]["step"].extend(windows)
-                figures[name]["wall"].append(wall)
-                figures[name]["cpu"].append(cpu)
-    med = {k: {m: statistics.median(v) for m, v in f.items()} for k, f in figures.items()}
-    print("| runner | median step time (s) | start to first optimizer step (s) | whole process: wall (s) | CPU (s) |")
-    print("|---|---|---|---|---|")
-    for name, m in med.items():
-        print(f"| {name} | {m['step']:.4f} | {m['start']:.2f} | {m['wall']:.2f} | {m['cpu']:.2f} |")
-    base = med["torchrun"]
-    for name in ("launch", "launch, every step logged"):
-        m = med[name]
-        print(f"\n{name} / torchrun: step time {m['step'] / base['step']:.3f} (goal <= 1.02), start-up "
-              f"{m['start'] / base['start']:.3f}, whole process {m['wall'] / base['wall']:.3f} wall and "
-              f"{m['cpu'] / base['cpu']:.3f} CPU (goal <= 1.05)")  # fmt: skip
+        print(report(compare(a.steps, a.repeats, Path(tmp))))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Step time over a long run: does a step cost more at the end than at the start?
 
-python bench/soak.py [--steps 2000] [--checkpoint-every 50] [--model-args ...]
+python bench/soak.py [--steps 2000] [--checkpoint-every 50] [override ...]
 
 One `launch` run with a checkpoint every `--checkpoint-every` steps (keep_last=2) and one without periodic checkpoints,
 both logging every step: gpt_tiny (2 x 64), sequence 32, micro-batch 4, global batch 16, 2 CPU ranks, random tokens.
@@ -29,10 +29,10 @@ JOB = [
 WARM_UP = 10
 
 
-def run(steps: int, checkpoint_every: int, out: Path) -> list[dict[str, float]]:
+def run(steps: int, checkpoint_every: int, out: Path, overrides: list[str]) -> list[dict[str, float]]:
     run_dir = out / f"soak-{time.monotonic_ns()}"
     subprocess.run(
-        [LAUNCH, *JOB, f"trainer.max_steps={steps}", f"trainer.checkpoint_every={checkpoint_every}",
+        [LAUNCH, *JOB, f"trainer.max_steps={steps}", f"trainer.checkpoint_every={checkpoint_every}", *overrides,
          f"hydra.run.dir={run_dir}"],
         check=True, capture_output=True, cwd=out,
     )  # fmt: skip
@@ -51,13 +51,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("overrides", nargs="*", help="more overrides for both runs, e.g. trainer.memory_every=1")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
-            f"a checkpoint every {a.checkpoint_every} steps, keep_last=2": run(a.steps, a.checkpoint_every, Path(tmp)),
-            "no periodic checkpoints": run(a.steps, 0, Path(tmp)),
+            f"a checkpoint every {a.checkpoint_every} steps, keep_last=2": run(
+                a.steps, a.checkpoint_every, Path(tmp), a.overrides
+            ),
+            "no periodic checkpoints": run(a.steps, 0, Path(tmp), a.overrides),
         }
-    print(f"| {a.steps} steps, median step time (s) | first 100 | middle 100 | last 100 | last / first |")
+    given = " ".join([f"{a.steps} steps", *a.overrides])
+    print(f"| {given}: median step time (s) | first 100 | middle 100 | last 100 | last / first |")
     print("|---|---|---|---|---|")
     for name, rows in runs.items():
         w = windows(rows)
