@@ -221,6 +221,11 @@ def export(args: Sequence[str]) -> None:
             if frozen.gpus is None:
                 raise ConfigError("gpus is unset; give gpus=N, the workers (GPUs) of each pod")
             derived = derive(frozen, cuda_devices=frozen.gpus if frozen.device != "cpu" else 0)  # as each pod derives
+            if derived.min_nodes < derived.nodes:
+                raise ConfigError(
+                    f"nodes={frozen.nodes} is an elastic range, but a PyTorchJob has a fixed number of pods; give "
+                    f"nodes=N (elastic jobs run on nodes you start by hand: see the README's Runs that adapt)"
+                )
             if derived.nodes > 1 and not frozen.trainer.checkpoint_dir:
                 raise ConfigError(
                     f"the {derived.nodes} pods share no file system: give trainer.checkpoint_dir=s3://bucket/prefix "

@@ -46,6 +46,11 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
             "(or run inside a SLURM allocation or a Kubernetes PyTorchJob)"
         )
     if derived.min_nodes < derived.nodes:
+        if job.cluster != "local":
+            raise ConfigError(
+                f"nodes={derived.min_nodes}:{derived.nodes} is an elastic range, but a {job.cluster} job has a fixed "
+                f"number of nodes; give nodes=N (elastic jobs run on nodes you start by hand)"
+            )
         if backend != "c10d":
             raise ConfigError(
                 f"nodes={derived.min_nodes}:{derived.nodes} (elastic) needs the c10d rendezvous, not "

@@ -133,3 +133,35 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
 def _listening(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.unit
+def test_an_elastic_range_is_refused_where_a_cluster_fixes_the_number_of_nodes() -> None:
+    """A SLURM allocation has its nodes: nodes=MIN:MAX is for nodes started by hand (one line, naming both)."""
+    from hydra import compose, initialize_config_module
+
+    from launcher import schema
+    from launcher.config import ConfigError, derive, freeze
+    from launcher.rendezvous import rendezvous
+
+    schema.register()
+    with initialize_config_module("launcher.conf", version_base="1.3"):
+        cfg = freeze(
+            compose(
+                "config",
+                overrides=[
+                    "nodes=1:2",
+                    "gpus=1",
+                    "trainer.max_restarts=2",
+                    "device=cpu",
+                    "rdzv.id=x",
+                    "rdzv.endpoint=127.0.0.1:29500",
+                ],
+            )
+        )
+    slurm = {"SLURM_JOB_ID": "5", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "h[1-2]",
+             "SLURM_NTASKS_PER_NODE": "1"}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^nodes=1:2 is an elastic range, but a slurm job has a fixed number of"):
+        rendezvous(cfg, derive(cfg, cuda_devices=0), slurm)
+    local = rendezvous(cfg, derive(cfg, cuda_devices=0), {})  # by hand: the c10d rendezvous, with its last call
+    assert local.backend == "c10d" and local.configs["last_call_timeout"] == 30

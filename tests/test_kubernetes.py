@@ -133,6 +133,8 @@ def test_export_refuses_what_a_run_would_refuse(tmp_path: Path) -> None:
         ("gpus=1",): "usage: launch export kubeflow image=IMAGE",
         ("image=x", "gpus=1", "name=My_Job"): "name=My_Job is not a Kubernetes object name",
         ("image=x", "gpus=1", "trainer.max_stpes=3"): "unknown key 'trainer.max_stpes'",
+        ("image=x", "gpus=2", "nodes=1:2", "trainer.max_restarts=2", "trainer.checkpoint_dir=s3://b/p"): "nodes=1:2 is "
+        "an elastic range, but a PyTorchJob has a fixed number of pods; give nodes=N",
     }
     for args, message in cases.items():
         run = launch_here(tmp_path, "export", "kubeflow", *args)

@@ -248,6 +248,21 @@ def test_plan_of_one_strategy(tmp_path: Path) -> None:
     assert zero3["comm_bytes"] == pytest.approx(1.5 * 2 * 7 / 8 * plan["model"]["params"] * 2)
 
 
+def test_plan_of_an_auto_micro_batch_is_the_largest_whose_peak_fits(tmp_path: Path) -> None:
+    """batch.micro_size=auto in `launch plan strategy=NAME`: the pick, said on stderr, is planned; its need fits the
+    device with plan.headroom, and the next larger micro-batch that divides the global batch does not."""
+    job = ["model=gpt_7b", "gpus=8", "precision=bf16", "strategy=zero3", "plan.device_memory_gb=40",
+           "batch.global_size=512"]  # fmt: skip
+    proc = _cli(tmp_path, "plan", *job, "batch.micro_size=auto", "plan.format=json")
+    assert proc.returncode == 0, proc.stderr
+    picked = int(proc.stderr.split("auto: batch.micro_size=")[1].split()[0])
+    usable = 40e9 * (1 - 0.1)  # plan.headroom's default
+    assert json.loads(proc.stdout)["strategies"][0]["need_bytes"] <= usable
+    assert _plan_json(tmp_path, *job, f"batch.micro_size={picked}")["strategies"][0]["need_bytes"] <= usable
+    larger = next(m for m in range(picked + 1, 512 + 1) if 512 % (m * 8) == 0)
+    assert _plan_json(tmp_path, *job, f"batch.micro_size={larger}")["strategies"][0]["need_bytes"] > usable
+
+
 def test_plan_chart_is_a_png(tmp_path: Path) -> None:
     proc = _cli(tmp_path, "plan", "model=gpt_7b", "gpus=8", "precision=bf16", f"plan.chart={tmp_path / 'plan.png'}")
     assert proc.returncode == 0, proc.stderr

@@ -7,6 +7,7 @@ interpolations such as DeepSpeed's `${optim._target_}` resolve against the run's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -124,7 +125,20 @@ def plan_command(overrides: Sequence[str]) -> int:
             file=sys.stderr,
         )
         derived = derive(frozen, devices)
-    size = measure(build_on_meta(frozen.model))
+    model = build_on_meta(frozen.model)
+    size = measure(model)
+    if derived.micro_auto:  # batch.micro_size=auto: the run's strategy's own pick; several presets: one sample each
+        with read_write(frozen):
+            frozen.batch.micro_size = 1
+        if chosen is not None and not is_auto(frozen):
+            with contextlib.redirect_stdout(sys.stderr):  # stdout is the plan (JSON with plan.format=json)
+                frozen, derived = choose_micro(frozen, derived, model, None)
+        else:
+            print(
+                "launch plan: note: planned at batch.micro_size=1 (auto picks each strategy's own at launch; name "
+                "one, strategy=NAME, to see its pick)",
+                file=sys.stderr,
+            )
     if chosen is None:  # every preset side by side
         if strategy_keys:
             print(
