@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import secrets
 import string
 import time
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
+from launcher.checkpoint.format import RUN_ID_PATTERN
 from launcher.config import ConfigError
 
 if TYPE_CHECKING:
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from launcher.rundir import Ownership
 
 RUN_ID = "run_id"
-PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-"""What a run id may be (wandb's own are 8 base-36 digits; one written by hand may be any such name)."""
 WRITE_WAIT = 5.0
 """Seconds a launcher waits for another to finish writing the id file it created a moment ago."""
 
@@ -59,7 +57,7 @@ def read_run_id(run_dir: Path, wait: float = 0.0) -> str | None:
             break
         time.sleep(0.05)
     value = text.decode("utf-8", "replace").strip()
-    if not PATTERN.fullmatch(value):
+    if not RUN_ID_PATTERN.fullmatch(value):
         raise ConfigError(
             f"{path} holds {value[:80]!r}, not a run id (1-64 letters, digits, _ or -): delete it to start a new "
             "logger run for this run directory, or write into it the id of the run to continue"

@@ -104,7 +104,8 @@ def test_the_launchers_of_one_run_directory_agree_on_one_run_id(tmp_path: Path) 
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from launcher.run_id import PATTERN, make_run_id, read_run_id
+    from launcher.checkpoint.format import RUN_ID_PATTERN
+    from launcher.run_id import make_run_id, read_run_id
 
     start = threading.Barrier(8)
 
@@ -114,7 +115,7 @@ def test_the_launchers_of_one_run_directory_agree_on_one_run_id(tmp_path: Path) 
 
     with ThreadPoolExecutor(8) as pool:
         ids = set(pool.map(make, range(8)))
-    assert len(ids) == 1 and PATTERN.fullmatch(next(iter(ids))), ids
+    assert len(ids) == 1 and RUN_ID_PATTERN.fullmatch(next(iter(ids))), ids
     assert read_run_id(tmp_path) == make_run_id(tmp_path) == (tmp_path / "run_id").read_text().strip() in ids
     slow = tmp_path / "slow"  # the first launcher created the file and has not written it yet: the others wait
     slow.mkdir()

@@ -21,6 +21,7 @@ goes through `launcher.checkpoint.untrusted`: a checkpoint is data, never code.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +29,11 @@ from typing import Any
 from launcher.checkpoint import storage
 from launcher.checkpoint.storage import Location, is_remote
 from launcher.checkpoint.untrusted import UntrustedDataError
-from launcher.run_id import PATTERN
 
 LATEST = "latest"
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""What a run id may be (`launcher.run_id`; wandb's own are 8 base-36 digits, one written by hand any such name): in
+a manifest's `run_id` and in a run directory's `run_id` file."""
 MANIFEST = "manifest.json"
 
 
@@ -112,7 +115,7 @@ def read_manifest(path: Location) -> dict[str, Any]:
         if not isinstance(sums.get(name), str):
             raise UntrustedDataError(f"{file} records no checksum of {name!r}: written by an older launch")
     run_id = manifest.get("run_id")  # absent or None: saved before manifests recorded it, or outside a launch
-    if run_id is not None and not (isinstance(run_id, str) and PATTERN.fullmatch(run_id)):
+    if run_id is not None and not (isinstance(run_id, str) and RUN_ID_PATTERN.fullmatch(run_id)):
         raise UntrustedDataError(f"{file} has a bad 'run_id': {run_id!r}")
     return manifest
 
