@@ -1,11 +1,30 @@
-"""What the launcher sets on torch's elastic agent beyond its LaunchConfig: where the agent's own log lines go, and how
-long a failed worker group is given to end."""
+"""What the launcher sets on torch's elastic agent beyond its LaunchConfig: where the agent's own log lines go, how
+long a failed worker group is given to end, and what the workers it forks are given already loaded."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 from pathlib import Path
 from typing import Any
+
+from strategies.declarations import Requirements
+
+
+def preload(requirements: Requirements, device_type: str) -> None:
+    """What each worker forked from this process would import and load for itself in the strategy's setup
+    (DeepSpeed: about 1.5 s of imports, and seconds per compiled op it loads), done once here: every rank of every
+    attempt starts with it. A module or op that fails here is left to the workers, which fail on it with their own
+    report, as they would without this."""
+    try:
+        for module in requirements.imports:
+            importlib.import_module(module)
+        if requirements.ops:
+            from strategies.deepspeed.strategy import load_ops  # Requirements.ops are DeepSpeed's
+
+            load_ops(requirements.ops, device_type)
+    except Exception:  # noqa: BLE001 (the workers' own setup meets it again and reports it)
+        return
 
 
 def failed_group_grace(seconds: float, resize_timeout: float, run_dir: Path) -> None:

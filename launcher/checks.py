@@ -14,6 +14,7 @@ from launcher.config import ConfigError
 from launcher.context import make_strategy, run_context
 from launcher.identity import sweep_identity
 from strategies import Strategy
+from strategies.declarations import Requirements
 
 if TYPE_CHECKING:
     from launcher.checkpoint.storage import Location
@@ -34,13 +35,14 @@ def check_protocol(frozen: DictConfig) -> None:
         )
 
 
-def check_strategy(frozen: DictConfig, model: Any) -> None:
-    """The strategy's own checks, from rank 0's view of a frozen config that carries `derived`."""
+def check_strategy(frozen: DictConfig, model: Any) -> Requirements:
+    """The strategy's own checks, from rank 0's view of a frozen config that carries `derived`; what it requires."""
     strategy = make_strategy(frozen.strategy)
     try:
         strategy.check(run_context(frozen, 0, 0, frozen.derived.world_size), model)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    return strategy.requirements()
 
 
 def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Location | None:

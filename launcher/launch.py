@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.agent import agent_logs_to_file, failed_group_grace
+from launcher.agent import agent_logs_to_file, failed_group_grace, preload
 from launcher.checks import check_built, check_keys, check_protocol, check_resume, check_strategy, vocabulary
 from launcher.clusters import detect, shaped
 from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze
@@ -42,6 +42,7 @@ from launcher.machine import loopback_interface, memory_available, usable_cpus, 
 from launcher.rendezvous import LOOPBACK, Rendezvous, cheap_event_names, rendezvous
 from launcher.run_id import claim_run
 from launcher.rundir import Ownership, remove_made
+from strategies.declarations import Requirements
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class Prepared:
     """This launch's claim on the run directory, held until the workers are done."""
     restarts: int
     """The elastic agent's restarts: trainer.max_restarts, and one per halving batch.micro_size=auto has left."""
+    requirements: Requirements
+    """The strategy's: what forked workers are given loaded (`launcher.agent.preload`)."""
 
 
 def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -> Prepared:
@@ -102,7 +105,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     resolved["job"] = {**(job or {}), "config_hash": identity_hash(frozen, cfg)}
     _name_logger_run(resolved)
     frozen = OmegaConf.create(resolved)
-    check_strategy(frozen, model)
+    requirements = check_strategy(frozen, model)
     found = check_resume(frozen, run_dir, model)
     ownership = claim_run(frozen, run_dir, found, rdzv.run_id if derived.nodes > 1 else None)  # and its run id
     path = run_dir / "resolved.yaml"
@@ -110,7 +113,8 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     tmp = run_dir / f".resolved.{os.getpid()}.yaml"
     OmegaConf.save(frozen, tmp)
     os.replace(tmp, path)
-    return Prepared(path, derived, rdzv, ownership, oom_restarts(frozen, derived) + int(frozen.trainer.max_restarts))
+    restarts = oom_restarts(frozen, derived) + int(frozen.trainer.max_restarts)
+    return Prepared(path, derived, rdzv, ownership, restarts, requirements)
 
 
 def check_job(cfg: DictConfig) -> None:
@@ -288,6 +292,8 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     agent_logs_to_file(run_dir)
     cheap_event_names()
     forked = forks_workers(derived, trainer)
+    if forked:
+        preload(prepared.requirements, derived.device)
     quiet = {rank: Std.ALL for rank in range(1, derived.gpus)}  # rank 0 talks to the terminal
     config = LaunchConfig(
         min_nodes=derived.min_nodes,  # nodes=MIN:MAX: the group restarts at the new size when a node leaves or joins

@@ -271,6 +271,18 @@ def test_other_strategies_never_import_deepspeed(tmp_path: Path, no_deepspeed: d
     launch(tmp_path, *TINY, f"strategy={strategy}", "trainer.max_steps=2", env=no_deepspeed).check()
 
 
+def test_forked_workers_start_with_deepspeed_and_its_ops_loaded(tmp_path: Path) -> None:
+    """CPU workers are forked from the launcher, which imports DeepSpeed (and what its ZeRO optimizers import) and
+    loads its CPU Adam op once, before the fork: rank 1's log of Python's imports names none of them."""
+    env = clean_env(tmp_path) | {"PYTHONPROFILEIMPORTTIME": "1"}
+    run = launch(tmp_path, *TINY, "strategy=zero2_offload", "gpus=2", "trainer.max_steps=1", env=env).check()
+    (log,) = (run.run_dir / "logs").glob("*/attempt_0/1/stderr.log")
+    lines = [line.rsplit("|", 1) for line in log.read_text().splitlines() if line.startswith("import time:")]
+    imported = {name.strip() for _, name in lines}
+    assert "launcher.runner" in imported, sorted(imported)  # the worker's own imports are logged
+    assert not {"deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "cpuinfo"} & imported, sorted(imported)
+
+
 # ------------------------------------------------------------------ the strategy-neutral export
 
 

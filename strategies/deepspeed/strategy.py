@@ -114,7 +114,12 @@ class DeepSpeed:
     def requirements(self) -> Requirements:
         offloads = (self.offload_optimizer, self.offload_params)
         ops = ("cpu_adam",) if self.offload_optimizer != "none" else ()
-        return Requirements(ops=ops + (("async_io",) if "nvme" in offloads else ()), nvme_folder="nvme" in offloads)
+        return Requirements(
+            ops=ops + (("async_io",) if "nvme" in offloads else ()),
+            nvme_folder="nvme" in offloads,
+            # Every ZeRO optimizer's constructor imports DeepSpeed's Muon, which imports torch's inductor: about 1 s.
+            imports=("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer"),
+        )
 
     def conformance(self) -> Conformance:
         # DeepSpeed's CPU Adam kernel steps the offloaded optimizer: the same update, rounded differently.
@@ -346,6 +351,23 @@ def op_problem(op: str, device_type: str) -> str | None:
     if not _is_compatible(builders[op]()):
         return f"DeepSpeed's {op} op cannot be built here (it compiles with the system's C++ compiler on first use)"
     return None
+
+
+def load_ops(ops: tuple[str, ...], device_type: str) -> None:
+    """Load DeepSpeed's ops `ops` (`Requirements.ops` names) into this process, building any not built yet: a process
+    that forks its workers afterwards gives each of them the loaded op (DeepSpeed keeps it, `OpBuilder._loaded_ops`).
+
+    Each load asks py-cpuinfo twice for the CPU's features, and each answer costs a fresh Python process (about a
+    second): the answer, which cannot change while this process lives, is asked once."""
+    os.environ.setdefault("DS_ACCELERATOR", device_type)
+    import cpuinfo
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+    builders = {"cpu_adam": CPUAdamBuilder, "async_io": AsyncIOBuilder}
+    for op in ops:
+        builders[op]().load(verbose=False)
 
 
 def async_io_problem(device_type: str) -> str | None:
