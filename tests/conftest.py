@@ -112,8 +112,17 @@ def launch(
 
 
 def launch_here(tmp_path: Path, *overrides: str, name: str = "run") -> Run:
-    """`launch` in this test process, through the entry point the console script calls (`launcher.cli.main`), for
-    runs that end before any worker starts: its exit status and what it printed, as `launch` would give them."""
+    """`launch` in this test process (`cli_here`), for runs that end before any worker starts; its run directory is
+    tmp_path/name."""
+    run_dir = tmp_path / name
+    proc = cli_here(tmp_path, *overrides, f"hydra.run.dir={run_dir}")
+    return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+def cli_here(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`launch ARGS` in this test process, in `cwd`, through the entry point the console script calls
+    (`launcher.cli.main`): its exit status and what it printed, as `launch` would give them, for what ends before any
+    worker starts (a refusal, `launch plan`, `--cfg`)."""
     import contextlib
     import io
 
@@ -121,22 +130,23 @@ def launch_here(tmp_path: Path, *overrides: str, name: str = "run") -> Run:
 
     from launcher.cli import main
 
-    run_dir = tmp_path / name
-    out, err, argv, cwd = io.StringIO(), io.StringIO(), sys.argv, os.getcwd()
+    out, err, argv, here = io.StringIO(), io.StringIO(), sys.argv, os.getcwd()
     saved = {key: os.environ.get(key) for key in ("HYDRA_FULL_ERROR", "WANDB_SILENT")}
     os.environ.update(HYDRA_FULL_ERROR="0", WANDB_SILENT="true")
-    os.chdir(tmp_path)
+    os.chdir(cwd)
     loggers = _logging_state()
     code: int | str | None = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                main([*overrides, f"hydra.run.dir={run_dir}"])
+                main(list(args))
             except SystemExit as e:
                 code = e.code
+                if isinstance(code, str):  # what the interpreter would print on its way out
+                    print(code, file=sys.stderr)
     finally:
         sys.argv = argv
-        os.chdir(cwd)
+        os.chdir(here)
         _restore_logging(loggers)
         GlobalHydra.instance().clear()
         for key, value in saved.items():
@@ -144,7 +154,8 @@ def launch_here(tmp_path: Path, *overrides: str, name: str = "run") -> Run:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    return Run(code if isinstance(code, int) else int(code is not None), out.getvalue(), err.getvalue(), run_dir)
+    status = code if isinstance(code, int) else int(code is not None)
+    return subprocess.CompletedProcess(["launch", *args], status, out.getvalue(), err.getvalue())
 
 
 def _logging_state() -> dict[Any, tuple[list[Any], int, bool]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH, Run, assert_each_restart_resumes_the_newest, clean_env, launch
+from conftest import LAUNCH, Run, assert_each_restart_resumes_the_newest, clean_env, launch, launch_here
 from processes import wait_for_step, worker_pids
 from runs import AT_TWO_RANKS, JOB, SHAPES, ranks, run_of, selecting, suite_run
 
@@ -107,7 +107,7 @@ def _digest(path: Path) -> str:
 def test_a_checkpoint_of_another_model_is_refused_before_workers_start(conformance_dir: Path, tmp_path: Path) -> None:
     full = run_of(conformance_dir, "ddp", 2)
     before = _digest(full.run_dir / "checkpoints")
-    line = launch(tmp_path, *JOB, "gpus=2", "model.n_embd=32", f"resume={_ckpt(full, 6)}").refused()
+    line = launch_here(tmp_path, *JOB, "gpus=2", "model.n_embd=32", f"resume={_ckpt(full, 6)}").refused()
     assert "does not fit the model: tok_emb.weight is [256, 64] there, [256, 32] here" in line
     assert _digest(full.run_dir / "checkpoints") == before
 
@@ -120,13 +120,14 @@ def test_a_corrupted_checkpoint_is_a_one_line_error(conformance_dir: Path, tmp_p
     broken = tmp_path / "broken"
     shutil.copytree(_ckpt(run_of(conformance_dir, "ddp", 2), 6), broken)
     (broken / ".metadata").write_bytes(b"not a checkpoint")  # its size no longer matches the manifest's
-    assert ".metadata is truncated" in launch(tmp_path, *JOB, "gpus=2", f"resume={broken}").refused()
+    assert ".metadata is truncated" in launch_here(tmp_path, *JOB, "gpus=2", f"resume={broken}").refused()
     manifest = json.loads((broken / "manifest.json").read_text())
     manifest["files"][".metadata"] = len(b"not a checkpoint")  # complete by the manifest, garbage inside
     manifest["xxh3_128"][".metadata"] = checkpoint.checksum(broken / ".metadata")
     (broken / "manifest.json").write_text(json.dumps(manifest))
-    assert "has unreadable metadata" in launch(tmp_path, *JOB, "gpus=2", f"resume={broken}", name="garbage").refused()
-    missing = launch(tmp_path, *JOB, "gpus=2", f"resume={tmp_path / 'nowhere'}", name="missing").refused()
+    garbage = launch_here(tmp_path, *JOB, "gpus=2", f"resume={broken}", name="garbage").refused()
+    assert "has unreadable metadata" in garbage
+    missing = launch_here(tmp_path, *JOB, "gpus=2", f"resume={tmp_path / 'nowhere'}", name="missing").refused()
     assert "no complete checkpoint there" in missing
 
 

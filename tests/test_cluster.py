@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch, launch_once
+from conftest import LAUNCH, TINY, clean_env, launch, launch_here, launch_once
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from processes import free_port
@@ -110,10 +110,11 @@ def test_slurm_mismatches_are_one_line_errors(env: dict[str, str], message: str)
         rendezvous(cfg, derive(cfg, cuda_devices=8), SLURM | env)
 
 
+@pytest.mark.unit
 def test_several_nodes_need_an_endpoint(tmp_path: Path) -> None:
     assert (
         "nodes=2 needs rdzv.endpoint=HOST:PORT and rdzv.id=NAME"
-        in launch(tmp_path, *JOB, "nodes=2", "gpus=1").refused()
+        in launch_here(tmp_path, *JOB, "nodes=2", "gpus=1").refused()
     )
 
 
@@ -219,6 +220,7 @@ def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path) -> None:
         assert line in text, text
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "override,message",
     [
@@ -227,7 +229,7 @@ def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path) -> None:
     ],
 )
 def test_a_contradicting_submitit_shape_is_refused(tmp_path: Path, override: str, message: str) -> None:
-    assert message in launch(tmp_path, "-m", "hydra/launcher=submitit_local", *JOB, "nodes=2", override).refused()
+    assert message in launch_here(tmp_path, "-m", "hydra/launcher=submitit_local", *JOB, "nodes=2", override).refused()
 
 
 def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch, launch_here
+from conftest import LAUNCH, TINY, clean_env, launch_here
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -117,9 +117,10 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     assert not (tmp_path / "outputs").exists()  # nothing started, nothing written
 
 
+@pytest.mark.unit
 def test_bad_input_in_a_sweep_is_caught_before_the_first_job(tmp_path: Path) -> None:
-    run = launch(tmp_path, "-m", *TINY, "model=gpt_tiny,gpt_nope")
-    assert run.returncode == 2 and "unknown model 'gpt_nope'" in run.stderr, run.stderr
+    line = launch_here(tmp_path, "-m", *TINY, "model=gpt_tiny,gpt_nope").refused()
+    assert "unknown model 'gpt_nope'" in line, line
     assert not (tmp_path / "multirun").exists()
 
 

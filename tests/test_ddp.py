@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, launch
+from conftest import TINY, launch, launch_here
 from runs import two_ranks
 
 from launcher.models.gpt import GPT
@@ -51,9 +51,10 @@ def test_multirun_runs_each_job_as_its_own_distributed_run(tmp_path: Path) -> No
         assert math.isfinite(m["loss"]) and m["loss_scale"] in (2.0**16, 2.0**15, 2.0**14), m
 
 
+@pytest.mark.unit
 def test_a_model_that_cannot_be_built_is_refused_before_workers_start(tmp_path: Path) -> None:
     # model.n_head must divide n_embd: the launcher builds the model on the meta device once, before any worker.
-    line = launch(tmp_path, *TINY, "gpus=2", "model.n_head=5").refused()
+    line = launch_here(tmp_path, *TINY, "gpus=2", "model.n_head=5").refused()
     assert (
         "model launcher.models.gpt.GPT could not be built: model.n_embd=64 is not divisible by model.n_head=5" in line
     )

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch, require_async_io
+from conftest import LAUNCH, TINY, clean_env, launch, launch_here, require_async_io
 
 from strategies import RunContext
 from strategies.deepspeed import build_ds_config
@@ -91,9 +91,10 @@ def test_conflicting_keys_are_rejected_naming_both_values(extra: dict, named: li
 
 
 def _rejected(tmp_path: Path, *overrides: str) -> str:
-    return launch(tmp_path, *TINY, *overrides, timeout=120).refused()  # in the parent: seconds, not a training run
+    return launch_here(tmp_path, *TINY, *overrides).refused()  # in this process, as the launcher refuses it
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "key, given, derived",
     [
@@ -108,6 +109,7 @@ def test_conflicting_ds_config_rejected_by_launch(tmp_path: Path, key: str, give
     assert f"{key}={given}" in line and f"{key}={derived}" in line, line
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "overrides, expected",
     [
@@ -122,11 +124,13 @@ def test_impossible_combinations_rejected(tmp_path: Path, overrides: list[str], 
     assert expected in _rejected(tmp_path, *overrides)
 
 
+@pytest.mark.unit
 def test_nvme_path_must_exist(tmp_path: Path) -> None:
     line = _rejected(tmp_path, "strategy=zero_infinity", f"strategy.nvme_path={tmp_path / 'absent'}")
     assert "does not exist" in line
 
 
+@pytest.mark.unit
 def test_nvme_path_must_be_writable(tmp_path: Path) -> None:
     if not os.access("/proc/sys", os.W_OK):  # read-only even for root (tests often run as root)
         path = "/proc/sys"
@@ -138,6 +142,7 @@ def test_nvme_path_must_be_writable(tmp_path: Path) -> None:
     assert "is not writable" in _rejected(tmp_path, "strategy=zero_infinity", f"strategy.nvme_path={path}")
 
 
+@pytest.mark.unit
 def test_nvme_path_must_have_room_for_the_model(tmp_path: Path) -> None:
     # 4096-wide GPT layers hold about 201M parameters; NVMe offload writes 16 bytes per parameter.
     layers = math.ceil(shutil.disk_usage(tmp_path).free / (16 * 201e6)) + 2
@@ -220,7 +225,7 @@ def test_sync_each_microbatch_reduces_every_micro_step(tmp_path: Path) -> None:
     if cpu_fp16():
         run = launch(tmp_path, *args, "precision=fp16").check()
     else:
-        said = launch(tmp_path, *args, "precision=fp16", name="fp16").refused()  # nothing written
+        said = launch_here(tmp_path, *args, "precision=fp16", name="fp16").refused()  # nothing written
         assert "precision=fp16 under DeepSpeed on CPU" in said and "use precision=bf16" in said, said
         run = launch(tmp_path, *args, "precision=bf16").check()
     with torch.device("meta"):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch
+from conftest import LAUNCH, TINY, clean_env, launch, launch_here
 
 REPO = Path(__file__).parents[1]
 
@@ -199,7 +199,7 @@ def test_a_run_resumes_from_the_newest_checkpoint_that_verifies(tmp_path: Path) 
         f"launch: error: checkpoint {newest} is damaged: __0_0.distcp fails its checksum (xxh3-128): its bytes "
         "changed after they were written; resume from another one"
     )
-    assert launch(tmp_path, *RESUMED, f"resume={newest}", name="refused").refused() == line
+    assert launch_here(tmp_path, *RESUMED, f"resume={newest}", name="refused").refused() == line
     again = launch(tmp_path, *RESUMED).check()
     assert f"launch: skipping checkpoint {newest}: __0_0.distcp fails its checksum" in again.stdout, again.stdout
     assert f"resuming from {before} (step 4" in again.stdout, again.stdout
@@ -245,12 +245,13 @@ def test_a_full_disk_at_start_is_one_line_and_leaves_no_run_directory(tmp_path: 
     assert sorted(p.name for p in disk.iterdir()) == ["filler"]  # new/ and new/run removed: the launch made them
 
 
+@pytest.mark.unit
 def test_a_refused_run_removes_only_the_folders_it_made(tmp_path: Path) -> None:
     (tmp_path / "x").mkdir()
-    line = launch(tmp_path, *TINY, "gpus=2", "batch.global_size=30", name="x/run").refused()
+    line = launch_here(tmp_path, *TINY, "gpus=2", "batch.global_size=30", name="x/run").refused()
     assert "batch.global_size=30" in line
     assert (tmp_path / "x").is_dir()  # it was there before the launch
-    launch(tmp_path, *TINY, "gpus=2", "batch.global_size=30", name="y/z/run").refused()
+    launch_here(tmp_path, *TINY, "gpus=2", "batch.global_size=30", name="y/z/run").refused()
     assert not (tmp_path / "y").exists()  # the launch made y/ and y/z/: gone with the run's folder
 
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Run, launch
+from conftest import Run, launch_here
 from runs import JOB, run_of
 
 FSDP = [*JOB, "strategy=fsdp", "gpus=2"]  # the conformance job: K = 2 micro-steps per optimizer step
@@ -38,6 +38,7 @@ def max_diff(a: Run, b: Run) -> float:
     return max(abs(x - y) for x, y in zip(a.losses(), b.losses(), strict=True))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "overrides, named",
     [
@@ -48,7 +49,7 @@ def max_diff(a: Run, b: Run) -> float:
     ],
 )
 def test_bad_input_fails_before_workers_start(tmp_path: Path, overrides: list[str], named: str) -> None:
-    line = launch(tmp_path, *FSDP, *overrides).refused()
+    line = launch_here(tmp_path, *FSDP, *overrides).refused()
     assert named in line, line
 
 

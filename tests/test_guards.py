@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TINY, Run, clean_env, launch
+from conftest import TINY, Run, clean_env, launch, launch_here
 
 NAN_MODEL = "model._target_=guard_models.NaNGPT"
 
@@ -77,7 +77,7 @@ def test_a_nan_step_stops_the_run_and_the_last_finite_checkpoint_resumes(tmp_pat
     assert [m["step"] for m in records] == [3, 4] and all(math.isfinite(m["loss"]) for m in records)
 
     # Nothing left to train from it: refused in one line naming both, before any worker.
-    line = launch(tmp_path, *TINY, "trainer.max_steps=2", f"resume={run.run_dir}", name="done").refused()
+    line = launch_here(tmp_path, *TINY, "trainer.max_steps=2", f"resume={run.run_dir}", name="done").refused()
     assert "step_00000002 is at step 2, and trainer.max_steps=2 leaves nothing to train" in line, line
 
 
@@ -132,7 +132,7 @@ def test_token_ids_beyond_the_vocabulary(tmp_path: Path) -> None:
     path = tmp_path / "train.bin"
     np.array([*range(200), 300, *range(200)], dtype=np.uint16).tofile(path)
     assert largest_id(path) == 300 and (tmp_path / "train.bin.max-id.json").is_file()
-    line = launch(
+    line = launch_here(
         tmp_path,
         *TINY,
         "data=tokens",

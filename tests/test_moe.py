@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, launch_once
+from conftest import launch, launch_here, launch_once
 from runs import jobs, metrics, smoke
 
 MOE = ["model=custom", "model._target_=moe_models.TopOneMoE", "data=custom", "data._target_=moe_models.points",
@@ -91,18 +91,19 @@ def test_a_batchnorm_cnn_starts_and_a_micro_batch_of_one_is_refused(tmp_path: Pa
     with micro-batches of 1 every real step would fail, and the preflight says so."""
     run = launch(tmp_path, "+sweep=smoke", *BATCHNORM, "strategy=zero2", "batch.micro_size=2", "trainer.max_steps=1")
     assert run.check().losses() and CANNOT_CHECK not in run.stdout
-    line = launch(tmp_path, "+sweep=smoke", *BATCHNORM, name="one").refused()
+    line = launch_here(tmp_path, "+sweep=smoke", *BATCHNORM, name="one").refused()
     assert "model: Expected more than 1 value per channel when training" in line, line
 
 
+@pytest.mark.unit
 def test_a_shard_unit_inside_an_moe_block_and_an_unknown_block_are_refused(tmp_path: Path) -> None:
     # Each in a folder of its own: a refused run removes its empty run directory and the folder above it.
-    line = launch(
+    line = launch_here(
         tmp_path, "+sweep=smoke", *MOE, "strategy=fsdp", "strategy.shard_units=[Expert]", name="a/run"
     ).refused()
     assert "strategy.shard_units=[Expert] makes units inside the mixture-of-experts block MoE" in line, line
     assert "strategy.shard_units=[MoE]" in line, line
-    line = launch(
+    line = launch_here(
         tmp_path, "+sweep=smoke", *MOE, "strategy=zero3", "strategy.moe_blocks=[Router]", name="b/run"
     ).refused()
     assert "strategy.moe_blocks: no module of class Router in TopOneMoE" in line, line

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LAUNCH, TINY, Run, clean_env, launch
+from conftest import TINY, Run, cli_here, launch, launch_here
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -59,9 +59,7 @@ def _layout(strategy: str, *overrides: str):
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [LAUNCH, *args], cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300
-    )
+    return cli_here(tmp_path, *args)
 
 
 def _plan_json(tmp_path: Path, *overrides: str) -> dict:
@@ -125,6 +123,7 @@ def test_exercise_2_a_7b_bf16_all_reduce_on_8_gpus_at_600_gb_s_takes_41_ms() -> 
     assert bf16["fsdp"] == pytest.approx(sent["ddp"])  # one fp32 pass and two bf16 ones: DDP's two fp32 passes
 
 
+@pytest.mark.unit
 def test_exercise_3_micro_4_x_accumulation_8_x_16_gpus_is_512(tmp_path: Path) -> None:
     overrides = ("batch.micro_size=4", "batch.global_size=512", "gpus=8", "nodes=2")
     assert derive(_compose(*overrides), cuda_devices=8).accumulation == 8
@@ -152,6 +151,7 @@ def test_activation_formula_is_korthikantis_per_layer_count() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_plan_prints_every_strategy_side_by_side(tmp_path: Path) -> None:
     proc = _cli(tmp_path, "plan", "model=gpt_7b", "gpus=8", "precision=bf16")
     assert proc.returncode == 0, proc.stderr
@@ -168,6 +168,7 @@ def test_plan_prints_every_strategy_side_by_side(tmp_path: Path) -> None:
     assert not (tmp_path / "outputs").exists()  # no Hydra run: no output directory
 
 
+@pytest.mark.unit
 def test_plan_json_carries_the_layouts_figures(tmp_path: Path) -> None:
     plan = _plan_json(tmp_path, "model=gpt_7b", "gpus=8", "precision=bf16", "plan.device_memory_gb=80")
     n = plan["model"]["params"]
@@ -205,6 +206,7 @@ def test_plan_json_carries_the_layouts_figures(tmp_path: Path) -> None:
     assert by_name["hsdp"]["internode_bytes"] == 0 and plan["auto"] != "hsdp"
 
 
+@pytest.mark.unit
 def test_plan_of_hsdp_over_8_nodes_of_8(tmp_path: Path) -> None:
     """gpt_7b on 8 nodes x 8 GPUs, bf16, K = 1: the ring formula written out, in the dtypes each strategy sends. FSDP
     gathers bf16 parameters twice (2 x 2 bytes) and reduce-scatters fp32 gradients (its default reduce_dtype, 4 bytes),
@@ -239,6 +241,7 @@ def test_plan_of_hsdp_over_8_nodes_of_8(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.unit
 def test_plan_of_one_strategy(tmp_path: Path) -> None:
     plan = _plan_json(tmp_path, "model=gpt_7b", "gpus=8", "precision=bf16", "strategy=zero3")
     (zero3,) = plan["strategies"]
@@ -248,6 +251,7 @@ def test_plan_of_one_strategy(tmp_path: Path) -> None:
     assert zero3["comm_bytes"] == pytest.approx(1.5 * 2 * 7 / 8 * plan["model"]["params"] * 2)
 
 
+@pytest.mark.unit
 def test_plan_of_an_auto_micro_batch_is_the_largest_whose_peak_fits(tmp_path: Path) -> None:
     """batch.micro_size=auto in `launch plan strategy=NAME`: the pick, said on stderr, is planned; its need fits the
     device with plan.headroom, and the next larger micro-batch that divides the global batch does not."""
@@ -263,6 +267,7 @@ def test_plan_of_an_auto_micro_batch_is_the_largest_whose_peak_fits(tmp_path: Pa
     assert _plan_json(tmp_path, *job, f"batch.micro_size={larger}")["strategies"][0]["need_bytes"] > usable
 
 
+@pytest.mark.unit
 def test_plan_chart_is_a_png(tmp_path: Path) -> None:
     proc = _cli(tmp_path, "plan", "model=gpt_7b", "gpus=8", "precision=bf16", f"plan.chart={tmp_path / 'plan.png'}")
     assert proc.returncode == 0, proc.stderr
@@ -289,6 +294,7 @@ PLAN_BAD = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", sorted(PLAN_BAD))
 def test_plan_bad_input_is_one_line(tmp_path: Path, case: str) -> None:
     args, expected = PLAN_BAD[case]
@@ -323,8 +329,9 @@ def test_plan_imports_neither_deepspeed_nor_wandb(tmp_path: Path) -> None:
 AUTO_RUN = [*TINY, "data=synthetic", "batch.global_size=16", "batch.micro_size=4", "gpus=2", "trainer.max_steps=2"]
 
 
-def _auto(tmp_path: Path, *overrides: str, name: str = "auto") -> Run:
-    return launch(tmp_path, *AUTO_RUN, "strategy=auto", *overrides, name=name)
+def _auto(tmp_path: Path, *overrides: str, name: str = "auto", runs: bool = True) -> Run:
+    """strategy=auto on AUTO_RUN: a real launch, or (`runs=False`, for a refusal) the launcher in this process."""
+    return (launch if runs else launch_here)(tmp_path, *AUTO_RUN, "strategy=auto", *overrides, name=name)
 
 
 def _by_the_rule(plan: dict) -> str | None:
@@ -374,6 +381,7 @@ def test_auto_runs_ddp_when_everything_fits(tmp_path: Path) -> None:
     assert OmegaConf.load(run.run_dir / "resolved.yaml").strategy._target_ == "strategies.ddp.DDP"
 
 
+@pytest.mark.unit
 def test_auto_says_what_would_fit_and_exits_2(tmp_path: Path) -> None:
     # Between the smallest need at micro-batch 1 and at this run's 4: nothing fits, a smaller micro-batch would.
     smallest = [
@@ -381,7 +389,7 @@ def test_auto_says_what_would_fit_and_exits_2(tmp_path: Path) -> None:
         for micro in ((), ("batch.micro_size=1",))
     ]
     assert smallest[1] < smallest[0], smallest
-    run = _auto(tmp_path, f"plan.device_memory_gb={sum(smallest) / 2 / GB}", "plan.headroom=0")
+    run = _auto(tmp_path, f"plan.device_memory_gb={sum(smallest) / 2 / GB}", "plan.headroom=0", runs=False)
     assert run.returncode == 2, (run.stdout, run.stderr)
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch: error: strategy=auto: no strategy fits"), run.stderr
@@ -389,6 +397,7 @@ def test_auto_says_what_would_fit_and_exits_2(tmp_path: Path) -> None:
     assert not (run.run_dir / "resolved.yaml").exists() and not (run.run_dir / "logs").exists()
 
 
+@pytest.mark.unit
 def test_auto_on_cpu_fits_the_hosts_available_memory(tmp_path: Path) -> None:
     """device=cpu: the device is the host, its available memory shared by the node's ranks (not an assumed GPU). For
     gpt_1b on 2 ranks a strategy fits exactly when its peak (offloaded state included: the same memory) and a save's
@@ -410,11 +419,12 @@ def test_auto_on_cpu_fits_the_hosts_available_memory(tmp_path: Path) -> None:
     if plan["auto"] is not None:
         assert by_name[plan["auto"]]["fits"], plan["auto"]
         return
-    run = launch(tmp_path, *overrides, "strategy=auto", "logger=none", name="auto-1b")
+    run = launch_here(tmp_path, *overrides, "strategy=auto", "logger=none", name="auto-1b")
     assert run.returncode == 2 and "no strategy fits" in run.stderr and "would fit: " in run.stderr, run.stderr
     assert not (run.run_dir / "logs").exists()
 
 
+@pytest.mark.unit
 def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
     """optim=sgd: an offload preset (DeepSpeed's CPU Adam) that fits cannot run; auto says so. On device=cpu the
     host is the device, so offloading saves nothing: the candidates are an offload preset and an on-device one that
@@ -428,7 +438,7 @@ def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
     budget = (need[small] + need[large]) / 2
     run = _auto(
         tmp_path, "optim=sgd", f"strategy.candidates=[{small},{large}]", f"plan.device_memory_gb={budget / GB}",
-        "plan.headroom=0",
+        "plan.headroom=0", runs=False,
     )  # fmt: skip
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert "refused: strategy.offload_optimizer=cpu runs DeepSpeed's CPU Adam" in run.stdout

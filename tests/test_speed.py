@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, clean_env, launch
+from conftest import TINY, clean_env, launch, launch_here
 from runs import JOB, two_ranks
 
 from launcher.models.gpt import GPT
@@ -81,11 +81,13 @@ def test_compiled_blocks_train_to_the_same_losses(conformance_dir: Path, tmp_pat
     assert compiled.losses() == pytest.approx(eager.losses(), abs=1e-5)
 
 
+@pytest.mark.unit
 def test_compile_is_rejected_by_a_strategy_without_units(tmp_path: Path) -> None:
-    run = launch(tmp_path, *TINY, "gpus=2", "trainer.compile=true", "strategy.compile_units=[]")
-    assert run.returncode == 2 and "strategy.compile_units is empty" in run.stderr, run.stderr
+    line = launch_here(tmp_path, *TINY, "gpus=2", "trainer.compile=true", "strategy.compile_units=[]").refused()
+    assert "strategy.compile_units is empty" in line, line
 
 
+@pytest.mark.unit
 def test_deepspeed_rejects_compile_in_one_line(tmp_path: Path) -> None:
-    run = launch(tmp_path, *TINY, "gpus=2", "strategy=zero2", "trainer.compile=true")
-    assert run.returncode == 2 and "trainer.compile=true is not supported by DeepSpeed" in run.stderr, run.stderr
+    line = launch_here(tmp_path, *TINY, "gpus=2", "strategy=zero2", "trainer.compile=true").refused()
+    assert "trainer.compile=true is not supported by DeepSpeed" in line, line

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH, Run, clean_env, launch
+from conftest import LAUNCH, Run, clean_env, cli_here, launch, launch_here
 from runs import JOB, run_of
 
 from launcher.checkpoint.untrusted import UntrustedDataError
@@ -56,7 +56,7 @@ def _digest(path: Path) -> str:
 
 def _convert(tmp_path: Path, checkpoint: Path) -> subprocess.CompletedProcess[str]:
     out = tmp_path / "out.safetensors"
-    return subprocess.run([LAUNCH, "convert", str(checkpoint), f"out={out}"], capture_output=True, text=True)
+    return cli_here(tmp_path, "convert", str(checkpoint), f"out={out}")
 
 
 def _one_line(proc_or_run: subprocess.CompletedProcess[str] | Run) -> str:
@@ -73,7 +73,7 @@ def test_a_crafted_metadata_never_runs_on_resume_convert_or_load(conformance_dir
     shutil.copytree(_ckpt(run_of(conformance_dir, "ddp", 2), 6), crafted)
     (crafted / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     _restamp(crafted)  # a complete-looking checkpoint: only its metadata is hostile
-    line = launch(tmp_path, *JOB, "gpus=2", f"resume={crafted}").refused()  # the launcher, before any worker
+    line = launch_here(tmp_path, *JOB, "gpus=2", f"resume={crafted}").refused()  # the launcher, before any worker
     assert "unreadable metadata (UnpicklingError: posix.system is not allowed in checkpoint metadata)" in line, line
     assert "is not allowed in checkpoint metadata" in _one_line(_convert(tmp_path, crafted))
     with pytest.raises(UntrustedDataError, match="posix.system is not allowed"):
@@ -98,7 +98,7 @@ def test_a_crafted_entry_never_runs_on_resume_or_convert(conformance_dir: Path, 
         stale.unlink()
     dcp.save(state, checkpoint_id=str(crafted), no_dist=True)
     _restamp(crafted)
-    line = launch(tmp_path, *JOB, "gpus=2", f"resume={crafted}").refused()
+    line = launch_here(tmp_path, *JOB, "gpus=2", f"resume={crafted}").refused()
     assert "holds an entry that is not plain data" in line, line
 
     # A tensor's bytes replaced by a pickle: DCP reads tensors weights-only, and convert says so in one line.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, launch_once
+from conftest import launch_here, launch_once
 
 from launcher import schema
 from strategies.base import RunContext, split_ties, tied_unit_lines, unit_classes
@@ -161,8 +161,9 @@ def test_bert_trains_under_fsdp_from_its_own_units_as_one_process(conformance_di
     assert run.metrics[-1]["comm_calls"] == BERT["num_hidden_layers"] + 1  # one reduce-scatter per BertLayer, the root
 
 
+@pytest.mark.unit
 def test_bert_with_explicit_units_that_split_its_tie_is_refused_before_start(tmp_path: Path) -> None:
-    line = launch(tmp_path, "+sweep=smoke", *BERT_RUN, "strategy=fsdp",
+    line = launch_here(tmp_path, "+sweep=smoke", *BERT_RUN, "strategy=fsdp",
                   "strategy.shard_units=[BertEmbeddings,BertLayer]").refused()  # fmt: skip
     assert "launch: error: strategy.shard_units=[BertEmbeddings,BertLayer] splits tied parameters" in line, line
     assert "use strategy.shard_units=[BertLayer]" in line, line

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH, Run, launch, launch_once, require_async_io, saved_gpt2
+from conftest import LAUNCH, Run, launch_here, launch_once, require_async_io, saved_gpt2
 from runs import CLASSIFIER, STRATEGIES, jobs, metrics, smoke
 
 SEED = 1337
@@ -132,7 +132,8 @@ def test_a_classifier_of_images_trains_under_ddp_fsdp_and_zero3(conformance_dir:
     assert "the whole model is one unit" in run.stdout  # FSDP: no _no_split_modules, no shard_units: said so
 
 
+@pytest.mark.unit
 def test_a_model_handed_keys_it_does_not_take_is_refused(tmp_path: Path) -> None:
-    line = launch(tmp_path, "model._target_=user_models.Classifier", "logger=none").refused()
+    line = launch_here(tmp_path, "model._target_=user_models.Classifier", "logger=none").refused()
     assert "model._target_=user_models.Classifier does not take model.block_size" in line, line
     assert "use model=custom model._target_=user_models.Classifier" in line, line
