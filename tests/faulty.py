@@ -86,14 +86,16 @@ class SmallMemoryGPT(GPT):
 class SlowGPT(GPT):
     """The built-in GPT whose training forward sleeps `sleep_s` seconds on rank `slow_rank` (None: every rank), read
     from the process group inside forward (the launcher's own forward, before any group exists, never sleeps): a
-    straggler, or a run slow enough for a test to act between its steps."""
+    straggler, or a run slow enough for a test to act between its steps, while the file `while_there` exists (when
+    one is named): the test removes it to let the run finish at full speed."""
 
-    def __init__(self, *args, sleep_s: float = 0.0, slow_rank: int | None = 1, **kwargs) -> None:
+    def __init__(self, *args, sleep_s: float = 0.0, slow_rank: int | None = 1, while_there: str = "", **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.sleep_s, self.slow_rank = sleep_s, slow_rank
+        self.sleep_s, self.slow_rank, self.while_there = sleep_s, slow_rank, while_there
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.training and dist.is_initialized() and self.slow_rank in (None, dist.get_rank()):
+        held = not self.while_there or os.path.exists(self.while_there)
+        if held and self.training and dist.is_initialized() and self.slow_rank in (None, dist.get_rank()):
             time.sleep(self.sleep_s)
         return super().forward(idx, targets)
 

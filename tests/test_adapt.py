@@ -63,7 +63,7 @@ ELASTIC = [
     "model._target_=faulty.SlowGPT",
     "batch.global_size=8",
     "batch.micro_size=2",  # accumulation 2 at world size 2, 4 at world size 1
-    "trainer.max_steps=120",
+    "trainer.max_steps=40",
     "trainer.checkpoint_every=2",
     "trainer.collective_timeout=60",
 ]
@@ -71,9 +71,11 @@ ELASTIC = [
 
 def _node(tmp_path: Path, port: int, name: str) -> subprocess.Popen[str]:
     """One node of an elastic job of one or two one-rank nodes on loopback, in a session of its own (to be killed
-    whole); its output in files (a pipe nobody reads would stall it)."""
-    overrides = [*ELASTIC, "+model.sleep_s=0.05", "+model.slow_rank=null", "nodes=1:2", "gpus=1",
-                 "trainer.max_restarts=3", f"rdzv.endpoint=127.0.0.1:{port}", "rdzv.id=elastic",
+    whole); its output in files (a pipe nobody reads would stall it). Each forward sleeps 0.25 s while the file
+    `tmp_path/slow` exists (a step of the survivor alone takes a second: time for a node to join before the run
+    ends), and none once the test removes it."""
+    overrides = [*ELASTIC, "+model.sleep_s=0.25", "+model.slow_rank=null", f"+model.while_there={tmp_path / 'slow'}",
+                 "nodes=1:2", "gpus=1", "trainer.max_restarts=3", f"rdzv.endpoint=127.0.0.1:{port}", "rdzv.id=elastic",
                  "rdzv.last_call_timeout=2", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     out = open(tmp_path / f"{name}.out", "w")
     return subprocess.Popen([LAUNCH, *overrides], cwd=tmp_path, env=clean_env(tmp_path), stdout=out,
@@ -93,10 +95,11 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
     """Two one-rank nodes train together; one is killed whole mid-run, and the survivor goes on alone at twice the
     accumulation; a third node joining later brings the world back to 2. Every logged step's loss, the redone ones
     too, is an uninterrupted run's."""
-    reference = subprocess.Popen(  # meanwhile: the job mostly sleeps
+    reference = subprocess.Popen(
         [LAUNCH, *ELASTIC, "+model.sleep_s=0", "gpus=2", f"hydra.run.dir={tmp_path / 'reference'}"], cwd=tmp_path,
         env=clean_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    (tmp_path / "slow").touch()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -112,7 +115,7 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
             else []
         )
 
-    _until(lambda: sizes()[-6:] == [2] * 6, first, second, what="six steps at world size 2")
+    _until(lambda: sizes()[-4:] == [2] * 4, first, second, what="four steps at world size 2")
     os.killpg(second.pid, signal.SIGKILL)
     second.wait()
     killed = len(sizes())
@@ -120,6 +123,7 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
     alone = killed + sizes()[killed:].index(1)
     third = _node(tmp_path, port, "third")
     _until(lambda: 2 in sizes()[alone:], first, third, what="a step at world size 2 again")
+    (tmp_path / "slow").unlink()  # the rest at full speed
     assert first.wait(timeout=300) == 0 and third.wait(timeout=300) == 0, (tmp_path / "first.out").read_text()
     assert reference.wait(timeout=300) == 0, reference.stderr.read()  # type: ignore[union-attr]
     expected = {int(m["step"]): m["loss"] for m in map(json.loads, (tmp_path / "reference" / "metrics.jsonl").open())}
@@ -127,7 +131,7 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
     assert int(logged[alone]["accumulation"]) == 4 and int(logged[alone]["restart"]) >= 1  # after the lost node
     assert max(abs(m["loss"] - expected[int(m["step"])]) for m in logged) <= 1e-6
     assert {int(m["step"]) for m in logged} == set(expected)
-    assert logged[-1]["world_size"] == 2 and logged[-1]["step"] == 120
+    assert logged[-1]["world_size"] == 2 and logged[-1]["step"] == 40
 
 
 def _listening(port: int) -> bool:
