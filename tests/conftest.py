@@ -220,6 +220,8 @@ def conformance_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 BUILD_OPS = """
+import functools, cpuinfo  # asked twice per op, each answer a fresh Python process: once is enough (load_ops)
+cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 from deepspeed.ops.op_builder import AsyncIOBuilder
 from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
 for builder in (ShareMemCommBuilder(), CPUAdamBuilder(), AsyncIOBuilder()):
