@@ -15,7 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, Run, assert_each_restart_resumes_the_newest, clean_env, launch, launch_once
+from conftest import (
+    LAUNCH,
+    TINY,
+    Run,
+    assert_each_restart_resumes_the_newest,
+    clean_env,
+    launch,
+    launch_here,
+    launch_once,
+)
 from processes import free_port, tcp_addresses, wait_for_step, worker_pids
 
 JOB = [
@@ -121,7 +130,7 @@ def test_killing_the_launcher_leaves_no_worker_behind(tmp_path: Path, when: str)
             assert len(stores) == (rank == 0), (rank, own)
             assert own and all(ipaddress.ip_address(a).is_loopback for a, _ in own if a != "::"), (rank, own)
         # The run owns its directory while it runs: a second launch there is refused, and writes nothing.
-        second = launch(tmp_path, *JOB, "trainer.max_steps=400", name="run")
+        second = launch_here(tmp_path, *JOB, "trainer.max_steps=400", name="run")
         assert second.returncode == 2 and "is in use by another launch (pid" in second.stderr, second.stderr
         assert worker_pids(run_dir).keys() == workers.keys()
     proc.kill()
