@@ -20,7 +20,7 @@ def preload(requirements: Requirements, device_type: str) -> None:
         for module in requirements.imports:
             importlib.import_module(module)
         if requirements.ops:
-            from strategies.deepspeed.strategy import load_ops  # Requirements.ops are DeepSpeed's
+            from strategies.deepspeed.ops import load_ops  # Requirements.ops are DeepSpeed's
 
             load_ops(requirements.ops, device_type)
     except Exception:  # noqa: BLE001 (the workers' own setup meets it again and reports it)

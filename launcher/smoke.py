@@ -46,7 +46,7 @@ def unmet(requirements: Any, device_type: str) -> str | None:
     if device_type not in requirements.devices:
         return f"it runs on {' or '.join(requirements.devices)} only"
     for op in requirements.ops:
-        from strategies.deepspeed.strategy import op_problem  # DeepSpeed's op builders: only for its strategies
+        from strategies.deepspeed.ops import op_problem  # DeepSpeed's op builders: only for its strategies
 
         problem = op_problem(op, device_type)
         if problem:

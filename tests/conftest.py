@@ -67,7 +67,7 @@ REQUIRE_ASYNC_IO = "LAUNCH_TEST_REQUIRE_ASYNC_IO"
 
 @functools.cache
 def async_io_problem() -> str | None:
-    from strategies.deepspeed.strategy import async_io_problem as problem
+    from strategies.deepspeed.ops import async_io_problem as problem
 
     return problem("cpu")
 
@@ -217,6 +217,32 @@ def conformance_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "conformance"
     path.mkdir(exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def one_process(conformance_dir: Path) -> Run:
+    """The conformance suite's one-process run (plain DDP, the same global batch: K = 4), made in the setup of the
+    first test that asks for it: --durations reports its cost as that setup, not as any test's own."""
+    from runs import reference
+
+    return reference(conformance_dir)
+
+
+@pytest.fixture(scope="session")
+def ddp_run(conformance_dir: Path) -> Run:
+    """The conformance suite's run of DDP on 2 ranks (checkpoints at steps 6 and 12), made in a setup likewise."""
+    from runs import two_ranks
+
+    return two_ranks(conformance_dir, "ddp")
+
+
+@pytest.fixture
+def suite(conformance_dir: Path, strategy: str) -> Run:
+    """The conformance suite's run of the test's `strategy` (on 2 ranks, or in the shape it declares), made once per
+    session, in the setup of the first test that asks for it."""
+    from runs import suite_run
+
+    return suite_run(conformance_dir, strategy)
 
 
 BUILD_OPS = """

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH, Run, assert_each_restart_resumes_the_newest, clean_env, launch, launch_here
+from conftest import LAUNCH, Run, assert_each_restart_resumes_the_newest, clean_env, cli_here, launch, launch_here
 from processes import wait_for_step, worker_pids
 from runs import AT_TWO_RANKS, JOB, SHAPES, ranks, run_of, selecting, suite_run
 
@@ -29,16 +29,16 @@ def _max_diff(a: Run, b: Run, steps: range) -> float:
     return max(abs(full[s] - resumed[s]) for s in steps)
 
 
-def test_resume_with_data_workers_is_exact(conformance_dir: Path, tmp_path: Path) -> None:
+def test_resume_with_data_workers_is_exact(ddp_run: Run, tmp_path: Path) -> None:
     """The loader's processes start reading at the resumed position: the same samples as the uninterrupted run."""
-    full = run_of(conformance_dir, "ddp", 2)
+    full = ddp_run
     resumed = launch(tmp_path, *JOB, "gpus=2", "data.workers=2", f"resume={_ckpt(full, 6)}").check()
     assert _max_diff(full, resumed, range(7, 13)) <= 1e-6
 
 
 @pytest.mark.parametrize("strategy", AT_TWO_RANKS)  # hsdp's 4-rank run resumes under fsdp in CROSSINGS
-def test_resume_is_exact(strategy: str, conformance_dir: Path, tmp_path: Path) -> None:
-    full = run_of(conformance_dir, strategy, 2)
+def test_resume_is_exact(strategy: str, suite: Run, tmp_path: Path) -> None:
+    full = suite
     resumed = launch(tmp_path, *JOB, *selecting(tmp_path, strategy), "gpus=2", f"resume={_ckpt(full, 6)}").check()
     assert f"resuming from {_ckpt(full, 6)} (step 6, sample 96)" in resumed.stdout
     assert _max_diff(full, resumed, range(7, 13)) <= 1e-6
@@ -104,21 +104,21 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file())).hexdigest()
 
 
-def test_a_checkpoint_of_another_model_is_refused_before_workers_start(conformance_dir: Path, tmp_path: Path) -> None:
-    full = run_of(conformance_dir, "ddp", 2)
+def test_a_checkpoint_of_another_model_is_refused_before_workers_start(ddp_run: Run, tmp_path: Path) -> None:
+    full = ddp_run
     before = _digest(full.run_dir / "checkpoints")
     line = launch_here(tmp_path, *JOB, "gpus=2", "model.n_embd=32", f"resume={_ckpt(full, 6)}").refused()
     assert "does not fit the model: tok_emb.weight is [256, 64] there, [256, 32] here" in line
     assert _digest(full.run_dir / "checkpoints") == before
 
 
-def test_a_corrupted_checkpoint_is_a_one_line_error(conformance_dir: Path, tmp_path: Path) -> None:
+def test_a_corrupted_checkpoint_is_a_one_line_error(ddp_run: Run, tmp_path: Path) -> None:
     import shutil
 
     from launcher.checkpoint import format as checkpoint
 
     broken = tmp_path / "broken"
-    shutil.copytree(_ckpt(run_of(conformance_dir, "ddp", 2), 6), broken)
+    shutil.copytree(_ckpt(ddp_run, 6), broken)
     (broken / ".metadata").write_bytes(b"not a checkpoint")  # its size no longer matches the manifest's
     assert ".metadata is truncated" in launch_here(tmp_path, *JOB, "gpus=2", f"resume={broken}").refused()
     manifest = json.loads((broken / "manifest.json").read_text())
@@ -131,17 +131,13 @@ def test_a_corrupted_checkpoint_is_a_one_line_error(conformance_dir: Path, tmp_p
     assert "no complete checkpoint there" in missing
 
 
-def test_convert_writes_weights_the_plain_model_loads(conformance_dir: Path, tmp_path: Path) -> None:
+def test_convert_writes_weights_the_plain_model_loads(ddp_run: Run, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from launcher.models.gpt import GPT
 
     out = tmp_path / "model.safetensors"
-    proc = subprocess.run(
-        [LAUNCH, "convert", str(_ckpt(run_of(conformance_dir, "ddp", 2), 12)), f"out={out}"],
-        capture_output=True,
-        text=True,
-    )
+    proc = cli_here(tmp_path, "convert", str(_ckpt(ddp_run, 12)), f"out={out}")
     assert proc.returncode == 0, proc.stderr
     model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     converted = load_file(str(out))
@@ -151,7 +147,7 @@ def test_convert_writes_weights_the_plain_model_loads(conformance_dir: Path, tmp
     # Every tensor as the checkpoint holds it, read by torch's own converter (our own files: its unpickling is safe).
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(str(_ckpt(run_of(conformance_dir, "ddp", 2), 12)), str(tmp_path / "full.pt"))
+    dcp_to_torch_save(str(_ckpt(ddp_run, 12)), str(tmp_path / "full.pt"))
     saved = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
     assert sorted(converted) == sorted(saved)
     assert all(torch.equal(converted[k], saved[k]) for k in saved), [
@@ -159,8 +155,8 @@ def test_convert_writes_weights_the_plain_model_loads(conformance_dir: Path, tmp
     ]
 
 
-def test_a_killed_worker_is_restarted_and_the_run_matches(conformance_dir: Path, tmp_path: Path) -> None:
-    full = run_of(conformance_dir, "ddp", 2)
+def test_a_killed_worker_is_restarted_and_the_run_matches(ddp_run: Run, tmp_path: Path) -> None:
+    full = ddp_run
     run_dir = tmp_path / "restarted"
     proc = subprocess.Popen(
         [LAUNCH, *JOB, "gpus=2", "trainer.checkpoint_every=3", "trainer.max_restarts=1", f"hydra.run.dir={run_dir}"],
@@ -307,11 +303,11 @@ def test_loading_runs_no_code_from_the_checkpoint(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def test_async_checkpoints_match_the_sync_run_and_resume_exactly(conformance_dir: Path, tmp_path: Path) -> None:
+def test_async_checkpoints_match_the_sync_run_and_resume_exactly(ddp_run: Run, tmp_path: Path) -> None:
     """trainer.async_checkpoint=true: the same losses as the suite's synchronous run, a step-6 checkpoint that
     resumes exactly, and a loop that went on while it was written: step 7 was logged before the step-6 checkpoint
     became visible (its manifest's time), with the seconds the save blocked the loop in step 7's metrics."""
-    sync = run_of(conformance_dir, "ddp", 2)
+    sync = ddp_run
     run = launch(tmp_path, *JOB, "gpus=2", "trainer.async_checkpoint=true", name="async").check()
     assert max(abs(a - b) for a, b in zip(sync.losses(), run.losses(), strict=True)) <= 1e-6
     checkpoints = run.run_dir / "checkpoints"

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, launch, launch_here
-from runs import two_ranks
+from conftest import TINY, Run, launch, launch_here
 
 from launcher.models.gpt import GPT
 
@@ -17,18 +16,18 @@ def _n_params(**dims: int) -> int:
         return sum(p.numel() for p in GPT(**dims).parameters())
 
 
-def test_accumulation_all_reduces_the_gradient_exactly_once(conformance_dir: Path) -> None:
+def test_accumulation_all_reduces_the_gradient_exactly_once(ddp_run: Run) -> None:
     """The conformance suite's DDP run on 2 ranks at K = 2: every step, one all-reduce of the whole fp32 gradient
     (without no_sync on the first micro-step it would be twice that)."""
-    run = two_ranks(conformance_dir, "ddp")
+    run = ddp_run
     n = _n_params(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     for m in run.metrics:
         assert m["accumulation"] == 2
         assert m["comm_bytes"] == 4 * n, (m["comm_bytes"], n)
 
 
-def test_validation_loss_falls_on_python_source(conformance_dir: Path) -> None:
-    run = two_ranks(conformance_dir, "ddp")  # padded Python source, evaluated at steps 6 and 12
+def test_validation_loss_falls_on_python_source(ddp_run: Run) -> None:
+    run = ddp_run  # padded Python source, evaluated at steps 6 and 12
     val = [m["val_loss"] for m in run.metrics if "val_loss" in m]
     assert len(val) == 2 and val[1] < val[0] - 0.15, val
     assert {"lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s", "peak_memory_bytes"} <= set(

@@ -53,8 +53,8 @@ def test_bad_input_fails_before_workers_start(tmp_path: Path, overrides: list[st
     assert named in line, line
 
 
-def test_each_block_is_a_unit_and_state_is_half_of_ddp(tmp: Path) -> None:
-    fsdp, ddp = fp32(tmp).metrics[-1], run_of(tmp, "ddp", 2).metrics[-1]
+def test_each_block_is_a_unit_and_state_is_half_of_ddp(tmp: Path, ddp_run: Run) -> None:
+    fsdp, ddp = fp32(tmp).metrics[-1], ddp_run.metrics[-1]
     assert fsdp["comm_calls"] == N_LAYER + 1  # one reduce-scatter per block, one for the root's parameters
     assert fsdp["comm_bytes"] == ddp["comm_bytes"]  # every gradient reduced once, in fp32, as DDP's all-reduce
     assert fsdp["model_state_bytes"] <= 0.55 * ddp["model_state_bytes"], (fsdp, ddp)

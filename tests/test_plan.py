@@ -22,7 +22,7 @@ from conftest import TINY, Run, cli_here, launch, launch_here
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from runs import JOB, SHAPES, STRATEGIES, suite_run
+from runs import JOB, SHAPES, STRATEGIES
 
 from launcher import schema
 from launcher.config import derive, freeze
@@ -451,9 +451,9 @@ def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy: str) -> None:
+def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy: str, suite: Run) -> None:
     """The conformance suite's run of each strategy (shared, not repeated), against the plan of the same job."""
-    run = suite_run(conformance_dir, strategy)
+    run = suite
     measured = run.metrics[-1]
     planned = _planned(conformance_dir, strategy)
     total = planned["device_state_bytes"] + planned["host_state_bytes"] + planned["nvme_state_bytes"]

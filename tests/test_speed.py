@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, clean_env, launch, launch_here
-from runs import JOB, two_ranks
+from conftest import TINY, Run, clean_env, launch, launch_here
+from runs import JOB
 
 from launcher.models.gpt import GPT
 from launcher.plan.costs import flops_per_token, peak_tflops
@@ -56,14 +56,16 @@ def test_ddp_sends_what_the_planner_says_under_accumulation_and_logs_mfu(tmp_pat
     print(f"DDP measured/formula: {ratio:.3f}")  # shown with pytest -s
 
 
-def test_no_mfu_on_cpu_without_a_peak(conformance_dir: Path) -> None:
-    run = two_ranks(conformance_dir, "ddp")  # on CPU, no trainer.peak_tflops
+def test_no_mfu_on_cpu_without_a_peak(ddp_run: Run) -> None:
+    run = ddp_run  # on CPU, no trainer.peak_tflops
     assert "mfu" not in run.metrics[-1] and run.metrics[-1]["comm_bytes_formula"] > 0
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_compiled_blocks_train_to_the_same_losses(conformance_dir: Path, tmp_path: Path, strategy: str) -> None:
-    eager = two_ranks(conformance_dir, strategy)  # the conformance suite's run of the same job
+def test_compiled_blocks_train_to_the_same_losses(
+    conformance_dir: Path, tmp_path: Path, strategy: str, suite: Run
+) -> None:
+    eager = suite  # the conformance suite's run of the same job
     # One cache for both strategies (the same blocks compile to the same kernels: the second run reuses them), apart
     # from any other: proof that inductor compiled something in this test run.
     cache = conformance_dir / "inductor"

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import Run
 from processes import run_processes
 from runs import (
     AT_TWO_RANKS,
@@ -23,12 +24,10 @@ from runs import (
     STEPS,
     STRATEGIES,
     ranks,
-    reference,
     run_of,
     selecting,
     shared_run,
     suite_run,
-    two_ranks,
 )
 
 
@@ -38,8 +37,8 @@ def tmp(conformance_dir: Path) -> Path:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_trains_and_exits_clean(tmp: Path, strategy: str) -> None:
-    run = suite_run(tmp, strategy)
+def test_trains_and_exits_clean(strategy: str, suite: Run) -> None:
+    run = suite
     losses = run.losses()
     assert len(losses) == STEPS
     assert run.metrics[-1]["world_size"] == ranks(strategy) and run.metrics[-1]["accumulation"] == 2
@@ -47,41 +46,41 @@ def test_trains_and_exits_clean(tmp: Path, strategy: str) -> None:
     assert run_processes(run.run_dir) == []
 
 
-def test_the_logged_lr_is_the_schedule(tmp: Path) -> None:
+def test_the_logged_lr_is_the_schedule(one_process: Run) -> None:
     """JOB's schedule, written out: optim.lr=3e-3, 4 warmup steps of (s / 4), then cosine over the 7 steps after
     them, from 1 down to the floor (trainer.min_lr_ratio=0.1) at step 12."""
     expected = {
         s: 3e-3 * (s / 4 if s <= 4 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 5) / 7))) for s in range(1, 13)
     }
-    logged = {m["step"]: m["lr"] for m in reference(tmp).metrics}
+    logged = {m["step"]: m["lr"] for m in one_process.metrics}
     assert logged == pytest.approx(expected, rel=1e-9), logged
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_parity_with_one_process(tmp: Path, strategy: str) -> None:
-    ref, run = reference(tmp).losses(), suite_run(tmp, strategy).losses()
+def test_parity_with_one_process(strategy: str, one_process: Run, suite: Run) -> None:
+    ref, run = one_process.losses(), suite.losses()
     diff = max(abs(a - b) for a, b in zip(ref, run, strict=True))
     print(f"{strategy}: max loss difference from one process {diff:.2e}")  # shown with pytest -s
     assert diff <= PARITY_TOLERANCE[strategy], (diff, ref, run)
     # The validation loss too: the same global batches, Σ token losses / Σ targets over every rank.
-    val = [[m["val_loss"] for m in r.metrics if "val_loss" in m] for r in (reference(tmp), suite_run(tmp, strategy))]
+    val = [[m["val_loss"] for m in r.metrics if "val_loss" in m] for r in (one_process, suite)]
     assert len(val[0]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) <= PARITY_TOLERANCE.get(
         strategy, 1e-6
     ), val
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_the_gradient_norm_is_one_process_s(tmp: Path, strategy: str) -> None:
+def test_the_gradient_norm_is_one_process_s(strategy: str, one_process: Run, suite: Run) -> None:
     """The logged pre-clip norm is the whole gradient's, whoever holds which shard (DeepSpeed's own, never NaN)."""
-    ref, run = ([m["grad_norm"] for m in r.metrics] for r in (reference(tmp), suite_run(tmp, strategy)))
+    ref, run = ([m["grad_norm"] for m in r.metrics] for r in (one_process, suite))
     declared = DECLARED[strategy].conformance()  # a lossy one (a compressed all-reduce): 10 x its loss tolerance
     rel = 10 * declared.tolerance if declared.lossy else 1e-5
     assert run == pytest.approx(ref, rel=rel) and all(math.isfinite(g) for g in run), (ref, run)
 
 
 @pytest.mark.parametrize("strategy", AT_TWO_RANKS)  # hsdp: test_hsdp_syncs_once_per_step_in_both_groups
-def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str) -> None:
-    accumulating = two_ranks(tmp, strategy).metrics  # K = 2
+def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str, suite: Run) -> None:
+    accumulating = suite.metrics  # K = 2
     single = shared_run(tmp, *selecting(tmp, strategy), "gpus=2", "batch.global_size=8").metrics  # K = 1
     assert accumulating[-1]["accumulation"] == 2 and single[-1]["accumulation"] == 1
     for key in ("comm_calls", "comm_bytes"):
@@ -90,7 +89,7 @@ def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str) -> Non
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_strategy_makes_the_collectives_it_declares(tmp: Path, strategy: str) -> None:
+def test_a_strategy_makes_the_collectives_it_declares(strategy: str, one_process: Run, suite: Run) -> None:
     """Its own counter in the suite's run (K = 2, fp32) against its declaration (`Strategy.collectives`): the payload of
     its gradient synchronisations against the declared ones' (their dtype and how often), and the bytes a rank sent
     in every collective against the planner's sum of all it declares (`comm_bytes_formula`), within FSDP's and ZeRO's
@@ -99,9 +98,9 @@ def test_a_strategy_makes_the_collectives_it_declares(tmp: Path, strategy: str) 
 
     from launcher.context import make_strategy
 
-    run = suite_run(tmp, strategy)
+    run = suite
     last, resolved = run.metrics[-1], OmegaConf.load(run.run_dir / "resolved.yaml")
-    params = reference(tmp).metrics[-1]["model_state_bytes"] / 16  # fp32 AdamW: 16 bytes per parameter
+    params = one_process.metrics[-1]["model_state_bytes"] / 16  # fp32 AdamW: 16 bytes per parameter
     ran = make_strategy(resolved.strategy)  # as the run built it (hsdp: its shard group of 2)
     declared = ran.collectives(params, "fp32", last["accumulation"], last["world_size"], resolved.derived.gpus)
     synced, slack = sum(c.payload_bytes for c in declared if c.sync), ran.conformance().comm_slack
@@ -111,7 +110,7 @@ def test_a_strategy_makes_the_collectives_it_declares(tmp: Path, strategy: str) 
     assert last["comm_sent_bytes"] == pytest.approx(last["comm_bytes_formula"], rel=slack), (last, declared)
 
 
-def test_hsdp_syncs_once_per_step_in_both_groups(tmp: Path) -> None:
+def test_hsdp_syncs_once_per_step_in_both_groups(tmp: Path, one_process: Run) -> None:
     """2 x 2 HSDP at K = 2 against FSDP on 2 ranks at K = 1 (the same shard group of 2, the same padding): per unit
     one reduce-scatter in the shard group and one all-reduce of its half across the 2 replicas, once per optimizer
     step. The bytes each rank sends, written out from the ring formula at S = 2, R = 2, K = 2 in fp32: the shard
@@ -123,7 +122,7 @@ def test_hsdp_syncs_once_per_step_in_both_groups(tmp: Path) -> None:
     assert hsdp["accumulation"] == 2 and fsdp["accumulation"] == 1 and hsdp["world_size"] == 4
     assert hsdp["comm_calls"] == 2 * fsdp["comm_calls"], (hsdp, fsdp)
     assert hsdp["comm_bytes"] == 1.5 * fsdp["comm_bytes"], (hsdp, fsdp)
-    P = reference(tmp).metrics[-1]["model_state_bytes"] / 16  # fp32 AdamW: 16 bytes per parameter
+    P = one_process.metrics[-1]["model_state_bytes"] / 16  # fp32 AdamW: 16 bytes per parameter
     K, S, R = 2, 2, 2
     expected = (1 + 2 * K) * (S - 1) / S * 4 * P + 2 * (R - 1) / R * 4 * P / S
     assert expected == 12 * P
@@ -146,10 +145,8 @@ def _layout(strategy: str):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_model_state_bytes_follow_the_sharding_rule(tmp: Path, strategy: str) -> None:
-    full = reference(tmp).metrics[-1][
-        "model_state_bytes"
-    ]  # fp32 AdamW: 4 (param) + 4 (grad) + 8 (moments) per parameter
+def test_model_state_bytes_follow_the_sharding_rule(strategy: str, one_process: Run, suite: Run) -> None:
+    full = one_process.metrics[-1]["model_state_bytes"]  # fp32 AdamW: 4 (param) + 4 (grad) + 8 (moments) per parameter
     kinds = {"params": full / 4, "grads": full / 4, "optimizer": full / 2}
     layout = _layout(strategy)
     _, shards = layout.mesh.shape(ranks(strategy))  # the ranks each sharded kind is split over: 2, or hsdp's 2 of 4
@@ -159,19 +156,19 @@ def test_model_state_bytes_follow_the_sharding_rule(tmp: Path, strategy: str) ->
         size * (0 if getattr(layout, kind).where != "device" else 1 / shards if getattr(layout, kind).sharded else 1)
         for kind, size in kinds.items()
     )
-    measured = suite_run(tmp, strategy).metrics[-1]["model_state_bytes"]
+    measured = suite.metrics[-1]["model_state_bytes"]
     print(f"{strategy}: model-state bytes per rank / one process's {measured / full:.4f}")  # shown with pytest -s
     assert abs(measured - expected) <= 0.05 * full, (measured, expected, full, layout)
 
 
-def test_hsdp_holds_half_the_state_on_4_ranks(tmp: Path) -> None:
+def test_hsdp_holds_half_the_state_on_4_ranks(tmp: Path, one_process: Run) -> None:
     """2 x 2: each rank holds 1/2 of the model's state (its shard group's size), not 1/4 (the world size)."""
-    full = reference(tmp).metrics[-1]["model_state_bytes"]
+    full = one_process.metrics[-1]["model_state_bytes"]
     measured = suite_run(tmp, "hsdp").metrics[-1]["model_state_bytes"]
     assert measured == pytest.approx(full / 2, rel=0.02), measured / full
 
 
-def test_reference_counts_every_parameter(tmp: Path) -> None:
+def test_reference_counts_every_parameter(one_process: Run) -> None:
     """The world-1 figure the rule is checked against is itself 16 bytes per parameter."""
     import torch
 
@@ -180,18 +177,18 @@ def test_reference_counts_every_parameter(tmp: Path) -> None:
     with torch.device("meta"):
         model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     n = sum(p.numel() for p in model.parameters())
-    assert reference(tmp).metrics[-1]["model_state_bytes"] == 16 * n
+    assert one_process.metrics[-1]["model_state_bytes"] == 16 * n
 
 
-def test_one_forward_over_the_global_batch_gives_the_same_losses(tmp: Path) -> None:
+def test_one_forward_over_the_global_batch_gives_the_same_losses(tmp: Path, one_process: Run, ddp_run: Run) -> None:
     """Padded data: G=2 K=2, one process with K=4 and one process with K=1 (one forward over the whole global batch)
     log the same losses, because every step is normalised by the targets of the whole global batch."""
     one_forward = run_of(tmp, "ddp", 1, "batch.micro_size=16").losses()
-    for run in (reference(tmp), two_ranks(tmp, "ddp")):
+    for run in (one_process, ddp_run):
         assert max(abs(a - b) for a, b in zip(one_forward, run.losses(), strict=True)) <= 1e-6
 
 
-def test_the_mean_of_micro_batch_means_would_fail_that_check(tmp: Path) -> None:
+def test_the_mean_of_micro_batch_means_would_fail_that_check(one_process: Run) -> None:
     """The usual recipe (each micro-batch's mean / K, averaged over ranks) on the same padded data and the same
     first weights: it changes with K and G, so the check above can fail; the logged loss is the global one."""
     import numpy as np
@@ -217,9 +214,9 @@ def test_the_mean_of_micro_batch_means_would_fail_that_check(tmp: Path) -> None:
     exact = sums.sum() / counts.sum()
     assert counts.min() < counts.max()  # padded: the samples really differ
     assert abs(mean_of_means(4) - exact) > 1e-4 and abs(mean_of_means(16) - mean_of_means(4)) > 1e-4
-    assert reference(tmp).losses()[0] == pytest.approx(exact, abs=1e-6)  # step 1: before any update
+    assert one_process.losses()[0] == pytest.approx(exact, abs=1e-6)  # step 1: before any update
 
 
-def test_data_workers_read_ahead_without_changing_a_loss(tmp: Path) -> None:
+def test_data_workers_read_ahead_without_changing_a_loss(tmp: Path, ddp_run: Run) -> None:
     """data.workers=2: DataLoader processes read the same samples in the same order, so the losses are equal."""
-    assert run_of(tmp, "ddp", 2, "data.workers=2").losses() == two_ranks(tmp, "ddp").losses()
+    assert run_of(tmp, "ddp", 2, "data.workers=2").losses() == ddp_run.losses()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LAUNCH, Run, clean_env, cli_here, launch, launch_here
-from runs import JOB, run_of
+from runs import JOB
 
 from launcher.checkpoint.untrusted import UntrustedDataError
 
@@ -65,12 +65,12 @@ def _one_line(proc_or_run: subprocess.CompletedProcess[str] | Run) -> str:
     return lines[0]
 
 
-def test_a_crafted_metadata_never_runs_on_resume_convert_or_load(conformance_dir: Path, tmp_path: Path) -> None:
+def test_a_crafted_metadata_never_runs_on_resume_convert_or_load(tmp_path: Path, ddp_run: Run) -> None:
     from launcher.checkpoint.loading import read_into
 
     marker = tmp_path / "ran"
     crafted = tmp_path / "crafted"
-    shutil.copytree(_ckpt(run_of(conformance_dir, "ddp", 2), 6), crafted)
+    shutil.copytree(_ckpt(ddp_run, 6), crafted)
     (crafted / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     _restamp(crafted)  # a complete-looking checkpoint: only its metadata is hostile
     line = launch_here(tmp_path, *JOB, "gpus=2", f"resume={crafted}").refused()  # the launcher, before any worker
@@ -81,12 +81,12 @@ def test_a_crafted_metadata_never_runs_on_resume_convert_or_load(conformance_dir
     assert not marker.exists()
 
 
-def test_a_crafted_entry_never_runs_on_resume_or_convert(conformance_dir: Path, tmp_path: Path) -> None:
+def test_a_crafted_entry_never_runs_on_resume_or_convert(tmp_path: Path, ddp_run: Run) -> None:
     """A hyperparameter entry that is a pickle (resume), a tensor file that is a pickle (convert)."""
     import torch.distributed.checkpoint as dcp
 
     marker = tmp_path / "ran"
-    source = _ckpt(run_of(conformance_dir, "ddp", 2), 6)
+    source = _ckpt(ddp_run, 6)
     crafted = tmp_path / "entry"
     shutil.copytree(source, crafted)
     model = {
@@ -143,8 +143,8 @@ def test_resume_auto_in_a_sweep_resumes_only_each_jobs_own_run(tmp_path: Path) -
         assert [m["step"] for m in map(json.loads, (resumed / "metrics.jsonl").open())] == [3]
 
 
-def test_a_directory_of_another_run_is_refused_and_left_as_it_was(conformance_dir: Path, tmp_path: Path) -> None:
-    owner = run_of(conformance_dir, "ddp", 2)
+def test_a_directory_of_another_run_is_refused_and_left_as_it_was(tmp_path: Path, ddp_run: Run) -> None:
+    owner = ddp_run
     before = _digest(owner.run_dir)
     other = subprocess.run([LAUNCH, *JOB, "gpus=2", "optim.lr=0.5", f"hydra.run.dir={owner.run_dir}"],
                            cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True)  # fmt: skip

@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY, clean_env, launch
+from conftest import TINY, Run, clean_env, launch
 from omegaconf import OmegaConf
-from runs import reference
 from wandb_records import find_run_file, read_history, read_records
 
 
@@ -27,8 +26,8 @@ def test_wandb_offline_logs_the_runners_losses(tmp_path: Path) -> None:
         assert logged[section] == resolved[section], (section, logged.get(section), resolved[section])
 
 
-def test_logger_none_writes_no_wandb_files(conformance_dir: Path) -> None:
-    run = reference(conformance_dir)  # the conformance suite's one-process run, logger=none
+def test_logger_none_writes_no_wandb_files(one_process: Run) -> None:
+    run = one_process  # the conformance suite's one-process run, logger=none
     assert len(run.metrics) == 12 and not (run.run_dir / "wandb").exists()
     assert not list(run.run_dir.rglob("*.wandb")), list(run.run_dir.rglob("*.wandb"))
 

@@ -1,0 +1,72 @@
+"""DeepSpeed's compiled ops, as the launcher sees them: whether one can run here (the smoke sweep leaves a preset out,
+a strategy's check refuses it, in one line), and loading them once into a process that forks its workers."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+def op_problem(op: str, device_type: str) -> str | None:
+    """Why DeepSpeed's op `op` (a `Requirements.ops` name) cannot run here, or None."""
+    if op == "async_io":
+        return async_io_problem(device_type)
+    os.environ.setdefault("DS_ACCELERATOR", device_type)
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    builders = {"cpu_adam": CPUAdamBuilder}
+    if op not in builders:
+        raise ValueError(f"no DeepSpeed op named {op}")
+    if not _is_compatible(builders[op]()):
+        return f"DeepSpeed's {op} op cannot be built here (it compiles with the system's C++ compiler on first use)"
+    return None
+
+
+def load_ops(ops: tuple[str, ...], device_type: str) -> None:
+    """Load DeepSpeed's ops `ops` (`Requirements.ops` names) into this process, building any not built yet: a process
+    that forks its workers afterwards gives each of them the loaded op (DeepSpeed keeps it, `OpBuilder._loaded_ops`).
+
+    Each load asks py-cpuinfo twice for the CPU's features, and each answer costs a fresh Python process (about a
+    second): the answer, which cannot change while this process lives, is asked once."""
+    os.environ.setdefault("DS_ACCELERATOR", device_type)
+    import cpuinfo
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+    builders = {"cpu_adam": CPUAdamBuilder, "async_io": AsyncIOBuilder}
+    for op in ops:
+        builders[op]().load(verbose=False)
+
+
+def async_io_problem(device_type: str) -> str | None:
+    """Why DeepSpeed's async I/O op (NVMe offload) cannot run here, or None."""
+    os.environ.setdefault("DS_ACCELERATOR", device_type)  # no accelerator guess (and warning) in the launcher
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    if installed_ops.get("async_io"):
+        try:
+            builder.load(verbose=False)
+        except ImportError as e:  # a CPU-only DS_BUILD_AIO=1 build misses -laio (deepspeed 0.19.8)
+            return (
+                f"DeepSpeed's prebuilt async_io op does not load ({e}); reinstall deepspeed without DS_BUILD_AIO=1: "
+                "the op then compiles on first use"
+            )
+    elif not _is_compatible(builder):
+        return (
+            "NVMe offload needs DeepSpeed's async_io op, which needs libaio: install it "
+            "(Debian/Ubuntu: apt-get install libaio-dev) and run again"
+        )
+    return None
+
+
+def _is_compatible(builder) -> bool:
+    """DeepSpeed's own test (it compiles and links a call to io_submit), with a standard error that has a file
+    descriptor: the test points that descriptor at a file and, on a stream without one (a notebook's, a redirected
+    StringIO), answers "incompatible" though libaio is there."""
+    import contextlib
+
+    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+        return bool(builder.is_compatible(verbose=False))
