@@ -9,7 +9,6 @@ import torch
 from launcher import schema
 from launcher.context import preset_dataset
 from launcher.data import GlobalBatches, rank_micro_batches
-from launcher.optimizers import lr_at
 
 schema.register()  # the data groups' schemas, for preset_dataset
 
@@ -67,22 +66,6 @@ def test_synthetic_is_fixed_and_in_range() -> None:
         preset_dataset("synthetic", "train", seq_len=16, vocab_size=50, num_samples=64),
     )
     assert torch.equal(a[5][0], b[5][0]) and int(a[5][0].max()) < 50
-
-
-@pytest.mark.unit
-def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
-    lrs = [lr_at(s, 1.0, warmup=10, max_steps=100, schedule="cosine", min_ratio=0.1) for s in range(100)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
-    assert lrs[-1] == pytest.approx(0.1)
-    assert lr_at(50, 1.0, 10, 100, "constant", 0.1) == 1.0
-    assert lr_at(99, 1.0, 10, 100, "linear", 0.0) == pytest.approx(0.0)
-    # Interior points, where cosine and linear part: a quarter of the way through the decay (steps 10..90 of 91),
-    # cosine is at (1 + cos(pi/4)) / 2 = 0.85355 of the way down from 1 to the floor 0.1, linear at 0.75.
-    assert lr_at(30, 1.0, 10, 91, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.853553, rel=1e-6)
-    assert lr_at(30, 1.0, 10, 91, "linear", 0.1) == pytest.approx(0.1 + 0.9 * 0.75, rel=1e-9)
-    assert lr_at(70, 1.0, 10, 91, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.146447, rel=1e-5)
-    assert lr_at(4, 1.0, 10, 91, "cosine", 0.1) == pytest.approx(0.5)  # warmup: (step + 1) / warmup
 
 
 @pytest.mark.unit
