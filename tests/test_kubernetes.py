@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import LAUNCH, TINY, clean_env, launch_here, launch_once
+from conftest import LAUNCH, TINY, clean_env, cli_here, launch_here, launch_once
 from hydra import compose, initialize_config_module
 from processes import free_port
 
@@ -137,7 +137,7 @@ def test_export_refuses_what_a_run_would_refuse(tmp_path: Path) -> None:
         "an elastic range, but a PyTorchJob has a fixed number of pods; give nodes=N",
     }
     for args, message in cases.items():
-        run = launch_here(tmp_path, "export", "kubeflow", *args)
+        run = cli_here(tmp_path, "export", "kubeflow", *args)
         assert run.returncode == 2 and run.stdout == "", (args, run)
         lines = run.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"launch: error: {message}"), (args, run.stderr)

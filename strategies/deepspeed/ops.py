@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 
 def op_problem(op: str, device_type: str) -> str | None:
     """Why DeepSpeed's op `op` (a `Requirements.ops` name) cannot run here, or None."""
     if op == "async_io":
         return async_io_problem(device_type)
-    os.environ.setdefault("DS_ACCELERATOR", device_type)
-    from deepspeed.ops.op_builder import CPUAdamBuilder
-
-    builders = {"cpu_adam": CPUAdamBuilder}
-    if op not in builders:
-        raise ValueError(f"no DeepSpeed op named {op}")
-    if not _is_compatible(builders[op]()):
+    if not _is_compatible(_builder(op, device_type)):
         return f"DeepSpeed's {op} op cannot be built here (it compiles with the system's C++ compiler on first use)"
     return None
 
@@ -28,24 +23,30 @@ def load_ops(ops: tuple[str, ...], device_type: str) -> None:
 
     Each load asks py-cpuinfo twice for the CPU's features, and each answer costs a fresh Python process (about a
     second): the answer, which cannot change while this process lives, is asked once."""
-    os.environ.setdefault("DS_ACCELERATOR", device_type)
     import cpuinfo
-    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
-    builders = {"cpu_adam": CPUAdamBuilder, "async_io": AsyncIOBuilder}
     for op in ops:
-        builders[op]().load(verbose=False)
+        _builder(op, device_type).load(verbose=False)
+
+
+def _builder(op: str, device_type: str) -> Any:
+    """DeepSpeed's builder of the op `op` (a `Requirements.ops` name) for `device_type`."""
+    os.environ.setdefault("DS_ACCELERATOR", device_type)  # no accelerator guess (and warning) in the launcher
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+
+    builders = {"cpu_adam": CPUAdamBuilder, "async_io": AsyncIOBuilder}
+    if op not in builders:
+        raise ValueError(f"no DeepSpeed op named {op}")
+    return builders[op]()
 
 
 def async_io_problem(device_type: str) -> str | None:
     """Why DeepSpeed's async I/O op (NVMe offload) cannot run here, or None."""
-    os.environ.setdefault("DS_ACCELERATOR", device_type)  # no accelerator guess (and warning) in the launcher
+    builder = _builder("async_io", device_type)
     from deepspeed.git_version_info import installed_ops
-    from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    builder = AsyncIOBuilder()
     if installed_ops.get("async_io"):
         try:
             builder.load(verbose=False)
