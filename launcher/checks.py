@@ -5,6 +5,7 @@ They take the model already built on the meta device (`launcher.meta`), so nothi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +91,7 @@ def _check_steps_left(checkpoint: Location, max_steps: int) -> None:
 PASSED_BY_THE_LAUNCHER = {
     "strategy": (),
     "model": (),
-    "data": ("split", "workers"),  # workers: the loader's (LOADER_KEYS), never passed on
+    "data": ("split", "role", "workers", "collate"),  # the loader's keys (LOADER_KEYS), never passed on
     "optim": ("params",),
     "logger": ("run_config", "run_dir"),
 }
@@ -108,7 +109,7 @@ def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] =
 
     from launcher.targets import locate
 
-    if not isinstance(node, DictConfig) or "_target_" not in node:
+    if not isinstance(node, DictConfig) or node.get("_target_") is None:  # no target (data.collate unset)
         return
     target = str(node._target_)
     given = [str(k) for k in node if not str(k).startswith("_")]
@@ -240,46 +241,118 @@ def _check_optimizer(frozen: DictConfig, model: Any) -> None:
 
 
 def _check_datasets(frozen: DictConfig) -> Any:
-    """Both splits built, non-empty, their first sample readable; the train split's first micro-batch
-    (`batch.micro_size` samples, as a rank's forward gets them), or None when the data opts out
-    (`+data._check_=false`)."""
-    from torch.utils.data import default_collate
-
+    """The collate built; both splits built and non-empty (a stream: at least one global batch); the first samples of
+    each collated by the run's collate into a batch that holds tensors. Returns the train split's first micro-batch
+    (`batch.micro_size` samples, as a rank's forward gets them), or None when the data opts out of the check
+    (`+data._check_=false`; the collate is still built)."""
+    from launcher.collate import collate_name, describe, tensors_in
     from launcher.data import BUILT_IN_DATA, SKIP_CHECK, build_dataset
+    from launcher.sources import is_stream
 
+    collate = _collate(frozen.data.get("collate"))
     if frozen.data.get(SKIP_CHECK) is False:
         return None
     splits = ["train"] + (["val"] if frozen.trainer.eval_every > 0 else [])
-    first = None
+    global_size, first = int(frozen.batch.global_size), None
     for split in splits:
         try:
             dataset = build_dataset(frozen.data, split)
         except Exception as e:
+            if isinstance(e.__cause__ or e, ConfigError):  # the data's own one line (data=hf names what it has)
+                raise (e.__cause__ or e) from e
             raise _fail("data", e, f"fix the data.* values (the {split} split could not be built)") from e
+        count = int(frozen.batch.micro_size) if first is None else 1
+        if is_stream(dataset):
+            items = _first_of_stream(dataset, split, global_size, collate)[:count]
+        else:
+            items = _first_of_map(frozen, dataset, split, global_size, count, BUILT_IN_DATA)
+        name = collate_name(frozen.data.get("collate"))
         try:
-            size = len(dataset)
-        except TypeError as e:
-            raise ConfigError(f"data: the {split} split has no length; return a map-style dataset") from e
-        if size == 0:
-            fix = "raise data.val_fraction, or set trainer.eval_every=0" if split == "val" else "give it samples"
-            raise ConfigError(f"data: the {split} split is empty (0 samples); {fix}")
-        global_size = int(frozen.batch.global_size)
-        if split == "train" and size < global_size and str(frozen.data._target_).startswith(BUILT_IN_DATA):
-            seq = f" of data.seq_len={frozen.data.seq_len}" if "seq_len" in frozen.data else ""
-            raise ConfigError(
-                f"data: the train split holds {size} samples{seq}, fewer than one global batch (batch.global_size="
-                f"{global_size}): a step would see a sample twice; give more data or lower batch.global_size"
-                + (" or data.seq_len" if seq else "")
-            )
-        count = min(size, int(frozen.batch.micro_size)) if first is None else 1
-        try:
-            item = default_collate([dataset[i] for i in range(count)])
+            batch = collate(items)
         except Exception as e:
-            raise _fail(
-                "data", e, f"fix the dataset (the {split} split's first samples do not read and collate)"
+            message = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ConfigError(
+                f"data: {name} fails on the first {len(items)} sample(s) of the {split} split (each "
+                f"{describe(items[0])}): {message} ({type(e).__name__}); fix the samples or the collate"
             ) from e
-        first = item if first is None else first
+        if not tensors_in(batch):
+            raise ConfigError(
+                f"data: {name} returned {describe(batch)} for the first micro-batch of the {split} split, with no "
+                "tensor in it (nor an object with .to(device)): the runner has nothing to move to the device; "
+                "return tensors, e.g. a dict of them"
+            )
+        first = batch if first is None else first
     return first
+
+
+def _collate(node: Any) -> Any:
+    """The collate `data.collate` names, built as each rank builds it; ConfigError (one line) where it does not import
+    or does not build."""
+    from launcher.collate import build_collate
+
+    try:
+        return build_collate(node)
+    except ImportError as e:
+        reason = ([line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__])[-1]
+        raise ConfigError(
+            f"data.collate._target_={node._target_} cannot be imported ({reason}); fix the path or install its package"
+        ) from e
+    except Exception as e:
+        cause = e.__cause__ or e
+        message = " ".join(str(cause).split())[:300] or type(cause).__name__
+        raise ConfigError(
+            f"data.collate._target_={node._target_} does not build: {message} ({type(cause).__name__}); fix its keys "
+            "(+data.collate.KEY=VALUE) or name a function, or a class whose instances take the list of samples"
+        ) from e
+
+
+def _first_of_stream(dataset: Any, split: str, global_size: int, collate: Any) -> list[Any]:
+    """A stream's first global batch of samples; ConfigError where it has fewer, or is no stream a run can read
+    twice."""
+    from launcher.sources import Stream
+
+    try:
+        samples = Stream(dataset, global_size, collate, f"data (the {split} split)").first(global_size)
+    except TypeError as e:
+        raise ConfigError(f"data: {e}") from e
+    except Exception as e:
+        raise _fail("data", e, f"fix the dataset (its {split} stream does not read)") from e
+    if len(samples) < global_size:
+        what = "no sample" if not samples else f"{len(samples)} sample(s), fewer than one global batch"
+        fix = "set trainer.eval_every=0 or give a longer validation stream" if split == "val" else "give it samples"
+        raise ConfigError(
+            f"data: the {split} split is a stream that yields {what} (batch.global_size={global_size}); {fix}"
+            + (" or lower batch.global_size" if samples else "")
+        )
+    return samples
+
+
+def _first_of_map(
+    frozen: DictConfig, dataset: Any, split: str, global_size: int, count: int, built_in: tuple[str, ...]
+) -> list[Any]:
+    """A map-style dataset's first `count` samples; ConfigError for one without a length, an empty one, or a built-in
+    one smaller than a global batch."""
+    try:
+        size = len(dataset)
+    except TypeError as e:
+        raise ConfigError(
+            f"data: the {split} split ({type(dataset).__name__}) has neither a length nor an __iter__; return a "
+            "map-style dataset (__len__, __getitem__) or an iterable one (a torch IterableDataset)"
+        ) from e
+    if size == 0:
+        fix = "raise data.val_fraction, or set trainer.eval_every=0" if split == "val" else "give it samples"
+        raise ConfigError(f"data: the {split} split is empty (0 samples); {fix}")
+    if split == "train" and size < global_size and str(frozen.data._target_).startswith(built_in):
+        seq = f" of data.seq_len={frozen.data.seq_len}" if "seq_len" in frozen.data else ""
+        raise ConfigError(
+            f"data: the train split holds {size} samples{seq}, fewer than one global batch (batch.global_size="
+            f"{global_size}): a step would see a sample twice; give more data or lower batch.global_size"
+            + (" or data.seq_len" if seq else "")
+        )
+    try:
+        return [dataset[i] for i in range(min(size, count))]
+    except Exception as e:
+        raise _fail("data", e, f"fix the dataset (the {split} split's first samples do not read)") from e
 
 
 def _positions(model: Any) -> tuple[int | None, str]:
@@ -295,13 +368,15 @@ def _positions(model: Any) -> tuple[int | None, str]:
 def _check_forward(frozen: DictConfig, model: Any, batch: Any) -> None:
     import torch
 
-    from launcher.data import to_device
+    from launcher.collate import to_device
     from launcher.loss import batch_tokens, model_loss
     from strategies.base import call_model
 
     limit, setting = _positions(model)
-    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
-    if limit is not None and batch_tokens(batch) and ids.dim() > 1 and ids.shape[-1] > limit:
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch
+    ids = ids[0] if isinstance(ids, (list, tuple)) and ids else ids
+    long = isinstance(ids, torch.Tensor) and ids.dim() > 1 and ids.shape[-1] > (limit or ids.shape[-1])
+    if long and batch_tokens(batch):
         seq = f"data.seq_len={ids.shape[-1]}" if "seq_len" in frozen.data else f"a sample of {ids.shape[-1]} tokens"
         raise ConfigError(
             f"data: {seq} exceeds the model's {limit} positions ({setting}); lower data.seq_len or raise {setting}"

@@ -267,8 +267,10 @@ def check_world_sizes(global_size: int, micro: Any, nodes: Any, gpus: int) -> No
 
 
 def _check_data(cfg: DictConfig) -> None:
+    """data=tokens reads a file at data.path (data=hf's path is what load_dataset takes, checked as it loads)."""
     path = OmegaConf.select(cfg.data, "path", default=None)
-    if path is not None and not Path(os.path.expanduser(str(path))).is_file():
+    tokens = OmegaConf.select(cfg.data, "_target_", default=None) == "launcher.data.Tokens"
+    if tokens and path is not None and not Path(os.path.expanduser(str(path))).is_file():
         raise ConfigError(f"data.path={path} does not exist or is not a file; point data.path at a token file")
 
 

@@ -1,14 +1,15 @@
 """Built-in data and the global-batch sampler (each data function's defaults are its schema's, launcher/data_schema.py;
 `launcher.context.preset_dataset` builds one outside a run).
 
-The data contract: a data `_target_` is called with `split="train"` or `split="val"` (plus its own
-config keys) and returns a map-style dataset whose items collate with `torch.stack` (tuples of
-tensors here: inputs and next-token targets).
+The data contract: a data `_target_` is called with `split="train"` or `split="val"` (plus its own config keys) and
+returns a dataset: a map-style one (a length and items by index: the built-in ones, a `datasets.Dataset`) or an
+iterable one (a stream); `launcher.sources` draws each step's samples from either, and `launcher.collate` makes a
+rank's micro-batches of them.
 
-Which samples an optimizer step sees depends only on the seed and the global batch size, never
-on the world size or the accumulation steps: the step that starts at global sample index p
-takes positions [p, p+B) of a seeded permutation per epoch, and every (rank, micro-step) takes
-a fixed slice of them. A resumed run continues from the sample index its checkpoint recorded.
+Which samples an optimizer step sees depends only on the seed and the global batch size, never on the world size or
+the accumulation steps: for a map-style dataset, the step that starts at global sample index p takes positions
+[p, p+B) of a seeded permutation per epoch (`GlobalBatches`), and every (rank, micro-step) takes a fixed slice of
+them (`rank_micro_batches`). A resumed run continues from the sample index its checkpoint recorded.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import re
 import sys
 import sysconfig
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 FORMATS = ("tuple", "hf")
 
@@ -266,7 +268,9 @@ BUILT_IN_DATA = ("launcher.data.", "launcher.text.")
 def check_token_ids(batch: Any, vocab: int, step: int) -> None:
     """ValueError (one line: the id, the vocabulary, the step) when a batch's integer `input_ids` (a dict's, or a
     tuple's first tensor) holds an id the model does not embed. Read on the host, before the copy to the device."""
-    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else None
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if isinstance(batch, (list, tuple)) and batch:
+        ids = batch[0]
     if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.numel() == 0:
         return
     largest = int(ids.max())
@@ -281,71 +285,16 @@ SKIP_CHECK = "_check_"
 """`+data._check_=false`: the launcher does not build this dataset before the workers start (a costly one)."""
 
 
-def build_dataset(data_cfg: Any, split: str) -> Dataset:
-    """The configured dataset of one split: the target called with `split` and its own keys."""
+def build_dataset(data_cfg: Any, split: str) -> Any:
+    """The configured dataset of one split: the target called with `split` and its own keys (a data option with a
+    `split` key of its own, data=hf's dataset split, is told which one it builds as `role`)."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
     node = OmegaConf.masked_copy(data_cfg, [k for k in data_cfg if k not in LOADER_KEYS])
-    return instantiate(node, split=split)
+    return instantiate(node, **{"role" if "split" in node else "split": split})
 
 
-def collate(dataset: Dataset, indices: np.ndarray, device: torch.device) -> Any:
-    """Stack the samples at `indices` (torch's default_collate) and move them to `device`."""
-    return to_device(default_collate([dataset[int(i)] for i in indices]), device)
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        if device.type == "cuda":  # pinned host memory lets the copy overlap with compute
-            return (obj if obj.is_pinned() else obj.pin_memory()).to(device, non_blocking=True)
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
-
-
-LOADER_KEYS = ("workers", SKIP_CHECK)
-"""Keys of a data config node that are the launcher's, never passed to the dataset's target."""
-
-
-class StepBatches:
-    """The micro-batch index lists this rank reads, step after step from a given position: a batch sampler."""
-
-    def __init__(self, batches: GlobalBatches, start: int, steps: int, rank: int, world_size: int, accumulation: int):
-        self.batches, self.start, self.steps = batches, start, steps
-        self.rank, self.world_size, self.accumulation = rank, world_size, accumulation
-
-    def __len__(self) -> int:
-        return self.steps * self.accumulation
-
-    def __iter__(self) -> Any:
-        for step in range(self.steps):
-            indices = self.batches.at(self.start + step * self.batches.global_size)
-            for micro in rank_micro_batches(indices, self.rank, self.world_size, self.accumulation):
-                yield micro.tolist()
-
-
-def feed(dataset: Dataset, sampler: StepBatches, workers: int, device: torch.device, check: Any = None) -> Any:
-    """This rank's micro-batches in order, read by `workers` DataLoader processes ahead of the loop (0: in the loop),
-    collated, pinned and copied without blocking on CUDA. The order is the sampler's whatever `workers` is.
-    `check(batch, n)` is called with each host batch and its index before it is copied."""
-    from torch.utils.data import DataLoader
-
-    loader = DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=workers > 0,
-        prefetch_factor=4 if workers > 0 else None,
-        # Its own generator: starting to iterate draws the workers' base seed, which from the global generator
-        # would shift dropout's draws in a resumed run (it starts iterating at the resumed step, not at step 1).
-        generator=torch.Generator().manual_seed(0),
-    )
-    for n, batch in enumerate(loader):
-        if check is not None:
-            check(batch, n)
-        yield to_device(batch, device)
+LOADER_KEYS = ("workers", "collate", SKIP_CHECK)
+"""Keys of a data config node that are the launcher's, never passed to the dataset's target: the loader's processes,
+the collate (`launcher.collate`), the opt-out of the parent's check."""

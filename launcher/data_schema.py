@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
 
 from launcher.ranges import COUNT, FRACTION, SIZE, launch_only, ranged
+
+
+@dataclass
+class CollateConfig:
+    """data.collate: the collate of a rank's micro-batch (launcher/collate.py). data.collate._target_=a function, or a
+    class built with its own keys (+data.collate.KEY=VALUE, nested targets too: a tokenizer); unset: torch's
+    default_collate, lists of numbers made tensors first."""
+
+    _target_: str | None = None
 
 
 class DataFormat(Enum):
@@ -27,6 +36,8 @@ class PySourceDataConfig:
     """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
     workers: int = ranged(0, COUNT, identity=False)
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
+    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
+    """The collate of a rank's micro-batch (launcher/collate.py)."""
     packing: bool = True
     """true: files end to end in full windows; false: one sample per file chunk, the last one padded (-100 targets)."""
 
@@ -41,6 +52,8 @@ class SyntheticDataConfig:
     """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
     workers: int = ranged(0, COUNT, identity=False)
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
+    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
+    """The collate of a rank's micro-batch (launcher/collate.py)."""
 
 
 @dataclass
@@ -54,6 +67,8 @@ class TokensDataConfig:
     """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
     workers: int = ranged(0, COUNT, identity=False)
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
+    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
+    """The collate of a rank's micro-batch (launcher/collate.py)."""
 
 
 @dataclass
@@ -87,10 +102,58 @@ class TextDataConfig:
     """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
     workers: int = ranged(0, COUNT, identity=False)
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
+    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
+    """The collate of a rank's micro-batch (launcher/collate.py)."""
     tokenize_workers: int = ranged(0, COUNT, identity=False)
     """Processes datasets.map tokenizes in (0: this one, with the tokenizer's own threads)."""
     cache_dir: str | None = launch_only(None)
     """Where the token caches are kept; unset: ~/.cache/launch/text (XDG_CACHE_HOME)."""
+
+
+@dataclass
+class CustomDataConfig:
+    """data=custom: a target of your own (called with split="train" or "val" and the keys you add with
+    +data.KEY=VALUE; +data.workers=N: DataLoader processes), and its collate."""
+
+    _target_: str = MISSING
+    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
+    """The collate of a rank's micro-batch (launcher/collate.py)."""
+
+
+@dataclass
+class HFDataConfig:
+    """data=hf: a Hugging Face dataset as it is, through datasets.load_dataset (launcher/hf.py)."""
+
+    _target_: str = "launcher.hf.HF"
+    path: str = MISSING
+    """What load_dataset takes: a builder (json, parquet, csv, text) with data.data_files, a folder of such files, or
+    a dataset of the local Hub cache."""
+    name: str | None = None
+    """The dataset's configuration (load_dataset's name)."""
+    split: str = "train"
+    """The split to train on."""
+    val_split: str | None = None
+    """The validation split; unset: data.val_fraction of the training split, drawn by data.split_seed."""
+    val_fraction: float = ranged(0.01, FRACTION)
+    split_seed: int = ranged(0, COUNT)
+    data_files: Any = None
+    """load_dataset's data_files: a path, a glob, a list, or a dict of split -> files."""
+    streaming: bool = False
+    """true: a stream (datasets.IterableDataset), read in its own order, resumed from its state_dict."""
+    tokenizer: str | None = None
+    """A local tokenizer folder (or tokenizer.json): data.text_field tokenized, once and cached (a stream: as read)."""
+    text_field: str = "text"
+    max_length: int | None = ranged(None, SIZE)
+    """Token ids per row at most (truncation); unset: none."""
+    columns: list[str] | None = None
+    """The fields each row keeps (after tokenization); unset: all of them."""
+    workers: int = ranged(0, COUNT, identity=False)
+    """DataLoader worker processes reading ahead of the loop (0: read in the loop; a stream: at most one reader); the
+    same order either way."""
+    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
+    """The collate of a rank's micro-batch (launcher/collate.py)."""
+    cache_dir: str | None = launch_only(None)
+    """Where tokenized rows are kept; unset: ~/.cache/launch/hf (XDG_CACHE_HOME)."""
 
 
 def tokenizer_vocab(tokenizer: str) -> int:

@@ -30,6 +30,8 @@ def identity_hash(frozen: DictConfig, cfg: DictConfig) -> str:
 
     if isinstance(plain.get("data"), dict):
         plain["data"].pop(SKIP_CHECK, None)  # +data._check_=false: whether the launcher builds the data first
+        if plain["data"].get("collate") == {"_target_": None}:  # the default collate: runs from before it had a key
+            plain["data"].pop("collate")
     for dotted in untracked(cfg):
         *parents, leaf = dotted.split(".")
         node: Any = plain

@@ -21,7 +21,8 @@ from launcher.adapt import after_out_of_memory, resizing
 from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
 from launcher.checkpoint.storage import checkpoints_of, inside, is_remote
-from launcher.data import BUILT_IN_DATA, GlobalBatches, StepBatches, build_dataset, check_token_ids, feed
+from launcher.collate import build_collate
+from launcher.data import BUILT_IN_DATA, build_dataset, check_token_ids
 from launcher.guard import Guard
 from launcher.lifecycle import Phase, StopRequest
 from launcher.logs import Loggers, Progress
@@ -33,6 +34,7 @@ from launcher.optimizers import lr_at, optimizer_factory
 from launcher.profiling import MemorySnapshots, StepProfiler
 from launcher.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_count, resume
 from launcher.search.trial import TrialReport, record_pruned
+from launcher.sources import StepData, source_of
 from launcher.speed import Speed, Window
 from launcher.step import all_reduce, evaluate, gather_rows, train_step
 from launcher.stragglers import StepClock, Stragglers
@@ -150,14 +152,18 @@ class Trainer:
                 self.phase(f"reading the batches of step {step}")
                 started = time.perf_counter()  # from the wait for the data on: a slow loader shows here
                 self.clock = StepClock(self.device) if logged or evaluated else None  # compute and waits, per rank
-                micro = self.data()
-                loss, grad_norm = self.step(step, micro, measured)
-                self.commit(step, grad_norm)
-                tokens = sum(batch_tokens(b) for b in micro)
-                self.window.add(time.perf_counter() - started, tokens, measured)
+                data = self.data()
+                if data is not None:
+                    loss, grad_norm = self.step(step, data.micro, measured)
+                    self.commit(step, grad_norm)
+                    tokens = sum(batch_tokens(b) for b in data.micro)
+                    self.window.add(time.perf_counter() - started, tokens, measured)
+            if data is None:  # a stream ran out: every rank agreed on it, before any forward of this step
+                self.ended(step)
+                return True
             self.profiler.ended(step)
             self.snapshots.after_step(step)
-            self.advance(step)
+            self.advance(step, data.state)
             if logged or evaluated:
                 self.log(step, loss, grad_norm, evaluated)
             self.progress.update(step, self.metrics if logged else None)
@@ -179,9 +185,10 @@ class Trainer:
         """The data, the model wrapped by the strategy, the position to resume from, the loggers and the saver."""
         cfg, ctx, trainer, phase = self.cfg, self.ctx, self.trainer, self.phase
         phase("building the data")
-        train_set = build_dataset(cfg.data, "train")
-        self.val_set = build_dataset(cfg.data, "val")
-        batches = GlobalBatches(len(train_set), self.B, cfg.seed)  # its permutation is data: held before the model
+        collate = build_collate(cfg.data.get("collate"))
+        # Random access or a stream (`launcher.sources`); a permutation is data: held before the model is built.
+        self.source = source_of(build_dataset(cfg.data, "train"), self.B, cfg.seed, collate, "the train split")
+        self.val_source = source_of(build_dataset(cfg.data, "val"), self.B, cfg.seed, collate, "the val split")
         # What the process holds before the model exists: torch, and the data (host memory, as on a GPU machine).
         self.memory = StepMemory(self.device, ctx.compile)
         if int(cfg.derived.nodes) > 1:  # before the first save: where the nodes write together, they see one folder
@@ -203,10 +210,11 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1)
         self.speed = Speed.of(cfg, ctx, self.strategy)
         self.position = resume(cfg, ctx, self.strategy, self.run_dir)
+        self.resumed_at = self.position.step
         self.loggers = Loggers.create(cfg, ctx.rank, self.run_dir)
         self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
         self.rule = LabelRule.of(cfg.derived.model)  # how the model counts its labels: decided in the launcher
-        self.micro_batches = self._feed(train_set, batches)
+        self.steps = self._feed()
         self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
                                      trainer.profile_stacks)  # fmt: skip
         self.saves, self.policy = (
@@ -220,12 +228,10 @@ class Trainer:
         self.guard = Guard(self.strategy, self.nonfinite, int(trainer.get("max_skipped", 10)), ctx.precision == "fp16",
                            ctx.rank, ctx.world_size)  # fmt: skip
 
-    def _feed(self, train_set: Any, batches: GlobalBatches) -> Any:
+    def _feed(self) -> Any:
         """This rank's micro-batches from the resumed position on, K per step; token ids checked against the
         vocabulary as they are read, unless the launcher checked the built-in data's before start."""
         cfg, ctx, K, first = self.cfg, self.ctx, self.K, self.position.step + 1
-        steps = StepBatches(batches, self.position.samples, self.max_steps - self.position.step, ctx.rank,
-                            ctx.world_size, K)  # fmt: skip
         vocab = OmegaConf.select(cfg, "derived.vocab_size", default=None)
         check = None
         if vocab is not None and not str(cfg.data._target_).startswith(BUILT_IN_DATA):
@@ -233,7 +239,9 @@ class Trainer:
             def check(batch: Any, n: int) -> None:
                 check_token_ids(batch, vocab, first + n // K)
 
-        return feed(train_set, steps, int(cfg.data.get("workers", 0)), self.device, check)
+        steps = self.max_steps - self.position.step
+        workers = int(cfg.data.get("workers", 0))
+        return self.source.feed(self.position, steps, ctx.rank, ctx.world_size, K, workers, self.device, check)
 
     # ------------------------------------------------------------------ the phases of a step
 
@@ -269,8 +277,13 @@ class Trainer:
         t = self.trainer
         return lr_at(step - 1, self.cfg.optim.lr, t.warmup_steps, self.max_steps, str(t.schedule), t.min_lr_ratio)
 
-    def data(self) -> list[Any]:
-        return [next(self.micro_batches) for _ in range(self.K)]
+    def data(self) -> StepData | None:
+        """This rank's micro-batches of the next step; None when the stream ran out on any rank, which every rank
+        learns in one all-reduce before any forward (a source that never ends needs none)."""
+        got = next(self.steps, None)
+        if self.source.ends and all_reduce([float(got is None)], dist.ReduceOp.MAX, self.device)[0]:
+            return None
+        return got
 
     def step(self, step: int, micro: list[Any], measured: bool) -> tuple[torch.Tensor, float]:
         """Forward/backward, gradient sync and optimizer step; this rank's part of the loss, and the gradient norm.
@@ -284,8 +297,8 @@ class Trainer:
         run (`Guard.judge` raises)."""
         return self.guard.judge(step, grad_norm)
 
-    def advance(self, step: int) -> None:
-        self.position = Position(step, self.position.samples + self.B)
+    def advance(self, step: int, stream: dict[str, Any] | None = None) -> None:
+        self.position = Position(step, self.position.samples + self.B, stream)
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: float, evaluated: bool) -> None:
         """The step's figures over all ranks (`launcher.metrics` declares how each is reduced), then the loggers."""
@@ -295,7 +308,7 @@ class Trainer:
         if self.nonfinite == "skip":
             metrics["skipped_steps"] = self.guard.skipped
         if evaluated:
-            val = evaluate(self.strategy, self.val_set, self.ctx, self.trainer.eval_batches, self.B, self.rule)
+            val = evaluate(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
             metrics["val_loss"] = val
         for name in metrics:
             declared(name)  # a figure nobody declared is refused, not logged with a meaning nobody chose
@@ -331,6 +344,21 @@ class Trainer:
                   "new size", flush=True)  # fmt: skip
         elif self.ctx.rank == 0:
             print(f"launch: stopped on a signal after step {step}; checkpoint {self.saves.last}", flush=True)
+        self.finish()
+
+    def ended(self, step: int) -> None:
+        """The stream ran out before a full global batch of `step`: the run ends after the step before it, on every
+        rank, with that step's checkpoint, and one line."""
+        last = step - 1
+        if last > self.resumed_at and not self.policy.due(last, False):  # else saved already, or resumed from
+            self.save(last)
+        self.phase(f"writing the checkpoint of step {last}")
+        self.saves.finish()
+        if self.ctx.rank == 0:
+            where = f"; checkpoint {self.saves.last}" if self.saves.last else ""
+            print(f"launch: data: the stream ended after {self.position.samples:,} samples: step {last} trained its "
+                  f"last full global batch of {self.B}, before trainer.max_steps={self.max_steps}; the run ends "
+                  f"here{where}", flush=True)  # fmt: skip
         self.finish()
 
     def pruned(self, step: int) -> None:

@@ -62,8 +62,8 @@ class BatchConfig:
 
 @dataclass
 class CustomConfig:
-    """model=custom, data=custom, logger=custom: a target of your own and nothing else; add its keys with
-    +model.KEY=VALUE."""
+    """model=custom, logger=custom: a target of your own and nothing else; add its keys with +model.KEY=VALUE
+    (data=custom: `data_schema.CustomDataConfig`, which also has the loader's keys)."""
 
     _target_: str = MISSING
 
@@ -310,7 +310,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
     },
     "model": {"base_gpt": GPTConfig, "base_custom": CustomConfig},
     "data": {
-        "base_custom": CustomConfig,
+        "base_custom": data_schema.CustomDataConfig,
+        "base_hf": data_schema.HFDataConfig,
         "base_pysource": PySourceDataConfig,
         "base_synthetic": SyntheticDataConfig,
         "base_tokens": TokensDataConfig,

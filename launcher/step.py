@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from launcher.data import collate, rank_micro_batches
 from launcher.lifecycle import Phase
 from launcher.loss import (
     NUM_ITEMS,
@@ -41,20 +39,17 @@ def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
     return rows.view(-1, len(values)).tolist()
 
 
-def evaluate(
-    strategy: Strategy, val_set: Any, ctx: RunContext, batches: int, global_size: int, rule: LabelRule
-) -> float:
-    """The loss over `batches` fixed global batches of the validation split, by the training step's rule
-    (`launcher.loss`): Σ token losses / Σ targets where the model returns sums or its mean is over targets the
-    launcher counts (its labels, by `rule`), else the mean of the micro-batches' means."""
+def evaluate(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rule: LabelRule) -> float:
+    """The loss over `batches` fixed global batches of the validation split (`source.evaluation`: the same samples
+    at every evaluation and world size), by the training step's rule (`launcher.loss`): Σ token losses / Σ targets
+    where the model returns sums or its mean is over targets the launcher counts (its labels, by `rule`), else the
+    mean of the micro-batches' means."""
     device = torch.device(ctx.device)
     strategy.train(False)
     total, count = 0.0, 0.0
     with torch.no_grad():
-        for b in range(batches):
-            indices = np.arange(b * global_size, (b + 1) * global_size) % len(val_set)
-            for micro in rank_micro_batches(indices, ctx.rank, ctx.world_size, ctx.accumulation):
-                batch = collate(val_set, micro, device)
+        for micro in source.evaluation(batches, ctx.rank, ctx.world_size, ctx.accumulation, device):
+            for batch in micro:
                 loss, tokens = model_loss(strategy.forward(batch))
                 targets, known = target_tokens(batch, rule.label_shift)
                 if tokens is None and known:  # a mean over the counted targets: back to their sum (none: 0, not NaN)

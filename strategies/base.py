@@ -4,7 +4,7 @@ collectives, requirements and conformance) is in `strategies.declarations`."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -116,8 +116,9 @@ class Strategy(Protocol):
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
-    """The model contract: a tuple/list batch is passed as positional arguments, a dict as keywords."""
-    if isinstance(batch, dict):
+    """The model contract: a tuple/list batch is passed as positional arguments, a dict (any mapping: a transformers
+    BatchEncoding) as keywords, anything else (a tensor, a PyG `Batch`) as the one argument."""
+    if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(*batch)

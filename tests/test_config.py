@@ -48,11 +48,13 @@ def test_every_option_composes_and_instantiates(group: str, option: str, tmp_pat
     node = cfg[group]
     target = OmegaConf.select(node, "_target_")
     assert target and (option != "custom" or target == CUSTOM[group]), (group, option, target)
-    built = instantiate(node, _partial_=True)  # the target imports, and takes the option's keys as keywords
-    assert built.func is get_object(target), (built.func, target)
     from launcher.data import LOADER_KEYS
 
-    taken = {k: v for k, v in built.keywords.items() if group != "data" or k not in LOADER_KEYS}  # the loader's own
+    # The target imports, and takes the option's keys as keywords; the loader's own keys (the collate, which
+    # launcher.collate builds) never reach a data target.
+    built = instantiate(node, _partial_=True, _recursive_=group != "data")
+    assert built.func is get_object(target), (built.func, target)
+    taken = {k: v for k, v in built.keywords.items() if group != "data" or k not in LOADER_KEYS}
     inspect.signature(built.func).bind_partial(*built.args, **taken)  # TypeError for a key the target does not take
     if group == "strategy":
         make_strategy(freeze(cfg).strategy)  # constructors take plain values and import nothing heavy

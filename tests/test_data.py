@@ -87,14 +87,15 @@ def test_unpacked_pysource_pads_the_last_chunk_of_each_document() -> None:
 
 @pytest.mark.unit
 def test_the_loader_reads_the_same_batches_in_the_same_order_with_workers() -> None:
-    from launcher.data import StepBatches, feed
+    from launcher.checkpoint.format import Position
+    from launcher.collate import default_collate
+    from launcher.sources import RandomAccess
 
-    data = preset_dataset("synthetic", "train", seq_len=16, num_samples=256)
-    batches = GlobalBatches(len(data), 32, seed=3)
+    source = RandomAccess(preset_dataset("synthetic", "train", seq_len=16, num_samples=256), 32, 3, default_collate)
 
     def read(start: int, steps: int, workers: int) -> list[torch.Tensor]:
-        sampler = StepBatches(batches, start, steps, rank=1, world_size=2, accumulation=2)
-        return [x for x, _ in feed(data, sampler, workers, torch.device("cpu"))]
+        fed = source.feed(Position(start // 32, start), steps, 1, 2, 2, workers, torch.device("cpu"))
+        return [x for step in fed for x, _ in step.micro]
 
     inline, ahead = read(0, 12, 0), read(0, 12, 2)
     assert len(inline) == 24 and all(torch.equal(a, b) for a, b in zip(inline, ahead, strict=True))

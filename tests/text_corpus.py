@@ -26,9 +26,10 @@ def documents(count: int, seed: int = 0, words: tuple[int, int] = (3, 120)) -> l
     return docs
 
 
-def train_tokenizer(folder: Path, texts: list[str], vocab_size: int = 320) -> Path:
+def train_tokenizer(folder: Path, texts: list[str], vocab_size: int = 320, pad: bool = False) -> Path:
     """A byte-level BPE of `vocab_size` ids (EOS among them) trained on `texts`, saved with save_pretrained into
-    `folder` (tokenizer.json and tokenizer_config.json); the folder."""
+    `folder` (tokenizer.json and tokenizer_config.json); the folder. `pad`: EOS is its padding token too (what a
+    collate that pads needs)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -39,7 +40,8 @@ def train_tokenizer(folder: Path, texts: list[str], vocab_size: int = 320) -> Pa
         vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(texts, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(str(folder))
+    pad_token = {"pad_token": EOS} if pad else {}
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, **pad_token).save_pretrained(str(folder))
     return folder
 
 
@@ -80,5 +82,9 @@ def text_settings(**given: object) -> dict[str, object]:
 
     from launcher.data_schema import TextDataConfig
 
-    plain = {f.name: f.default for f in dataclasses.fields(TextDataConfig) if f.name not in ("_target_", "workers")}
+    plain = {
+        f.name: f.default
+        for f in dataclasses.fields(TextDataConfig)
+        if f.name not in ("_target_", "workers", "collate")
+    }
     return plain | {"vocab_size": None, "format": "tuple"} | given  # the tokenizer's vocabulary; the enum's name

@@ -48,6 +48,9 @@ class Position:
     step: int
     samples: int
     """Global sample index: samples consumed so far (the data order resumes from here)."""
+    stream: dict[str, Any] | None = None
+    """A stream's own state after those samples (its `state_dict`, plain JSON), where it keeps one
+    (`launcher.sources`): a resume loads it instead of reading past the samples again."""
 
 
 def folder_name(step: int) -> str:
@@ -114,6 +117,8 @@ def read_manifest(path: Location) -> dict[str, Any]:
             raise UntrustedDataError(f"{file} lists a bad file entry {name!r}: {size!r}")
         if not isinstance(sums.get(name), str):
             raise UntrustedDataError(f"{file} records no checksum of {name!r}: written by an older launch")
+    if not isinstance(manifest.get("stream"), (dict, type(None))):
+        raise UntrustedDataError(f"{file} has a bad 'stream': {manifest['stream']!r}")
     run_id = manifest.get("run_id")  # absent or None: saved before manifests recorded it, or outside a launch
     if run_id is not None and not (isinstance(run_id, str) and RUN_ID_PATTERN.fullmatch(run_id)):
         raise UntrustedDataError(f"{file} has a bad 'run_id': {run_id!r}")
@@ -125,7 +130,9 @@ def record(
 ) -> dict[str, Any]:
     """The manifest of a checkpoint at `position`: the run's fields (`manifest_of`), when it was made visible, and
     each file's size and xxh3-128 checksum. `read_manifest` checks what this writes."""
-    return {**run, "step": position.step, "samples": position.samples, "time": time, "files": files, "xxh3_128": sums}
+    stream = {"stream": position.stream} if position.stream is not None else {}
+    return {**run, "step": position.step, "samples": position.samples, **stream, "time": time, "files": files,
+            "xxh3_128": sums}  # fmt: skip
 
 
 def manifest_of(cfg: Any, world_size: int, precision: str) -> dict[str, Any]:

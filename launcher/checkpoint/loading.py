@@ -38,7 +38,7 @@ def load(checkpoint: Location, manifest: dict[str, Any], strategy: Any, rank: in
     rng = checkpoint / rng_name(rank)
     if manifest["world_size"] == world_size and rng.is_file():
         set_rng_state(torch.load(io.BytesIO(rng.read_bytes()), weights_only=True))
-    return Position(step=manifest["step"], samples=manifest["samples"])
+    return Position(step=manifest["step"], samples=manifest["samples"], stream=manifest.get("stream"))
 
 
 def read_into(state: dict[str, Any], checkpoint: Location) -> None:

@@ -1,0 +1,194 @@
+"""Any data a user has: collates of their choice, Hugging Face datasets as they are, iterable and streamed datasets,
+under the batch contract (the samples of step s depend on the seed and the global batch alone).
+
+Unit tests read the sources in this process; the integration tests train real third-party parts built from configs
+(torch_geometric's GCN with its Collater, a transformers classifier with DataCollatorWithPadding, a streamed
+`datasets` corpus, a user's IterableDataset that ends) on 1 and 2 gloo ranks. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import launch_here
+from data_sources import Tokens, graphs, write_rows
+from text_corpus import documents, train_tokenizer
+
+from launcher.checkpoint.format import Position
+from launcher.collate import DataError, default_collate
+from launcher.sources import RandomAccess, Stream, resumes_by_state, source_of
+
+
+def _steps(source, position: Position, steps: int, world: int, accumulation: int) -> list[list[list[torch.Tensor]]]:
+    """Every rank's micro-batches of each step, rank by rank: [step][rank] -> its K micro-batches."""
+    fed = [list(source.feed(position, steps, r, world, accumulation, 0, torch.device("cpu"))) for r in range(world)]
+    return [[fed[r][s].micro for r in range(world)] for s in range(len(fed[0]))]
+
+
+def _inputs(step_ranks: list[list]) -> torch.Tensor:
+    """The inputs a step trained on, over its ranks and micro-batches in order."""
+    return torch.cat([m[0] if isinstance(m, (list, tuple)) else m["input_ids"] for rank in step_ranks for m in rank])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world,accumulation", [(1, 4), (2, 2), (4, 1)])
+def test_a_stream_gives_every_step_its_samples_whatever_g_and_k(world: int, accumulation: int) -> None:
+    """Step s trains on the stream's samples [sB, (s+1)B) in order, on any world size and accumulation; the stream
+    that ends after 5.5 global batches gives 5 steps."""
+    stream = Tokens(88)  # 5 global batches of 16 and 8 samples more
+    expected = torch.stack([x for x, _ in stream])
+    steps = _steps(source_of(stream, 16, 0, default_collate), Position(0, 0), 12, world, accumulation)
+    assert len(steps) == 5
+    for s, ranks in enumerate(steps):
+        assert torch.equal(_inputs(ranks), expected[16 * s : 16 * (s + 1)]), s
+
+
+def _jsonl_stream(tmp_path: Path, shuffled: bool = False):
+    import datasets
+
+    path = tmp_path / "rows.jsonl"
+    with open(path, "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"input_ids": [i, i + 1, i + 2]}) + "\n")
+    stream = datasets.load_dataset("json", data_files=str(path), split="train", streaming=True)
+    return stream.shuffle(seed=0, buffer_size=32) if shuffled else stream
+
+
+@pytest.mark.unit
+def test_a_streamed_dataset_resumes_from_its_state_at_another_world_size(tmp_path: Path, capsys) -> None:
+    """A datasets stream records its state with each step; a resume from step 3's state on 1 rank reads what the
+    uninterrupted run on 2 ranks reads from step 4 on, without reading past the samples before it."""
+    stream = _jsonl_stream(tmp_path)
+    assert resumes_by_state(stream) == (True, "")
+    source = Stream(stream, 16, default_collate)
+    fed = list(source.feed(Position(0, 0), 8, 0, 2, 2, 0, torch.device("cpu")))
+    whole = [_inputs(s) for s in _steps(source, Position(0, 0), 8, 2, 2)]
+    at_3 = Position(3, 48, fed[2].state)
+    json.dumps(at_3.stream)  # plain data, as a checkpoint's manifest records it
+    resumed = [_inputs(s) for s in _steps(Stream(_jsonl_stream(tmp_path), 16, default_collate), at_3, 5, 1, 4)]
+    assert all(torch.equal(a, b) for a, b in zip(resumed, whole[3:], strict=True))
+    assert "reading past" not in capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_a_stream_without_state_resumes_by_reading_past_its_samples_and_says_so(capsys) -> None:
+    source = Stream(Tokens(200), 16, default_collate)
+    whole = [_inputs(s) for s in _steps(source, Position(0, 0), 8, 2, 2)]
+    resumed = [_inputs(s) for s in _steps(source, Position(3, 48), 5, 1, 4)]
+    assert all(torch.equal(a, b) for a, b in zip(resumed, whole[3:], strict=True))
+    out = capsys.readouterr().out
+    assert "launch: data: the stream resumed at sample 48 by reading past the 48 before it" in out, out
+    assert "it keeps no state_dict; every resume reads them again" in out, out
+
+
+@pytest.mark.unit
+def test_streams_a_run_cannot_read_in_one_order_are_named(tmp_path: Path) -> None:
+    """A shuffle buffer is not in a datasets stream's state: it resumes by count; a generator cannot be read twice;
+    a stream split by node would read another stream on each rank."""
+    from datasets.distributed import split_dataset_by_node
+
+    assert resumes_by_state(_jsonl_stream(tmp_path, shuffled=True)) == (
+        False,
+        "its shuffle buffer is not in its state_dict",
+    )
+    with pytest.raises(TypeError, match="a one-shot iterator"):
+        Stream((x for x in range(3)), 16, default_collate)
+    with pytest.raises(TypeError, match="split by node"):
+        Stream(split_dataset_by_node(_jsonl_stream(tmp_path), rank=0, world_size=2), 16, default_collate)
+
+
+@pytest.mark.unit
+def test_the_default_collate_makes_tensors_of_lists_and_names_what_it_cannot_batch() -> None:
+    """datasets rows of Python lists become [B, L] tensors (torch's default_collate alone would make L tensors of B
+    first positions); ragged lists and strings are one line naming the field."""
+    rows = [{"input_ids": [i, i + 1, i + 2], "label": i % 2} for i in range(4)]
+    batch = default_collate(rows)
+    assert batch["input_ids"].shape == (4, 3) and batch["input_ids"][1].tolist() == [1, 2, 3]
+    assert batch["label"].tolist() == [0, 1, 0, 1]
+    x, y = default_collate([(torch.arange(3), 1), (torch.arange(3), 0)])  # a tuple is fields, as torch's
+    assert x.shape == (2, 3) and y.tolist() == [1, 0]
+    with pytest.raises(DataError, match=r"field 'input_ids' of one micro-batch have lengths 2 to 3: .* pad them"):
+        default_collate([{"input_ids": [1, 2]}, {"input_ids": [1, 2, 3]}])
+    with pytest.raises(DataError, match=r"field 'text' is a str \('hello'\), neither a number"):
+        default_collate([{"input_ids": [1], "text": "hello"}])
+
+
+@pytest.mark.unit
+def test_a_map_style_dataset_of_graphs_goes_through_the_collate_it_is_given() -> None:
+    """PyG's Collater batches a rank's own graphs of each micro-batch; the same graphs at G=2 K=2 as at G=1 K=4."""
+    from torch_geometric.loader.dataloader import Collater
+
+    data = graphs("train")
+    source = RandomAccess(data, 16, 3, Collater(None))
+    two, one = _steps(source, Position(0, 0), 3, 2, 2), _steps(source, Position(0, 0), 3, 1, 4)
+    for a, b in zip(two, one, strict=True):
+        flat_a, flat_b = [m for rank in a for m in rank], [m for rank in b for m in rank]
+        assert [m.num_graphs for m in flat_a] == [4] * 4
+        assert all(torch.equal(p.x, q.x) and torch.equal(p.y, q.y) for p, q in zip(flat_a, flat_b, strict=True))
+
+
+# ---------------------------------------------------------------- refusals, before any worker starts
+
+TINY_DATA = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.block_size=16", "logger=none",
+             "trainer.eval_every=0", "device=cpu", "batch.global_size=16", "batch.micro_size=4"]  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "case,overrides,expected",
+    [
+        ("collate that does not import", ["data=synthetic", "data.seq_len=16", "data.collate._target_=no_such.collate"],
+         "data.collate._target_=no_such.collate cannot be imported"),
+        ("collate that does not build", ["data=synthetic", "data.seq_len=16",
+                                         "data.collate._target_=torch_geometric.loader.dataloader.Collater"],
+         "data.collate._target_=torch_geometric.loader.dataloader.Collater does not build: "),
+        ("collate with no tensors", ["data=synthetic", "data.seq_len=16",
+                                     "data.collate._target_=data_sources.no_tensors"],
+         "data: data.collate._target_=data_sources.no_tensors returned a list of 4 for the first micro-batch of the "
+         "train split, with no tensor in it"),
+        ("empty stream", ["data=custom", "data._target_=data_sources.token_stream", "+data.count=0"],
+         "data: the train split is a stream that yields no sample (batch.global_size=16); give it samples"),
+        ("short stream", ["data=custom", "data._target_=data_sources.token_stream", "+data.count=9"],
+         "data: the train split is a stream that yields 9 sample(s), fewer than one global batch"),
+        ("one-shot stream", ["data=custom", "data._target_=data_sources.one_shot"], "is a one-shot iterator"),
+        ("string field", ["data=custom", "data._target_=data_sources.strings"],
+         "field 'text' is a str ('hello'), neither a number, a list of numbers nor a tensor"),
+    ],
+)  # fmt: skip
+def test_bad_data_is_one_line_before_any_worker(case: str, overrides: list, expected: str, tmp_path: Path) -> None:
+    line = launch_here(tmp_path, *TINY_DATA, *overrides).refused()
+    assert expected in line, line
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """jsonl rows of varying length with labels (train and test files), and a tokenizer whose pad token is its EOS."""
+    root = tmp_path_factory.mktemp("rows")
+    return {
+        "train": write_rows(root / "rows" / "train.jsonl", 96),
+        "test": write_rows(root / "rows" / "test.jsonl", 32, seed=1),
+        "tokenizer": train_tokenizer(root / "tokenizer", documents(200), pad=True),
+    }
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "case,overrides,expected",
+    [
+        ("split", ["data.split=nope"], "data.split=nope is not a split of data.path=json: it has train, test"),
+        ("val split", ["data.val_split=validation"], "data.val_split=validation is not a split of data.path=json: "
+                                                     "it has train, test"),
+        ("text field", ["data.text_field=body"], "data.text_field: the rows of data.path=json (split train) have no "
+                                                 "field 'body'; they have text, label"),
+        ("no tokenizer, text left in", ["data.tokenizer=null"], "field 'text' is a str"),
+        ("ragged, no collate", ["data.collate._target_=null"], "field 'input_ids' of one micro-batch have lengths"),
+    ],
+)  # fmt: skip
+def test_bad_hf_data_is_one_line_naming_what_there_is(case, overrides, expected, rows, tmp_path: Path) -> None:
+    files = f"data.data_files={{train:{rows['train']},test:{rows['test']}}}"
+    line = launch_here(tmp_path, *TINY_DATA, "data=hf", "data.path=json", files, f"data.tokenizer={rows['tokenizer']}",
+                       f"data.cache_dir={tmp_path / 'cache'}", *overrides).refused()  # fmt: skip
+    assert expected in line, line
