@@ -188,7 +188,11 @@ class Trainer:
         collate = build_collate(cfg.data.get("collate"))
         # Random access or a stream (`launcher.sources`); a permutation is data: held before the model is built.
         self.source = source_of(build_dataset(cfg.data, "train"), self.B, cfg.seed, collate, "the train split")
-        self.val_source = source_of(build_dataset(cfg.data, "val"), self.B, cfg.seed, collate, "the val split")
+        self.val_source = (
+            source_of(build_dataset(cfg.data, "val"), self.B, cfg.seed, collate, "the val split")
+            if int(trainer.eval_every) > 0
+            else None
+        )
         # What the process holds before the model exists: torch, and the data (host memory, as on a GPU machine).
         self.memory = StepMemory(self.device, ctx.compile)
         if int(cfg.derived.nodes) > 1:  # before the first save: where the nodes write together, they see one folder

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch_here
+from conftest import launch, launch_here
 from data_sources import Tokens, graphs, write_rows
 from text_corpus import documents, train_tokenizer
 
@@ -192,3 +192,115 @@ def test_bad_hf_data_is_one_line_naming_what_there_is(case, overrides, expected,
     line = launch_here(tmp_path, *TINY_DATA, "data=hf", "data.path=json", files, f"data.tokenizer={rows['tokenizer']}",
                        f"data.cache_dir={tmp_path / 'cache'}", *overrides).refused()  # fmt: skip
     assert expected in line, line
+
+
+# ---------------------------------------------------------------- real runs: G=2, K=2 against one process, K=4
+
+RUN = ["logger=none", "device=cpu", "trainer.progress=false", "trainer.log_every=1", "trainer.warmup_steps=2",
+       "batch.global_size=16", "batch.micro_size=4", "optim.lr=3e-3"]  # fmt: skip
+TOLERANCE = 1e-6
+
+
+def _same_losses(a: list[dict], b: list[dict], steps: range) -> None:
+    la, lb = {m["step"]: m["loss"] for m in a}, {m["step"]: m["loss"] for m in b}
+    assert all(s in la and s in lb for s in steps), (sorted(la), sorted(lb), steps)
+    worst = max(abs(la[s] - lb[s]) for s in steps)
+    assert worst <= TOLERANCE, (worst, [(s, la[s], lb[s]) for s in steps])
+
+
+def test_a_gcn_graph_classifier_with_pyg_collater_matches_one_process(tmp_path: Path) -> None:
+    """torch_geometric's graphs (which default_collate cannot stack), batched per micro-batch by PyG's Collater: on
+    2 ranks with K=2 under ddp, fsdp and zero2, every step's loss is one process's with K=4."""
+    from runs import jobs, metrics
+
+    pyg = ["model=custom", "model._target_=data_sources.GraphClassifier", "data=custom",
+           "data._target_=data_sources.graphs", "data.collate._target_=torch_geometric.loader.dataloader.Collater",
+           "+data.collate.dataset=null", "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_batches=1",
+           "trainer.save_at_end=false", *RUN]  # fmt: skip
+    sweep = launch(tmp_path, "-m", *pyg, "strategy=ddp,fsdp,zero2", "gpus=2", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    one = launch(tmp_path, *pyg, "gpus=1", name="one").check()
+    assert sweep.returncode == 0, sweep.stderr
+    found = jobs(tmp_path / "sweep")
+    assert sorted(found) == ["ddp", "fsdp", "zero2"], found
+    for strategy, job in found.items():
+        _same_losses(metrics(job), one.metrics, range(1, 7))
+        vals = [(m["step"], m["val_loss"]) for m in metrics(job) if "val_loss" in m]
+        assert [s for s, _ in vals] == [3, 6], (strategy, vals)
+
+
+def test_a_transformers_classifier_on_text_of_any_length_with_data_collator_with_padding(rows, tmp_path: Path) -> None:
+    """data=hf over jsonl rows of 2 to 40 words, tokenized once into a cache, padded per micro-batch by transformers'
+    DataCollatorWithPadding, into a BERT classifier built from a config: 2 ranks with K=2 log one process's losses
+    with K=4, and the second job found the tokenized rows in the cache."""
+    from runs import metrics
+
+    tok = rows["tokenizer"]
+    bert = ["model=custom", "model._target_=transformers.AutoModelForSequenceClassification.from_config",
+            "+model.config._target_=transformers.BertConfig", "+model.config.vocab_size=320",
+            "+model.config.hidden_size=32", "+model.config.num_hidden_layers=2", "+model.config.num_attention_heads=2",
+            "+model.config.intermediate_size=64", "+model.config.max_position_embeddings=64",
+            "+model.config.hidden_dropout_prob=0", "+model.config.attention_probs_dropout_prob=0"]  # fmt: skip
+    hf = ["data=hf", "data.path=json", f"data.data_files={{train:{rows['train']},test:{rows['test']}}}",
+          "data.val_split=test", f"data.tokenizer={tok}", "data.max_length=48", f"data.cache_dir={tmp_path / 'cache'}",
+          "data.collate._target_=transformers.DataCollatorWithPadding",
+          "+data.collate.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
+          f"+data.collate.tokenizer.pretrained_model_name_or_path={tok}"]  # fmt: skip
+    run = launch(tmp_path, "-m", *bert, *hf, *RUN, "trainer.max_steps=6", "trainer.eval_every=6",
+                 "trainer.eval_batches=1", "gpus=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    # Tokenized once (by the sweep's check of its jobs, before the first starts); each job found the rows cached.
+    (cached,) = (tmp_path / "cache").iterdir()
+    assert json.loads((cached / "manifest.json").read_text())["rows"] == {"train": 96, "val": 32}
+    assert run.stdout.count("launch: data: found the tokenized rows") == 2, run.stdout
+    one, two = (metrics(tmp_path / "sweep" / str(n)) for n in (0, 1))
+    assert [m["world_size"] for m in two] == [2] * 6 and [m["accumulation"] for m in one] == [4] * 6
+    _same_losses(two, one, range(1, 7))
+    assert abs(one[-1]["val_loss"] - two[-1]["val_loss"]) <= TOLERANCE
+
+
+def test_a_streamed_datasets_corpus_resumes_at_world_size_1_after_a_stop_at_2(rows, tmp_path: Path) -> None:
+    """data=hf data.streaming=true over local jsonl (a datasets IterableDataset, tokenized as it is read), a GPT-2
+    from a config padded per micro-batch by DataCollatorForLanguageModeling: a run on 2 ranks saves at step 3 with
+    the stream's state; resumed from it on 1 rank (K=4), steps 4 to 6 log the 2-rank run's losses, the stream
+    loaded from its state rather than read again."""
+
+    tok = rows["tokenizer"]
+    gpt2 = ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
+            "+model.config._target_=transformers.GPT2Config", "+model.config.vocab_size=320",
+            "+model.config.n_layer=1", "+model.config.n_embd=32", "+model.config.n_head=2",
+            "+model.config.n_positions=64", "+model.config.resid_pdrop=0", "+model.config.embd_pdrop=0",
+            "+model.config.attn_pdrop=0"]  # fmt: skip
+    stream = ["data=hf", "data.path=json", f"data.data_files={rows['train']}", "data.streaming=true",
+              f"data.tokenizer={tok}", "data.max_length=48",
+              "data.collate._target_=transformers.DataCollatorForLanguageModeling", "+data.collate.mlm=false",
+              "+data.collate.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
+              f"+data.collate.tokenizer.pretrained_model_name_or_path={tok}",
+              "trainer.eval_every=0", "trainer.max_steps=6", "trainer.checkpoint_every=3", *RUN]  # fmt: skip
+    first = launch(tmp_path, *gpt2, *stream, "gpus=2", name="two").check()
+    manifest = json.loads((first.run_dir / "checkpoints" / "step_00000003" / "manifest.json").read_text())
+    assert manifest["samples"] == 48 and isinstance(manifest["stream"], dict), manifest
+    resumed = launch(tmp_path, *gpt2, *stream, "gpus=1", f"resume={first.run_dir / 'checkpoints' / 'step_00000003'}",
+                     name="one").check()  # fmt: skip
+    assert "reading past" not in resumed.stdout and "resuming from" in resumed.stdout, resumed.stdout
+    assert [m["step"] for m in resumed.metrics] == [4, 5, 6]
+    _same_losses(resumed.metrics, first.metrics, range(4, 7))
+
+
+def test_a_user_stream_that_ends_early_ends_the_run_on_every_rank_and_resumes_by_count(tmp_path: Path) -> None:
+    """A user's IterableDataset of 7.5 global batches, with no state_dict, read by one process ahead of the loop:
+    the run ends after step 7 on every rank (exit 0), saying so, with step 7's checkpoint. Resumed from step 4 on 1
+    rank, the stream is read past its first 64 samples (said in one line), and steps 5 to 7 log the same losses."""
+
+    job = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.block_size=16", "data=custom",
+           "data._target_=data_sources.token_stream", "+data.count=120", "trainer.eval_every=0",
+           "trainer.max_steps=12", "trainer.checkpoint_every=4", *RUN]  # fmt: skip
+    first = launch(tmp_path, *job, "+data.workers=1", "gpus=2", name="two").check()
+    assert [m["step"] for m in first.metrics] == list(range(1, 8)), first.metrics
+    ended = "launch: data: the stream ended after 112 samples: step 7 trained its last full global batch of 16"
+    assert ended in first.stdout, first.stdout
+    assert (first.run_dir / "checkpoints" / "step_00000007" / "manifest.json").is_file()
+    resumed = launch(tmp_path, *job, "gpus=1", f"resume={first.run_dir / 'checkpoints' / 'step_00000004'}",
+                     name="one").check()  # fmt: skip
+    assert "launch: data: the stream resumed at sample 64 by reading past the 64 before it" in resumed.stdout
+    assert [m["step"] for m in resumed.metrics] == [5, 6, 7]
+    _same_losses(resumed.metrics, first.metrics, range(5, 8))
