@@ -1,12 +1,16 @@
-"""Does the data loader keep the training fed? Step time with a dataset whose samples cost 5 ms each to read.
+"""Does the data loader keep the training fed? Two comparisons, each through the real `launch` console script on the
+same job (the built-in GPT, 4 x 128, sequence 128, random tokens; micro-batch 8 x accumulation 2 x 2 CPU ranks =
+global 32, logger=none). Figures are the median logged step time after the first step, and samples/s; each ratio is
+against the first row, measured in the same invocation.
 
-python bench/loader.py [--steps 12] [--cost-ms 5] [--workers 4]
+python bench/loader.py [--only slow|kinds] [--steps 12] [--cost-ms 5] [--workers 4]
 
-Three runs through the real `launch` console script, the same job (the built-in GPT, 4 x 128, sequence 128, on
-random tokens; micro-batch 8 x accumulation 2 x 2 CPU ranks = global 32, logger=none): a dataset that costs
-nothing, the slow dataset read in the loop (data.workers=0), and the slow dataset read by `--workers` DataLoader
-processes per rank ahead of the loop. Figures are the median logged step time after the first step; the ratio is
-against the free dataset, measured in the same invocation. Goal: the loader within 1.10 x of free.
+- slow: a dataset that costs nothing; one whose samples cost 5 ms each, read in the loop (data.workers=0); the same
+  read by `--workers` DataLoader processes per rank ahead of the loop. Goal: the loader within 1.10 x of free.
+- kinds: the same samples as a map-style dataset; as a stream (an IterableDataset: every rank reads the whole
+  stream and keeps its share, `launcher.sources`), read in the loop and by one reader process ahead of it; as rows
+  of Python lists through the default collate; and through a collate of the user's (padding to the longest).
+  Goal: a stream within 1.05 x of the map-style dataset.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 LAUNCH = str(Path(sys.executable).parent / "launch")
 
@@ -43,11 +47,51 @@ class Slow(Dataset):
         return self.inner[i]
 
 
-def run(name: str, cost_ms: float, workers: int, steps: int, out: Path) -> float:
+class Stream(IterableDataset):
+    """The same random tokens as a stream, in their order."""
+
+    def __init__(self, split: str, seq_len: int = 128) -> None:
+        from launcher.data import Synthetic
+
+        self.inner = Synthetic(split, seq_len=seq_len, vocab_size=256, num_samples=16384, format="tuple")
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return (self.inner[i] for i in range(len(self.inner)))
+
+
+class Rows(Dataset):
+    """The same random tokens as rows of Python lists, as a `datasets.Dataset` gives them."""
+
+    def __init__(self, split: str, seq_len: int = 128) -> None:
+        from launcher.data import Synthetic
+
+        self.inner = Synthetic(split, seq_len=seq_len, vocab_size=256, num_samples=16384, format="tuple")
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        x, y = self.inner[i]
+        return x.tolist(), y.tolist()
+
+
+def pad(samples):  # type: ignore[no-untyped-def]
+    """A user's collate: tuples of lists padded to the longest (inputs with 0, targets with -100)."""
+    import torch
+
+    longest = max(len(x) for x, _ in samples)
+    x = torch.zeros(len(samples), longest, dtype=torch.long)
+    y = torch.full((len(samples), longest), -100, dtype=torch.long)
+    for i, (xs, ys) in enumerate(samples):
+        x[i, : len(xs)], y[i, : len(ys)] = torch.tensor(xs), torch.tensor(ys)
+    return x, y
+
+
+def run(name: str, data: list[str], steps: int, out: Path) -> tuple[float, float]:
+    """The median step time after the first step, and the median samples/s, of one launch with `data` overrides."""
     env_path = str(Path(__file__).parent)
-    overrides = ["model=gpt_tiny", "model.block_size=128", "data=custom", "data._target_=loader.Slow",
-                 f"+data.cost_ms={cost_ms}", f"+data.workers={workers}", "batch.micro_size=8", "batch.global_size=32",
-                 "gpus=2", "device=cpu",
+    overrides = ["model=gpt_tiny", "model.block_size=128", "data=custom", *data, "batch.micro_size=8",
+                 "batch.global_size=32", "gpus=2", "device=cpu",
                  f"trainer.max_steps={steps}", "trainer.log_every=1", "trainer.eval_every=0", "logger=none",
                  "trainer.progress=false", "trainer.save_at_end=false", f"hydra.run.dir={out / name}"]  # fmt: skip
     import os
@@ -57,25 +101,52 @@ def run(name: str, cost_ms: float, workers: int, steps: int, out: Path) -> float
     if proc.returncode:
         sys.exit(f"{name} failed:\n{proc.stderr[-2000:]}")
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_time_s"] for r in rows[1:])
+    return statistics.median(r["step_time_s"] for r in rows[1:]), statistics.median(
+        r["samples_per_s"] for r in rows[1:]
+    )
+
+
+def table(title: str, rows: list[tuple[str, tuple[float, float]]]) -> None:
+    base = rows[0][1][0]
+    print(f"\n{title}\n")
+    print("| dataset | step time (s) | samples/s | x first |")
+    print("|---|---|---|---|")
+    for name, (t, rate) in rows:
+        print(f"| {name} | {t:.4f} | {rate:.0f} | {t / base:.3f} |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", choices=("slow", "kinds"))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--cost-ms", type=float, default=5.0)
     p.add_argument("--workers", type=int, default=4)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        free = run("free", 0.0, 0, a.steps, Path(tmp))
-        inline = run("slow-inline", a.cost_ms, 0, a.steps, Path(tmp))
-        loaded = run("slow-loader", a.cost_ms, a.workers, a.steps, Path(tmp))
-    print(f"median step time, 2 CPU ranks, 16 samples per rank per step, {a.cost_ms:g} ms per sample\n")
-    print("| dataset | data.workers | step time (s) | x free |")
-    print("|---|---|---|---|")
-    for name, workers, t in (("free", 0, free), ("slow", 0, inline), ("slow", a.workers, loaded)):
-        print(f"| {name} | {workers} | {t:.4f} | {t / free:.2f} |")
-    print(f"\nloader / free = {loaded / free:.3f} (goal <= 1.10)")
+        out = Path(tmp)
+        if a.only != "kinds":
+            slow = ["data._target_=loader.Slow", f"+data.cost_ms={a.cost_ms}"]
+            rows = [
+                ("free", run("free", ["data._target_=loader.Slow", "+data.cost_ms=0"], a.steps, out)),
+                ("slow, data.workers=0", run("slow-inline", slow, a.steps, out)),
+                (
+                    f"slow, data.workers={a.workers}",
+                    run("slow-loader", [*slow, f"+data.workers={a.workers}"], a.steps, out),
+                ),  # fmt: skip
+            ]
+            table(f"2 CPU ranks, 16 samples per rank per step, {a.cost_ms:g} ms per sample (goal: the loader <= 1.10 x "
+                  "free)", rows)  # fmt: skip
+        if a.only != "slow":
+            rows = [
+                ("map-style", run("map", ["data._target_=loader.Slow", "+data.cost_ms=0"], a.steps, out)),
+                ("stream, read in the loop", run("stream", ["data._target_=loader.Stream"], a.steps, out)),
+                ("stream, a reader process (data.workers=1)",
+                 run("stream-ahead", ["data._target_=loader.Stream", "+data.workers=1"], a.steps, out)),
+                ("rows of lists, the default collate", run("rows", ["data._target_=loader.Rows"], a.steps, out)),
+                ("rows of lists, a collate of one's own",
+                 run("collated", ["data._target_=loader.Rows", "data.collate._target_=loader.pad"], a.steps, out)),
+            ]  # fmt: skip
+            table("2 CPU ranks, the same samples from each kind of source (goal: a stream <= 1.05 x map-style)", rows)
 
 
 if __name__ == "__main__":
