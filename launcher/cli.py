@@ -20,6 +20,7 @@ Usage:
   launch [group=option] [key=value] ...      e.g. launch strategy=zero3 gpus=8 model=gpt_1b
   launch plan [overrides]                    memory and communication per rank; nothing runs
   launch convert CHECKPOINT out=FILE         consolidated weights as safetensors
+  launch prepare data=text [data.*] out=URL  a token store in shards (a folder or s3://...) for data=store
   launch export kubeflow image=IMAGE [overrides]   a Kubeflow PyTorchJob that runs this config on its pods
   launch -m [overrides]                      a sweep, e.g. launch -m +sweep=strategies
   launch --cfg job [overrides]               the composed config (override anything: foo.bar=value); nothing runs
@@ -88,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # torch when it is imported, so set before; a value of the user's own stands.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["plan"], ["convert"], ["export"]):
+    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["plan"], ["convert"], ["export"], ["prepare"]):
         return print_help()
     from launcher import schema
 
@@ -99,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(plan(argv[1:]))
     if argv[:1] == ["export"]:
         return export(argv[1:])
+    if argv[:1] == ["prepare"]:
+        return prepare(argv[1:])
     overrides = _single_run(argv)
     if overrides is not None:
         raise SystemExit(run_once(overrides))
@@ -281,3 +284,69 @@ def convert(args: Sequence[str]) -> None:
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         fail(str(e).splitlines()[0])
     print(f"launch: wrote {written}")
+
+
+PREPARE_KEYS = ("out", "data.shard_index", "data.num_shards", "block_size")
+"""`launch prepare`'s own keys; every other argument is an override of the data=text config it builds from."""
+
+
+def prepare(args: Sequence[str]) -> None:
+    """launch prepare data=text data.files=... data.tokenizer=... out=URL [data.shard_index=I data.num_shards=N]
+    [block_size=4MiB]: a token store for data=store (`launcher.store_build`), or part I of N of it."""
+    usage = (
+        "usage: launch prepare data=text data.files=... data.tokenizer=... out=FOLDER_OR_URL "
+        "[data.shard_index=I data.num_shards=N] [block_size=4MiB]"
+    )
+    if any(a.startswith("-") or "=" not in a for a in args):
+        fail(usage)
+    own = {key: [a.split("=", 1)[1] for a in args if a.startswith(f"{key}=")] for key in PREPARE_KEYS}
+    overrides = [a for a in args if a.split("=", 1)[0] not in PREPARE_KEYS]
+    if len(own["out"]) != 1:
+        fail(f"{usage}: out= names where the store goes (a local folder, or a URL such as s3://bucket/tokens)")
+    from launcher.config import ConfigError
+
+    try:
+        part = _part(own["data.shard_index"], own["data.num_shards"])
+        from launcher.store import parse_bytes
+
+        block = parse_bytes(own["block_size"][-1], "block_size") if own["block_size"] else None
+    except ConfigError as e:
+        fail(str(e))
+    from hydra import initialize_config_module
+
+    from launcher.config import freeze
+    from launcher.overrides import CONFIG_MODULE, compose_checked
+    from launcher.store_build import BLOCK_BYTES, prepare_store
+
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        composed, error = compose_checked(overrides)
+        if error:
+            fail(error)
+        try:
+            data = freeze(composed).data
+            if data._target_ != "launcher.text.Text":
+                raise ConfigError(
+                    f"launch prepare builds a store from data=text (its files and tokenizer), not data={data._target_}"
+                    "; give data=text data.files=... data.tokenizer=..."
+                )
+            print(prepare_store(data, own["out"][0], part, block or BLOCK_BYTES), flush=True)
+        except ConfigError as e:
+            fail(str(e))
+
+
+def _part(index: list[str], count: list[str]) -> tuple[int, int] | None:
+    """(i, n) of data.shard_index=i data.num_shards=n, or None for the whole build; ConfigError for a bad pair."""
+    from launcher.config import ConfigError
+
+    if not index and not count:
+        return None
+    try:
+        i, n = int(index[-1]), int(count[-1])
+    except (IndexError, ValueError):
+        raise ConfigError(
+            "data.shard_index and data.num_shards go together, as integers: e.g. data.shard_index=0 "
+            "data.num_shards=4 (a SLURM array: data.shard_index=$SLURM_ARRAY_TASK_ID)"
+        ) from None
+    if not 0 <= i < n:
+        raise ConfigError(f"data.shard_index={i} is not in 0..{n - 1} (data.num_shards={n})")
+    return i, n

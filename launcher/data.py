@@ -231,17 +231,23 @@ def Tokens(split: str, *, path: str, dtype: str, seq_len: int, val_fraction: flo
 
 
 class GlobalBatches:
-    """Sample indices per optimizer step, from a seeded permutation per epoch."""
+    """Sample indices per optimizer step, from a seeded permutation per epoch: uniform, or the dataset's own
+    (`order(seed, epoch)`, a permutation of the seed alone: a token store's, which reads few blocks at a time)."""
 
-    def __init__(self, num_samples: int, global_size: int, seed: int) -> None:
-        self.n, self.global_size, self.seed = num_samples, global_size, seed
+    def __init__(self, num_samples: int, global_size: int, seed: int, order: Any = None) -> None:
+        self.n, self.global_size, self.seed, self.order = num_samples, global_size, seed, order
         self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
         self._permutation(0)  # held from the start: 8 bytes per sample, the same size in every epoch
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
             self._epoch = epoch
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            if self.order is None:
+                self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            else:
+                self._perm = np.asarray(self.order(self.seed, epoch), dtype=np.int64)
+                if len(self._perm) != self.n:
+                    raise ValueError(f"the dataset's epoch_order gave {len(self._perm)} indices for {self.n} samples")
         return self._perm
 
     def at(self, position: int) -> np.ndarray:

@@ -156,8 +156,46 @@ class HFDataConfig:
     """Where tokenized rows are kept; unset: ~/.cache/launch/hf (XDG_CACHE_HOME)."""
 
 
+@dataclass
+class StoreDataConfig:
+    """data=store: a token store `launch prepare` built, in a folder or at an fsspec URL (launcher/store.py)."""
+
+    _target_: str = "launcher.store.Store"
+    url: str = MISSING
+    """The store: a local folder, or a URL (s3://bucket/tokens); credentials come from the environment."""
+    seq_len: int = ranged(1024, SIZE)
+    packing: bool = True
+    """true: each shard's documents end to end, an EOS after each, in full windows; false: one sample per document
+    chunk, the last one padded (-100 targets)."""
+    format: DataFormat = DataFormat.tuple
+    """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
+    vocab_size: int = "${launch_store_vocab:${data.url}}"  # type: ignore[assignment]
+    """The ids the model must embed: the store's tokenizer's unless set higher; the built-in GPT's follows it."""
+    tokenizer: str | None = None
+    """The tokenizer the run expects: refused if the store was built with another one."""
+    shuffle_blocks: int = ranged(16, SIZE)
+    """Groups of samples that share a block, permuted together: the samples of this many are shuffled among
+    themselves (more: a finer shuffle, more blocks read at a time)."""
+    workers: int = ranged(2, COUNT, identity=False)
+    """DataLoader processes per rank reading ahead of the loop (their fetches run while the step trains)."""
+    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
+    """The collate of a rank's micro-batch (launcher/collate.py)."""
+    cache_dir: str | None = launch_only(None)
+    """Where a remote store's blocks are cached on each node; unset: ~/.cache/launch/store."""
+    cache_limit: Any = launch_only("10GB")
+    """The most the cache holds (bytes, or 500MB, 20GB): the least recently read blocks are evicted first."""
+
+
 def tokenizer_vocab(tokenizer: str) -> int:
     """The resolver `${launch_vocab:PATH}`: the ids the tokenizer at PATH gives (transformers imported only here)."""
     from launcher.text import tokenizer_vocab as vocab
 
     return vocab(tokenizer)
+
+
+def store_vocab(url: str) -> int:
+    """The resolver `${launch_store_vocab:URL}`: the ids of the store's tokenizer, from its manifest (launcher/store.py
+    imported only here)."""
+    from launcher.store import store_vocab as vocab
+
+    return vocab(url)

@@ -316,6 +316,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "base_synthetic": SyntheticDataConfig,
         "base_tokens": TokensDataConfig,
         "base_text": data_schema.TextDataConfig,
+        "base_store": data_schema.StoreDataConfig,
     },
     "optim": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig, "base_custom": CustomOptimConfig},
     "logger": {"base_wandb": WandbConfig, "base_none": NoLoggerConfig, "base_custom": CustomConfig},
@@ -330,6 +331,8 @@ def register() -> None:
         OmegaConf.register_new_resolver("launch_id", lambda: secrets.token_hex(2), use_cache=True)
     if not OmegaConf.has_resolver("launch_vocab"):  # data=text: data.vocab_size, the tokenizer's unless set
         OmegaConf.register_new_resolver("launch_vocab", data_schema.tokenizer_vocab, use_cache=True)
+    if not OmegaConf.has_resolver("launch_store_vocab"):  # data=store: data.vocab_size, its manifest's
+        OmegaConf.register_new_resolver("launch_store_vocab", data_schema.store_vocab, use_cache=True)
     if not OmegaConf.has_resolver("launch_strategies"):  # conf/sweep/smoke.yaml (launcher/smoke.py)
         from launcher import smoke
 

@@ -91,7 +91,8 @@ class RandomAccess:
 
     def __init__(self, dataset: Any, global_size: int, seed: int, collate: Collate) -> None:
         self.dataset, self.collate = dataset, collate
-        self.batches = GlobalBatches(len(dataset), global_size, seed)  # its permutation is data: held from the start
+        # Its permutation is data: held from the start. A dataset may give its own (a token store's, for locality).
+        self.batches = GlobalBatches(len(dataset), global_size, seed, getattr(dataset, "epoch_order", None))
 
     def feed(
         self, position: Any, steps: int, rank: int, world_size: int, accumulation: int, workers: int,
