@@ -69,14 +69,15 @@ ELASTIC = [
 ]
 
 
-def _node(tmp_path: Path, port: int, name: str) -> subprocess.Popen[str]:
+def _node(tmp_path: Path, port: int, name: str, data: list[str]) -> subprocess.Popen[str]:
     """One node of an elastic job of one or two one-rank nodes on loopback, in a session of its own (to be killed
     whole); its output in files (a pipe nobody reads would stall it). Each forward sleeps 0.25 s while the file
     `tmp_path/slow` exists (a step of the survivor alone takes a second: time for a node to join before the run
     ends), and none once the test removes it."""
-    overrides = [*ELASTIC, "+model.sleep_s=0.25", "+model.slow_rank=null", f"+model.while_there={tmp_path / 'slow'}",
-                 "nodes=1:2", "gpus=1", "trainer.max_restarts=3", f"rdzv.endpoint=127.0.0.1:{port}", "rdzv.id=elastic",
-                 "rdzv.last_call_timeout=2", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    overrides = [*ELASTIC, *data, "+model.sleep_s=0.25", "+model.slow_rank=null",
+                 f"+model.while_there={tmp_path / 'slow'}", "nodes=1:2", "gpus=1", "trainer.max_restarts=3",
+                 f"rdzv.endpoint=127.0.0.1:{port}", "rdzv.id=elastic", "rdzv.last_call_timeout=2",
+                 f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     out = open(tmp_path / f"{name}.out", "w")
     return subprocess.Popen([LAUNCH, *overrides], cwd=tmp_path, env=clean_env(tmp_path), stdout=out,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
@@ -94,18 +95,28 @@ def _until(condition: Callable[[], bool], *nodes: subprocess.Popen[str], what: s
 def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp_path: Path) -> None:
     """Two one-rank nodes train together; one is killed whole mid-run, and the survivor goes on alone at twice the
     accumulation; a third node joining later brings the world back to 2. Every logged step's loss, the redone ones
-    too, is an uninterrupted run's."""
+    too, is an uninterrupted run's. The data is a token store (data=store) that `launch prepare` built."""
+    from conftest import cli_here
+    from text_corpus import documents, train_tokenizer, write_jsonl
+
+    for i in range(2):
+        write_jsonl(tmp_path / "corpus" / f"{i}.jsonl", documents(60, seed=i))
+    tokenizer = train_tokenizer(tmp_path / "tokenizer", documents(100))
+    built = cli_here(tmp_path, "prepare", "data=text", f"data.files={tmp_path / 'corpus'}",
+                     f"data.tokenizer={tokenizer}", f"out={tmp_path / 'store'}", "block_size=4KiB")  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    data = ["data=store", f"data.url={tmp_path / 'store'}", "data.seq_len=32"]
     reference = subprocess.Popen(
-        [LAUNCH, *ELASTIC, "+model.sleep_s=0", "gpus=2", f"hydra.run.dir={tmp_path / 'reference'}"], cwd=tmp_path,
-        env=clean_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [LAUNCH, *ELASTIC, *data, "+model.sleep_s=0", "gpus=2", f"hydra.run.dir={tmp_path / 'reference'}"],
+        cwd=tmp_path, env=clean_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     (tmp_path / "slow").touch()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    first = _node(tmp_path, port, "first")  # binds the rendezvous store: the node that stays
+    first = _node(tmp_path, port, "first", data)  # binds the rendezvous store: the node that stays
     _until(lambda: _listening(port), first, what="the rendezvous store")
-    second = _node(tmp_path, port, "second")
+    second = _node(tmp_path, port, "second", data)
     metrics = tmp_path / "run" / "metrics.jsonl"
 
     def sizes() -> list[int]:
@@ -121,7 +132,7 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
     killed = len(sizes())
     _until(lambda: 1 in sizes()[killed:], first, what="a step of the survivor alone")
     alone = killed + sizes()[killed:].index(1)
-    third = _node(tmp_path, port, "third")
+    third = _node(tmp_path, port, "third", data)
     _until(lambda: 2 in sizes()[alone:], first, third, what="a step at world size 2 again")
     (tmp_path / "slow").unlink()  # the rest at full speed
     assert first.wait(timeout=300) == 0 and third.wait(timeout=300) == 0, (tmp_path / "first.out").read_text()
