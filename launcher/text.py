@@ -18,16 +18,18 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
+from launcher.checkpoint.storage import is_url
 from launcher.config import ConfigError
 from launcher.data import DocumentChunks, TokenWindows, _memmap, cache_dir, largest_id
 from launcher.durable import fsync_dir, write_durably
@@ -207,8 +209,11 @@ def expand(patterns: Any, key: str) -> tuple[Path, ...]:
     given = [patterns] if isinstance(patterns, str) else list(patterns) if isinstance(patterns, Sequence) else []
     if not given or not all(isinstance(p, str) for p in given):
         raise ConfigError(f"{key}={patterns} is not a path, a glob or a list of them; e.g. {key}='corpus/*.jsonl'")
-    found: list[Path] = []
+    found: list[Any] = []
     for pattern in given:
+        if is_url(pattern):  # files in object storage (launch prepare reads them where they are)
+            found += _remote(pattern, key)
+            continue
         matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if not matches:
             raise ConfigError(f"{key}: {pattern} matches no file; check the path (relative to {Path.cwd()})")
@@ -239,21 +244,50 @@ def _inside(folder: Path) -> list[Path]:
     return found
 
 
-def is_saved(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in SAVED)
+def _remote(pattern: str, key: str) -> list[Any]:
+    """The readable files a URL names: a file, a glob (`s3://bucket/corpus/*.jsonl`) or a prefix (every file under
+    it), sorted; ConfigError (one line, no credential shown) for a URL that cannot be read or names none."""
+    from launcher.checkpoint.storage import Remote, check_url
+    from launcher.store import masked
+
+    scheme = pattern.partition("://")[0]
+    base = re.split(r"[*?\[]", pattern, maxsplit=1)[0].rstrip("/")
+    problem = check_url(base)
+    if problem:
+        raise ConfigError(f"{key}: {masked(pattern)}: {problem}")
+    where = Remote(pattern)
+    fs = where._fresh()
+    if base != pattern.rstrip("/"):
+        paths = fs.glob(where.path)
+    else:
+        paths = fs.find(where.path) if fs.isdir(where.path) else [where.path] if fs.exists(where.path) else []
+    files = [Remote(f"{scheme}://{p}") for p in sorted(paths)]
+    files = [f for f in files if not f.name.startswith(".") and reader(f) is not None]
+    if not files:
+        raise ConfigError(f"{key}: {masked(pattern)} names no {', '.join(READERS)} file")
+    return files
 
 
-def reader(path: Path) -> str | None:
+def is_saved(path: Any) -> bool:
+    return isinstance(path, Path) and path.is_dir() and any((path / name).is_file() for name in SAVED)
+
+
+def reader(path: Any) -> str | None:
     """The `datasets` builder for a file ("saved" for a save_to_disk folder), or None."""
     if is_saved(path):
         return "saved"
-    suffixes = path.suffixes[-2:] if path.suffix in COMPRESSED else path.suffixes[-1:]
+    name = PurePosixPath(path.name)
+    suffixes = name.suffixes[-2:] if name.suffix in COMPRESSED else name.suffixes[-1:]
     kind = READERS.get(suffixes[0]) if suffixes else None
-    return None if path.suffix in COMPRESSED and kind not in ("json", "text") else kind
+    return None if name.suffix in COMPRESSED and kind not in ("json", "text") else kind
 
 
-def _stat(path: Path) -> list[Any]:
-    """A file's path, size and modification time; for a saved folder, those of every file in it."""
+def _stat(path: Any) -> list[Any]:
+    """A file's path, size and modification time (in object storage: its ETag or time); for a saved folder, those of
+    every file in it."""
+    if not isinstance(path, Path):
+        info = path._fresh().info(path.path)
+        return [str(path), int(info["size"]), str(info.get("ETag") or info.get("LastModified") or info.get("mtime"))]
     if path.is_dir():
         return [str(path), [_stat(p) for p in sorted(path.rglob("*")) if p.is_file()]]
     stat = path.stat()

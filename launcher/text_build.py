@@ -164,7 +164,11 @@ def check_field(path: Path, kind: str | None, field: str) -> None:
         elif kind == "parquet":
             import pyarrow.parquet as pq
 
-            names = pq.read_schema(path).names
+            if isinstance(path, Path):
+                names = pq.read_schema(path).names
+            else:  # in object storage
+                with path.open() as f:
+                    names = pq.read_schema(f).names
         elif kind == "arrow":
             import pyarrow as pa
 

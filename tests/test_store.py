@@ -161,10 +161,11 @@ def test_a_store_that_cannot_be_read_is_one_line_before_start(case, overrides, e
 
 
 def test_a_corpus_five_times_the_cache_trains_from_s3_and_resumes_at_another_world_size(corpus, tmp_path: Path) -> None:
-    """Built into moto's S3 by two parts run at once (as a SLURM array's tasks would), the store is 5x the cache
-    limit. A run on 2 ranks (K=2) reads it through the cache, which never holds more than the limit (watched as the
-    run goes), saves at step 4 and goes on to the end; resumed from step 4 on 1 rank (K=4), steps 5 to the end log
-    the same losses. A URL with a credential in it is refused without the credential on the terminal."""
+    """Built from a bucket of jsonl into a bucket (moto's S3) by two parts run at once (as a SLURM array's tasks
+    would), the store is 5x the cache limit. A run on 2 ranks (K=2) reads it through the cache, which never holds
+    more than the limit (watched as the run goes), saves at step 4 and goes on to the end of an epoch; resumed from
+    step 4 on 1 rank (K=4), steps 5 to the end log the same losses. A URL with a credential in it, a bucket that is
+    not there and a cache too small for two blocks are one line each, the credential never shown."""
     import subprocess
 
     from conftest import LAUNCH
@@ -172,8 +173,10 @@ def test_a_corpus_five_times_the_cache_trains_from_s3_and_resumes_at_another_wor
     with s3_server() as s3:
         url = s3.url("tokens")
         env = clean_env(tmp_path) | s3.env
+        for file in sorted(corpus["corpus"].iterdir()):  # a bucket of jsonl, read where it is
+            s3.fs().put_file(str(file), f"{s3.url('jsonl')}/{file.name}")
         parts = [
-            subprocess.Popen([LAUNCH, "prepare", "data=text", f"data.files={corpus['corpus']}",
+            subprocess.Popen([LAUNCH, "prepare", "data=text", f"data.files={s3.url('jsonl')}/*.jsonl",
                               f"data.tokenizer={corpus['tokenizer']}", f"out={url}", "block_size=2KiB",
                               f"data.shard_index={i}", "data.num_shards=2"], cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -219,3 +222,6 @@ def test_a_corpus_five_times_the_cache_trains_from_s3_and_resumes_at_another_wor
         line = launch_here(tmp_path, *TINY, "data=store", f"data.url={url}", "data.seq_len=32", "data.cache_limit=3KiB",
                            name="small").refused()  # fmt: skip
         assert "data.cache_limit=3KiB holds fewer than two of the store's blocks of 2,048 bytes" in line, line
+        line = launch_here(tmp_path, *TINY, "data=store", "data.url=s3://no-such-bucket/tokens", "data.seq_len=32",
+                           name="nobucket").refused()  # fmt: skip
+        assert "s3://no-such-bucket does not exist (or these credentials cannot see it)" in line, line
