@@ -331,7 +331,7 @@ class Trainer:
                   "new size", flush=True)  # fmt: skip
         elif self.ctx.rank == 0:
             print(f"launch: stopped on a signal after step {step}; checkpoint {self.saves.last}", flush=True)
-        self.finish()
+        self.finish("KILLED")
 
     def pruned(self, step: int) -> None:
         """The study's pruner ended this trial after `step`: its checkpoint written, a record for the sweeper, and
@@ -345,14 +345,15 @@ class Trainer:
                   f"checkpoint {self.saves.last}", flush=True)  # fmt: skip
         self.finish()
 
-    def finish(self) -> None:
-        """The run ends with its last checkpoint written and visible, its progress line closed, its loggers done."""
+    def finish(self, status: str = "FINISHED") -> None:
+        """The run ends with its last checkpoint written and visible, its progress line closed, its loggers done (told
+        how it ended: FINISHED, or KILLED by a stop signal)."""
         if self.saves.pending is not None:
             self.phase(f"writing the checkpoint of step {self.saves.pending.position.step}")
             self.saves.finish()
         self.phase("finishing")
         self.progress.close()
-        self.loggers.finish()
+        self.loggers.finish(status)
 
     # ------------------------------------------------------------------ figures
 
