@@ -349,3 +349,48 @@ def test_the_loggers_get_the_config_without_the_rendezvous_secret_and_urls_witho
         redact(line)
         == "HTTPConnectionPool: http://***@host:5000/api and postgresql://***@db/mlflow, not http://host/x@y"
     )
+
+
+def test_a_node_with_a_new_run_directory_continues_the_jobs_mlflow_run_and_a_lost_server_stops_no_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Kubernetes: a pod made again has a new, empty run directory, but the job's run id (derived from what the job
+    shares): it finds the job's MLflow run by its tag and logs none of the steps MLflow holds again. A tracking store
+    that stops answering mid-run is said once; the step goes on."""
+    from launcher.mlflow_logger import MlflowLogger
+
+    store = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    settings = {"tracking_uri": store, "experiment": "launch", "group": None, "name": None, "tags": {"team": "a"}}
+    config = {"job": {"run_id": "k3x9a0qz"}, "trainer": {"max_steps": 9}}
+    for pod in ("pod-0", "pod-1"):
+        (tmp_path / pod).mkdir()
+    first = MlflowLogger(config, str(tmp_path / "pod-0"), **settings)
+    for step in (1, 2, 3):
+        first.log({"loss": 4.0 - step}, step)
+    first.finish("FAILED")
+    again = MlflowLogger(config | {"trainer": {"max_steps": 12}}, str(tmp_path / "pod-1"), **settings)
+    assert again.run_id == first.run_id == (tmp_path / "pod-1" / "mlflow_run_id").read_text().strip()
+    for step in (3, 4):  # step 3 again: the checkpoint was at step 2
+        again.log({"loss": 10.0 + step}, step)
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(store).get_run(first.run_id)
+    assert run.info.status == "RUNNING" and run.data.tags["team"] == "a"
+    history = MlflowClient(store).get_metric_history(first.run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 14.0)]
+    assert run.data.params["trainer.max_steps"] == "9"  # a continued run keeps its first params: MLflow's rule
+    err = capsys.readouterr().err
+    assert f"mlflow: step 3 is in run {first.run_id} already" in err and "differ in trainer.max_steps" in err, err
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    again.client = MlflowClient(f"http://127.0.0.1:{_closed_port()}")  # the store gone
+    again.uri = "http://127.0.0.1"
+    for step in (5, 6, 7):
+        again.log({"loss": 1.0}, step)
+    err = capsys.readouterr().err
+    assert err.count("could not be logged") == 1 and "step 5 could not be logged" in err, err
+    assert "Connection refused" in err and "the run goes on" in err, err
+    again.client = MlflowClient(store)
+    again.finish("FINISHED")
+    assert "3 logged step(s) did not reach run" in capsys.readouterr().err
+    assert MlflowClient(store).get_run(first.run_id).info.status == "FINISHED"
