@@ -96,9 +96,16 @@ def target_nodes(cfg: DictConfig, group: str) -> list[tuple[str, Any]]:
     """(dotted path, node) of each target a group holds: the group's node, or one per option of a group chosen several
     at once (`logger.wandb`, `logger.mlflow`; none for `logger=none`)."""
     node = OmegaConf.select(cfg, group)
-    if group in SEVERAL:
-        return [(f"{group}.{name}", node[name]) for name in node] if isinstance(node, DictConfig) else []
-    return [(group, node)]
+    if group not in SEVERAL:
+        return [(group, node)]
+    if not isinstance(node, DictConfig):
+        return []
+    if "_target_" in node:  # an option file written for one logger at a time, without its name
+        raise ConfigError(
+            f"{group} has a _target_ of its own: each {group} option goes under its name, several at once; start your "
+            f"option's file with '# @package {group}.<its name>' (as conf/{group}/mlflow.yaml does)"
+        )
+    return [(f"{group}.{name}", node[name]) for name in node]
 
 
 def with_schemas(cfg: DictConfig) -> DictConfig:

@@ -21,9 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STATUSES = ("FINISHED", "FAILED", "KILLED")
-"""How a run (an attempt of it) ended, as a logger's `finish(status)` hears it: done, failed, or stopped by a signal."""
-
 
 class NullLogger:
     def __init__(self, **_: Any) -> None:
@@ -153,8 +150,10 @@ def finish(logger: Any, status: str) -> None:
         parameters = inspect.signature(logger.finish).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a builtin): the plain contract
         parameters = []  # type: ignore[assignment]
-    takes = any(p.name == "status" or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in parameters)
-    logger.finish(status) if takes else logger.finish()
+    if any(p.name == "status" or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in parameters):
+        logger.finish(status)
+    else:
+        logger.finish()
 
 
 WANDB_MODES = ("online", "offline", "disabled")

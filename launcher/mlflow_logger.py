@@ -325,7 +325,10 @@ class MlflowLogger:
                 f"{len(self.lost)} logged step(s) did not reach run {self.run_id} (the first: step {self.lost[0]}); "
                 "metrics.jsonl holds them"
             )
-        self.client.set_terminated(self.run_id, status=status)
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as e:  # the run trained to its end: a store gone at the last moment does not fail it
+            _say(f"run {self.run_id} could not be marked {status} at {redact(self.uri)} ({_reason(e)})")
 
 
 def _reach(uri: str, experiment: str) -> None:

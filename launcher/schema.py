@@ -223,7 +223,8 @@ class MlflowConfig:
     experiment: str = "launch"
     """The experiment the run goes into, made if it is not there."""
     group: str | None = None
-    """A parent run the job's run is nested under; a sweep sets it: one parent run per sweep, its report attached."""
+    """A parent run the job's run is nested under (made by the first run that names it); a sweep sets it: one parent
+    run per sweep, finished by the sweep with its report attached."""
     name: str | None = None
     """The run's name; unset: the run directory's (a sweep's job: `<sweep>-<n>`)."""
     tags: dict[str, str] = field(default_factory=dict)

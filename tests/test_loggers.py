@@ -252,6 +252,11 @@ def test_several_loggers_each_under_its_name_over_its_own_schema(tmp_path: Path)
     assert "logger.mlflow.project" in line, line
     line = launch_here(tmp_path, "logger=wandb", "logger.mode=offline", name="b").refused()
     assert "logger has: wandb" in line and "logger.wandb.mode=offline" in line, line
+    mine = tmp_path / "my_conf" / "logger"  # a logger option of one's own, written without its name
+    mine.mkdir(parents=True)
+    (mine / "mine.yaml").write_text("_target_: launcher.logs.WandbLogger\nmode: disabled\n")
+    line = launch_here(tmp_path, "--config-dir", str(mine.parent), "logger=mine", *TINY[:5], name="c").refused()
+    assert "start your option's file with '# @package logger.<its name>'" in line, line
 
 
 @pytest.mark.unit
