@@ -25,22 +25,26 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return clean_env(tmp_path) | {"HOME": str(tmp_path)}  # no ~/.netrc: no API key anywhere, wandb logs offline
 
 
-def _client(run_dir: Path) -> Any:
+def _store(run_dir: Path) -> Path:
+    """A run's local MLflow store (no tracking URI given)."""
+    return run_dir / "mlflow" / "mlflow.db"
+
+
+def _client(store: Path) -> Any:
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    return MlflowClient(f"sqlite:///{store}")
 
 
-def _mlflow_run(run_dir: Path) -> Any:
-    return _client(run_dir).get_run((run_dir / "mlflow_run_id").read_text().strip())
+def _mlflow_run(store: Path, run_dir: Path) -> Any:
+    return _client(store).get_run((run_dir / "mlflow_run_id").read_text().strip())
 
 
-def _history(run_dir: Path, key: str) -> list[tuple[int, float]]:
-    client = _client(run_dir)
+def _history(store: Path, run_dir: Path, key: str) -> list[tuple[int, float]]:
+    """A metric of the job's MLflow run, in the order it was logged."""
     run_id = (run_dir / "mlflow_run_id").read_text().strip()
-    return [
-        (m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.timestamp, m.step))
-    ]
+    history = _client(store).get_metric_history(run_id, key)
+    return [(m.step, m.value) for m in sorted(history, key=lambda m: (m.timestamp, m.step))]
 
 
 def _events(folder: Path) -> Any:
@@ -93,7 +97,7 @@ def test_mlflow_holds_every_figure_the_config_and_the_status(logged: Run) -> Non
     from launcher.mlflow_logger import flatten
 
     run_dir = logged.run_dir
-    mlflow_run = _mlflow_run(run_dir)
+    mlflow_run = _mlflow_run(_store(run_dir), run_dir)
     assert mlflow_run.info.status == "FINISHED" and mlflow_run.info.run_name == run_dir.name
     assert mlflow_run.data.tags["launch.run_id"] == (run_dir / "run_id").read_text().strip()
     expected = _by_step(logged.metrics, "first")
@@ -101,11 +105,11 @@ def test_mlflow_holds_every_figure_the_config_and_the_status(logged: Run) -> Non
     keys = {k for m in expected.values() for k in m}
     assert set(mlflow_run.data.metrics) == keys, set(mlflow_run.data.metrics) ^ keys
     for key in keys:
-        assert _history(run_dir, key) == [(s, m[key]) for s, m in expected.items() if key in m], key
+        assert _history(_store(run_dir), run_dir, key) == [(s, m[key]) for s, m in expected.items() if key in m], key
     resolved = yaml.safe_load((run_dir / "resolved.yaml").read_text())
     assert mlflow_run.data.params == flatten(resolved)
     assert mlflow_run.data.params["trainer.max_steps"] == "6" and mlflow_run.data.params["gpus"] == "2"
-    artifact = _client(run_dir).download_artifacts(mlflow_run.info.run_id, "resolved.yaml", str(run_dir.parent))
+    artifact = _client(_store(run_dir)).download_artifacts(mlflow_run.info.run_id, "resolved.yaml", str(run_dir.parent))
     assert yaml.safe_load(Path(artifact).read_text()) == resolved
     assert f"mlflow: logging to run {mlflow_run.info.run_id} of experiment 'launch'" in logged.stderr
 
@@ -141,15 +145,19 @@ def _run_config(run_file: Path) -> tuple[dict, str]:
     return {item.key: json.loads(item.value_json) for item in runs[0].config.update}, runs[0].notes
 
 
-def test_one_run_per_job_in_every_logger_across_kills_restarts_and_resumes(tmp_path: Path) -> None:
+def test_one_run_per_job_in_every_logger_across_kills_restarts_and_resumes(logged: Run, tmp_path: Path) -> None:
     """A worker killed twice: once restarted by the agent (trainer.max_restarts=1), which resumes from step 3 after
     step 5 was logged; once more, which ends the launch. `launch ... resume=<the run dir>` (a requeue) goes on from
     step 6 after step 8 was logged. One run throughout in wandb, MLflow and TensorBoard, its steps strictly increasing;
-    a `resume=` into a new run directory is a new run that names it, stopped by a signal (KILLED)."""
+    a `resume=` into a new run directory is a new run that names it, stopped by a signal (KILLED). MLflow logs into a
+    store named by its URI, as a team's shared one would be: the shared run's, in an experiment of its own (a new
+    store's tables take seconds to make)."""
     env = _env(tmp_path)
+    store = _store(logged.run_dir)
     kill = tmp_path / "kill"
     kill.touch()
-    base = [*(o for o in TINY if not o.startswith("logger=")), ALL, "gpus=2", "trainer.checkpoint_every=3"]
+    base = [*(o for o in TINY if not o.startswith("logger=")), ALL, "gpus=2", "trainer.checkpoint_every=3",
+            f"logger.mlflow.tracking_uri=sqlite:///{store}", "logger.mlflow.experiment=continuity"]  # fmt: skip
     job = [
         *base,
         "model._target_=faulty.KilledGPT",
@@ -163,7 +171,7 @@ def test_one_run_per_job_in_every_logger_across_kills_restarts_and_resumes(tmp_p
     assert "restart 1 of the worker group: resuming from" in failed.stdout and "step 3," in failed.stdout
     run_dir = failed.run_dir
     mlflow_id = (run_dir / "mlflow_run_id").read_text().strip()
-    assert _mlflow_run(run_dir).info.status == "FAILED"  # each failed attempt's rank 0 said so
+    assert _mlflow_run(store, run_dir).info.status == "FAILED"  # each failed attempt's rank 0 said so
     kill.unlink()
     again = launch(tmp_path, *job, f"resume={run_dir}", env=env).check()
     run_id = (run_dir / "run_id").read_text().strip()
@@ -181,24 +189,22 @@ def test_one_run_per_job_in_every_logger_across_kills_restarts_and_resumes(tmp_p
     # MLflow: the same run continued (its id kept beside run_id), each step once, the first attempt's figures.
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first = _by_step(metrics, "first")
-    assert (run_dir / "mlflow_run_id").read_text().strip() == mlflow_id and _mlflow_run(
-        run_dir
-    ).info.status == "FINISHED"
-    assert _history(run_dir, "loss") == [(s, m["loss"]) for s, m in first.items()]
-    assert _history(run_dir, "restart") == [(s, m["restart"]) for s, m in first.items()]  # 0 0 0 0 0 1 1 1 0 0 0 0
+    assert (run_dir / "mlflow_run_id").read_text().strip() == mlflow_id
+    assert _mlflow_run(store, run_dir).info.status == "FINISHED" and not (run_dir / "mlflow").exists()
+    assert _history(store, run_dir, "loss") == [(s, m["loss"]) for s, m in first.items()]
+    assert _history(store, run_dir, "restart") == [(s, m["restart"]) for s, m in first.items()]  # 0 0 0 0 0 1 1 1 0..
     assert f"mlflow: steps 4..5 are in run {mlflow_id} already" in failed.stderr, failed.stderr
     assert f"mlflow: continuing run {mlflow_id}" in again.stderr, again.stderr
-    experiment = _client(run_dir).get_experiment_by_name("launch").experiment_id
-    (only,) = _client(run_dir).search_runs([experiment], filter_string=f"tags.`launch.run_id` = '{run_id}'")
+    experiment = _client(store).get_experiment_by_name("continuity").experiment_id
+    (only,) = _client(store).search_runs([experiment], filter_string=f"tags.`launch.run_id` = '{run_id}'")
     assert only.info.run_id == mlflow_id
 
     # TensorBoard: one folder, an event file per attempt; each attempt purges the scalars earlier ones logged from its
     # first step on: each step once, the last attempt's figures. Its config and how it ended are text, kept for each.
     events = _events(run_dir / "tensorboard")
     last = _by_step(metrics, "last")
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
-        (s, float(np.float32(m["loss"]))) for s, m in last.items()
-    ]
+    tensorboard = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert tensorboard == [(s, float(np.float32(m["loss"]))) for s, m in last.items()]
     assert [s for s, _ in _texts(events, "config")] == [1, 4, 7]
     assert _texts(events, "status") == [(5, "FAILED"), (8, "FAILED"), (12, "FINISHED")]
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 3
@@ -223,10 +229,10 @@ def test_one_run_per_job_in_every_logger_across_kills_restarts_and_resumes(tmp_p
     config, notes = _run_config(next((more.run_dir / "wandb").glob("offline-run-*/run-*.wandb")))
     assert config["job"]["run_id"] == new_id and config["job"]["continues"] == run_id, config["job"]
     assert notes == f"continues wandb run {run_id}", notes
-    new_run = _mlflow_run(more.run_dir)
+    new_run = _mlflow_run(store, more.run_dir)
     assert new_run.info.status == "KILLED" and new_run.info.run_id != mlflow_id
     assert new_run.data.tags["launch.continues"] == run_id and new_run.data.tags["launch.run_id"] == new_id
-    assert [s for s, _ in _history(more.run_dir, "loss")] == steps
+    assert [s for s, _ in _history(store, more.run_dir, "loss")] == steps
     events = _events(more.run_dir / "tensorboard")
     assert [e.step for e in events.Scalars("loss")] == steps and _texts(events, "status") == [(stopped_at, "KILLED")]
 
@@ -357,15 +363,16 @@ def test_the_loggers_get_the_config_without_the_rendezvous_secret_and_urls_witho
 
 
 def test_a_node_with_a_new_run_directory_continues_the_jobs_mlflow_run_and_a_lost_server_stops_no_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    logged: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Kubernetes: a pod made again has a new, empty run directory, but the job's run id (derived from what the job
     shares): it finds the job's MLflow run by its tag and logs none of the steps MLflow holds again. A tracking store
-    that stops answering mid-run is said once; the step goes on."""
+    that stops answering mid-run is said once; the step goes on. (In the shared run's store, in an experiment of its
+    own: a new store's tables take seconds to make.)"""
     from launcher.mlflow_logger import MlflowLogger
 
-    store = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
-    settings = {"tracking_uri": store, "experiment": "launch", "group": None, "name": None, "tags": {"team": "a"}}
+    store = f"sqlite:///{logged.run_dir / 'mlflow' / 'mlflow.db'}"
+    settings = {"tracking_uri": store, "experiment": "pods", "group": None, "name": None, "tags": {"team": "a"}}
     config = {"job": {"run_id": "k3x9a0qz"}, "trainer": {"max_steps": 9}}
     for pod in ("pod-0", "pod-1"):
         (tmp_path / pod).mkdir()
