@@ -212,7 +212,7 @@ class MlflowLogger:
         # One step axis: the steps an earlier attempt logged (past the checkpoint this one resumed from) are not
         # logged again; MLflow would keep both.
         self.logged = self._logged_before() if continued else 0
-        self.said, self.lost = False, []
+        self.said, self.lost, self.failing = False, [], False
         self._log_config(run_config, continued)
         chosen = configured_uri(tracking_uri)
         where = f"at {redact(self.uri)}" if chosen else f"in {_sqlite_file(self.uri)}"
@@ -239,8 +239,10 @@ class MlflowLogger:
             try:
                 run = self.client.get_run(known)
             except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":  # the store itself failed: a fault, not a new run
+                    raise
                 run = None
-                _say(f"run {known} ({file}) is not in {redact(self.uri)} ({_reason(e)}): logging to a new run")
+                _say(f"run {known} ({file}) is not in {redact(self.uri)}: logging to a new run")
             if run is not None and run.info.lifecycle_stage == "deleted":
                 _say(f"run {known} ({file}) was deleted: logging to a new run")
                 run = None
@@ -312,12 +314,17 @@ class MlflowLogger:
         try:
             self.client.log_batch(self.run_id, metrics=batch)
         except Exception as e:  # the server gone for a while: training goes on, metrics.jsonl keeps every step
-            if not self.lost or self.lost[-1] != step - 1:
+            if not self.failing:  # once an outage
                 _say(
                     f"step {step} could not be logged to {redact(self.uri)} ({_reason(e)}); "
                     "the run goes on, metrics.jsonl holds every step"
                 )
+            self.failing = True
             self.lost.append(step)
+            return
+        if self.failing:
+            self.failing = False
+            _say(f"logging to run {self.run_id} again from step {step}")
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.lost:

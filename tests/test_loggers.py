@@ -403,6 +403,10 @@ def test_a_node_with_a_new_run_directory_continues_the_jobs_mlflow_run_and_a_los
     assert err.count("could not be logged") == 1 and "step 5 could not be logged" in err, err
     assert "Connection refused" in err and "the run goes on" in err, err
     again.client = MlflowClient(store)
+    again.log({"loss": 0.5}, 8)
     again.finish("FINISHED")
-    assert "3 logged step(s) did not reach run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "logging to run" in err and "again from step 8" in err and "3 logged step(s) did not reach run" in err, err
+    steps = sorted(m.step for m in MlflowClient(store).get_metric_history(first.run_id, "loss"))
+    assert steps == [1, 2, 3, 4, 8], steps
     assert MlflowClient(store).get_run(first.run_id).info.status == "FINISHED"
