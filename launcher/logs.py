@@ -78,6 +78,14 @@ def installed(package: str) -> bool:
         return False
 
 
+def can_make(folder: Path) -> bool:
+    """Whether this user can make `folder` or write in it: its nearest existing parent is a folder it can write."""
+    path = folder.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
 def _has_api_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True

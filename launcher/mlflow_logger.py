@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from launcher.logs import installed, last_logged_step
+from launcher.logs import can_make, installed, last_logged_step
 
 RUN_ID_FILE = "mlflow_run_id"
 """`<run dir>/mlflow_run_id`: the MLflow run of the job (one line)."""
@@ -92,14 +92,6 @@ def _artifacts_beside(uri: str) -> str | None:
     `./mlruns` in whatever folder the process runs in); None: the store's or server's own choice."""
     database = _sqlite_file(uri)
     return str(database.absolute().parent / "mlartifacts") if database is not None else None
-
-
-def _nearest_folder(path: Path) -> Path:
-    """`path`, or its nearest parent that exists."""
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 @contextlib.contextmanager
@@ -176,11 +168,10 @@ class MlflowLogger:
             return  # the local store, in the run directory the launcher checks it can write
         database = _sqlite_file(uri)
         if database is not None:
-            folder = _nearest_folder(database.parent)
-            if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            if not can_make(database.parent):
                 raise ValueError(
-                    f"the MLflow store {uri} cannot be made: {folder} is not a folder this user can write; choose "
-                    "another logger.mlflow.tracking_uri (or MLFLOW_TRACKING_URI)"
+                    f"the MLflow store {uri} cannot be made: {database.parent} cannot be made or written by this user; "
+                    "choose another logger.mlflow.tracking_uri (or MLFLOW_TRACKING_URI)"
                 )
             return  # a local database: made by the run, not here (a new store's migrations take seconds)
         _reach(uri, str(experiment))

@@ -18,20 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.logs import installed, last_logged_step
+from launcher.logs import can_make, installed, last_logged_step
 
 FOLDER = "tensorboard"
 EXTRA = "pip install 'launch[tensorboard]'"
-
-
-def _writable(folder: Path) -> bool:
-    """`folder` can be made (its nearest existing parent is a folder this user can write) or written."""
-    import os
-
-    path = folder.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
 
 
 def _folder_name(key: str, value: str | None) -> None:
@@ -49,7 +39,7 @@ class TensorBoardLogger:
             raise ImportError(f"logger=tensorboard needs the tensorboard package, which is not installed: {EXTRA}")
         _folder_name("group", group)
         _folder_name("name", name)
-        if log_dir is not None and not _writable(Path(log_dir)):
+        if log_dir is not None and not can_make(Path(log_dir)):
             raise ValueError(f"logger.tensorboard.log_dir={log_dir} cannot be made or written by this user")
 
     def __init__(
