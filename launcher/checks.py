@@ -100,8 +100,11 @@ PASSED_BY_THE_LAUNCHER = {
 def check_keys(frozen: DictConfig) -> None:
     """Every key of a target's config node (nested targets too) must be a parameter it takes: a model of your own
     under the built-in GPT's keys is a one-line error naming the keys and the fix, not a TypeError in a worker."""
+    from launcher.config import target_nodes
+
     for group, passed in PASSED_BY_THE_LAUNCHER.items():
-        _check_node_keys(frozen[group], group, group, passed)
+        for path, node in target_nodes(frozen, group):
+            _check_node_keys(node, path, group, passed)
 
 
 def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] = ()) -> None:
@@ -421,16 +424,19 @@ def _meta_artefact(e: BaseException) -> str | None:
 
 
 def _check_logger(frozen: DictConfig) -> None:
-    """The logger's own `check` of its settings, when it has one (the wandb logger does), without starting a run."""
+    """Each logger's own `check` of its settings, when it has one (the built-in ones do: their package installed,
+    their values, their server or folder reachable), without starting a run."""
+    from launcher.config import target_nodes
     from launcher.targets import locate
 
-    target = locate(str(frozen.logger._target_))
-    check = getattr(target, "check", None)
-    if callable(check):
-        settings = {k: v for k, v in OmegaConf.to_container(frozen.logger).items() if not str(k).startswith("_")}
+    for path, node in target_nodes(frozen, "logger"):
+        check = getattr(locate(str(node._target_)), "check", None)
+        if not callable(check):
+            continue
+        settings = {k: v for k, v in OmegaConf.to_container(node).items() if not str(k).startswith("_")}
         try:
             check(**settings)
-        except ConnectionError as e:  # the logger's service cannot be reached: the message says what to do
+        except (ConnectionError, ImportError) as e:  # its package, its service: the message says what to do
             raise ConfigError(str(e)) from e
         except (TypeError, ValueError) as e:
-            raise _fail("logger", e, "fix the logger.* values") from e
+            raise _fail("logger", e, f"fix the {path}.* values") from e

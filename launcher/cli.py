@@ -27,6 +27,7 @@ Usage:
 
 == Configuration groups (group=option) ==
 {groups}
+Several loggers at once: 'logger=[wandb,mlflow]', each one's settings under its name (logger.mlflow.experiment=x).
 
 Hydra's own flags: launch --hydra-help"""
 

@@ -88,6 +88,24 @@ def _resolver_error(e: BaseException) -> ConfigError | None:
 
 
 GROUPS = ("strategy", "model", "data", "optim", "logger")
+SEVERAL = ("logger",)
+"""Groups whose options are chosen several at once (`logger=[wandb,mlflow]`), each under its own name."""
+
+
+def target_nodes(cfg: DictConfig, group: str) -> list[tuple[str, Any]]:
+    """(dotted path, node) of each target a group holds: the group's node, or one per option of a group chosen several
+    at once (`logger.wandb`, `logger.mlflow`; none for `logger=none`)."""
+    node = OmegaConf.select(cfg, group)
+    if group not in SEVERAL:
+        return [(group, node)]
+    if not isinstance(node, DictConfig):
+        return []
+    if "_target_" in node:  # an option file written for one logger at a time, without its name
+        raise ConfigError(
+            f"{group} has a _target_ of its own: each {group} option goes under its name, several at once; start your "
+            f"option's file with '# @package {group}.<its name>' (as conf/{group}/mlflow.yaml does)"
+        )
+    return [(f"{group}.{name}", node[name]) for name in node]
 
 
 def with_schemas(cfg: DictConfig) -> DictConfig:
@@ -100,24 +118,24 @@ def with_schemas(cfg: DictConfig) -> DictConfig:
 
     stored = ConfigStore.instance().repo
     for group in GROUPS:
-        node = OmegaConf.select(cfg, group)
-        if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is not dict:
-            continue  # composed over its schema already (or no option at all)
-        target = node.get("_target_")
-        schemas = [e.node for e in stored.get(group, {}).values() if getattr(e, "node", None) is not None]
-        for schema in schemas:
-            if OmegaConf.get_type(schema) is not dict and schema.get("_target_") == target:
-                try:
-                    merged = OmegaConf.merge(schema, node)
-                except OmegaConfBaseException as e:
-                    key = f"{group}.{e.key}" if getattr(e, "key", None) else group
-                    raise ConfigError(
-                        f"{key}: {str(e).strip().splitlines()[0]} (the schema of {target}, which your {group} option "
-                        f"names: {', '.join(k for k in schema if k != '_target_')})"
-                    ) from e
-                cfg = cfg.copy()
-                OmegaConf.update(cfg, group, merged, merge=False)
-                break
+        for path, node in target_nodes(cfg, group):
+            if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is not dict:
+                continue  # composed over its schema already (or no option at all)
+            target = node.get("_target_")
+            schemas = [e.node for e in stored.get(group, {}).values() if getattr(e, "node", None) is not None]
+            for schema in schemas:
+                if OmegaConf.get_type(schema) is not dict and schema.get("_target_") == target:
+                    try:
+                        merged = OmegaConf.merge(schema, node)
+                    except OmegaConfBaseException as e:
+                        key = f"{path}.{e.key}" if getattr(e, "key", None) else path
+                        raise ConfigError(
+                            f"{key}: {str(e).strip().splitlines()[0]} (the schema of {target}, which your {group} "
+                            f"option names: {', '.join(k for k in schema if k != '_target_')})"
+                        ) from e
+                    cfg = cfg.copy()
+                    OmegaConf.update(cfg, path, merged, merge=False)
+                    break
     return cfg
 
 
@@ -294,17 +312,18 @@ def _check_targets(cfg: DictConfig) -> None:
     """Every `_target_` must import here, in the launcher, rather than in every worker."""
     from launcher.targets import locate
 
-    for group in ("strategy", "model", "data", "optim", "logger"):
-        target = OmegaConf.select(cfg, f"{group}._target_", default=None)
-        if target is None:
-            raise ConfigError(
-                f"{group} has no _target_; name the class or function to build it with {group}._target_=..."
-            )
-        try:
-            locate(str(target))
-        except ImportError as e:
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            reason = lines[-1] if lines else type(e).__name__
-            raise ConfigError(
-                f"{group}._target_={target} cannot be imported ({reason}); fix the path or install its package"
-            ) from e
+    for group in GROUPS:
+        for path, _ in target_nodes(cfg, group):
+            target = OmegaConf.select(cfg, f"{path}._target_", default=None)
+            if target is None:
+                raise ConfigError(
+                    f"{path} has no _target_; name the class or function to build it with {path}._target_=..."
+                )
+            try:
+                locate(str(target))
+            except ImportError as e:
+                lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+                reason = lines[-1] if lines else type(e).__name__
+                raise ConfigError(
+                    f"{path}._target_={target} cannot be imported ({reason}); fix the path or install its package"
+                ) from e

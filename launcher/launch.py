@@ -143,12 +143,15 @@ def check_job(cfg: DictConfig) -> None:
 
 
 def _name_logger_run(resolved: dict[str, Any]) -> None:
-    """In a sweep: one wandb group per sweep (a search: per study), one run per job, unless the user named them."""
-    logger, job = resolved["logger"], resolved["job"]
-    if job.get("sweep_dir") and isinstance(logger, dict):
-        group = resolved["sweep"]["study"] or Path(job["sweep_dir"]).name
+    """In a sweep: one group per sweep (a search: per study) in each logger (wandb's group, MLflow's parent run,
+    TensorBoard's folder), one run per job, unless the user named them."""
+    loggers, job = resolved["logger"], resolved["job"]
+    if not job.get("sweep_dir") or not isinstance(loggers, dict):
+        return
+    group = resolved["sweep"]["study"] or Path(job["sweep_dir"]).name
+    for logger in loggers.values():
         for key, value in (("group", group), ("name", f"{group}-{job['num']}")):  # its overrides: in the logged config
-            if key in logger and logger[key] is None:
+            if isinstance(logger, dict) and key in logger and logger[key] is None:
                 logger[key] = value
 
 

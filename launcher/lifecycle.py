@@ -320,7 +320,7 @@ def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
             continue
     else:
         print(f"launch: error: rank {rank} failed {line}", file=sys.stderr, flush=True)
-    if (logs := sys.modules.get("launcher.logs")) is not None:  # rank 0's wandb run, finished as failed
+    if (logs := sys.modules.get("launcher.logs")) is not None:  # rank 0's loggers, finished as FAILED
         logs.finish_failed()
     os._exit(1)
 

@@ -1,10 +1,12 @@
-"""Metric loggers and the progress line. Only rank 0 gets a real logger; other ranks get NullLogger.
+"""Metric loggers and the progress line. Only rank 0 logs; other ranks get NullLogger.
 
-A logger is any `_target_` with `log(metrics, step)` and `finish()`; it is constructed with its
-own config keys plus `run_config` (the resolved run config as a dict) and `run_dir`. `run_config["job"]["run_id"]`
-is the job's one run id, kept across restarts, requeues and `resume=` of its run directory, and
-`run_config["job"]["continues"]` the run a `resume=` into a new run directory continues (`launcher.run_id`);
-`last_logged_step(run_dir / "metrics.jsonl")` is where an earlier attempt of the run stopped logging.
+A logger is any `_target_` with `log(metrics, step)` and `finish()` (or `finish(status)`, to hear how the run ended:
+FINISHED, FAILED or KILLED, a stop signal); it is constructed with its own config keys plus `run_config` (the resolved
+run config as a dict) and `run_dir`. `run_config["job"]["run_id"]` is the job's one run id, kept across restarts,
+requeues and `resume=` of its run directory, and `run_config["job"]["continues"]` the run a `resume=` into a new run
+directory continues (`launcher.run_id`); `last_logged_step(run_dir / "metrics.jsonl")` is where an earlier attempt of
+the run stopped logging. Several loggers at once (`logger=[wandb,mlflow]`): each gets every figure at every step
+metrics.jsonl gets, in the order they are named.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import netrc
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,24 @@ def last_logged_step(path: Path) -> int:
     return highest
 
 
+def installed(package: str) -> bool:
+    """Whether `package` can be imported, found without importing it (a logger's check: its package is heavy)."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(package) is not None
+    except (ImportError, ValueError):  # a finder that refuses it; a module left without a spec
+        return False
+
+
+def can_make(folder: Path) -> bool:
+    """Whether this user can make `folder` or write in it: its nearest existing parent is a folder it can write."""
+    path = folder.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
 def _has_api_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
@@ -76,7 +96,7 @@ def _has_api_key() -> bool:
 
 
 def _wandb_mode(mode: str | None) -> str:
-    """logger.mode, else WANDB_MODE, else online with an API key and offline without one."""
+    """logger.wandb.mode, else WANDB_MODE, else online with an API key and offline without one."""
     return mode or os.environ.get("WANDB_MODE") or ("online" if _has_api_key() else "offline")
 
 
@@ -104,29 +124,44 @@ def _reach_wandb() -> None:
         ) from e
 
 
-WANDB_FINISH_GRACE = 3.0
-"""Seconds a failing rank 0 gives its wandb run to finish (`finish_failed`) before it exits anyway."""
-_OPEN: list[WandbLogger] = []
-"""This process's wandb runs not finished yet."""
+FINISH_GRACE = 3.0
+"""Seconds a failing rank 0 gives its loggers to finish (`finish_failed`) before it exits anyway."""
+_OPEN: list[Loggers] = []
+"""This process's loggers not finished yet."""
 
 
 def finish_failed() -> None:
-    """A failing rank 0, just before it exits (`launcher.lifecycle.report_failure`): its wandb run finishes as failed,
-    so what the attempt logged reaches wandb's file (offline, wandb writes it 32 KiB at a time: a short attempt's
-    whole history) and the next attempt resumes a run that says it failed. In a thread, for at most
-    `WANDB_FINISH_GRACE` seconds: a wandb that hangs (its server gone) does not hold the failure up."""
+    """A failing rank 0, just before it exits (`launcher.lifecycle.report_failure`): its loggers finish as FAILED, so
+    what the attempt logged reaches them (offline, wandb writes its file 32 KiB at a time: a short attempt's whole
+    history) and the next attempt resumes a run that says it failed. In a thread, for at most `FINISH_GRACE`
+    seconds: a logger that hangs (its server gone) does not hold the failure up."""
     import threading
 
     def finish() -> None:
-        for logger in list(_OPEN):
+        for loggers in list(_OPEN):
             try:
-                logger.run.finish(exit_code=1)
+                loggers.finish("FAILED")
             except Exception:  # the run is lost either way; the failure being reported is what matters
                 pass
 
     thread = threading.Thread(target=finish, daemon=True)
     thread.start()
-    thread.join(WANDB_FINISH_GRACE)
+    thread.join(FINISH_GRACE)
+
+
+def finish(logger: Any, status: str) -> None:
+    """`logger.finish(status)` where its finish takes a status, else `logger.finish()` (a logger of the plain
+    contract)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(logger.finish).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): the plain contract
+        parameters = []  # type: ignore[assignment]
+    if any(p.name == "status" or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in parameters):
+        logger.finish(status)
+    else:
+        logger.finish()
 
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -149,15 +184,15 @@ class WandbLogger:
     ) -> None:
         """The settings wandb would refuse once a run starts, checked without importing wandb: ValueError (one line)."""
         if mode is not None and mode not in WANDB_MODES:
-            raise ValueError(f"logger.mode={mode} is not one of {', '.join(WANDB_MODES)} (or unset)")
+            raise ValueError(f"logger.wandb.mode={mode} is not one of {', '.join(WANDB_MODES)} (or unset)")
         for key, value in (("project", project), ("entity", entity)):
             if value is not None and (not str(value) or WANDB_FORBIDDEN & set(str(value)) or len(str(value)) > 128):
                 raise ValueError(
-                    f"logger.{key}={value!r} is not a valid wandb {key} name (1-128 characters, none of /\\#?%:)"
+                    f"logger.wandb.{key}={value!r} is not a valid wandb {key} name (1-128 characters, none of /\\#?%:)"
                 )
         for tag in tags or []:
             if not 0 < len(str(tag)) <= 64:
-                raise ValueError(f"logger.tags holds {tag!r}: wandb tags are 1 to 64 characters")
+                raise ValueError(f"logger.wandb.tags holds {tag!r}: wandb tags are 1 to 64 characters")
         if _wandb_mode(mode) == "online":
             _reach_wandb()
 
@@ -193,7 +228,6 @@ class WandbLogger:
             settings=wandb.Settings(silent=True),
         )
         self.offline = mode == "offline"
-        _OPEN.append(self)
         # One step axis: the steps an earlier attempt of this run logged (it went past the checkpoint this one
         # resumed from) are not logged again; wandb would drop them, and offline runs would hold them twice.
         self.logged = last_logged_step(Path(run_dir) / "metrics.jsonl") if run_id else 0
@@ -213,41 +247,75 @@ class WandbLogger:
             return
         self.run.log(metrics, step=step)
 
-    def finish(self) -> None:
+    def finish(self, status: str = "FINISHED") -> None:
         run_dir = getattr(self.run, "dir", None)
-        _OPEN.remove(self)
-        self.run.finish()
+        self.run.finish(exit_code=1 if status == "FAILED" else 0)  # wandb: failed, or finished (a stop resumes later)
         if self.offline and run_dir:
             folder = Path(run_dir).parent
             print(f"wandb: logged offline to {folder}; upload with: wandb sync {folder}", file=sys.stderr)
 
 
-@dataclass
+HIDDEN = "<hidden>"
+"""What the loggers get in place of a secret of the run config (`rdzv.secret`)."""
+
+
+def run_config(cfg: Any) -> dict[str, Any]:
+    """The resolved run config as the loggers get it (a dict): rdzv.secret, the token that guards the rendezvous of a
+    job submitted to SLURM, hidden."""
+    from omegaconf import OmegaConf
+
+    config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    if isinstance(config.get("rdzv"), dict) and config["rdzv"].get("secret"):
+        config["rdzv"]["secret"] = HIDDEN
+    return config
+
+
+@dataclass(eq=False)
 class Loggers:
-    """Rank 0 writes metrics.jsonl and the configured logger; the other ranks write nothing."""
+    """Rank 0 writes metrics.jsonl and every configured logger; the other ranks write nothing."""
 
     rank: int
     jsonl: Any
-    external: Any
+    external: list[Any] = field(default_factory=list)
 
     @classmethod
     def create(cls, cfg: Any, rank: int, run_dir: Path) -> Loggers:
         from hydra.utils import instantiate
-        from omegaconf import OmegaConf
+
+        from launcher.config import target_nodes
 
         if rank != 0:
-            return cls(rank, NullLogger(), NullLogger())
-        config = OmegaConf.to_container(cfg, resolve=True)
-        external = instantiate(cfg.logger, _partial_=True, _convert_="all")(run_config=config, run_dir=str(run_dir))
-        return cls(rank, JsonlLogger(run_dir / "metrics.jsonl"), external)
+            return cls(rank, NullLogger())
+        config = run_config(cfg)
+        loggers = cls(rank, JsonlLogger(run_dir / "metrics.jsonl"))
+        _OPEN.append(loggers)
+        try:
+            for _, node in target_nodes(cfg, "logger"):
+                built = instantiate(node, _partial_=True, _convert_="all")(run_config=config, run_dir=str(run_dir))
+                loggers.external.append(built)
+        except BaseException:
+            loggers.finish("FAILED")  # the ones already started say the run failed
+            raise
+        return loggers
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.jsonl.log(metrics, step)
-        self.external.log(metrics, step)
+        for logger in self.external:
+            logger.log(metrics, step)
 
-    def finish(self) -> None:
+    def finish(self, status: str = "FINISHED") -> None:
+        """Every logger finishes, even after one that fails to (its error is raised once all have)."""
+        if self in _OPEN:
+            _OPEN.remove(self)
         self.jsonl.finish()
-        self.external.finish()
+        errors = []
+        for logger in self.external:
+            try:
+                finish(logger, status)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 class Progress:

@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from launcher import schema
-from launcher.config import one_line
+from launcher.config import SEVERAL, one_line
 
 CONFIG_MODULE = "launcher.conf"
 CONFIG_NAME = "config"
@@ -208,6 +208,10 @@ def _run_dir_problem(hydra_node: DictConfig, overrides: Sequence[str], parsed: S
 
 
 def _candidates(o) -> list[str]:
+    """The options an override names: its value, each value of a sweep, each element of a list (`logger=[a,b]`)."""
+    value = o.value()
+    if isinstance(value, list):
+        return [str(v) for v in value]
     if not o.is_sweep_override():
         return [o.get_value_element_as_str()]
     try:
@@ -231,4 +235,10 @@ def _unknown_key(e: Exception, overrides: list[str]) -> str | None:
     node = OmegaConf.select(base, parent) if parent else base
     valid = ", ".join(sorted(node.keys())) if isinstance(node, DictConfig) else "?"
     where = parent or "the top level"
+    if parent in SEVERAL and isinstance(node, DictConfig) and len(node) and leaf not in node:
+        value = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")), "...")
+        return (
+            f"unknown key '{key}'; {where} has: {valid}, each option's settings under its name (e.g. "
+            f"{parent}.{next(iter(node))}.{leaf}={value})"
+        )
     return f"unknown key '{key}'; {where} has: {valid} (to add a new key use +{key}=...)"

@@ -217,15 +217,35 @@ class SweepReport(Callback):
         print((trials_table(jobs) or outcomes(jobs)).rstrip(), flush=True)  # a search: its trials
         print(f"launch: sweep report of {len(jobs)} job(s): {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.png'}")
         ran, best = trials(jobs)
+        unfinished = [j for j in jobs if j.code not in (0, None)]
         if ran:  # a search: failed trials are part of what it found (a learning rate that diverged), pruned ones too
-            if all(t["state"] == "failed" for t in ran):
+            failed = all(t["state"] == "failed" for t in ran)
+            _finish_parent_run(sweep_dir, "FAILED" if failed else "FINISHED")
+            if failed:
                 print(f"launch: error: all {len(ran)} trial(s) failed", file=sys.stderr, flush=True)
                 raise SystemExit(1)
             return
-        unfinished = [j for j in jobs if j.code not in (0, None)]
+        stopped = any(j.code is not None and j.code >= 128 for j in unfinished)
+        _finish_parent_run(sweep_dir, "KILLED" if stopped else "FAILED" if unfinished else "FINISHED")
         if unfinished:
             print(f"launch: error: {len(unfinished)} of {len(jobs)} job(s) did not finish", file=sys.stderr, flush=True)
             raise SystemExit(1)
+
+
+def _finish_parent_run(sweep_dir: Path, status: str) -> None:
+    """A sweep whose jobs logged to MLflow: its parent run gets the report (summary.md, summary.png) and its status."""
+    if not any(sweep_dir.glob("*/mlflow_run_id")):  # no job logged to MLflow: nothing to import
+        return
+    from launcher.mlflow_logger import finish_sweep, redact
+
+    try:
+        parent = finish_sweep(sweep_dir, status, [sweep_dir / "summary.md", sweep_dir / "summary.png"])
+    except Exception as e:  # the report is written either way; say why MLflow does not have it
+        why = redact((str(e).strip().splitlines() or [""])[0])
+        print(f"launch: the sweep's MLflow parent run was not finished ({type(e).__name__}: {why})", file=sys.stderr)
+        return
+    if parent is not None:
+        print(f"mlflow: the sweep's parent run {parent}: {status}, with its report", flush=True)
 
 
 if __name__ == "__main__":

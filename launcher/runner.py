@@ -348,7 +348,7 @@ class Trainer:
                   "new size", flush=True)  # fmt: skip
         elif self.ctx.rank == 0:
             print(f"launch: stopped on a signal after step {step}; checkpoint {self.saves.last}", flush=True)
-        self.finish()
+        self.finish("KILLED")
 
     def ended(self, step: int) -> None:
         """The stream ran out before a full global batch of `step`: the run ends after the step before it, on every
@@ -377,14 +377,15 @@ class Trainer:
                   f"checkpoint {self.saves.last}", flush=True)  # fmt: skip
         self.finish()
 
-    def finish(self) -> None:
-        """The run ends with its last checkpoint written and visible, its progress line closed, its loggers done."""
+    def finish(self, status: str = "FINISHED") -> None:
+        """The run ends with its last checkpoint written and visible, its progress line closed, its loggers done (told
+        how it ended: FINISHED, or KILLED by a stop signal)."""
         if self.saves.pending is not None:
             self.phase(f"writing the checkpoint of step {self.saves.pending.position.step}")
             self.saves.finish()
         self.phase("finishing")
         self.progress.close()
-        self.loggers.finish()
+        self.loggers.finish(status)
 
     # ------------------------------------------------------------------ figures
 

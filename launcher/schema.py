@@ -213,8 +213,34 @@ class WandbConfig:
 
 
 @dataclass
-class NoLoggerConfig:
-    _target_: str = "launcher.logs.NullLogger"
+class MlflowConfig:
+    _target_: str = "launcher.mlflow_logger.MlflowLogger"
+    tracking_uri: str | None = None
+    """Where MLflow keeps the run: a server (http://host:5000), a database (sqlite:///path/mlflow.db) or any URI MLflow
+    takes, credentials never in it (MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN); unset:
+    MLFLOW_TRACKING_URI, else a SQLite store in the run directory (a sweep's: in the sweep directory),
+    `<dir>/mlflow/mlflow.db`."""
+    experiment: str = "launch"
+    """The experiment the run goes into, made if it is not there."""
+    group: str | None = None
+    """A parent run the job's run is nested under (made by the first run that names it); a sweep sets it: one parent
+    run per sweep, finished by the sweep with its report attached."""
+    name: str | None = None
+    """The run's name; unset: the run directory's (a sweep's job: `<sweep>-<n>`)."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Tags set on the run, besides the launcher's own (`launch.run_id`, `launch.run_dir`)."""
+
+
+@dataclass
+class TensorBoardConfig:
+    _target_: str = "launcher.tensorboard_logger.TensorBoardLogger"
+    log_dir: str | None = None
+    """Where the event files go: unset, `<run dir>/tensorboard`; set, `<log_dir>/<group>/<name>` (one folder per
+    job, kept across its restarts and resumes)."""
+    group: str | None = None
+    """With log_dir: a folder of runs under it; a sweep sets it (one folder per sweep)."""
+    name: str | None = None
+    """With log_dir: the job's folder; unset: the job's run id (`<run dir>/run_id`)."""
 
 
 @dataclass
@@ -282,7 +308,9 @@ class LaunchConfig:
     model: Any = MISSING
     data: Any = MISSING
     optim: Any = MISSING
-    logger: Any = launch_only(MISSING)
+    logger: dict[str, Any] = launch_only(factory=dict)
+    """The loggers, each under its name (`logger=[wandb,mlflow]`: logger.wandb.*, logger.mlflow.*); none: only
+    metrics.jsonl."""
     gpus: int | None = ranged(None, SIZE, identity=False)
     """Worker processes per node (one per GPU); unset: every visible GPU, or 2 on CPU."""
     nodes: Any = ranged(1, NODES, identity=False)
@@ -319,7 +347,12 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "base_store": data_schema.StoreDataConfig,
     },
     "optim": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig, "base_custom": CustomOptimConfig},
-    "logger": {"base_wandb": WandbConfig, "base_none": NoLoggerConfig, "base_custom": CustomConfig},
+    "logger": {
+        "base_wandb": WandbConfig,
+        "base_mlflow": MlflowConfig,
+        "base_tensorboard": TensorBoardConfig,
+        "base_custom": CustomConfig,
+    },
 }
 
 SCHEMAS["strategy"]["base_auto"] = AutoStrategyConfig  # conf/strategy/auto.yaml: resolved by launch.prepare()

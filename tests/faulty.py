@@ -111,3 +111,11 @@ class KilledGPT(_Faulty):
     def fail(self) -> None:
         if os.path.exists(self.while_there):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StoppedGPT(_Faulty):
+    """Sends SIGTERM to its launcher (the process that forked it) at its call `at_call` of each attempt, on rank
+    `bad_rank`: a stop signal mid-run, as SLURM sends one to preempt a job."""
+
+    def fail(self) -> None:
+        os.kill(os.getppid(), signal.SIGTERM)

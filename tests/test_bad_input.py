@@ -91,8 +91,8 @@ BAD = {
     "betas of one value": (["+optim.betas=[0.9]"], "fix optim.betas=[0.9]"),
     "nesterov without momentum": (["optim=sgd", "optim.momentum=0", "+optim.nesterov=true"], "optim: Nesterov"),
     # the logger's settings, checked without starting a run
-    "unknown wandb mode": (["logger=wandb", "logger.mode=sometimes"], "logger: logger.mode=sometimes"),
-    "bad wandb project": (["logger=wandb", "logger.project=a/b"], "logger: logger.project='a/b'"),
+    "unknown wandb mode": (["logger=wandb", "logger.wandb.mode=sometimes"], "logger: logger.wandb.mode=sometimes"),
+    "bad wandb project": (["logger=wandb", "logger.wandb.project=a/b"], "logger: logger.wandb.project='a/b'"),
     # looking inside a run
     "profile steps backwards": (["trainer.profile_steps=[4,2]"], "trainer.profile_steps=[4, 2]"),
     "profile past the end": (["trainer.max_steps=5", "trainer.profile_steps=[3,9]"], "trainer.max_steps=5"),

@@ -30,6 +30,26 @@ def _compose(*overrides: str, hydra: bool = False):
     return cfg if hydra else freeze(cfg)
 
 
+def _one_mlflow_parent_run_per_sweep(sweep: Path) -> None:
+    """The jobs, run at once, share one MLflow store in the sweep directory; each job's run is nested under the sweep's
+    parent run, which holds the sweep's report and chart and finished with it."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{sweep / 'mlflow' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("launch").experiment_id
+    (parent,) = client.search_runs([experiment], filter_string="tags.`launch.group` = '" + sweep.name + "'")
+    assert parent.info.run_name == sweep.name and parent.info.status == "FINISHED"
+    assert sorted(a.path for a in client.list_artifacts(parent.info.run_id)) == ["summary.md", "summary.png"]
+    children = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    ids = [(sweep / str(n) / "mlflow_run_id").read_text().strip() for n in (0, 1)]
+    assert sorted(c.info.run_id for c in children) == sorted(ids) and all(c.info.status == "FINISHED" for c in children)
+    for n, run_id in enumerate(ids):
+        metrics = [json.loads(line) for line in (sweep / str(n) / "metrics.jsonl").read_text().splitlines()]
+        history = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.step)
+        assert [(m.step, m.value) for m in history] == [(m["step"], m["loss"]) for m in metrics]
+        assert client.get_run(run_id).info.run_name == f"{sweep.name}-{n}"
+
+
 @pytest.mark.unit
 def test_expand_hostlist() -> None:
     """SLURM's documented forms (`scontrol show hostnames`): ranges and lists, zero padding, several bracket
@@ -239,8 +259,8 @@ def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:
         "-m",
         "hydra/launcher=submitit_local",
         *[o for o in JOB if not o.startswith("logger")],
-        "logger=wandb",
-        "logger.mode=disabled",
+        "logger=[wandb,mlflow,tensorboard]",
+        "logger.wandb.mode=disabled",
         "gpus=2",
         "batch.micro_size=2,4",
         f"hydra.sweep.dir={sweep}",
@@ -248,8 +268,12 @@ def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     resolved = [OmegaConf.load(sweep / str(n) / "resolved.yaml") for n in (0, 1)]
     assert [r.derived.accumulation for r in resolved] == [4, 2]
-    assert resolved[0].logger.group == resolved[1].logger.group == sweep.name  # one wandb group per sweep
-    assert resolved[0].logger.name != resolved[1].logger.name  # one run per job
+    for logger in ("wandb", "mlflow", "tensorboard"):  # one group per sweep in each logger, one run per job
+        assert resolved[0].logger[logger].group == resolved[1].logger[logger].group == sweep.name
+        assert resolved[0].logger[logger].name != resolved[1].logger[logger].name
+    _one_mlflow_parent_run_per_sweep(sweep)
+    for n in (0, 1):  # TensorBoard: each job's events in its own folder (`tensorboard --logdir <sweep>` shows both)
+        assert len(list((sweep / str(n) / "tensorboard").glob("events.out.tfevents.*"))) == 1
     table = (sweep / "summary.md").read_text().splitlines()
     assert len(table) == 4 and table[2].startswith("| 0: batch.micro_size=2 | ddp | ok | ") and "| 2 | 4 |" in table[2]
     assert "job  " in run.stdout and " ok " in run.stdout  # the outcome table on the terminal

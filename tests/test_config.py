@@ -41,11 +41,15 @@ def test_every_option_composes_and_instantiates(group: str, option: str, tmp_pat
     from hydra.utils import get_object
 
     overrides = [f"{group}={option}"] + ([f"data.path={tmp_path / 't.bin'}"] if option == "tokens" else [])
+    path = f"logger.{option}" if group == "logger" else group  # loggers: each under its own name, several at once
+    if group == "logger" and option == "none":
+        assert _compose(*overrides).logger == {}  # no logger but metrics.jsonl
+        return
     if option == "custom":  # one key, the target, which the user names: until then it has none
-        assert OmegaConf.is_missing(_compose(*overrides)[group], "_target_"), f"{group}/custom has a _target_"
-        overrides.append(f"{group}._target_={CUSTOM[group]}")
+        assert OmegaConf.is_missing(OmegaConf.select(_compose(*overrides), path), "_target_"), f"{path} has a _target_"
+        overrides.append(f"{path}._target_={CUSTOM[group]}")
     cfg = _compose(*overrides)
-    node = cfg[group]
+    node = OmegaConf.select(cfg, path)
     target = OmegaConf.select(node, "_target_")
     assert target and (option != "custom" or target == CUSTOM[group]), (group, option, target)
     from launcher.data import LOADER_KEYS
@@ -85,17 +89,19 @@ def _cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_help_and_cfg_import_no_heavy_module(tmp_path: Path) -> None:
-    """`--cfg job` composes without torch, deepspeed, wandb or optuna; `--help` lists the groups without Hydra (its
-    instantiate module above all) or OmegaConf: it composes nothing."""
+    """`--cfg job` composes without torch, deepspeed, wandb, optuna, mlflow or tensorboard; `--help` lists the groups
+    without Hydra (its instantiate module above all) or OmegaConf: it composes nothing."""
     probe = (
         "import sys; from launcher import cli\n"
         "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-        "heavy = ['torch', 'deepspeed', 'wandb', 'optuna', 'datasets', 'transformers'] + (['hydra', 'omegaconf'] if "
-        "'--help' in sys.argv else [])\n"
+        "heavy = ['torch', 'deepspeed', 'wandb', 'optuna', 'datasets', 'transformers', 'mlflow', 'tensorboard']\n"
+        "heavy += ['hydra', 'omegaconf'] if '--help' in sys.argv else []\n"
         "print('HEAVY', [m for m in sys.modules if m.split('.')[0] in heavy], file=sys.stderr)\n"
     )
     cases = (["--help"], ["model=gpt_124m", "--help"], ["--cfg", "job"], ["strategy=ddp", "--cfg", "job"],
-             ["+sweep=search", "--cfg", "hydra"], ["data=text", "--cfg", "job"])  # fmt: skip
+             ["+sweep=search", "--cfg", "hydra"], ["data=text", "--cfg", "job"],
+             ["logger=[wandb,mlflow,tensorboard]", "--cfg", "job"],
+             ["logger=[mlflow,tensorboard]", "--help"])  # fmt: skip
     for args in cases:
         proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True)
         assert "HEAVY []" in proc.stderr, (args, proc.stderr)

@@ -80,7 +80,7 @@ def test_the_readme_user_path_end_to_end(tmp_path: Path) -> None:
         "data=tokens", f"data.path={tmp_path / 'tokens.bin'}", "data.seq_len=32",
         "optim=sgd", f"optim.lr={lr}", "optim.momentum=0", "trainer.schedule=linear", "trainer.warmup_steps=1",
         "trainer.min_lr_ratio=0", "precision=bf16", f"trainer.grad_clip={clip}",
-        "logger=wandb", "logger.mode=disabled", "rdzv.backend=static",
+        "logger=wandb", "logger.wandb.mode=disabled", "rdzv.backend=static",
         "gpus=2", "batch.global_size=8", f"trainer.max_steps={steps}", "trainer.checkpoint_every=1",
         "trainer.keep_last=0",
     ).check()  # fmt: skip

@@ -165,7 +165,7 @@ def test_the_environment_is_named(tmp_path: Path) -> None:
         port = s.getsockname()[1]  # closed once the block ends: connections are refused
     (tmp_path / "keep").write_text("")  # a refused run removes the empty folders it leaves: not this one
     env = clean_env(tmp_path) | {"WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
-    line = launch(tmp_path, *TINY, "logger=wandb", "logger.mode=online", env=env).refused()
+    line = launch(tmp_path, *TINY, "logger=wandb", "logger.wandb.mode=online", env=env).refused()
     assert f"http://127.0.0.1:{port} cannot be reached" in line and "WANDB_MODE=offline" in line, line
 
     env = clean_env(tmp_path) | {"CUDA_VISIBLE_DEVICES": ""}

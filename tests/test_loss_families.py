@@ -120,7 +120,7 @@ def test_a_model_whose_mean_stays_a_mean_is_named_once(conformance_dir: Path) ->
 
     # test_user_models' run, shared with it
     one = launch_once(conformance_dir, "+sweep=smoke", *CLASSIFIER, "gpus=1", "logger=custom",
-                      "logger._target_=user_models.RecordingLogger", "+logger.file=recorded.jsonl",
+                      "logger.custom._target_=user_models.RecordingLogger", "+logger.custom.file=recorded.jsonl",
                       name="smoke-classifier-one").check()  # fmt: skip
     lines = [line for line in one.stdout.splitlines() if "usual recipe" in line]
     assert len(lines) == 1, one.stdout

@@ -173,17 +173,17 @@ def test_the_ready_study_searches_lr_warmup_and_weight_decay_in_a_directory_of_i
         assert (low.optim.lr, low.trainer.warmup_steps, low.optim.weight_decay) == (1e-4, 0, 0.0)
 
 
-def test_each_trial_is_one_wandb_run_in_its_studys_group() -> None:
+def test_each_trial_is_one_run_in_its_studys_group_in_every_logger() -> None:
     from launcher.launch import _name_logger_run
 
-    def named(study: str | None, sweep_dir: str, num: int) -> tuple[str, str]:
-        resolved = {"logger": {"group": None, "name": None}, "sweep": {"study": study},
-                    "job": {"sweep_dir": sweep_dir, "num": num}}  # fmt: skip
+    def named(study: str | None, sweep_dir: str, num: int) -> set[tuple[str, str]]:
+        loggers = {name: {"group": None, "name": None} for name in ("wandb", "mlflow", "tensorboard")}
+        resolved = {"logger": loggers, "sweep": {"study": study}, "job": {"sweep_dir": sweep_dir, "num": num}}
         _name_logger_run(resolved)
-        return resolved["logger"]["group"], resolved["logger"]["name"]
+        return {(logger["group"], logger["name"]) for logger in resolved["logger"].values()}
 
-    assert named("lr-search", "/runs/multirun/2026-12-04/x", 3) == ("lr-search", "lr-search-3")
-    assert named(None, "/runs/multirun/2026-12-04/x", 3) == ("x", "x-3")  # a grid: its sweep directory's
+    assert named("lr-search", "/runs/multirun/2026-12-04/x", 3) == {("lr-search", "lr-search-3")}
+    assert named(None, "/runs/multirun/2026-12-04/x", 3) == {("x", "x-3")}  # a grid: its sweep directory's
 
 
 SEARCH = ["-m", "hydra/sweeper=launch_optuna", "device=cpu", "logger=none"]

@@ -117,7 +117,11 @@ def test_a_classifier_of_images_trains_under_ddp_fsdp_and_zero3(conformance_dir:
     run, sweep = smoke(conformance_dir, "smoke-classifier", *CLASSIFIER, "strategy=ddp,fsdp,zero3")
     assert run.returncode == 0, run.stderr[-3000:]
     # One process, with a logger of the user's own: it gets every figure metrics.jsonl gets, between init and finish.
-    logger = ["logger=custom", "logger._target_=user_models.RecordingLogger", "+logger.file=recorded.jsonl"]
+    logger = [
+        "logger=custom",
+        "logger.custom._target_=user_models.RecordingLogger",
+        "+logger.custom.file=recorded.jsonl",
+    ]
     one = launch_once(conformance_dir, "+sweep=smoke", *CLASSIFIER, "gpus=1", *logger, name="smoke-classifier-one")
     calls = [json.loads(line) for line in (one.check().run_dir / "recorded.jsonl").read_text().splitlines()]
     assert calls[0] == {"call": "init", "model": "user_models.Classifier"} and calls[-1] == {"call": "finish"}

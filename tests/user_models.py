@@ -50,8 +50,9 @@ def images(split: str, count: int = 256, size: int = 8, channels: int = 3) -> Im
 
 
 class RecordingLogger:
-    """A logger of one's own (`logger=custom logger._target_=user_models.RecordingLogger +logger.file=NAME`): each
-    call, as JSON lines, into `<run dir>/NAME`."""
+    """A logger of one's own (`logger=custom logger.custom._target_=user_models.RecordingLogger
+    +logger.custom.file=NAME`), written to the plain contract (`finish()`): each call, as JSON lines, into
+    `<run dir>/NAME`."""
 
     def __init__(self, run_config: dict, run_dir: str, file: str) -> None:
         self.out = open(Path(run_dir) / file, "w")
