@@ -38,6 +38,7 @@ from strategies.base import (
 from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
 from strategies.declarations import Collective, Conformance, Layout, Mesh, Placement, Requirements, Transients
+from strategies.held import check_held, fill_held, held_tensors
 from strategies.moe import (
     SameModulesCheck,
     block_classes,
@@ -188,6 +189,7 @@ class FSDP:
                     f"(its classes: {', '.join(present)}); e.g. strategy.shard_units=[{guess}]"
                 )
         check_moe_blocks(model, self.moe_blocks)
+        check_held(model, "fsdp")  # tensors the model holds outside its parameters and buffers: filled in setup
         blocks = moe_blocks(model, self.moe_blocks)
         split = units_inside(model, blocks, units)
         if split:
@@ -234,6 +236,7 @@ class FSDP:
         # materialises only its own shards, filled from rank 0's tensors one at a time.
         whole = build_model() if ctx.rank == 0 else None
         model = build_model(meta=True)
+        held = held_tensors(model)  # a scheduler's noise schedule, a lookup table: neither parameters nor buffers
         units = unit_modules(model, unit_classes(model, self.shard_units))
         # Inside a unit, FSDP2 reduce-scatters only the gradients its rank has: an expert a rank skipped must still
         # get one (zero), or the ranks' reduce-scatters differ in size.
@@ -273,6 +276,7 @@ class FSDP:
             )
         model.to_empty(device="cpu" if self.offload == "cpu" else ctx.device)
         _fill_from_rank0(model, whole)
+        fill_held(held, model, whole, ctx.device)  # what to_empty and the state dict never reach: rank 0's values
         del whole
         reduce_scatter, all_gather = _counting_collectives(self._counter)
         for module in model.modules():
