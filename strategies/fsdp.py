@@ -216,6 +216,12 @@ class FSDP:
                 "e.g. strategy.shard_units=[MyBlock]",
                 flush=True,
             )
+        if not ctx.no_grad:
+            return None
+        return (
+            "fsdp reduces only the gradients that exist: a parameter gets one only in a step where the forwards used "
+            "it, and changes only then, as in one process (the ranks' forwards must use the same parameters in a step)"
+        )
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
         from torch.distributed._composable import checkpoint

@@ -25,6 +25,7 @@ from strategies.deepspeed import zero
 from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config
 from strategies.deepspeed.ops import async_io_problem
 from strategies.moe import SameModulesCheck, check_moe_blocks, moe_blocks, use_every_parameter
+from strategies.no_grad import without_decay
 
 ADAM_OPTIMIZERS = {"torch.optim.AdamW": True, "torch.optim.Adam": False}
 """Optimizers DeepSpeed's CPU Adam can stand in for under optimizer offload: class -> adamw_mode."""
@@ -127,7 +128,7 @@ class DeepSpeed:
         return Conformance(tolerance=1e-5 if self.offload_optimizer != "none" else 1e-6,
                            comm_slack=0.06 if self.stage >= 3 else 0.02)  # fmt: skip
 
-    def check(self, ctx: RunContext, model: nn.Module) -> None:
+    def check(self, ctx: RunContext, model: nn.Module) -> str | None:
         if ctx.compile:
             raise ValueError(
                 "trainer.compile=true is not supported by DeepSpeed strategies here; "
@@ -165,6 +166,14 @@ class DeepSpeed:
         build_ds_config(ctx, self.stage, self.offload_optimizer, self.offload_params, self.nvme_path, self.ds_config)
         if "nvme" in (self.offload_optimizer, self.offload_params):
             self._check_nvme(ctx, sum(p.numel() for p in model.parameters()))
+        if not ctx.no_grad:
+            return None
+        return (
+            f"ZeRO-{self.stage} gives every parameter a gradient, zero where it got none: these are stepped in a group "
+            "without weight decay, so while they get none they stay as they are; one that gets a gradient in some "
+            "steps and none in others moves in the others too (its optimizer moments are no longer zero) and is never "
+            "decayed, unlike under ddp and fsdp"
+        )
 
     def _check_nvme(self, ctx: RunContext, params: int) -> None:
         path = self.nvme_path
@@ -245,14 +254,17 @@ class DeepSpeed:
         )
 
     def _optimizer(self, model: nn.Module, build_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        # Parameters that got no gradient on the launcher's first micro-batch get a zero one in DeepSpeed's flat
+        # buffers: without weight decay, zero moments leave them as they are (`strategies.no_grad`).
+        params = without_decay(model, self.ctx.no_grad)
         if self.offload_optimizer == "none":
-            return build_optimizer(model.parameters())
+            return build_optimizer(params)
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         # The offloaded step runs on the host in DeepSpeed's C++ Adam, with optim's values.
         assert isinstance(build_optimizer, functools.partial), "optim must be a partial (hydra _partial_)"
         keywords = {k: v for k, v in build_optimizer.keywords.items() if k in ("lr", "betas", "eps", "weight_decay")}
-        return DeepSpeedCPUAdam(model.parameters(), adamw_mode=ADAM_OPTIMIZERS[self.optimizer_target], **keywords)
+        return DeepSpeedCPUAdam(params, adamw_mode=ADAM_OPTIMIZERS[self.optimizer_target], **keywords)
 
     def forward(self, batch: Any) -> torch.Tensor:
         with self._same_modules.watch():
