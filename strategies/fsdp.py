@@ -168,7 +168,7 @@ class FSDP:
             return Conformance(ranks=4, overrides=("strategy.shard_size=2", "batch.micro_size=2"))
         return Conformance()
 
-    def check(self, ctx: RunContext, model: nn.Module) -> None:
+    def check(self, ctx: RunContext, model: nn.Module) -> str | None:
         self.mesh.shape(ctx.world_size, ctx.local_world_size)  # sizes that do not tile the world raise here
         # Values outside offload's and reduce_dtype's choices already fail at composition (typed schema).
         if self.reduce_dtype == "fp16" and ctx.precision != "fp16":
