@@ -346,7 +346,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     except ChildFailedError as e:
         from launcher.plan.commands import memory_advice
 
-        lines = rank_lines(e, oom_before, lambda: memory_advice(OmegaConf.load(resolved), available), spare)
+        lines = rank_lines(e, oom_before, lambda: memory_advice(OmegaConf.load(resolved), available), spare, run_dir)
         if all(secondary(line) for line in lines) and (gone := lost()):
             return Outcome(EXIT_FAILED, gone)  # this node's ranks only lost their peers
         return Outcome(EXIT_FAILED, lines[0], tuple(lines[1:]))

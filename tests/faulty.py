@@ -111,3 +111,14 @@ class KilledGPT(_Faulty):
     def fail(self) -> None:
         if os.path.exists(self.while_there):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class AbortedGPT(_Faulty):
+    """Aborted (SIGABRT, as gloo aborts a rank whose collectives no longer match) while it waits in torch.distributed:
+    a receive no rank sends to, interrupted a second later."""
+
+    def fail(self) -> None:
+        import threading
+
+        threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGABRT)).start()
+        dist.recv(torch.zeros(1), src=0)
