@@ -117,6 +117,8 @@ def fill_held(held: list[Held], model: nn.Module, whole: nn.Module | None, devic
     (collective: one broadcast per tensor over `device`). A tensor held under several paths stays one tensor."""
     import torch.distributed as dist
 
+    if not held:  # the same walk on every rank: none has any, and no collective is skipped by one rank alone
+        return
     distinct = list({id(h.tensor): h for h in held}.values())
     sources = [_resolve(whole, h.steps) for h in distinct] if whole is not None else []
     specs: list[Any] = [[(str(t.device), t.requires_grad) for t in sources]]
