@@ -362,8 +362,8 @@ def _without_gradient(model: Any, loss: Any) -> list[str] | None:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         return []
-    if not loss.requires_grad:
-        return [n for n, _ in named]
+    if not loss.requires_grad:  # a loss made without autograd: nothing to learn from it here
+        return None
     try:
         grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
     except Exception as e:

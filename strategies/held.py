@@ -120,11 +120,12 @@ def fill_held(held: list[Held], model: nn.Module, whole: nn.Module | None, devic
     if not held:  # the same walk on every rank: none has any, and no collective is skipped by one rank alone
         return
     distinct = list({id(h.tensor): h for h in held}.values())
-    sources = [_resolve(whole, h.steps) for h in distinct] if whole is not None else []
-    specs: list[Any] = [[(str(t.device), t.requires_grad) for t in sources]]
+    sources = [_source(whole, h) for h in distinct] if whole is not None else []
+    specs: list[Any] = [[(t.device.type, t.requires_grad) for t in sources]]
     dist.broadcast_object_list(specs, src=0)
     filled: dict[int, torch.Tensor] = {}
-    for i, (h, (where, grad)) in enumerate(zip(distinct, specs[0])):
+    for i, (h, (kind, grad)) in enumerate(zip(distinct, specs[0])):
+        where = device if kind == torch.device(device).type else kind  # rank 0's accelerator: this rank's own
         buffer = (
             sources[i].detach().to(device, copy=True)
             if whole is not None
@@ -139,6 +140,19 @@ def fill_held(held: list[Held], model: nn.Module, whole: nn.Module | None, devic
     for h in held:
         if id(h.tensor) in filled:
             _replace(model, h.steps, filled[id(h.tensor)])
+
+
+def _source(whole: nn.Module, held: Held) -> torch.Tensor:
+    """Rank 0's tensor at the path of `held`, checked against it."""
+    found = _resolve(whole, held.steps)
+    if not isinstance(found, torch.Tensor) or found.shape != held.tensor.shape or found.dtype != held.tensor.dtype:
+        raise RuntimeError(
+            f"{held.path} is a {held.tensor.dtype} tensor of shape {tuple(held.tensor.shape)} in the model built on "
+            f"the meta device but {type(found).__name__} {getattr(found, 'dtype', '')} "
+            f"{tuple(getattr(found, 'shape', ()))} in rank 0's: its constructor made it differently; build it the "
+            "same way on any device, or use strategy=ddp or a ZeRO preset"
+        )
+    return found
 
 
 def _resolve(root: nn.Module, steps: tuple[Step, ...]) -> Any:
