@@ -190,7 +190,9 @@ def _line(rank: int, failure: Any, oom: bool, run_dir: Path | None = None) -> st
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return f"rank {rank} was killed by {name}{killed_where(run_dir, rank) if run_dir else ''}"
+        # SIGTERM is the agent's stop of a rank whose peer failed (`secondary`): where it was says nothing more.
+        where = killed_where(run_dir, rank) if run_dir and code != -signal.SIGTERM else ""
+        return f"rank {rank} was killed by {name}{where}"
     return f"rank {rank} failed: {_summary(text, code)}"
 
 
