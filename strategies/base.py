@@ -339,6 +339,9 @@ def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 
 def load_torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    """`state` is this strategy's template filled from a checkpoint (every model entry is there, or the load failed):
+    not strict, so that a parameter the checkpoint has no optimizer state for (it never got a gradient) gets none."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    options = StateDictOptions(strict=False)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)

@@ -21,7 +21,7 @@ DENOISER = ["model=custom", "model._target_=family_models.Denoiser", "data=custo
 # rounding noise (1e-11), which at torch's eps of 1e-8 Adam turns into moves of 1e-6 per step that follow the
 # summation order (up to 5e-6 apart after 4 steps, on one tensor and what it touches).
 LLAVA = ["model=custom", "model._target_=family_models.llava", "data=custom", "data._target_=family_models.image_text",
-         "trainer.max_steps=4", "trainer.save_at_end=true", "optim.eps=1e-6"]  # fmt: skip
+         "trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.keep_last=0", "optim.eps=1e-6"]  # fmt: skip
 WHISPER = ["model=custom", "model._target_=family_models.whisper", "data=custom", "data._target_=family_models.speech",
            "trainer.max_steps=4"]  # fmt: skip
 # Accumulation 1 (2 ranks of 1 sample, one process of 2): the branch runs in every even step on every rank.
@@ -81,6 +81,23 @@ def test_a_vision_language_model_keeps_the_parameters_it_never_uses_under_every_
     assert sorted(jobs(sweep)) == ["ddp", "fsdp", "zero2", "zero3"]
     for strategy, job in jobs(sweep).items():
         assert [m["loss"] for m in metrics(job)] == pytest.approx(one.losses(), abs=EXACT), strategy
+        apart = {k: d for k, d in differences(final_weights(job), expected).items() if d > EXACT}
+        assert not apart, (strategy, apart)
+
+
+def test_a_checkpoint_without_optimizer_state_for_unused_parameters_resumes_under_other_strategies(
+    conformance_dir: Path,
+) -> None:
+    """One process (ddp) saves no optimizer state for the parameters LLaVA never uses (torch makes none for a `.grad`
+    that is None): fsdp and zero3 resume from its step 3 with none for them either, and go on as it did."""
+    one = one_process(conformance_dir, "smoke-llava-one", *LLAVA)
+    step3 = one.run_dir / "checkpoints" / "step_00000003"
+    run, sweep = smoke(conformance_dir, "smoke-llava-resumed", *LLAVA, "strategy=fsdp,zero3", f"resume={step3}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = final_weights(one.run_dir)
+    assert sorted(jobs(sweep)) == ["fsdp", "zero3"]
+    for strategy, job in jobs(sweep).items():
+        assert [m["loss"] for m in metrics(job)] == pytest.approx(one.losses()[3:], abs=EXACT), strategy
         apart = {k: d for k, d in differences(final_weights(job), expected).items() if d > EXACT}
         assert not apart, (strategy, apart)
 
