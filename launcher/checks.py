@@ -5,7 +5,8 @@ They take the model already built on the meta device (`launcher.meta`), so nothi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +41,11 @@ def check_strategy(frozen: DictConfig, model: Any) -> Requirements:
     """The strategy's own checks, from rank 0's view of a frozen config that carries `derived`; what it requires."""
     strategy = make_strategy(frozen.strategy)
     try:
-        strategy.check(run_context(frozen, 0, 0, frozen.derived.world_size), model)
+        clause = strategy.check(run_context(frozen, 0, 0, frozen.derived.world_size), model)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if frozen.derived.get("no_grad"):
+        print(no_grad_line(frozen, model, clause if isinstance(clause, str) else None), flush=True)
     return strategy.requirements()
 
 
@@ -137,18 +140,37 @@ def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] =
     raise ConfigError(f"{path}._target_={target} does not take {keys} (it takes: {takes}); {fix}")
 
 
-def check_built(frozen: DictConfig, model: Any) -> None:
+def check_built(frozen: DictConfig, model: Any) -> list[str] | None:
     """Build in the parent what the workers will build, and refuse in one line what fails: the optimizer over the
     model's (meta) parameters, the data's own preparation (data=text tokenizes here), both datasets and their first
-    samples, a forward of one micro-batch on the meta device, the logger's settings, the vocabulary. Nothing here
-    allocates a model's memory."""
+    samples, a forward and backward of one micro-batch on the meta device, the logger's settings, the vocabulary.
+    Nothing here allocates a model's memory. Returns the trainable parameters that got no gradient in that backward
+    (none of a mixture-of-experts block's: every strategy gives those one), or None when it could not run."""
     _check_optimizer(frozen, model)
     _prepare_data(frozen)
     sample = _check_datasets(frozen)
-    if sample is not None:
-        _check_forward(frozen, model, sample)
+    no_grad = _check_forward(frozen, model, sample) if sample is not None else None
     _check_logger(frozen)
     _check_vocabulary(frozen, model)
+    return None if no_grad is None else _outside_moe_blocks(model, no_grad, frozen.strategy.get("moe_blocks"))
+
+
+def _outside_moe_blocks(model: Any, names: list[str], explicit: Any) -> list[str]:
+    from strategies.moe import moe_blocks
+
+    blocks = {id(m) for m in moe_blocks(model, None if explicit is None else [str(c) for c in explicit])}
+    inside = [path for path, m in model.named_modules() if id(m) in blocks]
+    return [n for n in names if not any(n.startswith(f"{path}.") for path in inside)]
+
+
+def no_grad_line(frozen: DictConfig, model: Any, clause: str | None) -> str:
+    """The launcher's line naming the parameters that got no gradient (`derived.no_grad`), with what the strategy
+    says it does about them."""
+    from strategies.no_grad import count, grouped
+
+    names = list(frozen.derived.no_grad)
+    line = f"launch: {count(names)} got no gradient from the first micro-batch: {grouped(names, model)}"
+    return f"{line}; {clause}" if clause else line
 
 
 def _prepare_data(frozen: DictConfig) -> None:
@@ -368,7 +390,9 @@ def _positions(model: Any) -> tuple[int | None, str]:
     return (limit, "model.config.max_position_embeddings") if isinstance(limit, int) else (None, "")
 
 
-def _check_forward(frozen: DictConfig, model: Any, batch: Any) -> None:
+def _check_forward(frozen: DictConfig, model: Any, batch: Any) -> list[str] | None:
+    """A forward and backward of the first micro-batch on the meta device; the parameters that got no gradient
+    (`_without_gradient`), or None when the meta device could not run it (said in a line)."""
     import torch
 
     from launcher.collate import to_device
@@ -385,7 +409,7 @@ def _check_forward(frozen: DictConfig, model: Any, batch: Any) -> None:
             f"data: {seq} exceeds the model's {limit} positions ({setting}); lower data.seq_len or raise {setting}"
         )
     try:
-        with torch.no_grad():
+        with torch.enable_grad(), _value_checks_pass():
             output = call_model(model, to_device(batch, torch.device("meta")))
     except TypeError as e:  # the batch's keys or arguments against the forward's parameters
         raise _fail("model", e, "make the model's forward take the data's batch and return the loss") from e
@@ -399,11 +423,63 @@ def _check_forward(frozen: DictConfig, model: Any, batch: Any) -> None:
             "its first step checks it",
             flush=True,
         )
-        return
+        return None
     try:
-        model_loss(output)
+        loss, _ = model_loss(output)
     except Exception as e:
         raise _fail("model", e, "make the model's forward take the data's batch and return the loss") from e
+    return _without_gradient(model, loss)
+
+
+def _without_gradient(model: Any, loss: Any) -> list[str] | None:
+    """The trainable parameters that get no gradient from `loss`, by name: a backward on the meta device (no memory,
+    no values; nothing stored in `.grad`). None, with a line, where the meta device cannot run it."""
+    import torch
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        return []
+    if not loss.requires_grad:  # a loss made without autograd: nothing to learn from it here
+        return None
+    try:
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    except Exception as e:
+        message = " ".join(str(e).split()).split(". ")[0][:200]
+        print(
+            f"launch: could not find the parameters that get no gradient on the meta device ({type(e).__name__}: "
+            f"{message}); a strategy that needs every gradient says so at its first step",
+            flush=True,
+        )
+        return None
+    return [n for (n, _), g in zip(named, grads) if g is None]
+
+
+@contextmanager
+def _value_checks_pass() -> Iterator[None]:
+    """torch's own checks of values (`torch._check_tensor_all`: `_is_all_true().item()`, as transformers checks that
+    LLaVA's image tokens match its image features) taken as passing on the meta device, which has no values to check;
+    the first real step checks them. Any other `.item()` still fails, as data-dependent control flow must."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    checks = (torch.ops.aten._is_all_true.default, torch.ops.aten._is_any_true.default)
+    scalar = torch.ops.aten._local_scalar_dense.default
+
+    class Passing(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.verdicts: list[Any] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is scalar and any(args[0] is v for v in self.verdicts):
+                return True
+            out = func(*args, **(kwargs or {}))
+            if func in checks and out.is_meta:
+                self.verdicts.append(out)
+            return out
+
+    with Passing():
+        yield
 
 
 def _meta_artefact(e: BaseException) -> str | None:

@@ -35,6 +35,7 @@ def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int, mi
         micro_size=micro,
         compile=bool(cfg.trainer.compile),
         local_world_size=int(derived.gpus),
+        no_grad=tuple(str(name) for name in derived.get("no_grad") or ()),
     )
 
 

@@ -36,16 +36,19 @@ def oom_kills() -> int:
     return total
 
 
-def rank_lines(error: Any, oom_before: int, advice: Callable[[], str] = str, spare: Path | None = None) -> list[str]:
+def rank_lines(
+    error: Any, oom_before: int, advice: Callable[[], str] = str, spare: Path | None = None, run_dir: Path | None = None
+) -> list[str]:
     """One line per failing rank of a ChildFailedError, the first failure first, ranks that failed alike in one line;
     `advice` (what would fit in memory) is asked for only when the out-of-memory killer is named. A report a worker
-    could not write where the agent reads it (a full disk) is read from `spare`, the launcher's own folder."""
+    could not write where the agent reads it (a full disk) is read from `spare`, the launcher's own folder. A rank
+    killed by a signal is said with where it was (`killed_where`, from `run_dir`'s logs)."""
     _add_unlisted(error.failures, spare)
     for rank, failure in error.failures.items():
         _read_spare(failure, spare / f"rank{rank}.json" if spare else None)
     ranks = sorted(error.failures, key=lambda r: _order(r, error.failures[r]))
     oom = oom_kills() > oom_before
-    lines = _merged([_line(rank, error.failures[rank], oom) for rank in ranks])
+    lines = _merged([_line(rank, error.failures[rank], oom, run_dir) for rank in ranks])
     if any(OOM in line for line in lines):
         note = advice()
         lines = [f"{line}: {note}" if OOM in line and note else line for line in lines]
@@ -172,7 +175,7 @@ def _order(rank: int, failure: Any) -> tuple[int, float, int]:
     return (3 if failure.exitcode == -signal.SIGTERM else 1), float(failure.timestamp), rank
 
 
-def _line(rank: int, failure: Any, oom: bool) -> str:
+def _line(rank: int, failure: Any, oom: bool, run_dir: Path | None = None) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
@@ -187,8 +190,67 @@ def _line(rank: int, failure: Any, oom: bool) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return f"rank {rank} was killed by {name}"
+        # SIGTERM is the agent's stop of a rank whose peer failed (`secondary`): where it was says nothing more.
+        where = killed_where(run_dir, rank) if run_dir and code != -signal.SIGTERM else ""
+        return f"rank {rank} was killed by {name}{where}"
     return f"rank {rank} failed: {_summary(text, code)}"
+
+
+def killed_where(run_dir: Path, rank: int) -> str:
+    """Where a rank that a signal killed was: the collective it was in (from the stacks faulthandler wrote into
+    `logs/stacks/rank<N>` as it died; a SIGKILL leaves none), and its phase, or the newest phase of the group's when
+    its own report (written every 2 s) is older; "" when no rank left either."""
+    collective = _fatal_collective(_read(run_dir / "logs" / "stacks" / f"rank{rank}"))
+    phases = {}
+    for file in (run_dir / "logs" / "phase").glob("rank*"):
+        stamp, _, what = _read(file).partition(" ")
+        if file.name.removeprefix("rank").isdigit() and what:
+            try:
+                phases[int(file.name.removeprefix("rank"))] = (float(stamp), what)
+            except ValueError:
+                continue
+    own = phases.get(rank)
+    newest = max(phases.items(), key=lambda item: item[1][0], default=None)
+    if newest is None:
+        where = ""
+    elif own is not None and (newest[0] == rank or newest[1][1] == own[1]):
+        where = f" while {own[1]}"
+    else:
+        last = f"rank {rank}'s own last report, written every 2 s, said {own[1]}" if own else f"rank {rank} wrote none"
+        where = f" while the group was {newest[1][1]} (rank {newest[0]}'s phase; {last})"
+    stacks = f" (its stacks: {run_dir / 'logs' / 'stacks' / f'rank{rank}'})" if collective else ""
+    return (f" in {collective}" if collective else "") + where + stacks
+
+
+C10D = "torch/distributed/distributed_c10d.py"
+
+
+def _fatal_collective(dump: str) -> str | None:
+    """The collective of torch.distributed that the last fatal-error dump of faulthandler shows a thread in, the
+    signalled thread's first, and who called it: `torch.distributed.reduce, called from
+    deepspeed/runtime/zero/stage_1_and_2.py (allreduce_bucket)`."""
+    fatal = dump.rpartition("Fatal Python error")[2]
+    if not fatal:
+        return None
+    threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", fatal)
+    threads.sort(key=lambda block: not block.startswith("Current thread"))
+    for block in threads:
+        frames = re.findall(r'File "([^"]+)", line \d+ in (\S+)', block)  # most recent call first
+        inside = next((i for i, (path, _) in enumerate(frames) if path.endswith(C10D)), None)
+        if inside is None:
+            continue
+        name = f"torch.distributed.{frames[inside][1]}"
+        caller = next(((p, f) for p, f in frames[inside + 1 :] if not _plumbing(p, f)), None)
+        if caller is None:
+            return name
+        path = caller[0].rpartition("site-packages/")[2]
+        return f"{name}, called from {path} ({caller[1]})"
+    return None
+
+
+def _plumbing(path: str, function: str) -> bool:
+    """A frame between a collective and the code that asked for it: torch's own, DeepSpeed's comm layer, a wrapper."""
+    return "/torch/" in path or "/deepspeed/comm/" in path or function == "wrapper"
 
 
 def _summary(message: str, exitcode: int) -> str:

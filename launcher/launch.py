@@ -83,7 +83,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         torch.set_num_threads(1)
     check_keys(frozen)
     model = build_on_meta(frozen.model)  # once: every check below reads this one
-    check_built(frozen, model)
+    no_grad = check_built(frozen, model)
     if is_auto(frozen):  # strategy=auto: the planner's pick replaces it before anything else reads the config
         name, frozen = choose(frozen, derived, model)
         if job and "choices" in job:
@@ -99,6 +99,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         "model": size.as_dict(),
         "plan_peak_bytes": planned_peak(frozen, derived, size),
         "vocab_size": vocabulary(model),  # the workers check user data's token ids against it
+        "no_grad": no_grad,  # parameters without a gradient from the first micro-batch: the strategies' RunContext
         "cluster": rdzv.job.cluster,
         "shared_run_dir": rdzv.job.shared_run_dir,  # the nodes' ranks check that they see one run directory
     }
@@ -348,7 +349,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     except ChildFailedError as e:
         from launcher.plan.commands import memory_advice
 
-        lines = rank_lines(e, oom_before, lambda: memory_advice(OmegaConf.load(resolved), available), spare)
+        lines = rank_lines(e, oom_before, lambda: memory_advice(OmegaConf.load(resolved), available), spare, run_dir)
         if all(secondary(line) for line in lines) and (gone := lost()):
             return Outcome(EXIT_FAILED, gone)  # this node's ranks only lost their peers
         return Outcome(EXIT_FAILED, lines[0], tuple(lines[1:]))

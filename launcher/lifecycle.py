@@ -240,6 +240,9 @@ class Phase:
         self._stacks = open(stacks, "a")  # faulthandler writes to this descriptor: it stays open for the process
         signal.signal(DUMP_SIGNAL, lambda _signum, _frame: self.try_flush())
         faulthandler.register(DUMP_SIGNAL, file=self._stacks, all_threads=True, chain=True)
+        # A fatal signal (SIGABRT: gloo's abort inside a collective; SIGSEGV) dumps the stacks there too: the launcher
+        # names the collective the rank died in (`launcher.failures.killed_where`).
+        faulthandler.enable(file=self._stacks, all_threads=True)
 
 
 FLIGHT_RECORDER = Path("logs") / "flight_recorder"

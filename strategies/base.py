@@ -42,6 +42,9 @@ class RunContext:
     it in check."""
     local_world_size: int | None = None
     """Ranks per node (the launcher's `gpus`); None: every rank is on one node."""
+    no_grad: tuple[str, ...] = ()
+    """Trainable parameters that got no gradient in the launcher's forward and backward of a first micro-batch (on the
+    meta device), by name; none of a mixture-of-experts block's (`strategies.no_grad`)."""
 
     @property
     def device_type(self) -> str:
@@ -71,10 +74,12 @@ class Strategy(Protocol):
     def conformance(self) -> Conformance:
         """What the conformance suite expects of it."""
 
-    def check(self, ctx: RunContext, model: nn.Module) -> None:
+    def check(self, ctx: RunContext, model: nn.Module) -> str | None:
         """Raise ValueError (one line: the bad value and the fix) for settings this strategy cannot run.
 
-        Called in the launcher, before any worker starts, with the model built on the meta device (no memory)."""
+        Called in the launcher, before any worker starts, with the model built on the meta device (no memory). Returns
+        what the run will do about the parameters `ctx.no_grad` names (a clause of the launcher's line naming them),
+        or None."""
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
         """Build the model (where the layout needs it), wrap it, and create the optimizer over the wrapped
@@ -335,6 +340,9 @@ def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 
 def load_torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    """`state` is this strategy's template filled from a checkpoint (every model entry is there, or the load failed):
+    not strict, so that a parameter the checkpoint has no optimizer state for (it never got a gradient) gets none."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    options = StateDictOptions(strict=False)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)

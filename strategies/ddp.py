@@ -30,6 +30,7 @@ from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
 from strategies.declarations import WIRE_BYTES, Collective, Conformance, Layout, Placement, Requirements, Transients
 from strategies.moe import SameModulesCheck, check_moe_blocks, moe_blocks, use_every_parameter
+from strategies.no_grad import AbsentGradients, count, ddp_unused, grouped
 
 UNUSED = "Expected to have finished reduction in the prior iteration"
 """The start of torch's error when a parameter got no gradient on a rank and find_unused_parameters was off."""
@@ -110,13 +111,23 @@ class DDP:
         lossy = self.grad_compression != "none"
         return Conformance(tolerance=2e-4 if lossy else 1e-6, lossy=lossy)
 
-    def check(self, ctx: RunContext, model: nn.Module) -> None:
+    def check(self, ctx: RunContext, model: nn.Module) -> str | None:
         check_moe_blocks(model, self.moe_blocks)
         if ctx.compile and self.compile_units == []:
             raise ValueError(
                 "trainer.compile=true compiles each unit, but strategy.compile_units is empty; "
                 "name the unit classes, e.g. strategy.compile_units=[Block]"
             )
+        if not ctx.no_grad:
+            return None
+        if self.find_unused_parameters:
+            how = "finds them at every forward (strategy.find_unused_parameters=true)"
+        else:
+            how = "leaves them out of its buckets and all-reduces them itself once per step, with a flag each"
+        return (
+            f"ddp {how}: a parameter gets a gradient only in a step where some rank's forward used it, and changes "
+            "only then, as in one process"
+        )
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
         self.ctx = ctx
@@ -126,6 +137,13 @@ class DDP:
         # routed nothing to), as under FSDP and ZeRO: the same gradients, and no unused parameters to find.
         blocks = moe_blocks(module, self.moe_blocks)
         use_every_parameter(blocks)
+        # Parameters the launcher saw get no gradient stay out of DDP's buckets (each bucket waits for all of its
+        # gradients) unless DDP searches the graph for them itself; they are synchronised in `step`.
+        absent = [] if self.find_unused_parameters else list(ctx.no_grad)
+        if absent:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, absent)
+        self._absent = AbsentGradients(module, absent, self._counter)
+        self._moe = bool(blocks)
         if ctx.compile:
             # Before wrapping: DDP's bucketed all-reduce hooks stay outside the compiled graphs (as under FSDP).
             # Unit by unit where the model has units (the model's _no_split_modules, or strategy.compile_units).
@@ -140,8 +158,11 @@ class DDP:
             gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
         self.model.register_comm_hook(_Counting(self._counter, self.grad_compression), _counting_hook)
-        # With find_unused_parameters off, a module one rank skips is named once, not a collective that never ends.
-        self._same_modules = SameModulesCheck(module, [module] if self.find_unused_parameters else blocks)
+        self._absent.broadcast()
+        # With find_unused_parameters off, a module one rank skips is named once, not a collective that never ends;
+        # modules whose parameters are all synchronised apart (`absent`) may be skipped by any rank.
+        apart = [m for m in module.modules() if _params_within(m, self._absent.params)]
+        self._same_modules = SameModulesCheck(module, [module] if self.find_unused_parameters else blocks + apart)
         self.optimizer = build_optimizer(self.model.parameters())
         self.dtype = autocast_dtype(ctx.precision)
         # fp16 needs loss scaling; bf16 and fp32 do not.
@@ -155,10 +176,18 @@ class DDP:
         except RuntimeError as e:
             if UNUSED not in str(e):
                 raise
-            raise RuntimeError(
-                "some parameters got no gradient on a rank in the previous step (a module its forward skipped: an "
-                "expert no token was routed to?); set strategy.find_unused_parameters=true"
-            ) from e
+            raise RuntimeError(self._unused_line(str(e))) from e
+
+    def _unused_line(self, message: str) -> str:
+        """DDP's error after a step in which some parameters got no gradient, naming them (by the indices it lists)."""
+        found = ddp_unused(message, self.model.module, self._absent.names)
+        which = (
+            f"{count(found[1])} got no gradient on rank {found[0]} in the previous step: {grouped(found[1])}"
+            if found and found[1]
+            else "some parameters got no gradient on a rank in the previous step"
+        )
+        guess = " (experts no token was routed to?)" if self._moe else ""
+        return f"{which}{guess}; DDP waits for every gradient unless told: set strategy.find_unused_parameters=true"
 
     def sync(self, enabled: bool) -> AbstractContextManager[None]:
         return nullcontext() if enabled else self.model.no_sync()
@@ -168,6 +197,7 @@ class DDP:
         self.scaler.scale(loss).backward()
 
     def step(self, lr: float) -> float:
+        self._absent.reduce(self.ctx.world_size)
         norm, held, _ = optimizer_step(self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr)
         self._last_step = step_figures(self._counter, held, loss_scale=scaler_scale(self.scaler))
         return norm
@@ -186,3 +216,10 @@ class DDP:
 
     def teardown(self) -> None:
         self.model = self.optimizer = self.scaler = None  # type: ignore[assignment]
+
+
+def _params_within(module: nn.Module, params: list[nn.Parameter]) -> bool:
+    """Whether every trainable parameter of the module's own is one of `params` (and it has one)."""
+    own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    ids = {id(p) for p in params}
+    return bool(own) and all(id(p) in ids for p in own)

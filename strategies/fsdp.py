@@ -38,6 +38,7 @@ from strategies.base import (
 from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
 from strategies.declarations import Collective, Conformance, Layout, Mesh, Placement, Requirements, Transients
+from strategies.held import check_held, fill_held, held_tensors
 from strategies.moe import (
     SameModulesCheck,
     block_classes,
@@ -167,7 +168,7 @@ class FSDP:
             return Conformance(ranks=4, overrides=("strategy.shard_size=2", "batch.micro_size=2"))
         return Conformance()
 
-    def check(self, ctx: RunContext, model: nn.Module) -> None:
+    def check(self, ctx: RunContext, model: nn.Module) -> str | None:
         self.mesh.shape(ctx.world_size, ctx.local_world_size)  # sizes that do not tile the world raise here
         # Values outside offload's and reduce_dtype's choices already fail at composition (typed schema).
         if self.reduce_dtype == "fp16" and ctx.precision != "fp16":
@@ -188,6 +189,7 @@ class FSDP:
                     f"(its classes: {', '.join(present)}); e.g. strategy.shard_units=[{guess}]"
                 )
         check_moe_blocks(model, self.moe_blocks)
+        check_held(model, "fsdp")  # tensors the model holds outside its parameters and buffers: filled in setup
         blocks = moe_blocks(model, self.moe_blocks)
         split = units_inside(model, blocks, units)
         if split:
@@ -214,6 +216,12 @@ class FSDP:
                 "e.g. strategy.shard_units=[MyBlock]",
                 flush=True,
             )
+        if not ctx.no_grad:
+            return None
+        return (
+            "fsdp reduces only the gradients that exist: a parameter gets one only in a step where the forwards used "
+            "it, and changes only then, as in one process (the ranks' forwards must use the same parameters in a step)"
+        )
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
         from torch.distributed._composable import checkpoint
@@ -234,6 +242,7 @@ class FSDP:
         # materialises only its own shards, filled from rank 0's tensors one at a time.
         whole = build_model() if ctx.rank == 0 else None
         model = build_model(meta=True)
+        held = held_tensors(model)  # a scheduler's noise schedule, a lookup table: neither parameters nor buffers
         units = unit_modules(model, unit_classes(model, self.shard_units))
         # Inside a unit, FSDP2 reduce-scatters only the gradients its rank has: an expert a rank skipped must still
         # get one (zero), or the ranks' reduce-scatters differ in size.
@@ -273,6 +282,7 @@ class FSDP:
             )
         model.to_empty(device="cpu" if self.offload == "cpu" else ctx.device)
         _fill_from_rank0(model, whole)
+        fill_held(held, model, whole, ctx.device)  # what to_empty and the state dict never reach: rank 0's values
         del whole
         reduce_scatter, all_gather = _counting_collectives(self._counter)
         for module in model.modules():

@@ -119,3 +119,14 @@ class StoppedGPT(_Faulty):
 
     def fail(self) -> None:
         os.kill(os.getppid(), signal.SIGTERM)
+
+
+class AbortedGPT(_Faulty):
+    """Aborted (SIGABRT, as gloo aborts a rank whose collectives no longer match) while it waits in torch.distributed:
+    a receive no rank sends to, interrupted a second later."""
+
+    def fail(self) -> None:
+        import threading
+
+        threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGABRT)).start()
+        dist.recv(torch.zeros(1), src=0)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch_here
+from conftest import LAUNCH, TINY, clean_env, launch, launch_here
 
 CUSTOM_CLASSIFIER = ["model=custom", "model._target_=user_models.Classifier", "data=custom",
                      "data._target_=user_models.images"]  # fmt: skip
@@ -209,6 +209,17 @@ def test_a_worker_killed_otherwise_is_not_blamed_on_memory(tmp_path: Path) -> No
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "launch: error: rank 1 was killed by SIGKILL" in err and "out-of-memory" not in err, err
+
+
+def test_a_rank_killed_inside_a_collective_is_said_with_the_collective_and_its_phase(tmp_path: Path) -> None:
+    """gloo aborts a rank whose collectives no longer match (SIGABRT): the line says which call of torch.distributed it
+    died in, who called it (from the stacks faulthandler wrote as it died) and what the group was doing."""
+    run = launch(tmp_path, *TINY, "gpus=2", "trainer.max_steps=5", "model._target_=faulty.AbortedGPT")
+    assert run.returncode == 1, run.stderr
+    line = next(line for line in run.stderr.splitlines() if line.startswith("launch: error: rank 1"))
+    assert line.startswith("launch: error: rank 1 was killed by SIGABRT in torch.distributed.recv, called from "), line
+    assert "faulty.py (fail) while " in line and "forward/backward of step" in line, line
+    assert f"(its stacks: {run.run_dir / 'logs' / 'stacks' / 'rank1'})" in line, line
 
 
 def _memory_cgroup(tmp_path: Path, limit: int) -> Path:

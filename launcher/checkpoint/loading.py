@@ -51,6 +51,13 @@ def read_into(state: dict[str, Any], checkpoint: Location) -> None:
         {k: g.pop(k) for k in list(g) if k != "params" and f"optim.param_groups.{i}.{k}" not in stored}
         for i, g in enumerate(groups)
     ]
+    # A parameter that never got a gradient where the checkpoint was saved has no optimizer state there (torch's
+    # optimizers make none for a `.grad` that is None): it gets none here either, as it had none then. A checkpoint
+    # with no optimizer state at all (another optimizer's) still fails on the first entry it lacks.
+    saved = {key.removeprefix("optim.state.").rpartition(".")[0] for key in stored if key.startswith("optim.state.")}
+    states = state.get("optim", {}).get("state", {})
+    for name in [n for n in states if n not in saved] if saved else []:
+        del states[name]
     dcp_load(state, checkpoint)
     for group, values in zip(groups, own, strict=True):
         group.update(values)

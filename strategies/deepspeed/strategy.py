@@ -24,7 +24,8 @@ from strategies.declarations import WIRE_BYTES, Collective, Conformance, Layout,
 from strategies.deepspeed import zero
 from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config
 from strategies.deepspeed.ops import async_io_problem
-from strategies.moe import SameModulesCheck, check_moe_blocks, moe_blocks, use_every_parameter
+from strategies.moe import SameModulesCheck, block_classes, check_moe_blocks, moe_blocks, use_every_parameter
+from strategies.no_grad import without_decay
 
 ADAM_OPTIMIZERS = {"torch.optim.AdamW": True, "torch.optim.Adam": False}
 """Optimizers DeepSpeed's CPU Adam can stand in for under optimizer offload: class -> adamw_mode."""
@@ -127,7 +128,7 @@ class DeepSpeed:
         return Conformance(tolerance=1e-5 if self.offload_optimizer != "none" else 1e-6,
                            comm_slack=0.06 if self.stage >= 3 else 0.02)  # fmt: skip
 
-    def check(self, ctx: RunContext, model: nn.Module) -> None:
+    def check(self, ctx: RunContext, model: nn.Module) -> str | None:
         if ctx.compile:
             raise ValueError(
                 "trainer.compile=true is not supported by DeepSpeed strategies here; "
@@ -162,9 +163,28 @@ class DeepSpeed:
                 "(DeepSpeed's CPU accelerator refuses it); use precision=bf16 or fp32, or strategy=ddp or fsdp"
             )
         check_moe_blocks(model, self.moe_blocks)
+        blocks = moe_blocks(model, self.moe_blocks)
+        if blocks and self.sync_each_microbatch and self.stage >= 2:
+            # ZeRO-2/3 reduce each micro-step's gradients in buckets filled in the order the gradients are ready, which
+            # differs between ranks whose routers chose different experts: the ranks' reduces no longer match.
+            raise ValueError(
+                f"strategy.sync_each_microbatch=true under ZeRO-{self.stage} reduces each micro-step's gradients in "
+                "the order they are ready, which differs between ranks that routed to different experts of the "
+                f"mixture-of-experts block {', '.join(block_classes(blocks))}; use "
+                "strategy.sync_each_microbatch=false (one reduce per step, in the parameters' order), or "
+                "strategy=zero1 or fsdp"
+            )
         build_ds_config(ctx, self.stage, self.offload_optimizer, self.offload_params, self.nvme_path, self.ds_config)
         if "nvme" in (self.offload_optimizer, self.offload_params):
             self._check_nvme(ctx, sum(p.numel() for p in model.parameters()))
+        if not ctx.no_grad:
+            return None
+        return (
+            f"ZeRO-{self.stage} gives every parameter a gradient, zero where it got none: these are stepped in a group "
+            "without weight decay, so while they get none they stay as they are; one that gets a gradient in some "
+            "steps and none in others moves in the others too (its optimizer moments are no longer zero) and is never "
+            "decayed, unlike under ddp and fsdp"
+        )
 
     def _check_nvme(self, ctx: RunContext, params: int) -> None:
         path = self.nvme_path
@@ -216,6 +236,10 @@ class DeepSpeed:
         blocks = moe_blocks(model, self.moe_blocks)
         use_every_parameter(blocks)
         self._same_modules = SameModulesCheck(model, blocks)
+        # With routed experts, every step reduces once, at its end, in the parameters' order (also at K = 1):
+        # DeepSpeed's own path fills its buckets in the order gradients are ready, which differs between ranks that
+        # routed apart.
+        self._coalesce_always = bool(blocks)
         if blocks and self.stage == 3:
             from deepspeed.utils import set_z3_leaf_modules
 
@@ -245,14 +269,17 @@ class DeepSpeed:
         )
 
     def _optimizer(self, model: nn.Module, build_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        # Parameters that got no gradient on the launcher's first micro-batch get a zero one in DeepSpeed's flat
+        # buffers: without weight decay, zero moments leave them as they are (`strategies.no_grad`).
+        params = without_decay(model, self.ctx.no_grad)
         if self.offload_optimizer == "none":
-            return build_optimizer(model.parameters())
+            return build_optimizer(params)
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         # The offloaded step runs on the host in DeepSpeed's C++ Adam, with optim's values.
         assert isinstance(build_optimizer, functools.partial), "optim must be a partial (hydra _partial_)"
         keywords = {k: v for k, v in build_optimizer.keywords.items() if k in ("lr", "betas", "eps", "weight_decay")}
-        return DeepSpeedCPUAdam(model.parameters(), adamw_mode=ADAM_OPTIMIZERS[self.optimizer_target], **keywords)
+        return DeepSpeedCPUAdam(params, adamw_mode=ADAM_OPTIMIZERS[self.optimizer_target], **keywords)
 
     def forward(self, batch: Any) -> torch.Tensor:
         with self._same_modules.watch():
@@ -265,9 +292,10 @@ class DeepSpeed:
     def _micro_step(self, last: bool) -> Iterator[None]:
         # DeepSpeed's own path reduces in buckets during the backward (ZeRO-1 only on the boundary
         # micro-step, ZeRO-2/3 on every one): used for the last micro-step when nothing accumulated
-        # before it (K = 1), and for every micro-step with sync_each_microbatch.
+        # before it (K = 1) and the model routes no experts, and for every micro-step with sync_each_microbatch.
         self.engine.set_gradient_accumulation_boundary(last)
-        if not last and not self.sync_each_microbatch and self._accumulating is None:
+        coalesce = not last or self._coalesce_always
+        if coalesce and not self.sync_each_microbatch and self._accumulating is None:
             # Otherwise one coalescing block spans the micro-steps of an optimizer step: gradients
             # accumulate locally and are reduced once, when the last micro-step leaves the block.
             self._accumulating = ExitStack()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from strategies.comm import CommCounter
+from strategies.no_grad import NO_GRAD_GROUP
 
 COLLECTIVES = {
     "all_reduce": ("all_reduce", True),
@@ -184,10 +185,14 @@ def export_state(engine: Any, stage: int, offload_optimizer: str) -> dict[str, A
     if rank == 0:
         buffers = dict(module.named_buffers())
         model |= {n: buffers[n].detach().cpu() for n in _buffer_names(module)}
-    groups = []
+    groups: list[dict[str, Any]] = []
     for group, ids in zip(inner.param_groups, _group_members(engine, stage)):
+        names = [n for n, p in module.named_parameters() if id(p) in ids]
+        if group.get(NO_GRAD_GROUP) and groups:  # the strategy's own group: listed where every other strategy has them
+            groups[-1]["params"] += names
+            continue
         hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": [n for n, p in module.named_parameters() if id(p) in ids]})
+        groups.append({**hyper, "params": names})
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
@@ -229,7 +234,10 @@ def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params
     def full(name: str, p: torch.Tensor, key: str | None = None) -> torch.Tensor:
         """The full value of `p` (its weight, or its optimizer state `key`), broadcast from its owner."""
         mine = owner[id(p)] == rank
-        value = (weights[name] if key is None else moments[name][key]) if mine else None
+        # A parameter that never got a gradient under ddp or fsdp has no optimizer state there: zero moments here.
+        value = (weights[name] if key is None else moments.get(name, {}).get(key)) if mine else None
+        if mine and value is None:
+            value = torch.zeros(_full_shape(p))
         buffer = value.to(torch.float32).clone() if mine else torch.empty(_full_shape(p), dtype=torch.float32)
         dist.broadcast(buffer, src=owner[id(p)])
         return buffer
