@@ -51,7 +51,7 @@ def s3_server() -> Iterator[S3]:
     os.environ.update(env)
     try:
         s3 = S3(env)
-        s3.fs().mkdir(BUCKET)
+        s3.fs().makedirs(BUCKET, exist_ok=True)  # moto keeps its buckets per process, across its servers
         yield s3
     finally:
         for key, value in saved.items():
