@@ -193,7 +193,9 @@ def run_launch(tmp_path: Path):
     return _run
 
 
-def launch_once(tmp_path: Path, *overrides: str, name: str, timeout: float = 300) -> Run:
+def launch_once(
+    tmp_path: Path, *overrides: str, name: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> Run:
     """`launch` once per test session, whichever test process asks first; the others wait for it and read its result."""
     record = tmp_path / f"{name}.run.json"
     with open(tmp_path / f"{name}.lock", "w") as lock:
@@ -201,7 +203,7 @@ def launch_once(tmp_path: Path, *overrides: str, name: str, timeout: float = 300
         if record.exists():
             saved = json.loads(record.read_text())
             return Run(**{**saved, "run_dir": Path(saved["run_dir"])})
-        run = launch(tmp_path, *overrides, name=name, timeout=timeout)
+        run = launch(tmp_path, *overrides, name=name, timeout=timeout, env=env)
         record.write_text(json.dumps(asdict(run), default=str))
         return run
 
