@@ -25,7 +25,16 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.agent import agent_logs_to_file, failed_group_grace, preload
 from launcher.checks import check_built, check_keys, check_protocol, check_resume, check_strategy, vocabulary
 from launcher.clusters import detect, shaped
-from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze
+from launcher.config import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    ConfigError,
+    Derived,
+    derive,
+    freeze,
+    valid_micro_sizes,
+    world_sizes,
+)
 from launcher.durable import disk_error
 from launcher.failures import lost_node, oom_kills, rank_lines, secondary
 from launcher.identity import identity_hash
@@ -89,8 +98,11 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         if job and "choices" in job:
             job = {**job, "choices": {**job["choices"], "strategy": name}}  # record what runs, for reports and names
     check_protocol(frozen)  # before the planner reads the strategy (a user's, written to an older protocol)
+    read_adapted(run_dir)  # the run directory's record is data: a damaged one is refused, whatever the micro-batch
     if derived.micro_auto:  # batch.micro_size=auto: the largest that fits, or what an out-of-memory error left
-        frozen, derived = choose_micro(frozen, derived, model, read_adapted(run_dir))
+        worlds = world_sizes(f"{derived.min_nodes}:{derived.nodes}", derived.gpus)
+        valid = valid_micro_sizes(int(frozen.batch.global_size), worlds)
+        frozen, derived = choose_micro(frozen, derived, model, read_adapted(run_dir, valid))
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(model)
