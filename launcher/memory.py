@@ -134,22 +134,29 @@ class LiveStorages:
             self.live += now - held.nbytes
             held.nbytes = now
 
-    def see(self, tensor: torch.Tensor) -> int:
-        """Count `tensor`'s storage if it is new; the bytes newly counted."""
-        if is_traceable_wrapper_subclass(tensor):  # DTensor and the like: the tensors they wrap
+    def see(self, tensor: torch.Tensor, fresh: bool = True) -> None:
+        """Count `tensor`'s storage if it is new. `fresh`: an operator's result, whose storage may have been resized
+        in place (`resize_`, `set_`): a known one is counted at its size now; an input is only looked up."""
+        if type(tensor) not in _PLAIN and is_traceable_wrapper_subclass(tensor):  # DTensor: the tensors it wraps
             names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-            inner = (getattr(tensor, name) for name in names)
-            return sum(self.see(t) for t in inner if isinstance(t, torch.Tensor))
+            for inner in (getattr(tensor, name) for name in names):
+                if isinstance(inner, torch.Tensor):
+                    self.see(inner, fresh)
+            return
+        if not tensor.is_cpu:
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested, or no storage at all
-            return 0
-        return self.count(storage)
+            return
+        held = self.known.get(storage._cdata)
+        if held is None or fresh or held() is not storage:
+            self.count(storage)
 
-    def count(self, storage: Any) -> int:
-        """Count `storage` if it is new (a known one at its size now); the bytes newly counted."""
+    def count(self, storage: Any) -> None:
+        """Count `storage` if it is new, a known one at its size now."""
         if storage.device.type != "cpu":
-            return 0
+            return
         key, nbytes = storage._cdata, storage.nbytes()
         held = self.known.get(key)
         if held is not None:
@@ -157,26 +164,29 @@ class LiveStorages:
                 if held.nbytes != nbytes:  # resized in place
                     self.live += nbytes - held.nbytes
                     held.nbytes = nbytes
-                return 0
+                return
             del self.known[key]  # freed, its callback not drained yet: a new storage at the same address
             self.live -= held.nbytes
         if not nbytes or not storage.resizable():
-            return 0
+            return
         self.known[key] = _Held(storage, self.freed.append, key, nbytes)
         self.live += nbytes
-        return nbytes
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in an operator's arguments or result: itself, or inside lists, tuples and dicts."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types that wrap no other tensor (the common case, told without asking)."""
+
+
+def _see_all(see: Any, values: Any, fresh: bool) -> None:
+    """`see` every tensor among an operator's arguments or results: one, or in a list or tuple (one level: what
+    operators take and give)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            see(value, fresh)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    see(item, fresh)
 
 
 class _StoragePeak(TorchDispatchMode):
@@ -189,14 +199,18 @@ class _StoragePeak(TorchDispatchMode):
         self.peak = storages.live
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
         storages = self.storages
-        for tensor in _tensors((args, kwargs)):  # made where no operator showed it (another thread): from now on
-            storages.see(tensor)
-        out = func(*args, **kwargs)
-        for tensor in _tensors(out):
-            storages.see(tensor)
-        storages.drain()
+        # An input not known yet was made where no operator showed it (another thread, between two windows): counted
+        # from now on.
+        _see_all(storages.see, args, False)
+        if kwargs:
+            _see_all(storages.see, kwargs.values(), False)
+            out = func(*args, **kwargs)
+        else:
+            out = func(*args)
+        _see_all(storages.see, out if isinstance(out, (list, tuple)) else (out,), True)
+        if storages.freed:
+            storages.drain()
         if storages.live > self.peak:
             self.peak = storages.live
         return out
