@@ -27,25 +27,40 @@ def preload(requirements: Requirements, device_type: str) -> None:
         return
 
 
+STOPPED_BY_LAUNCHER: set[int] = set()
+"""Workers this launcher killed because another failed: not failures of their own (`launcher.failures`)."""
+
+
 def failed_group_grace(seconds: float, resize_timeout: float, run_dir: Path) -> None:
-    """Once a worker failed, torch's agent stops the others with SIGTERM and waits a fixed 30 s before SIGKILL
-    (`PContext.close()` and `LocalElasticAgent._stop_workers` take no setting; only a stop signal's shutdown uses
-    `shutdown_timeout`, trainer.stop_timeout). A worker of a failed group has nothing to save (its peers are gone),
-    and one that is hung or stopped never answers SIGTERM: the job ends `seconds` after the failure, not 30 s.
+    """Once a worker failed, torch stops the others with SIGTERM and waits a fixed 30 s before SIGKILL (forked
+    workers: `torch.multiprocessing`'s `ProcessContext.join`; started ones: `PContext.close()` and
+    `LocalElasticAgent._stop_workers`, which take no setting; only a stop signal's shutdown uses `shutdown_timeout`,
+    trainer.stop_timeout). A worker of a failed group has nothing to save (its peers are gone): here the others get
+    `seconds` after SIGTERM, and a worker that cannot act on SIGTERM none (`end_others`: one stopped, by SIGSTOP or a
+    debugger, or every worker still alive after a rank gave up waiting in a collective).
 
     A healthy group the agent stops because a node joins (nodes=MIN:MAX) has work worth saving: its ranks get
     `resize_timeout` (trainer.stop_timeout) to checkpoint the step they are in, told by `<run dir>/RESIZING` that
     this stop is a resize (`launcher.adapt.resizing`), not the user's."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import PContext
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, PContext
 
     from launcher.adapt import RESIZING
 
     close = getattr(PContext.close, "launch_original", PContext.close)
+    poll = getattr(MultiprocessContext._poll, "launch_original", MultiprocessContext._poll)
 
     def close_failed(context: Any, death_sig: Any = None, timeout: float = seconds) -> None:
+        for local_rank, pid in context.pids().items():
+            if _stopped(pid):
+                _kill(pid, context, local_rank, "it is stopped (state T) and cannot act on SIGTERM")
         close(context, death_sig, timeout)
+
+    def poll_failed(context: Any) -> Any:
+        if context._pc is not None and any(p.exitcode not in (None, 0) for p in context._pc.processes):
+            end_others(context, seconds)  # before torch's join would SIGTERM them and wait 30 s
+        return poll(context)
 
     def stop_workers(agent: Any, worker_group: Any, *args: Any, **kwargs: Any) -> None:
         if worker_group.state == WorkerState.HEALTHY:  # a node is waiting to join: the group restarts at a new size
@@ -55,8 +70,72 @@ def failed_group_grace(seconds: float, resize_timeout: float, run_dir: Path) -> 
             agent._shutdown(timeout=seconds)
 
     close_failed.launch_original = close  # type: ignore[attr-defined]
+    poll_failed.launch_original = poll  # type: ignore[attr-defined]
     PContext.close = close_failed  # type: ignore[method-assign]
+    MultiprocessContext._poll = poll_failed  # type: ignore[method-assign]
     LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
+
+
+def end_others(context: Any, seconds: float) -> None:
+    """A forked worker failed: every other one still alive ends within `seconds` (SIGTERM, then SIGKILL), and at once
+    one that could not act on SIGTERM: stopped (state T), or any, once a rank gave up waiting in a collective (the
+    others are stuck, or waiting on the stuck one: nothing of theirs would end in time)."""
+    import time
+
+    alive = {rank: p for rank, p in enumerate(context._pc.processes) if p.exitcode is None}
+    stuck = _gave_up(context.error_files.values())
+    for rank, process in alive.items():
+        if stuck:
+            _kill(process.pid, context, rank, "a rank gave up waiting for it in a collective")
+        elif _stopped(process.pid):
+            _kill(process.pid, context, rank, "it is stopped (state T) and cannot act on SIGTERM")
+        else:
+            process.terminate()
+    deadline = time.monotonic() + seconds
+    for process in alive.values():
+        process.join(max(0.0, deadline - time.monotonic()))
+    for rank, process in alive.items():
+        if process.exitcode is None:
+            _kill(process.pid, context, rank, f"it did not end within {seconds:g} s of SIGTERM")
+            process.join()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, SIGTSTP, a debugger): a signal other than SIGKILL waits for it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
+def _gave_up(error_files: Any) -> bool:
+    """A failed rank's report says it gave up waiting in a collective (the runner's words for a collective timeout)."""
+    from launcher.lifecycle import GAVE_UP
+
+    for file in error_files:
+        try:
+            if GAVE_UP in Path(file).read_text():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _kill(pid: int, context: Any, local_rank: int, why: str) -> None:
+    """SIGKILL a worker without waiting, said in the agent's log; its exit is then no failure of its own."""
+    import os
+    import signal
+
+    rank = context.envs.get(local_rank, {}).get("RANK", local_rank)
+    logging.getLogger("torch.distributed.elastic").warning(
+        "launch: killing rank %s (pid %s) at once: %s", rank, pid, why
+    )
+    STOPPED_BY_LAUNCHER.add(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def agent_logs_to_file(run_dir: Path) -> None:

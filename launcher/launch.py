@@ -48,7 +48,7 @@ from launcher.lifecycle import (
     flight_recorder_env,
 )
 from launcher.machine import loopback_interface, memory_available, usable_cpus, visible_cuda_devices
-from launcher.rendezvous import LOOPBACK, Rendezvous, cheap_event_names, rendezvous
+from launcher.rendezvous import LOOPBACK, Rendezvous, cheap_event_names, reachable, rendezvous
 from launcher.run_id import claim_run
 from launcher.rundir import Ownership, remove_made
 from strategies.declarations import Requirements
@@ -334,7 +334,9 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     def lost() -> str | None:  # the group had joined, and another node went away
         if derived.nodes == 1:
             return None
-        return lost_node(run_dir, started - 1, derived.world_size, os.environ[NODE_ID_ENV])
+        store_gone = None if reachable(rdzv.endpoint) else rdzv.endpoint  # its store: on the node that went away?
+        elastic = derived.min_nodes < derived.nodes
+        return lost_node(run_dir, started - 1, derived.world_size, os.environ[NODE_ID_ENV], store_gone, elastic)
 
     try:
         if forked:
@@ -358,9 +360,12 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
         from launcher.plan.commands import memory_advice
 
         lines = rank_lines(e, oom_before, lambda: memory_advice(OmegaConf.load(resolved), available), spare)
-        if all(secondary(line) for line in lines) and (gone := lost()):
+        causes = [line for line in lines if not secondary(line)]
+        if not causes and (gone := lost()):
             return Outcome(EXIT_FAILED, gone)  # this node's ranks only lost their peers
-        return Outcome(EXIT_FAILED, lines[0], tuple(lines[1:]))
+        # The cause, not its echoes: the ranks that stopped because of it are no failures of their own.
+        told = causes or lines[:1]
+        return Outcome(EXIT_FAILED, told[0], tuple(told[1:]))
     except Exception as e:  # the agent's own store gone (it was on the node that went away)
         if gone := lost():
             logging.getLogger("torch.distributed.elastic").warning("the agent failed: %r", e)

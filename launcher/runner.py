@@ -23,7 +23,7 @@ from launcher.checkpoint.policy import SavePolicy, saver
 from launcher.checkpoint.storage import checkpoints_of, inside, is_remote
 from launcher.data import BUILT_IN_DATA, GlobalBatches, StepBatches, build_dataset, check_token_ids, feed
 from launcher.guard import Guard
-from launcher.lifecycle import Phase, StopRequest
+from launcher.lifecycle import GAVE_UP, Phase, StopRequest
 from launcher.logs import Loggers, Progress
 from launcher.loss import LabelRule, batch_tokens
 from launcher.memory import StepMemory, rss_bytes
@@ -73,7 +73,7 @@ def train(
             )
             stuck = RuntimeError(
                 f"rank {ctx.rank} waited {cfg.trainer.collective_timeout:g} s in a collective while {phase.now}, "
-                f"then gave up; {phase.others()}{dumps}"
+                f"{GAVE_UP}; {phase.others()}{dumps}"
             )
             stuck.launch_phase = phase.now  # type: ignore[attr-defined]
             raise stuck from e
