@@ -36,8 +36,8 @@ def failed_group_grace(seconds: float, resize_timeout: float, run_dir: Path) -> 
     workers: `torch.multiprocessing`'s `ProcessContext.join`; started ones: `PContext.close()` and
     `LocalElasticAgent._stop_workers`, which take no setting; only a stop signal's shutdown uses `shutdown_timeout`,
     trainer.stop_timeout). A worker of a failed group has nothing to save (its peers are gone): here the others get
-    `seconds` after SIGTERM, and a worker that cannot act on SIGTERM none (`end_others`: one stopped, by SIGSTOP or a
-    debugger, or every worker still alive after a rank gave up waiting in a collective).
+    `seconds` after SIGTERM, and a worker that cannot act on SIGTERM none (`end_unresponsive`: one stopped, by
+    SIGSTOP or a debugger, or every worker still alive after a rank gave up waiting in a collective).
 
     A healthy group the agent stops because a node joins (nodes=MIN:MAX) has work worth saving: its ranks get
     `resize_timeout` (trainer.stop_timeout) to checkpoint the step they are in, told by `<run dir>/RESIZING` that
@@ -45,11 +45,13 @@ def failed_group_grace(seconds: float, resize_timeout: float, run_dir: Path) -> 
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, PContext
+    from torch.multiprocessing.spawn import ProcessContext
 
     from launcher.adapt import RESIZING
 
     close = getattr(PContext.close, "launch_original", PContext.close)
     poll = getattr(MultiprocessContext._poll, "launch_original", MultiprocessContext._poll)
+    wait = getattr(ProcessContext._join_procs_with_timeout, "launch_original", ProcessContext._join_procs_with_timeout)
 
     def close_failed(context: Any, death_sig: Any = None, timeout: float = seconds) -> None:
         for local_rank, pid in context.pids().items():
@@ -58,9 +60,17 @@ def failed_group_grace(seconds: float, resize_timeout: float, run_dir: Path) -> 
         close(context, death_sig, timeout)
 
     def poll_failed(context: Any) -> Any:
-        if context._pc is not None and any(p.exitcode not in (None, 0) for p in context._pc.processes):
-            end_others(context, seconds)  # before torch's join would SIGTERM them and wait 30 s
+        if context._pc is not None:
+            context._pc.launch_context = context  # for `wait_failed`, once torch's join found a failed worker
         return poll(context)
+
+    def wait_failed(pc: Any, timeout: float) -> None:
+        """torch's join, once a forked worker failed, sends SIGTERM to the others and waits here (30 s)."""
+        context = getattr(pc, "launch_context", None)
+        if context is not None:
+            end_unresponsive(context)
+            timeout = min(timeout, seconds)
+        wait(pc, timeout)
 
     def stop_workers(agent: Any, worker_group: Any, *args: Any, **kwargs: Any) -> None:
         if worker_group.state == WorkerState.HEALTHY:  # a node is waiting to join: the group restarts at a new size
@@ -71,33 +81,25 @@ def failed_group_grace(seconds: float, resize_timeout: float, run_dir: Path) -> 
 
     close_failed.launch_original = close  # type: ignore[attr-defined]
     poll_failed.launch_original = poll  # type: ignore[attr-defined]
+    wait_failed.launch_original = wait  # type: ignore[attr-defined]
     PContext.close = close_failed  # type: ignore[method-assign]
     MultiprocessContext._poll = poll_failed  # type: ignore[method-assign]
+    ProcessContext._join_procs_with_timeout = wait_failed  # type: ignore[method-assign]
     LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
 
 
-def end_others(context: Any, seconds: float) -> None:
-    """A forked worker failed: every other one still alive ends within `seconds` (SIGTERM, then SIGKILL), and at once
-    one that could not act on SIGTERM: stopped (state T), or any, once a rank gave up waiting in a collective (the
-    others are stuck, or waiting on the stuck one: nothing of theirs would end in time)."""
-    import time
-
-    alive = {rank: p for rank, p in enumerate(context._pc.processes) if p.exitcode is None}
+def end_unresponsive(context: Any) -> None:
+    """A forked worker failed and the others were sent SIGTERM: kill at once those that cannot act on it, a stopped
+    one (state T), or every one still alive once a rank gave up waiting in a collective (the others are stuck, or
+    waiting on the stuck one: nothing of theirs would end in time)."""
     stuck = _gave_up(context.error_files.values())
-    for rank, process in alive.items():
+    for rank, process in enumerate(context._pc.processes):
+        if process.exitcode is not None:
+            continue
         if stuck:
             _kill(process.pid, context, rank, "a rank gave up waiting for it in a collective")
         elif _stopped(process.pid):
             _kill(process.pid, context, rank, "it is stopped (state T) and cannot act on SIGTERM")
-        else:
-            process.terminate()
-    deadline = time.monotonic() + seconds
-    for process in alive.values():
-        process.join(max(0.0, deadline - time.monotonic()))
-    for rank, process in alive.items():
-        if process.exitcode is None:
-            _kill(process.pid, context, rank, f"it did not end within {seconds:g} s of SIGTERM")
-            process.join()
 
 
 def _stopped(pid: int) -> bool:

@@ -197,7 +197,7 @@ def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_pa
     assert "rank 0 waited 10 s in a collective" in line and f"rank 1 was last {stuck}" in line, err
     agent = (run_dir / "logs" / "agent.log").read_text()
     assert f"launch: killing rank 1 (pid {rank1}) at once: a rank gave up waiting for it in a collective" in agent
-    assert "Unable to shutdown process" not in agent and "via signal SIGTERM" not in agent, agent
+    assert "Unable to shutdown process" not in agent, agent  # torch's SIGKILL, after 30 s of waiting on SIGTERM
     assert worker_pids(run_dir) == {}
 
 
