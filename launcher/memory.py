@@ -124,15 +124,7 @@ class LiveStorages:
         for held in list(self.known.values()):
             storage = held()
             if storage is not None:
-                self.resized(storage)
-
-    def resized(self, storage: Any) -> None:
-        """A known storage counted at its size now."""
-        held = self.known.get(storage._cdata)
-        if held is not None and held() is storage:
-            now = storage.nbytes()
-            self.live += now - held.nbytes
-            held.nbytes = now
+                self.count(storage)
 
     def see(self, tensor: torch.Tensor, fresh: bool = True) -> None:
         """Count `tensor`'s storage if it is new. `fresh`: an operator's result, whose storage may have been resized
