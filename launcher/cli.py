@@ -92,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if ("--help" in argv or "-h" in argv) and argv[:1] not in (["plan"], ["convert"], ["export"], ["prepare"]):
         return print_help()
+    from launcher.checkpoint.storage import secret_in
+
+    if secret := secret_in(argv):  # before Hydra logs, records or composes any of them
+        fail(secret)
     from launcher import schema
 
     schema.register()

@@ -93,13 +93,14 @@ def _rank_order(item: tuple[str, str]) -> tuple[int, str]:
 
 def _merged(lines: list[str]) -> list[str]:
     """Ranks that failed with the same words (every rank hits the same full disk) in one line: `ranks 0, 1 ...`,
-    their tracebacks' paths as `rank<N>.traceback`."""
+    their tracebacks' paths as `rank<N>.traceback`; a refusal every rank made alike (no rank in it), once."""
     ranks: dict[str, list[tuple[str, str]]] = {}
-    for line in lines:
+    told = [line for n, line in enumerate(lines) if not line.startswith("rank ") and line not in lines[:n]]
+    for line in (line for line in lines if line.startswith("rank ")):
         rank, _, rest = line.removeprefix("rank ").partition(" ")
         key = rest.replace(f"/rank{rank}.traceback)", "/rank<N>.traceback)")
         ranks.setdefault(key, []).append((rank, rest))
-    return [
+    return told + [
         f"rank {alike[0][0]} {alike[0][1]}"
         if len(alike) == 1
         else f"ranks {', '.join(r for r, _ in sorted(alike, key=_rank_order))} {re.sub(r'^was ', 'were ', key)}"
@@ -108,18 +109,29 @@ def _merged(lines: list[str]) -> list[str]:
 
 
 SECONDARY = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe")
-"""What a rank says when another one died first: it is not the cause."""
+"""What a rank says (gloo, NCCL, a socket) when another one died first: it is not the cause."""
+ECHO = "lost its peers"
+STOPPED = "was stopped by the launcher"
 
 
 def secondary(line: str) -> bool:
-    """A rank's line that says a peer was gone, not why."""
-    return any(s in line.lower() for s in SECONDARY) or line.endswith("was killed by SIGTERM")
+    """A rank's line that says a peer was gone, not why, or that the launcher stopped it."""
+    return (
+        any(s in line.lower() for s in SECONDARY)
+        or ECHO in line
+        or STOPPED in line
+        or line.endswith("was killed by SIGTERM")
+    )
 
 
-def lost_node(run_dir: Path, since: float, world_size: int, me: str) -> str | None:
+def lost_node(
+    run_dir: Path, since: float, world_size: int, me: str, store_gone: str | None = None, elastic: bool = False
+) -> str | None:
     """One line naming the node that went away after every rank had joined (the ranks' `logs/ranks/` records
-    since `since`), and where its ranks were last (their phase files: the stalest node is the one gone); None if
-    the group never joined whole, or no other node's rank is known."""
+    since `since`), and where its ranks were last (their phase files: the stalest node is the one gone), and what to
+    do: `store_gone`, the rendezvous endpoint where nothing answers any more (the node that went away hosted the
+    rendezvous store, which no job outlives, elastic or not); None if the group never joined whole, or no other node's
+    rank is known."""
     records: dict[int, dict[str, Any]] = {}
     for file in (run_dir / "logs" / "ranks").glob("rank*.json"):
         try:
@@ -147,11 +159,21 @@ def lost_node(run_dir: Path, since: float, world_size: int, me: str) -> str | No
     # step that any rank's phase names, the ranks being in lockstep.
     steps = [int(m.group(1)) for r in records if (m := re.search(r"step (\d+)", _read(phases / f"rank{r}")))]
     where = f"at step {max(steps)}" if steps else f"while {what}"
-    return (
+    gone = (
         f"node {node} ({records[ranks[0]].get('host')}; rank{'s' if len(ranks) > 1 else ''} "
-        f"{', '.join(map(str, ranks))}) went away {where}: rank {ranks[0]} was last {what}; the job stopped without "
-        "it (each node's lines are in <run dir>/logs/agent.log); start launch again on every node to resume, or "
-        "make the job elastic to go on without a node that leaves (nodes=MIN:MAX with trainer.max_restarts=N)"
+        f"{', '.join(map(str, ranks))}) went away {where}: rank {ranks[0]} was last {what}"
+    )
+    if store_gone:
+        return (
+            f"{gone}; it hosted the rendezvous (rdzv.endpoint={store_gone}), whose store no job outlives"
+            f"{', elastic or not' if elastic else ''}: the job stopped (each node's lines are in <run dir>/logs/"
+            "agent.log); start launch again on every node, with rdzv.endpoint on a node that is up, to resume from "
+            "the last checkpoint"
+        )
+    return (
+        f"{gone}; the job stopped without it (each node's lines are in <run dir>/logs/agent.log); start launch again "
+        "on every node to resume, or make the job elastic to go on without a node that leaves (nodes=MIN:MAX with "
+        "trainer.max_restarts=N)"
     )
 
 
@@ -166,6 +188,10 @@ def _order(rank: int, failure: Any) -> tuple[int, float, int]:
     """Root causes first: a rank that raised for its own reason, or died of a signal other than the agent's
     SIGTERM (the out-of-memory killer, a crash); then ranks that failed because a peer was gone; then ranks the
     agent stopped. Ties by time (to the microsecond where the worker wrote it: torch's timestamp is in seconds)."""
+    from launcher.agent import STOPPED_BY_LAUNCHER
+
+    if failure.pid in STOPPED_BY_LAUNCHER:
+        return 3, float(failure.timestamp), rank
     data = getattr(failure, "error_file_data", None) or {}
     message = data.get("message") if isinstance(data, dict) else None
     precise = message.get("extraInfo", {}).get("time") if isinstance(message, dict) else None
@@ -176,13 +202,24 @@ def _order(rank: int, failure: Any) -> tuple[int, float, int]:
 
 
 def _line(rank: int, failure: Any, oom: bool, run_dir: Path | None = None) -> str:
+    from launcher.agent import STOPPED_BY_LAUNCHER
+    from launcher.lifecycle import REFUSED
+
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
     text = str(message or "").strip()
+    if text.startswith(REFUSED):  # a check every rank made alike: its own words, once (`_merged`)
+        return text.removeprefix(REFUSED)
+    if text.startswith("while ") and any(s in text.lower() for s in SECONDARY):
+        # The collective library's words for a peer that is gone (gloo's "Connection closed by peer ... GLHF!"):
+        # an echo of another rank's failure, told without them.
+        return f"rank {rank} {ECHO} {text.partition(': ')[0]} (another rank ended first)"
     if text.startswith("while "):  # the worker's own line (lifecycle.report_failure)
         return f"rank {rank} failed {text}"
     code = failure.exitcode
+    if failure.pid in STOPPED_BY_LAUNCHER:
+        return f"rank {rank} {STOPPED} (another rank failed first)"
     if code == -signal.SIGKILL and oom:
         return f"rank {rank} {OOM}"
     if code < 0:

@@ -25,7 +25,16 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.agent import agent_logs_to_file, failed_group_grace, preload
 from launcher.checks import check_built, check_keys, check_protocol, check_resume, check_strategy, vocabulary
 from launcher.clusters import detect, shaped
-from launcher.config import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, Derived, derive, freeze
+from launcher.config import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    ConfigError,
+    Derived,
+    derive,
+    freeze,
+    valid_micro_sizes,
+    world_sizes,
+)
 from launcher.durable import disk_error
 from launcher.failures import lost_node, oom_kills, rank_lines, secondary
 from launcher.identity import identity_hash
@@ -39,7 +48,7 @@ from launcher.lifecycle import (
     flight_recorder_env,
 )
 from launcher.machine import loopback_interface, memory_available, usable_cpus, visible_cuda_devices
-from launcher.rendezvous import LOOPBACK, Rendezvous, cheap_event_names, rendezvous
+from launcher.rendezvous import LOOPBACK, Rendezvous, cheap_event_names, reachable, rendezvous
 from launcher.run_id import claim_run
 from launcher.rundir import Ownership, remove_made
 from strategies.declarations import Requirements
@@ -89,8 +98,11 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         if job and "choices" in job:
             job = {**job, "choices": {**job["choices"], "strategy": name}}  # record what runs, for reports and names
     check_protocol(frozen)  # before the planner reads the strategy (a user's, written to an older protocol)
+    read_adapted(run_dir)  # the run directory's record is data: a damaged one is refused, whatever the micro-batch
     if derived.micro_auto:  # batch.micro_size=auto: the largest that fits, or what an out-of-memory error left
-        frozen, derived = choose_micro(frozen, derived, model, read_adapted(run_dir))
+        worlds = world_sizes(f"{derived.min_nodes}:{derived.nodes}", derived.gpus)
+        valid = valid_micro_sizes(int(frozen.batch.global_size), worlds)
+        frozen, derived = choose_micro(frozen, derived, model, read_adapted(run_dir, valid))
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(model)
@@ -326,7 +338,9 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     def lost() -> str | None:  # the group had joined, and another node went away
         if derived.nodes == 1:
             return None
-        return lost_node(run_dir, started - 1, derived.world_size, os.environ[NODE_ID_ENV])
+        store_gone = None if reachable(rdzv.endpoint) else rdzv.endpoint  # its store: on the node that went away?
+        elastic = derived.min_nodes < derived.nodes
+        return lost_node(run_dir, started - 1, derived.world_size, os.environ[NODE_ID_ENV], store_gone, elastic)
 
     try:
         if forked:
@@ -350,9 +364,12 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
         from launcher.plan.commands import memory_advice
 
         lines = rank_lines(e, oom_before, lambda: memory_advice(OmegaConf.load(resolved), available), spare, run_dir)
-        if all(secondary(line) for line in lines) and (gone := lost()):
+        causes = [line for line in lines if not secondary(line)]
+        if not causes and (gone := lost()):
             return Outcome(EXIT_FAILED, gone)  # this node's ranks only lost their peers
-        return Outcome(EXIT_FAILED, lines[0], tuple(lines[1:]))
+        # The cause, not its echoes: the ranks that stopped because of it are no failures of their own.
+        told = causes or lines[:1]
+        return Outcome(EXIT_FAILED, told[0], tuple(told[1:]))
     except Exception as e:  # the agent's own store gone (it was on the node that went away)
         if gone := lost():
             logging.getLogger("torch.distributed.elastic").warning("the agent failed: %r", e)

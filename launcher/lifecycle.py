@@ -38,6 +38,8 @@ STOP_REPEAT_GRACE = 5.0
 """Seconds after the first stop signal during which another is the same request (SLURM and the agent both send)."""
 PHASE_FLUSH_EVERY = 2.0
 """Seconds between two writes of a rank's phase file, at most (and only when the phase changed)."""
+GAVE_UP = "then gave up"
+"""How a rank says it waited trainer.collective_timeout in a collective (`launcher.runner`): the others are stuck."""
 DUMP_SIGNAL = signal.SIGUSR1
 """Asks every rank for its phase and its Python stacks (`<run dir>/logs/phase/`, `<run dir>/logs/stacks/`)."""
 
@@ -292,6 +294,15 @@ def host_of(run_dir: Path, rank: int) -> str | None:
         return None
 
 
+class Refused(RuntimeError):
+    """A check every rank makes alike (one collective: the same answer everywhere) refused the run: told once, in its
+    own words, not as each rank's failure in whatever phase it was."""
+
+
+REFUSED = "refused: "
+"""How a worker's report marks a refusal (`Refused`), for the launcher's one line (`launcher.failures`)."""
+
+
 def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
     """A worker's exception, told once: its whole traceback into `<run dir>/logs/rank<N>.traceback`, one line (where
     in the run, the exception, the traceback's path) into the error file torch's elastic agent reads, from which the
@@ -311,6 +322,8 @@ def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
 
         message = disk_error(error, run_dir)
     line = f"while {phase}: {type(error).__name__}: {message} (traceback: {log})"
+    if isinstance(error, Refused):
+        line = f"{REFUSED}{message}"
     info = {"py_callstack": text, "timestamp": str(int(time.time())), "time": time.time()}
     record = json.dumps({"message": {"message": line, "extraInfo": info}})
     spare = os.environ.get(FAILURE_DIR_ENV)
@@ -322,7 +335,8 @@ def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
             Path(file).unlink(missing_ok=True)  # never half a report
             continue
     else:
-        print(f"launch: error: rank {rank} failed {line}", file=sys.stderr, flush=True)
+        told = line.removeprefix(REFUSED) if line.startswith(REFUSED) else f"rank {rank} failed {line}"
+        print(f"launch: error: {told}", file=sys.stderr, flush=True)
     if (logs := sys.modules.get("launcher.logs")) is not None:  # rank 0's loggers, finished as FAILED
         logs.finish_failed()
     os._exit(1)

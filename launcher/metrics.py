@@ -45,7 +45,16 @@ METRICS = {
         Metric("tokens_per_s", "1/s", "sum", "runner", "every rank's tokens over rank 0's seconds (token-id batches)"),
         Metric("mfu", "", "rank0", "runner", "model FLOPs utilisation, where the device's peak is known"),
         Metric("rss_bytes", "bytes", "max", "runner", "the process's peak resident set"),
-        Metric("peak_memory_bytes", "bytes", "max", "runner", "the step's peak of what is really allocated"),
+        Metric(
+            "peak_memory_bytes", "bytes", "max", "runner", "the step's peak of what is really allocated (CPU: tensors)"
+        ),
+        Metric(
+            "heap_other_bytes",
+            "bytes",
+            "max",
+            "runner",
+            "CPU: what the C heap holds beyond tensors at a measured step's end (the libraries' workspaces)",
+        ),
         Metric("setup_peak_bytes", "bytes", "max", "runner", "the peak while the strategy built and wrapped the model"),
         Metric("checkpoint_stall_s", "s", "max", "saver", "seconds a save blocked the loop since the last log"),
         Metric("skipped_steps", "", "same", "guard", "steps not applied, not being finite (trainer.nonfinite=skip)"),

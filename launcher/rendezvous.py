@@ -93,3 +93,16 @@ def cheap_event_names() -> None:
             return "no_method_name"
 
     dynamic_rendezvous.get_method_name = method_name
+
+
+def reachable(endpoint: str, timeout: float = 2.0) -> bool:
+    """Whether something listens at `endpoint` (HOST:PORT): the rendezvous store of a multi-node job, hosted by the
+    agent of one node, is there as long as that node is."""
+    import socket
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False

@@ -24,7 +24,7 @@ from launcher.checkpoint.storage import checkpoints_of, inside, is_remote
 from launcher.collate import build_collate
 from launcher.data import BUILT_IN_DATA, build_dataset, check_token_ids
 from launcher.guard import Guard
-from launcher.lifecycle import Phase, StopRequest
+from launcher.lifecycle import GAVE_UP, Phase, StopRequest
 from launcher.logs import Loggers, Progress
 from launcher.loss import LabelRule, batch_tokens
 from launcher.memory import StepMemory, rss_bytes
@@ -75,7 +75,7 @@ def train(
             )
             stuck = RuntimeError(
                 f"rank {ctx.rank} waited {cfg.trainer.collective_timeout:g} s in a collective while {phase.now}, "
-                f"then gave up; {phase.others()}{dumps}"
+                f"{GAVE_UP}; {phase.others()}{dumps}"
             )
             stuck.launch_phase = phase.now  # type: ignore[attr-defined]
             raise stuck from e
@@ -203,7 +203,7 @@ class Trainer:
         def build_model(meta: bool = False) -> Any:
             return build_on_meta(cfg.model) if meta else instantiate(cfg.model)
 
-        with self.memory.imports_excluded(), self.memory.measure(True, sampled=True):
+        with self.memory.imports_excluded(), self.memory.measure(True):
             # The model's module and everything it imports, imported now: DeepSpeed's zero.Init patches torch's
             # tensor constructors while the model is built, and a library imported first inside it fails.
             import_targets(cfg.model)
@@ -213,7 +213,8 @@ class Trainer:
         # the same generator state everywhere from here, whatever the strategy, as one process would have.
         torch.manual_seed(cfg.seed + 1)
         self.speed = Speed.of(cfg, ctx, self.strategy)
-        self.position = resume(cfg, ctx, self.strategy, self.run_dir)
+        with self.memory.counted():  # the state a checkpoint brings is the steps' memory too
+            self.position = resume(cfg, ctx, self.strategy, self.run_dir)
         self.resumed_at = self.position.step
         self.loggers = Loggers.create(cfg, ctx.rank, self.run_dir)
         self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
@@ -291,9 +292,9 @@ class Trainer:
 
     def step(self, step: int, micro: list[Any], measured: bool) -> tuple[torch.Tensor, float]:
         """Forward/backward, gradient sync and optimizer step; this rank's part of the loss, and the gradient norm.
-        Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is sampled by a thread on
-        CPU: the per-operator probe would be in the profile, around every op of the step."""
-        with self.memory.measure(measured, sampled=self.profiler.covers(step)):
+        Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is not on CPU: the
+        per-operator count would be in the profile, around every op of the step."""
+        with self.memory.measure(measured, profiled=self.profiler.covers(step)):
             return train_step(self.guard, micro, self.ctx, self.lr(step), self.rule, step, self.phase, self.clock)  # type: ignore[arg-type]
 
     def commit(self, step: int, grad_norm: float) -> bool:
@@ -400,6 +401,8 @@ class Trainer:
             mine["setup_peak_bytes"] = float(self.setup_peak)
         if self.memory.peak is not None:
             mine["peak_memory_bytes"] = float(self.memory.peak)
+        if self.memory.heap_other is not None:
+            mine["heap_other_bytes"] = float(self.memory.heap_other)
         if self.stalled:  # a save (or its finalisation) blocked the loop since the last log
             mine["checkpoint_stall_s"], self.saves.stall, self.stalled = self.saves.stall, 0.0, False
         mine |= self.strategy.metrics() | self.clock.figures()  # type: ignore[union-attr]

@@ -71,8 +71,10 @@ def _build(corpus: Corpus, partial: Path, tok: Any, eos: int, workers: int) -> d
     encode = Encode(tok, eos)
     train = tokenized(corpus.train, corpus, partial, encode, workers, "train")
     lengths = document_lengths(train)
+    _check_some_text(lengths, corpus.train, corpus.settings["text_field"], "data.files")
     if corpus.val:
         val = tokenized(corpus.val, corpus, partial, encode, workers, "val")
+        _check_some_text(document_lengths(val), corpus.val, corpus.settings["text_field"], "data.val_files")
         splits = {"train": write(partial, "train", train, lengths > 0, dtype),
                   "val": write(partial, "val", val, document_lengths(val) > 0, dtype)}  # fmt: skip
     else:
@@ -93,6 +95,18 @@ def _build(corpus: Corpus, partial: Path, tok: Any, eos: int, workers: int) -> d
         "tokenize_workers": workers, "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }  # fmt: skip
     return manifest
+
+
+def _check_some_text(lengths: np.ndarray, paths: tuple[Path, ...], field: str, key: str) -> None:
+    """ConfigError naming the files when not one of their documents has text (each empty, blank, or without a
+    `field` value): not a corpus of 0 tokens."""
+    if (lengths > 0).any():
+        return
+    shown = ", ".join(map(str, paths[:3])) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    raise ConfigError(
+        f"{key}: every one of the {len(lengths)} document(s) in {shown} is empty, blank or has no {field!r} value: "
+        "no token to train on; point it at files with text, or name the field that holds it with data.text_field=..."
+    )
 
 
 def tokenized(paths: tuple[Path, ...], corpus: Corpus, partial: Path, encode: Encode, workers: int, name: str) -> Any:

@@ -1,7 +1,7 @@
-"""Run by test_memory.py under torchrun (2 ranks): the heap a rank's FSDP setup peaks at, as the runner measures it.
+"""Run by test_memory.py under torchrun (2 ranks): the tensors a rank's FSDP setup peaks at, as the runner measures it.
 
 Each rank builds the strategy from the composed config, as a run does, and measures its setup with the runner's own
-StepMemory (imports excluded). Rank 0 prints one JSON line: every rank's setup peak, the model's parameter bytes and
+StepMemory. Rank 0 prints one JSON line: every rank's setup peak, the model's parameter bytes and
 its largest unit's.
 """
 
@@ -42,7 +42,7 @@ def main(overrides: list[str]) -> None:
         return build_on_meta(cfg.model) if meta else instantiate(cfg.model)
 
     torch.manual_seed(0)
-    with memory.imports_excluded(), memory.measure(True, sampled=True):
+    with memory.measure(True):
         strategy.setup(ctx, build_model, lambda params: torch.optim.AdamW(params, lr=1e-3))
     peaks = [None] * world
     dist.all_gather_object(peaks, memory.peak)

@@ -180,3 +180,37 @@ def test_an_elastic_range_is_refused_where_a_cluster_fixes_the_number_of_nodes()
         rendezvous(cfg, derive(cfg, cuda_devices=0), slurm)
     local = rendezvous(cfg, derive(cfg, cuda_devices=0), {})  # by hand: the c10d rendezvous, with its last call
     assert local.backend == "c10d" and local.configs["last_call_timeout"] == 30
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "record, micro, words",
+    [
+        ("{micro_size: 2", "auto", "adapted.json cannot be read (Expecting property name"),
+        ('{"micro_size": 3}', "auto", "adapted.json holds micro_size 3, which this job never runs at (the sizes that "
+                                      "divide its global batch over each world size: 1, 2, 4, 8)"),
+        ('{"micro_size": 1000}', "auto", "adapted.json holds micro_size 1000, which this job never runs at"),
+        ('{"micro_size": "2"}', "auto", "adapted.json holds no positive micro_size"),
+        ("not json", "4", "adapted.json cannot be read"),  # data of the run directory, whatever the micro-batch
+    ],
+)  # fmt: skip
+def test_a_damaged_adapted_record_is_refused_in_one_line_and_left_as_it_is(
+    tmp_path: Path, record: str, micro: str, words: str
+) -> None:
+    """`<run dir>/adapted.json` is data like the rest of the run directory: a record the launcher never writes (not
+    JSON, a micro-batch the job cannot run at) is refused, not ignored for the planner's own pick."""
+    from conftest import cli_here
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "adapted.json").write_text(record)
+    proc = cli_here(tmp_path, *TINY, "gpus=2", "batch.global_size=16", f"batch.micro_size={micro}",
+                    f"hydra.run.dir={run_dir}")  # fmt: skip
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"launch: error: {run_dir / 'adapted.json'}") and words in line, line
+    assert line.endswith("remove it to plan the micro-batch afresh"), line
+    assert (
+        sorted(p.name for p in run_dir.iterdir()) == ["adapted.json"]
+        and (run_dir / "adapted.json").read_text() == record
+    )

@@ -246,10 +246,11 @@ def test_a_raising_rank_ends_the_job_with_its_own_error_first(tmp_path: Path) ->
     run = launch(tmp_path, *JOB, "gpus=2", "model._target_=faulty.RaisingGPT")  # a hang fails by its timeout
     assert run.returncode == 1, run.stderr
     lines = run.stderr.strip().splitlines()
-    # One line per failing rank, the rank that raised first, where it was, its traceback in its own log file.
+    # The rank that raised, where it was, its traceback in its own log file; rank 0's echo of it (gloo's "Connection
+    # closed by peer") is no failure of its own, and not printed.
     assert lines[0].startswith("launch: error: rank 1 failed while in forward/backward of step 2, micro-step 1/2: "
                                "RuntimeError: rank 1 broke on purpose (traceback: "), run.stderr  # fmt: skip
-    assert all(line.startswith("launch: error: rank ") for line in lines) and len(lines) == 2, run.stderr
+    assert len(lines) == 1 and "closed by peer" not in run.stderr.lower(), run.stderr
     assert "Traceback (most recent call last)" not in run.stderr + run.stdout
     log = Path(lines[0].split("(traceback: ")[1].rstrip(")"))
     assert log == run.run_dir / "logs" / "rank1.traceback" and "in forward" in log.read_text()

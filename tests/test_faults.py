@@ -296,6 +296,24 @@ def test_room_for_exactly_two_checkpoints_and_a_disk_that_fills_during_the_run(t
     assert [p.name for p in ck.glob("step_*")] == ["step_00000004"]
 
 
+def test_no_room_at_start_for_the_checkpoints_a_run_holds_is_one_refusal(tmp_path: Path, tmpfs) -> None:
+    """Room for one checkpoint of 2 ranks under DDP, where the run holds two at once (keep_last=1): the check before
+    the first step refuses it once, naming the check, not as each rank's failure while building the model."""
+    size = _state_bytes(2)
+    disk = tmpfs(size + (512 << 10))
+    run = launch(tmp_path, *TINY, "gpus=2", "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=4",
+                 "trainer.checkpoint_every=2", "trainer.keep_last=1", name=f"{disk.name}/run")  # fmt: skip
+    (line,) = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and run.metrics == [], run.stderr
+    assert line.startswith(f"launch: error: the check for room before the first save: no room on tmpfs at {disk} ("), (
+        line
+    )
+    assert line.endswith(
+        f"for the 2 checkpoint(s) this run holds at once (trainer.keep_last=1, 0 saved before) (2 x {size / 1e6:,.1f} "
+        "MB); free space there, lower trainer.keep_last, or choose another hydra.run.dir"
+    ), line
+
+
 def test_a_failure_report_the_run_directory_cannot_hold_reaches_the_launcher(tmp_path: Path, tmpfs) -> None:
     """The worker's report goes where the elastic agent reads it, else to the launcher's spare folder, else to
     stderr; the launcher reads it from there, and ranks that failed alike are one line."""
@@ -328,22 +346,23 @@ def test_a_failure_report_the_run_directory_cannot_hold_reaches_the_launcher(tmp
     assert proc.stderr.strip() == f"launch: error: rank 1 failed {lines[0].split(' failed ', 1)[1]}", proc.stderr
 
 
-def _node(tmp_path: Path, port: int, name: str) -> subprocess.Popen[str]:
+def _node(tmp_path: Path, port: int, name: str, *extra: str) -> subprocess.Popen[str]:
     """One node of a two-node job on loopback, one rank, in a session of its own (to be killed whole)."""
     overrides = [*TINY, "batch.global_size=8", "trainer.max_steps=100000", "trainer.checkpoint_every=0",
                  "trainer.save_at_end=false", "nodes=2", "gpus=1", f"rdzv.endpoint=127.0.0.1:{port}", f"rdzv.id={name}",
-                 f"hydra.run.dir={tmp_path / name}"]  # fmt: skip
+                 f"hydra.run.dir={tmp_path / name}", *extra]  # fmt: skip
     return subprocess.Popen(
         [LAUNCH, *overrides], cwd=tmp_path, env=clean_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("lost", ["the other node", "the store's node"])
+@pytest.mark.parametrize("lost", ["the other node", "the store's node", "the store's node of an elastic job"])
 def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None:
     """Two one-rank nodes on loopback train together; one is killed whole (launcher and worker) mid-run. The
-    survivor's one line names the node and rank that went away and its step, whether or not the rendezvous store
-    lived on the node that vanished; never "did not join", no C++ frames."""
+    survivor's one line names the node and rank that went away and its step, and what to do: where the rendezvous
+    store lived on the node that vanished, that no job outlives it (an elastic one neither); never "did not join", no
+    C++ frames."""
     import signal
     import socket
     import time
@@ -351,14 +370,15 @@ def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    name = "lost" if lost == "the other node" else "lost-store"
-    host = _node(tmp_path, port, name)  # binds the rendezvous store: the first on the endpoint
+    name = {"the other node": "lost", "the store's node": "lost-store"}.get(lost, "lost-elastic")
+    elastic = ["nodes=1:2", "trainer.max_restarts=2"] if "elastic" in lost else []
+    host = _node(tmp_path, port, name, *elastic)  # binds the rendezvous store: the first on the endpoint
     for _ in range(600):
         with socket.socket() as probe:
             if probe.connect_ex(("127.0.0.1", port)) == 0:
                 break
         time.sleep(0.1)
-    other = _node(tmp_path, port, name)
+    other = _node(tmp_path, port, name, *elastic)
     run_dir, killed = tmp_path / name, (other if lost == "the other node" else host)
     survivor = host if killed is other else other
     metrics = run_dir / "metrics.jsonl"
@@ -377,7 +397,13 @@ def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None
     assert survivor.returncode == 1 and len(lines) == 1, err
     assert f"; rank {gone[0]}) went away at step " in lines[0] and lines[0].startswith("launch: error: node "), err
     assert "did not all join" not in err and "frame #" not in err + out, (out, err)
-    assert lines[0].endswith("(nodes=MIN:MAX with trainer.max_restarts=N)"), err  # how to make the job elastic
+    if lost == "the other node":
+        assert lines[0].endswith("(nodes=MIN:MAX with trainer.max_restarts=N)"), err  # how to make the job elastic
+    else:  # the store went with the node: elastic or not, every node starts again
+        said = f"; it hosted the rendezvous (rdzv.endpoint=127.0.0.1:{port}), whose store no job outlives"
+        assert said + (", elastic or not:" if elastic else ":") in lines[0], err
+        assert lines[0].endswith("with rdzv.endpoint on a node that is up, to resume from the last checkpoint"), err
+        assert "make the job elastic" not in lines[0], err
 
 
 @pytest.mark.unit
@@ -479,3 +505,117 @@ dist.destroy_process_group()
         proc.stdout
     )
     assert not list((tmp_path / "ckpt").glob("step_*"))  # nothing visible
+
+
+def test_a_stopped_process_is_told_from_a_running_one() -> None:
+    """What the launcher reads before it gives a worker of a failed group time to answer SIGTERM: a stopped process
+    (SIGSTOP, a debugger) never can, and is killed at once."""
+    import signal
+    import time
+
+    from launcher.agent import _stopped
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not _stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        for _ in range(100):  # the kernel marks it stopped once the signal is delivered
+            if _stopped(proc.pid):
+                break
+            time.sleep(0.01)
+        assert _stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGCONT)
+        for _ in range(100):
+            if not _stopped(proc.pid):
+                break
+            time.sleep(0.01)
+        assert not _stopped(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _stopped(proc.pid)  # gone: nothing to wait for either
+
+
+@pytest.mark.unit
+def test_a_failure_is_told_by_its_cause_and_its_echoes_without_the_collective_library_s_words(tmp_path: Path) -> None:
+    """Rank 0's own error first; rank 1, which only lost its peer, is an echo: told (if at all) without gloo's text.
+    A refusal every rank made alike is one line with no rank in it."""
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from launcher.failures import rank_lines, secondary
+
+    def failed(reports: dict[int, str]) -> ChildFailedError:
+        failures = {}
+        for rank, line in reports.items():
+            file = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+            info = {"py_callstack": "", "timestamp": str(int(time.time())), "time": time.time() + rank}
+            file.write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
+            failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file=str(file))
+        return ChildFailedError("launcher.worker", failures)
+
+    cause = ("while saving the checkpoint of step 4: EndpointConnectionError: Could not connect to the endpoint URL: "
+             '"http://127.0.0.1:1/b/x" (traceback: logs/rank0.traceback)')  # fmt: skip
+    echo = ("while saving the checkpoint of step 4: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534]"
+            " Connection closed by peer [127.0.0.1]:5 This is typically caused by a remote worker crashing. GLHF! "
+            "(traceback: logs/rank1.traceback)")  # fmt: skip
+    lines = rank_lines(failed({1: echo, 0: cause}), 0)
+    assert lines == [
+        f"rank 0 failed {cause}",
+        "rank 1 lost its peers while saving the checkpoint of step 4 (another rank ended first)",
+    ], lines
+    assert not secondary(lines[0]) and secondary(lines[1]) and "gloo" not in lines[1].lower()
+    refusal = "refused: the check for room before the first save: no room on tmpfs at /x for the checkpoint"
+    lines = rank_lines(failed({0: refusal, 1: refusal}), 0)
+    assert lines == [refusal.removeprefix("refused: ")], lines
+
+
+def test_an_object_store_that_goes_away_mid_run_is_told_by_its_cause(tmp_path: Path) -> None:
+    """Checkpoints every step into an S3 store (moto's server, in a process of its own), which is killed once a save
+    is complete: the job ends with the store's own error as its cause (rank 0's, or each rank's that met it), never
+    the collective library's words for a peer that ended first."""
+    import signal
+    import socket
+    import time
+
+    from object_store import BUCKET, SECRET
+    from processes import free_port
+
+    port = free_port()
+    env = clean_env(tmp_path) | {"AWS_ACCESS_KEY_ID": "launch-test", "AWS_SECRET_ACCESS_KEY": SECRET,
+                                 "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_DEFAULT_REGION": "us-east-1",
+                                 "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    store = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        for _ in range(600):
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, key="launch-test", secret=SECRET,
+                               endpoint_url=f"http://127.0.0.1:{port}")  # fmt: skip
+        fs.mkdir(BUCKET)
+        job = [*(o for o in TINY if not o.startswith("model.n_embd")), "model.n_embd=256", "batch.global_size=16",
+               "batch.micro_size=4", "gpus=2", "trainer.max_steps=40", "trainer.checkpoint_every=1",
+               "trainer.keep_last=2", f"trainer.checkpoint_dir=s3://{BUCKET}/gone"]  # fmt: skip
+        run_dir = tmp_path / "run"
+        proc = subprocess.Popen([LAUNCH, *job, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        while proc.poll() is None and not fs.exists(f"{BUCKET}/gone/latest"):  # a save complete: the store works
+            time.sleep(0.05)
+            fs.invalidate_cache()
+        store.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        store.kill()
+        store.wait()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and 1 <= len(lines) <= 2, err
+    assert all(line.startswith("launch: error: rank") and "EndpointConnectionError" in line for line in lines), err
+    assert lines[0].startswith("launch: error: rank 0 ") or "ranks 0, 1" in lines[0], err
+    for words in ("gloo", "GLHF", "Connection closed by peer", "lost its peers", "Traceback"):
+        assert words not in err, err

@@ -179,7 +179,8 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 12
 def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_path: Path) -> None:
     """Rank 1 sleeps in its forward; rank 0 waits in the gradient all-reduce. While they hang, SIGUSR1 to the
     launcher makes every rank write its phase and its Python stacks (rank 1's in the model's sleep, rank 0's in the
-    collective); then the timeout ends the job, naming the stuck rank."""
+    collective); then rank 1 is stopped (SIGSTOP: it can act on no signal), and the timeout ends the job in one line
+    naming the stuck rank. The stuck rank is killed at once, not given torch's 30 s to answer a SIGTERM it cannot."""
     run_dir = tmp_path / "hang"
     proc = _start(tmp_path, run_dir, "model._target_=faulty.HangingGPT", "trainer.collective_timeout=10")
     stuck = "in forward/backward of step 2, micro-step 1/2"
@@ -188,10 +189,15 @@ def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_pa
     stacks = _wait_for(run_dir / "logs" / "stacks" / "rank1", "in fail", proc)
     assert "faulty.py" in stacks and "train_step" in stacks, stacks
     assert "train_step" in _wait_for(run_dir / "logs" / "stacks" / "rank0", "train_step", proc)
+    rank1 = worker_pids(run_dir)[1]
+    os.kill(rank1, signal.SIGSTOP)
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 1, (proc.returncode, err)
-    assert "rank 0 waited 10 s in a collective" in err, err
-    assert f"rank 1 was last {stuck}" in err, err
+    (line,) = err.strip().splitlines()  # the cause; the stopped rank's end is no failure of its own
+    assert "rank 0 waited 10 s in a collective" in line and f"rank 1 was last {stuck}" in line, err
+    agent = (run_dir / "logs" / "agent.log").read_text()
+    assert f"launch: killing rank 1 (pid {rank1}) at once: a rank gave up waiting for it in a collective" in agent
+    assert "Unable to shutdown process" not in agent, agent  # torch's SIGKILL, after 30 s of waiting on SIGTERM
     assert worker_pids(run_dir) == {}
 
 

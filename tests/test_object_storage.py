@@ -288,7 +288,8 @@ def test_a_checkpoint_dir_that_cannot_hold_checkpoints_is_one_line_before_start(
     }
     for i, (url, words) in enumerate(cases.items()):
         line = launch_here(tmp_path, *JOB, f"trainer.checkpoint_dir={url}", name=f"bad{i}").refused()
-        assert line.startswith(f"launch: error: trainer.checkpoint_dir={url}: ") and words in line, line
+        shown = url.replace(f"someone:{SECRET}", "***")  # a URL's credentials are never echoed
+        assert line.startswith(f"launch: error: trainer.checkpoint_dir={shown}: ") and words in line, line
     keys = {key: os.environ.pop(key) for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     s3fs.S3FileSystem.clear_instance_cache()
     try:
@@ -345,10 +346,36 @@ def test_a_url_is_read_as_a_local_folder_and_a_prefix_without_manifest_is_partia
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(
+    "args",
+    [
+        [*JOB, "trainer.checkpoint_dir=s3://KEYID:SECRETKEY@bucket/run"],
+        ["-m", *JOB, "seed=1,2", "trainer.checkpoint_dir=s3://KEYID:SECRETKEY@bucket/run"],
+        [*JOB, "resume=s3://KEYID:SECRETKEY@bucket/run"],
+        ["plan", *JOB, "trainer.checkpoint_dir=s3://KEYID:SECRETKEY@bucket/run"],
+        ["convert", "s3://KEYID:SECRETKEY@bucket/run", "out=weights.safetensors"],
+        [*JOB, "trainer.checkpoint_dir=s3://KEYID@bucket/run"],  # a key alone: refused where the URL is checked
+    ],
+    ids=["run", "sweep", "resume", "plan", "convert", "key-alone"],
+)
+def test_a_url_with_credentials_is_refused_without_echoing_them(tmp_path: Path, args: list[str]) -> None:
+    """Credentials in a URL are refused before Hydra logs, records or composes anything, in one line that names the
+    URL masked; nothing is written."""
+    from conftest import cli_here
+
+    proc = cli_here(tmp_path, *args, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("launch: error: ") and "s3://***@bucket/run" in line and "carries credentials" in line, line
+    assert "KEYID" not in proc.stdout + proc.stderr and "SECRETKEY" not in proc.stdout + proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.unit
 def test_locations_and_urls_refused_before_any_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from launcher.checkpoint.storage import Remote, check_url, checkpoints_of, location
+    from launcher.checkpoint.storage import Remote, check_url, checkpoints_of, location, masked
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -361,6 +388,12 @@ def test_locations_and_urls_refused_before_any_request(tmp_path: Path, monkeypat
     assert not Remote("s3://b/run2").is_relative_to(Remote("s3://b/run"))
     assert "fsspec knows no protocol nosuch://" in (check_url("nosuch://b/x") or "")
     assert "carries credentials" in (check_url("s3://AKIA:secret@bucket/x") or "")
+    assert str(Remote("s3://AKIA:secret@bucket/x")) == "s3://***@bucket/x" and "secret" not in repr(
+        Remote("s3://a:b@c")
+    )
+    assert masked("at postgresql://me:pw@db/s and s3://k@b/x, not in s3://b/k@x") == (
+        "at postgresql://***@db/s and s3://***@b/x, not in s3://b/k@x"
+    )
     if importlib.util.find_spec("gcsfs") is None:  # a known protocol whose package is not installed
         assert "gs:// protocol needs a package that is not installed (Please install gcsfs" in (
             check_url("gs://b/x") or ""

@@ -207,6 +207,14 @@ SEARCH = ["-m", "hydra/sweeper=launch_optuna", "device=cpu", "logger=none"]
         ),
         (["optim.lr=interval(1e-4,1e-2)", "+sweep.pruner.nope=1"], "sweep.pruner cannot be built"),
         (["trainer.max_steps=5"], "nothing to search: give a distribution"),
+        (
+            ["optim.lr=interval(1e-4,1e-2)", "hydra.sweeper.n_trials=0"],
+            "hydra.sweeper.n_trials=0 is invalid: it must be a positive integer",
+        ),
+        (
+            ["optim.lr=interval(1e-4,1e-2)", "hydra.sweeper.storage=postgresql://me:pa55@db.example/studies"],
+            "hydra.sweeper.storage=postgresql://***@db.example/studies: it carries credentials",
+        ),
     ],
 )
 def test_a_search_that_cannot_run_is_one_line_before_anything_is_written(
@@ -216,7 +224,38 @@ def test_a_search_that_cannot_run_is_one_line_before_anything_is_written(
     assert run.returncode == 2, (run.stdout, run.stderr)
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch: error: ") and words in lines[0], run.stderr
-    assert not (tmp_path / "sweep").exists()
+    assert not (tmp_path / "sweep").exists() and "pa55" not in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b"this is not a database\n", "is not a SQLite database (it begins b'this is not '), so no study"),
+        (b"SQLite format 3\x00" + bytes(84) + b"cut short", "is a damaged SQLite database"),
+        ("other", "is a SQLite database of something else (its tables: notes), not a study"),
+    ],
+)
+def test_a_study_file_that_holds_no_study_is_one_line_and_left_as_it_is(
+    tmp_path: Path, content: bytes | str, words: str
+) -> None:
+    import sqlite3
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    db = sweep / "study.db"
+    if content == "other":  # another program's database, named as the sweeper names its own
+        with sqlite3.connect(db) as made:
+            made.execute("CREATE TABLE notes (text)")
+        made.close()
+    else:
+        db.write_bytes(content)  # type: ignore[arg-type]
+    before = db.read_bytes()
+    run = launch_here(tmp_path, *SEARCH, "optim.lr=interval(1e-4,1e-2)", f"hydra.sweep.dir={sweep}")
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith(f"launch: error: {db} ") and words in line, line
+    assert line.endswith("or choose another hydra.sweep.dir; study.db is left as it is"), line
+    assert db.read_bytes() == before and sorted(p.name for p in sweep.iterdir()) == [".study.lock", "study.db"]
 
 
 def _trial_cfg(url: str, trial: int | None, pruner: dict | None) -> object:

@@ -291,6 +291,23 @@ def test_bad_text_input_is_one_line_before_any_worker(case: str, corpus: dict[st
 
 
 @pytest.mark.unit
+def test_a_corpus_with_no_text_names_its_files(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """Documents that are all empty, blank or without the text field's value: one line naming the files and why, not
+    a cache of 0 tokens that "cannot make one sample"."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.jsonl").write_text('{"id": 0, "text": ""}\n{"id": 1, "text": "   "}\n')
+    (empty / "b.jsonl").write_text('{"id": 2, "text": null}\n{"id": 3}\n')
+    line = launch_here(tmp_path, *_text(corpus, tmp_path, f"data.files={empty}/*.jsonl")).refused()
+    assert line == (
+        f"launch: error: data.files: every one of the 4 document(s) in {empty / 'a.jsonl'}, {empty / 'b.jsonl'} is "
+        "empty, blank or has no 'text' value: no token to train on; point it at files with text, or name the field "
+        "that holds it with data.text_field=..."
+    ), line
+    assert not any((tmp_path / "cache").rglob("*.bin"))  # no cache of nothing
+
+
+@pytest.mark.unit
 def test_a_tokenizer_not_given_is_named_not_the_model_key_that_follows_it(corpus: dict[str, Path], tmp_path) -> None:
     overrides = [o for o in _text(corpus, tmp_path) if not o.startswith("data.tokenizer")]
     line = launch_here(tmp_path, *overrides).refused()

@@ -93,10 +93,16 @@ class LaunchOptunaSweeper(Sweeper):
         """The search space, the objective and the study, checked before anything is written; the study held."""
         from hydra.utils import instantiate
 
+        from launcher.checkpoint.storage import masked, secret_in
+        from launcher.ranges import SIZE
         from launcher.search.space import SpaceError, parse
         from launcher.search.study import StudyError, finished, hold, open_study, storage_url
 
         assert self.config is not None
+        if not SIZE.holds(self.n_trials):  # as the schema's ranges say it
+            raise SpaceError(f"hydra.sweeper.n_trials={self.n_trials} is invalid: it must be {SIZE.rule}")
+        if self.storage and (secret := secret_in([f"hydra.sweeper.storage={self.storage}"])):
+            raise SpaceError(secret)  # the trials' configs would hold it
         space = parse([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
         if not space.distributions:
             raise SpaceError(
@@ -130,7 +136,7 @@ class LaunchOptunaSweeper(Sweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         self.url, self.sweep_dir, done = url, sweep_dir, finished(study)
         again = f"continuing: {done} of {self.n_trials} trial(s) done" if done else f"{self.n_trials} trial(s)"
-        print(f"launch: study {self.study_name!r} ({url}): {again}", flush=True)
+        print(f"launch: study {self.study_name!r} ({masked(url)}): {again}", flush=True)
         return study, space, sweep_dir
 
     def _check_objective(self, sweep: dict[str, Any]) -> None:

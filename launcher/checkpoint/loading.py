@@ -22,7 +22,7 @@ from launcher.checkpoint.format import (
     rng_name,
     set_rng_state,
 )
-from launcher.checkpoint.storage import Location, check_url, is_remote, location
+from launcher.checkpoint.storage import Location, check_url, is_remote, location, masked
 from launcher.checkpoint.untrusted import UntrustedDataError, dcp_load, read_metadata
 
 
@@ -78,13 +78,15 @@ def find_resume(
     if resume == "auto":
         return _auto(run_dir, identity) if checkpoints is None else newest_intact(checkpoints)
     path = location(resume)
+    if is_remote(path) and (why := check_url(path.url)):  # type: ignore[union-attr]
+        raise CheckpointError(f"resume={path}: {why}")
     if (path / MANIFEST).exists():  # a checkpoint folder: this one or none
         return intact(path)
     folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     found = newest_intact(folder) if folder.is_dir() else None
     if found is None:
         raise CheckpointError(
-            f"resume={resume}: no complete checkpoint there; give a run directory, a checkpoints folder or a "
+            f"resume={masked(resume)}: no complete checkpoint there; give a run directory, a checkpoints folder or a "
             "checkpoints/step_* folder (local, or its URL)"
         )
     return found

@@ -58,7 +58,12 @@ def saver(cfg: Any, ctx: Any, run_dir: Path, strategy: Any, step: int) -> Saver:
     if count and not is_remote(folder):  # object storage has no free space to check
         keep = f"trainer.keep_last={policy.keep_last}" if policy.keep_last > 0 else "trainer.keep_last=0: all kept"
         what = f"the {count} checkpoint(s) this run holds at once ({keep}, {held} saved before)"
-        check_space(folder, checkpoint_bytes(strategy.state_dict(), ctx.world_size), count, what)
+        try:
+            check_space(folder, checkpoint_bytes(strategy.state_dict(), ctx.world_size), count, what)
+        except RuntimeError as e:  # every rank read rank 0's free space: one refusal, not a failure per rank
+            from launcher.lifecycle import Refused
+
+            raise Refused(f"the check for room before the first save: {e}") from e
     return Saver(
         folder,
         ctx.rank,

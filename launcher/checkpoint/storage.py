@@ -10,22 +10,46 @@
 
 Credentials come only from where the protocol's library looks (for S3: the AWS_* variables, ~/.aws, the instance's
 or pod's role; `AWS_ENDPOINT_URL` for an S3-compatible store), never from the config: a URL that carries any is
-refused (`check_url`).
+refused (`check_url`, and any password in a URL on the command line: `secret_in`), and every line or file that names
+a URL names it `masked`.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
 
+USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/\s@]*)@")
+"""The part of a URL before its host that names a user, and maybe a password: `scheme://user:password@`."""
+
+
+def masked(text: str) -> str:
+    """`text` with the user and password of every URL in it shown as `***` (`s3://***@bucket/run`): how a line, a
+    log or a file names a URL."""
+    return USERINFO.sub(r"\1***@", text)
+
+
+def secret_in(args: list[str]) -> str | None:
+    """One line for the first argument holding a URL with a password in it (masked), or None: refused before
+    anything runs, so that no log, config or line of the run can hold it."""
+    for arg in args:
+        if any(":" in m.group(2) for m in USERINFO.finditer(arg)):
+            return (
+                f"{masked(arg)}: it carries credentials: give them in the environment (for S3: AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY), ~/.aws, the instance's role or the service's own password file (e.g. "
+                "~/.pgpass), never the command line"
+            )
+    return None
+
 
 class Remote:
-    """A file or folder at an fsspec URL, with the `Path` methods the checkpoint code uses."""
+    """A file or folder at an fsspec URL, with the `Path` methods the checkpoint code uses; printed `masked`."""
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
@@ -50,10 +74,10 @@ class Remote:
         return Remote(f"{self.url}/{name}")
 
     def __str__(self) -> str:
-        return self.url
+        return masked(self.url)
 
     def __repr__(self) -> str:
-        return f"Remote({self.url!r})"
+        return f"Remote({masked(self.url)!r})"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Remote) and other.url == self.url

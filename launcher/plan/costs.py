@@ -112,13 +112,6 @@ def gathered_bytes(largest_layer: int, weight_bytes: int, params_sharded: bool) 
     return 2 * weight_bytes * largest_layer if params_sharded else 0.0
 
 
-STEP_RUNTIME_BYTES = 2.5e6
-"""What a training step allocates on the host beyond the tensors a plan names (autograd's graph, gloo's staging,
-the batch, Python's objects): 1.3-3.7 MB measured across strategies at 0.1M parameters (2 gloo ranks, torch 2.13),
-its middle counted. Counted for device=cpu, where the measure reads the host's heap; a GPU's allocator holds none
-of it."""
-
-
 def transient_bytes(
     transients: Transients,
     params: float,
@@ -127,16 +120,15 @@ def transient_bytes(
     accumulation: int,
     grads_share: float,
     grad_bytes: int = 4,
-    host: bool = False,
 ) -> float:
     """What a rank holds at its peak beyond its model state, by the strategy's own rule (`Layout.transients`):
     whole-model and unit-sized buffers of weights (in the compute dtype) and of gradients (`grad_bytes` each: the
-    dtype of the stored weights, 2 for DeepSpeed's 16-bit parameters, else fp32), plus, on the `host`, the step's
-    runtime. Full gradients (ZeRO-1's backward, any accumulation over K > 1 micro-steps without a sync) replace the
-    `grads_share` of the model the state already counts (1/G when gradients are sharded, 0 when replicated)."""
+    dtype of the stored weights, 2 for DeepSpeed's 16-bit parameters, else fp32). Full gradients (ZeRO-1's backward,
+    any accumulation over K > 1 micro-steps without a sync) replace the `grads_share` of the model the state already
+    counts (1/G when gradients are sharded, 0 when replicated)."""
     mixed = precision in MIXED_PRECISIONS
     compute, t = (2 if mixed else 4), transients
-    held = (STEP_RUNTIME_BYTES if host else 0.0) + t.unit_weights * unit * compute + t.unit_grads * unit * grad_bytes
+    held = t.unit_weights * unit * compute + t.unit_grads * unit * grad_bytes
     held += t.model_grads * params * grad_bytes + (t.mixed_weight_copies * params * compute if mixed else 0.0)
     full = max(t.full_grads, t.full_grads_accumulating if accumulation > 1 else 0.0)
     return held + full * params * grad_bytes * (1 - grads_share)

@@ -152,7 +152,6 @@ class Plan:
                 accumulation,
                 grads_share=1 / shards if layout.grads.sharded else 0.0,
                 grad_bytes=bpp.weights,
-                host=self.derived.device == "cpu",
             ),
             activations=self.activations * (micro or self.micro) / self.micro,  # linear in the micro-batch
             comm_bytes=within + across,

@@ -262,7 +262,7 @@ def render(plan: Plan) -> str:
         " (host, nvme).",
         "peak = model state on the device + transient (each strategy's own buffers: autocast's weight copies,"
         " gathered units, ZeRO-1's full gradients in backward, whole gradients while accumulating, DeepSpeed's"
-        " buckets; on device=cpu the step's runtime) + activations (without checkpointing); on device=cpu also what"
+        " buckets) + activations (without checkpointing); on device=cpu also what"
         " is offloaded to the host.",
         f"comm: bytes each rank sends per optimizer step, the sum of the collectives each strategy declares, in the"
         f" dtype it sends (ring all-reduce 2(G-1)/G x P; sharded parameters add an all-gather in each forward and"

@@ -46,14 +46,65 @@ def hold(sweep_dir: Path) -> IO[str]:
     return lock
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+"""The first 16 bytes of every SQLite database file."""
+
+
+def check_file(url: str) -> None:
+    """A study's SQLite file, when it is there, read as data before optuna opens it (which would add its tables to any
+    database, and gives a traceback for a file that is none): StudyError naming the file and what it is, the file
+    left as it is."""
+    if not url.startswith("sqlite:///"):
+        return
+    import sqlite3
+
+    path = Path(url.removeprefix("sqlite:///"))
+    fix = f"move it away to start a new study there, or choose another hydra.sweep.dir; {path.name} is left as it is"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise StudyError(f"{path} cannot be read ({e.strerror}); make it readable, or {fix}") from None
+    if not head:
+        return  # an empty file: SQLite's empty database
+    if head != SQLITE_HEADER:
+        raise StudyError(f"{path} is not a SQLite database (it begins {head[:12]!r}), so no study; {fix}")
+    try:
+        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)  # read-only: nothing written to it
+        try:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        raise StudyError(f"{path} is a damaged SQLite database ({e}); {fix}") from None
+    if tables and "studies" not in tables:
+        shown = ", ".join(sorted(tables)[:5])
+        raise StudyError(f"{path} is a SQLite database of something else (its tables: {shown}), not a study; {fix}")
+
+
 def open_study(name: str, url: str, direction: str, sampler: Any, pruner: Any, definition: list[str]) -> Any:
-    """The study `name` in `url`, made if new; StudyError if it exists and searched something else."""
+    """The study `name` in `url`, made if new; StudyError if it exists and searched something else, or if `url` holds
+    no study optuna can read."""
     import optuna
 
+    check_file(url)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        study_name=name, storage=url, direction=direction, sampler=sampler, pruner=pruner, load_if_exists=True
-    )
+    try:
+        study = optuna.create_study(
+            study_name=name, storage=url, direction=direction, sampler=sampler, pruner=pruner, load_if_exists=True
+        )
+    except Exception as e:  # the database's own error (SQLAlchemy's): one line, not its traceback
+        if not type(e).__module__.startswith(("sqlalchemy", "optuna")):
+            raise
+        from launcher.checkpoint.storage import masked
+        from launcher.config import one_line
+
+        raise StudyError(
+            f"the study storage {masked(url)} cannot be opened ({type(e).__name__}: {one_line(e)[:300]}); check "
+            "hydra.sweeper.storage, or choose another hydra.sweep.dir"
+        ) from None
     before = study.user_attrs.get(DEFINITION)
     if before is None:
         study.set_user_attr(DEFINITION, definition)
