@@ -54,9 +54,11 @@ class StoreError(ValueError):
     """A store, shard or block the run cannot use: one line naming it and the fix."""
 
 
-def masked(url: str) -> str:
-    """A URL as lines may show it: any credential in it replaced by `***`."""
-    return re.sub(r"(://)[^/@]*@", r"\1***@", str(url))
+def masked(url: Any) -> str:
+    """A URL as lines may show it: any credential in it replaced by `***` (`launcher.checkpoint.storage.masked`)."""
+    from launcher.checkpoint.storage import masked as hide
+
+    return hide(str(url))
 
 
 def open_location(url: str) -> Any:

@@ -40,12 +40,19 @@ def secret_in(args: list[str]) -> str | None:
     anything runs, so that no log, config or line of the run can hold it."""
     for arg in args:
         if any(":" in m.group(2) for m in USERINFO.finditer(arg)):
-            return (
-                f"{masked(arg)}: it carries credentials: give them in the environment (for S3: AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY), ~/.aws, the instance's role or the service's own password file (e.g. "
-                "~/.pgpass), never the command line"
+            where = next((w for key, w in CREDENTIALS.items() if arg.lstrip("+~").startswith(key)), None) or (
+                "the environment (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), ~/.aws, the instance's role "
+                "or the service's own password file (e.g. ~/.pgpass)"
             )
+            return f"{masked(arg)}: it carries credentials: give them in {where}, never the command line"
     return None
+
+
+CREDENTIALS = {
+    "logger.mlflow.": "MLflow's environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+    "MLFLOW_TRACKING_TOKEN)",
+}
+"""Where the credentials of a key's URL go, where its library reads them from somewhere of its own."""
 
 
 class Remote:
