@@ -1,6 +1,6 @@
 """A token store (data=store) against the local data=text cache, on a corpus generated here.
 
-python bench/store.py [--megabytes 200] [--steps 40]
+python bench/store.py [--megabytes 200] [--steps 40] [--repeats 3]
 
 1. Generates `--megabytes` of jsonl text (8 files of seeded random words) and a byte-level BPE of 8,192 ids.
 2. `launch prepare` builds the store into a local folder with data.tokenize_workers=1 and =2: tokens/s of each.
@@ -76,6 +76,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--megabytes", type=int, default=200)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     import logging
 
@@ -103,10 +104,16 @@ def main() -> None:
                 "data.val_fraction=0.01"]  # fmt: skip
         subprocess.run([LAUNCH, *text, "trainer.max_steps=1", "logger=none", "gpus=1", "device=cpu",
                         f"hydra.run.dir={root / 'warmup'}"], capture_output=True, env=env, cwd=root)  # fmt: skip
-        local = train("text", text, a.steps, root, env)
-        store = ["data=store", "data.url=s3://bench/tokens", f"data.cache_dir={root / 'cache'}", "data.cache_limit=2GB"]
-        cold = train("cold", store, a.steps, root, env)
-        warm = train("warm", store, a.steps, root, env)
+        # Each `--repeats` times, interleaved (a machine's load drifts), the fastest median kept; each cold run with
+        # an empty cache of its own, its warm run after it with what it left.
+        runs: dict[str, list[tuple[float, float]]] = {"text": [], "cold": [], "warm": []}
+        for r in range(a.repeats):
+            store = ["data=store", "data.url=s3://bench/tokens", f"data.cache_dir={root / f'cache-{r}'}",
+                     "data.cache_limit=2GB"]  # fmt: skip
+            runs["text"].append(train(f"text-{r}", text, a.steps, root, env))
+            runs["cold"].append(train(f"cold-{r}", store, a.steps, root, env))
+            runs["warm"].append(train(f"warm-{r}", store, a.steps, root, env))
+        local, cold, warm = (min(runs[k]) for k in ("text", "cold", "warm"))
     server.stop()
     print(f"\nbuild: {one:,.0f} tokens/s with 1 worker, {two:,.0f} with 2 ({two / one:.2f}x); into S3 with 2: "
           f"{to_s3:.1f} s\n")  # fmt: skip
