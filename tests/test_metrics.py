@@ -1,21 +1,11 @@
-"""The logged figures' declarations (`launcher/metrics.py`): read by the runner and the README alike."""
+"""The logged figures' declarations (`launcher/metrics.py`): read by the runner and the docs alike (the docs' table is
+made from them: tests/test_docs.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from launcher.metrics import METRICS, declared, over_ranks, table
-
-README = Path(__file__).parent.parent / "README.md"
-
-
-@pytest.mark.unit
-def test_the_readme_table_is_the_declarations() -> None:
-    text = README.read_text()
-    start, end = text.index("<!-- metrics table -->\n"), text.index("<!-- end of the metrics table -->")
-    assert text[start:end].split("\n", 1)[1].strip() == table(), "run: python -m launcher.metrics"
+from launcher.metrics import METRICS, declared, over_ranks
 
 
 @pytest.mark.unit

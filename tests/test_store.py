@@ -189,7 +189,7 @@ def test_a_corpus_five_times_the_cache_trains_from_s3_and_resumes_at_another_wor
         size = sum(s["splits"]["train"]["tokens"] * 2 for s in manifest["shards"])
         limit = size // 5
         cache = tmp_path / "cache"
-        job = [*TINY, "data=store", f"data.url={url}", "data.seq_len=64", f"data.cache_dir={cache}",
+        job = [*TINY, "data=store", f"data.url={url}", "data.seq_len=128", f"data.cache_dir={cache}",
                f"data.cache_limit={limit}", "data.shuffle_blocks=2", "trainer.eval_every=0",
                "trainer.checkpoint_every=4", "trainer.keep_last=0", "trainer.warmup_steps=2"]  # fmt: skip
         held, done = [0], threading.Event()
@@ -204,7 +204,7 @@ def test_a_corpus_five_times_the_cache_trains_from_s3_and_resumes_at_another_wor
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        windows = sum((s["splits"]["train"]["tokens"] - 1) // 64 for s in manifest["shards"])
+        windows = sum((s["splits"]["train"]["tokens"] - 1) // 128 for s in manifest["shards"])
         steps = windows // 16  # one epoch
         first = launch(tmp_path, *job, f"trainer.max_steps={steps}", "gpus=2", name="two", env=env).check()
         done.set()
