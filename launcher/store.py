@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from launcher.checkpoint.storage import masked
 from launcher.config import ConfigError
 from launcher.data import FORMATS, cache_dir
 
@@ -52,13 +53,6 @@ DTYPES = ("uint16", "uint32")
 
 class StoreError(ValueError):
     """A store, shard or block the run cannot use: one line naming it and the fix."""
-
-
-def masked(url: Any) -> str:
-    """A URL as lines may show it: any credential in it replaced by `***` (`launcher.checkpoint.storage.masked`)."""
-    from launcher.checkpoint.storage import masked as hide
-
-    return hide(str(url))
 
 
 def open_location(url: str) -> Any:

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from launcher.checkpoint.storage import masked
 from launcher.config import ConfigError
-from launcher.store import FORMAT, KIND, MANIFEST, SHARDS, masked, open_location
+from launcher.store import FORMAT, KIND, MANIFEST, SHARDS, open_location
 
 BLOCK_BYTES = 4 << 20
 """The default block: the unit read, checked and cached (4 MiB)."""

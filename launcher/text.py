@@ -247,8 +247,7 @@ def _inside(folder: Path) -> list[Path]:
 def _remote(pattern: str, key: str) -> list[Any]:
     """The readable files a URL names: a file, a glob (`s3://bucket/corpus/*.jsonl`) or a prefix (every file under
     it), sorted; ConfigError (one line, no credential shown) for a URL that cannot be read or names none."""
-    from launcher.checkpoint.storage import Remote, check_url
-    from launcher.store import masked
+    from launcher.checkpoint.storage import Remote, check_url, masked
 
     scheme = pattern.partition("://")[0]
     base = re.split(r"[*?\[]", pattern, maxsplit=1)[0].rstrip("/")
