@@ -8,7 +8,7 @@ python bench/loader.py [--only slow|kinds] [--steps 12] [--cost-ms 5] [--workers
 - slow: a dataset that costs nothing; one whose samples cost 5 ms each, read in the loop (data.workers=0); the same
   read by `--workers` DataLoader processes per rank ahead of the loop. Goal: the loader within 1.10 x of free.
 - kinds: the same samples as a map-style dataset; as a stream (an IterableDataset: every rank reads the whole
-  stream and keeps its share, `launcher.sources`), read in the loop and by one reader process ahead of it; as rows
+  stream and keeps its share, `launcher.data.sources`), read in the loop and by one reader process ahead of it; as rows
   of Python lists through the default collate; and through a collate of the user's (padding to the longest).
   Goal: a stream within 1.05 x of the map-style dataset.
 """
@@ -33,7 +33,7 @@ class Slow(Dataset):
     """The built-in random tokens, each read `cost_ms` late (an expensive decode, a remote read)."""
 
     def __init__(self, split: str, cost_ms: float = 5.0, seq_len: int = 128) -> None:
-        from launcher.data import Synthetic
+        from launcher.data.builtin import Synthetic
 
         self.inner = Synthetic(split, seq_len=seq_len, vocab_size=256, num_samples=16384, format="tuple")
         self.cost = cost_ms / 1000
@@ -51,7 +51,7 @@ class Stream(IterableDataset):
     """The same random tokens as a stream, in their order."""
 
     def __init__(self, split: str, seq_len: int = 128) -> None:
-        from launcher.data import Synthetic
+        from launcher.data.builtin import Synthetic
 
         self.inner = Synthetic(split, seq_len=seq_len, vocab_size=256, num_samples=16384, format="tuple")
 
@@ -63,7 +63,7 @@ class Rows(Dataset):
     """The same random tokens as rows of Python lists, as a `datasets.Dataset` gives them."""
 
     def __init__(self, split: str, seq_len: int = 128) -> None:
-        from launcher.data import Synthetic
+        from launcher.data.builtin import Synthetic
 
         self.inner = Synthetic(split, seq_len=seq_len, vocab_size=256, num_samples=16384, format="tuple")
 

@@ -4,7 +4,7 @@ python bench/tokenization.py [--mb 40] [--vocab 8192] [--workers 0 2]
 
 Generates a corpus of about `--mb` MB of jsonl (seeded random documents of 3 to 600 words, tests/text_corpus.py)
 and a byte-level BPE of `--vocab` ids trained on its first 2,000 documents, then builds the token cache the launcher
-builds before a run (`launcher.text.prepare`: datasets reads the files, datasets.map tokenizes them, the splits are
+builds before a run (`launcher.data.text.prepare`: datasets reads the files, datasets.map tokenizes them, the splits are
 written), once per `--workers` value (data.tokenize_workers; 0: this process, with the tokenizer's own threads),
 each into a fresh cache folder, and once more into the last one (the cache found). Prints tokens per second over the
 whole build (read, tokenize, write) and the seconds to find the cache.
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     a = parser.parse_args()
 
-    from launcher.text import prepare
+    from launcher.data.text import prepare
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

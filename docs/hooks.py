@@ -1,14 +1,14 @@
 """MkDocs hooks: the pages' generated parts, made from the code at build time, so that they cannot go stale: the
-configuration reference (`launcher.reference`, from the typed schema) and the table of logged figures
-(`launcher.metrics`, from their declarations)."""
+configuration reference (`launcher.config.reference`, from the typed schema) and the table of logged figures
+(`launcher.worker.metrics`, from their declarations)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 MARKERS = {
-    "<!-- configuration reference -->": "launcher.reference:markdown",
-    "<!-- metrics table -->": "launcher.metrics:table",
+    "<!-- configuration reference -->": "launcher.config.reference:markdown",
+    "<!-- metrics table -->": "launcher.worker.metrics:table",
 }
 
 

@@ -62,7 +62,7 @@ def _counting_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 
 class DDP:
-    def __init__(  # every option's default is its schema's (launcher/schema.py), written there alone
+    def __init__(  # every option's default is its schema's (launcher/config/schema.py), written there alone
         self,
         *,
         bucket_cap_mb: float,

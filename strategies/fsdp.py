@@ -104,7 +104,7 @@ def _counting_all_reduce(counter: CommCounter, replicas: int) -> Any:
 
 
 class FSDP:
-    def __init__(  # every option's default is its schema's (launcher/schema.py), written there alone
+    def __init__(  # every option's default is its schema's (launcher/config/schema.py), written there alone
         self,
         *,
         shard_units: list[str] | None,

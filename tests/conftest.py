@@ -121,14 +121,14 @@ def launch_here(tmp_path: Path, *overrides: str, name: str = "run") -> Run:
 
 def cli_here(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`launch ARGS` in this test process, in `cwd`, through the entry point the console script calls
-    (`launcher.cli.main`): its exit status and what it printed, as `launch` would give them, for what ends before any
-    worker starts (a refusal, `launch plan`, `--cfg`)."""
+    (`launcher.parent.cli.main`): its exit status and what it printed, as `launch` would give them, for what ends before
+    any worker starts (a refusal, `launch plan`, `--cfg`)."""
     import contextlib
     import io
 
     from hydra.core.global_hydra import GlobalHydra
 
-    from launcher.cli import main
+    from launcher.parent.cli import main
 
     out, err, argv, here = io.StringIO(), io.StringIO(), sys.argv, os.getcwd()
     saved = {key: os.environ.get(key) for key in ("HYDRA_FULL_ERROR", "WANDB_SILENT")}
@@ -299,7 +299,7 @@ def unit_tests_start_no_python(request: pytest.FixtureRequest, monkeypatch: pyte
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: each test runs 2-rank jobs, so about one test process per two CPUs, and at least two
     (a test spends much of its time starting processes and waiting on them)."""
-    from launcher.machine import usable_cpus
+    from launcher.base.machine import usable_cpus
 
     return max(2, usable_cpus() // 2)
 

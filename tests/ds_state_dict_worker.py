@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.context import preset_strategy
+from launcher.config.context import preset_strategy
 from launcher.models.gpt import GPT
 from strategies import RunContext
 
@@ -138,10 +138,10 @@ def main(preset: str) -> None:
 
 
 if __name__ == "__main__":
-    from launcher import schema
+    from launcher.config import schema
 
     schema.register()
     main(sys.argv[1])  # a preset of conf/strategy/, built as a run builds it
-    from launcher.lifecycle import exit_now
+    from launcher.worker.lifecycle import exit_now
 
     exit_now(0)  # as the launcher's own workers end: a gloo thread can abort the interpreter's teardown (SIGABRT)

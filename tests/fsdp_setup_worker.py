@@ -14,11 +14,10 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_module
 
-from launcher import schema
-from launcher.config import freeze
-from launcher.context import make_strategy
-from launcher.memory import StepMemory
-from launcher.meta import build_on_meta, measure
+from launcher.config import freeze, schema
+from launcher.config.context import make_strategy
+from launcher.models.meta import build_on_meta, measure
+from launcher.worker.memory import StepMemory
 from strategies import RunContext
 
 
@@ -54,6 +53,6 @@ def main(overrides: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    from launcher.lifecycle import exit_now
+    from launcher.worker.lifecycle import exit_now
 
     exit_now(0)  # as the launcher's own workers end: a gloo thread can abort the interpreter's teardown (SIGABRT)

@@ -26,7 +26,7 @@ def run_processes(run_dir: Path) -> list[int]:
 
 
 def worker_pids(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of the live workers of a run (each names itself `launch-rank<N>`: launcher.lifecycle)."""
+    """rank -> pid of the live workers of a run (each names itself `launch-rank<N>`: launcher.worker.lifecycle)."""
     found = {}
     for pid in run_processes(run_dir):
         try:

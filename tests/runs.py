@@ -21,8 +21,8 @@ STRATEGIES.remove("auto")  # a request, not a strategy: launch.prepare() swaps i
 def _declared() -> dict:
     """Each preset's strategy, built from its config as a run builds it: what it declares of itself is what the suite
     expects of it (`Strategy.conformance`, `Strategy.requirements`), with no list of the suite's own."""
-    from launcher import schema
-    from launcher.context import preset_strategies
+    from launcher.config import schema
+    from launcher.config.context import preset_strategies
 
     schema.register()
     return preset_strategies(STRATEGIES)

@@ -1,4 +1,4 @@
-"""Runs that adapt without changing their result (`launcher.adapt`): batch.micro_size=auto, halved after an
+"""Runs that adapt without changing their result (`launcher.worker.adapt`): batch.micro_size=auto, halved after an
 out-of-memory error by a restart of the worker group, trains the trajectory of a run that used the smaller
 micro-batch from the start."""
 
@@ -155,9 +155,8 @@ def test_an_elastic_range_is_refused_where_a_cluster_fixes_the_number_of_nodes()
     """A SLURM allocation has its nodes: nodes=MIN:MAX is for nodes started by hand (one line, naming both)."""
     from hydra import compose, initialize_config_module
 
-    from launcher import schema
-    from launcher.config import ConfigError, derive, freeze
-    from launcher.rendezvous import rendezvous
+    from launcher.config import ConfigError, derive, freeze, schema
+    from launcher.parent.rendezvous import rendezvous
 
     schema.register()
     with initialize_config_module("launcher.conf", version_base="1.3"):

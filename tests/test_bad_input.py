@@ -31,7 +31,7 @@ BAD = {
                                               "full_key: batch.global_size"),
     "bad enum": (["device=tpu"], "Invalid value 'tpu', expected one of [auto, cpu, cuda]; full_key: device"),
     "custom model without a target": (["model=custom"], "model._target_ has no value"),
-    "a size taken from a data without it": (["data=custom", "data._target_=launcher.data.Synthetic"],
+    "a size taken from a data without it": (["data=custom", "data._target_=launcher.data.builtin.Synthetic"],
                                             "model.block_size: Interpolation key 'data.seq_len' not found; set "
                                             "model.block_size=... yourself"),
     # ranges, declared once in the schema
@@ -137,7 +137,7 @@ def test_the_table_covers_every_group_and_built_object() -> None:
     set by an override of its own; and so does a resume."""
     from importlib import resources
 
-    from launcher.schema import LaunchConfig
+    from launcher.config.schema import LaunchConfig
 
     groups = {p.name for p in resources.files("launcher.conf").iterdir() if p.is_dir() and p.name != "sweep"}
     sections = {name for name, value in vars(LaunchConfig()).items() if hasattr(value, "__dataclass_fields__")}
@@ -224,7 +224,7 @@ def test_a_rank_killed_inside_a_collective_is_said_with_the_collective_and_its_p
 
 def _memory_cgroup(tmp_path: Path, limit: int) -> Path:
     """A child of this process's memory cgroup with `limit` bytes (cgroup v1 or v2)."""
-    from launcher.machine import memory_cgroups
+    from launcher.base.machine import memory_cgroups
 
     for parent in memory_cgroups():
         child = parent / f"launch-test-{os.getpid()}"

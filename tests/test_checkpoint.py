@@ -196,7 +196,7 @@ def test_kills_during_saves_never_leave_a_broken_latest_checkpoint(tmp_path: Pat
     """Save every step and kill rank 0 around the moment a save becomes visible: once while its files are being
     written, once the instant its folder is renamed into place. Every visible checkpoint is complete and loads, and
     the next attempt resumes from the newest one."""
-    from launcher.convert import weights
+    from launcher.parent.convert import weights
 
     big = [o for o in JOB if not o.startswith(("model.n_embd", "trainer.keep_last"))] + [
         "model.n_embd=256",
@@ -370,7 +370,7 @@ def test_an_async_save_is_visible_only_once_written_and_a_kill_keeps_the_one_bef
     one training changed meanwhile; a SIGKILL while a save is in flight leaves the previous checkpoint as `latest`,
     and the start of the next attempt removes the partial folder."""
     from launcher.checkpoint import format as checkpoint
-    from launcher.convert import weights
+    from launcher.parent.convert import weights
 
     proc = subprocess.Popen(
         [sys.executable, "-c", ASYNC_PROBE, str(tmp_path)],

@@ -14,11 +14,10 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from processes import free_port
 
-from launcher import schema
+from launcher.base.machine import ephemeral_port_floor
 from launcher.clusters.slurm import expand_hostlist, submitit_overrides
-from launcher.config import ConfigError, derive, freeze
-from launcher.machine import ephemeral_port_floor
-from launcher.rendezvous import rendezvous
+from launcher.config import ConfigError, derive, freeze, schema
+from launcher.parent.rendezvous import rendezvous
 
 schema.register()
 JOB = [*TINY, "batch.global_size=16", "trainer.max_steps=5"]
@@ -286,11 +285,11 @@ def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:
         assert int(cells[8].replace(",", "")) == round(metrics[-1]["model_state_bytes"]), row
         rates = sorted(m["samples_per_s"] for m in metrics if "samples_per_s" in m)
         assert rates[0] - 0.05 <= float(cells[7]) <= rates[-1] + 0.05, (row, rates)
-    # python -m launcher.report rebuilds both from the jobs' folders alone.
+    # python -m launcher.parent.report rebuilds both from the jobs' folders alone.
     expected = (sweep / "summary.md").read_text()
     (sweep / "summary.md").unlink()
     (sweep / "summary.png").unlink()
-    subprocess.run([sys.executable, "-m", "launcher.report", str(sweep)], check=True, env=clean_env(tmp_path))
+    subprocess.run([sys.executable, "-m", "launcher.parent.report", str(sweep)], check=True, env=clean_env(tmp_path))
     assert (sweep / "summary.md").read_text() == expected and (sweep / "summary.png").stat().st_size > 10_000
 
 
@@ -316,7 +315,7 @@ def test_rendezvous_events_are_named_without_reading_the_stack(monkeypatch: pyte
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    from launcher.rendezvous import cheap_event_names
+    from launcher.parent.rendezvous import cheap_event_names
 
     monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)  # restored after
     cheap_event_names()

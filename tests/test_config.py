@@ -14,9 +14,8 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from launcher import schema
-from launcher.config import ConfigError, derive, freeze
-from launcher.context import make_strategy
+from launcher.config import ConfigError, derive, freeze, schema
+from launcher.config.context import make_strategy
 
 schema.register()
 CONF = resources.files("launcher.conf")
@@ -52,10 +51,10 @@ def test_every_option_composes_and_instantiates(group: str, option: str, tmp_pat
     node = OmegaConf.select(cfg, path)
     target = OmegaConf.select(node, "_target_")
     assert target and (option != "custom" or target == CUSTOM[group]), (group, option, target)
-    from launcher.data import LOADER_KEYS
+    from launcher.data.builtin import LOADER_KEYS
 
     # The target imports, and takes the option's keys as keywords; the loader's own keys (the collate, which
-    # launcher.collate builds) never reach a data target.
+    # launcher.data.collate builds) never reach a data target.
     built = instantiate(node, _partial_=True, _recursive_=group != "data")
     assert built.func is get_object(target), (built.func, target)
     taken = {k: v for k, v in built.keywords.items() if group != "data" or k not in LOADER_KEYS}
@@ -92,7 +91,7 @@ def test_help_and_cfg_import_no_heavy_module(tmp_path: Path) -> None:
     """`--cfg job` composes without torch, deepspeed, wandb, optuna, mlflow or tensorboard; `--help` lists the groups
     without Hydra (its instantiate module above all) or OmegaConf: it composes nothing."""
     probe = (
-        "import sys; from launcher import cli\n"
+        "import sys; from launcher.parent import cli\n"
         "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
         "heavy = ['torch', 'deepspeed', 'wandb', 'optuna', 'datasets', 'transformers', 'mlflow', 'tensorboard']\n"
         "heavy += ['hydra', 'omegaconf'] if '--help' in sys.argv else []\n"
@@ -191,8 +190,8 @@ def test_every_key_is_part_of_the_run_identity_unless_its_schema_marks_it() -> N
     schema does not mark the key `launch_only` (a key added without a mark counts, with no list to update)."""
     from enum import Enum
 
-    from launcher.identity import identity_hash
-    from launcher.ranges import _fields, untracked
+    from launcher.config.identity import identity_hash
+    from launcher.config.ranges import _fields, untracked
 
     base = _compose("data=synthetic")
     reference = identity_hash(freeze(base), base)
@@ -223,10 +222,10 @@ def test_a_single_run_is_composed_once_and_its_ranges_checked_once(tmp_path: Pat
     ranges: a run refused after both (by the batch contract, before any worker) counts one of each."""
     from hydra._internal.hydra import Hydra
 
-    import launcher.ranges
+    import launcher.config.ranges
 
     calls = {"compose": 0, "ranges": 0}
-    compose_config, fields = Hydra.compose_config, launcher.ranges._fields
+    compose_config, fields = Hydra.compose_config, launcher.config.ranges._fields
 
     def counted_compose(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls["compose"] += 1
@@ -237,7 +236,7 @@ def test_a_single_run_is_composed_once_and_its_ranges_checked_once(tmp_path: Pat
         return fields(cfg, path)
 
     monkeypatch.setattr(Hydra, "compose_config", counted_compose)
-    monkeypatch.setattr(launcher.ranges, "_fields", counted_fields)
+    monkeypatch.setattr(launcher.config.ranges, "_fields", counted_fields)
     line = launch_here(tmp_path, *TINY, "batch.global_size=30").refused()
     assert line.startswith("launch: error: batch.global_size=30 is not divisible by batch.micro_size=4"), line
     assert calls == {"compose": 1, "ranges": 1}, calls

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from launcher import schema
-from launcher.context import preset_dataset
-from launcher.data import GlobalBatches, rank_micro_batches
+from launcher.config import schema
+from launcher.config.context import preset_dataset
+from launcher.data.builtin import GlobalBatches, rank_micro_batches
 
 schema.register()  # the data groups' schemas, for preset_dataset
 
@@ -88,8 +88,8 @@ def test_unpacked_pysource_pads_the_last_chunk_of_each_document() -> None:
 @pytest.mark.unit
 def test_the_loader_reads_the_same_batches_in_the_same_order_with_workers() -> None:
     from launcher.checkpoint.format import Position
-    from launcher.collate import default_collate
-    from launcher.sources import RandomAccess
+    from launcher.data.collate import default_collate
+    from launcher.data.sources import RandomAccess
 
     source = RandomAccess(preset_dataset("synthetic", "train", seq_len=16, num_samples=256), 32, 3, default_collate)
 

@@ -18,8 +18,8 @@ from data_sources import Tokens, graphs, write_rows
 from text_corpus import documents, train_tokenizer
 
 from launcher.checkpoint.format import Position
-from launcher.collate import DataError, default_collate
-from launcher.sources import RandomAccess, Stream, resumes_by_state, source_of
+from launcher.data.collate import DataError, default_collate
+from launcher.data.sources import RandomAccess, Stream, resumes_by_state, source_of
 
 
 def _steps(source, position: Position, steps: int, world: int, accumulation: int) -> list[list[list[torch.Tensor]]]:

@@ -67,7 +67,7 @@ def test_the_readme_user_path_end_to_end(tmp_path: Path) -> None:
     import numpy as np
     from omegaconf import OmegaConf
 
-    from launcher.convert import weights
+    from launcher.parent.convert import weights
 
     (tmp_path / "my_conf" / "strategy").mkdir(parents=True)
     (tmp_path / "my_conf" / "strategy" / "mine.yaml").write_text("_target_: strategies.ddp.DDP\nbucket_cap_mb: 1\n")

@@ -256,7 +256,10 @@ def no_deepspeed(tmp_path: Path) -> dict[str, str]:
 
 
 def test_modules_do_not_import_deepspeed(no_deepspeed: dict[str, str]) -> None:
-    code = "import launcher.cli, launcher.launch, launcher.runner, launcher.worker, strategies.deepspeed"
+    code = (
+        "import launcher.parent.cli, launcher.parent.launch, launcher.worker.runner, launcher.worker.main, "
+        "strategies.deepspeed"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=no_deepspeed, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -284,7 +287,7 @@ def test_forked_workers_start_with_deepspeed_and_its_ops_loaded(tmp_path: Path) 
     (log,) = (run.run_dir / "logs").glob("*/attempt_0/1/stderr.log")
     lines = [line.rsplit("|", 1) for line in log.read_text().splitlines() if line.startswith("import time:")]
     imported = {name.strip() for _, name in lines}
-    assert "launcher.runner" in imported, sorted(imported)  # the worker's own imports are logged
+    assert "launcher.worker.runner" in imported, sorted(imported)  # the worker's own imports are logged
     assert not {"deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "cpuinfo"} & imported, sorted(imported)
 
 

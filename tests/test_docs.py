@@ -80,12 +80,11 @@ def test_every_command_composes_and_validates(where: str, args: list[str], refus
     from hydra import initialize_config_module
     from omegaconf import OmegaConf
 
-    import launcher.config as config
-    from launcher import schema
-    from launcher.checks import check_keys
+    import launcher.config.frozen as config
     from launcher.clusters import shaped
-    from launcher.config import ConfigError, derive, freeze
-    from launcher.overrides import CONFIG_MODULE, compose_checked
+    from launcher.config import ConfigError, derive, freeze, schema
+    from launcher.parent.checks import check_keys
+    from launcher.parent.overrides import CONFIG_MODULE, compose_checked
 
     schema.register()
     # Fakes, for what a test machine lacks: files a command names, and the vocabularies read from them; the user's
@@ -114,8 +113,8 @@ def test_every_command_composes_and_validates(where: str, args: list[str], refus
                         raise
                 check_keys(frozen)
                 if frozen.model._target_ == "launcher.models.gpt.GPT":  # the optimizer over the model's parameters
-                    from launcher.checks import _check_optimizer
-                    from launcher.meta import build_on_meta
+                    from launcher.models.meta import build_on_meta
+                    from launcher.parent.checks import _check_optimizer
 
                     _check_optimizer(frozen, build_on_meta(frozen.model))
     except ConfigError as e:
@@ -153,10 +152,10 @@ def _hooks():
 
 @pytest.mark.unit
 def test_the_generated_parts_are_the_codes_own() -> None:
-    """The logging page's table of figures is `launcher.metrics`' declarations; the configuration page's reference
-    is the typed schema, every option of every group and every key of the run there."""
-    from launcher.metrics import table
-    from launcher.reference import markdown, option_schemas
+    """The logging page's table of figures is `launcher.worker.metrics`' declarations; the configuration page's
+    reference is the typed schema, every option of every group and every key of the run there."""
+    from launcher.config.reference import markdown, option_schemas
+    from launcher.worker.metrics import table
 
     hooks = _hooks()
     for page, made in (("logging.md", table()), ("configuration.md", markdown())):

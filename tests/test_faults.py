@@ -112,7 +112,7 @@ def test_a_damaged_checkpoint_is_never_used_and_each_fallback_says_why(
 ) -> None:
     from launcher.checkpoint.format import CheckpointError, newest_intact
     from launcher.checkpoint.loading import find_resume
-    from launcher.convert import find_checkpoint
+    from launcher.parent.convert import find_checkpoint
 
     checkpoints = _copy(saved, tmp_path)
     newest, older = checkpoints / "step_00000002", checkpoints / "step_00000001"
@@ -319,12 +319,12 @@ def test_a_failure_report_the_run_directory_cannot_hold_reaches_the_launcher(tmp
     stderr; the launcher reads it from there, and ranks that failed alike are one line."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from launcher.failures import rank_lines
+    from launcher.parent.failures import rank_lines
 
     disk, spare = tmpfs(1 << 20), tmp_path / "spare"
     spare.mkdir()
     _fill(disk)
-    report = "from pathlib import Path; from launcher.lifecycle import report_failure; import sys; " + (
+    report = "from pathlib import Path; from launcher.worker.lifecycle import report_failure; import sys; " + (
         "report_failure(OSError(28, 'No space left on device', sys.argv[2]), int(sys.argv[1]), Path(sys.argv[3]))"
     )
     errors = {}
@@ -337,7 +337,7 @@ def test_a_failure_report_the_run_directory_cannot_hold_reaches_the_launcher(tmp
         assert proc.returncode == 1 and proc.stderr == "", proc.stderr  # told to the spare folder, not the terminal
         assert not errors[rank].exists()  # no half-written report for the agent to choke on
     failures = {r: ProcessFailure(local_rank=r, pid=1, exitcode=1, error_file=str(errors[r])) for r in (0, 1)}
-    lines = rank_lines(ChildFailedError("launcher.worker", failures), 0, spare=spare)
+    lines = rank_lines(ChildFailedError("launcher.worker.main", failures), 0, spare=spare)
     assert lines == [
         f"ranks 0, 1 failed while starting: OSError: no space left on tmpfs at {disk} (0.0 MB free) while writing "
         f"{disk / 'metrics.jsonl'}; free space there or choose another hydra.run.dir (traceback: (not written))"
@@ -471,7 +471,7 @@ def test_a_disk_that_fills_during_a_write_is_one_line_and_keeps_the_intact_check
 
 @pytest.mark.unit
 def test_ranks_that_failed_alike_are_named_in_rank_order_whichever_failed_first() -> None:
-    from launcher.failures import _merged
+    from launcher.parent.failures import _merged
 
     tail = "failed while saving: OSError: disk full (traceback: logs/rank{}.traceback)"
     lines = [f"rank {r} {tail.format(r)}" for r in (10, 1, 0)] + ["rank 2 failed: something else"]
@@ -513,7 +513,7 @@ def test_a_stopped_process_is_told_from_a_running_one() -> None:
     import signal
     import time
 
-    from launcher.agent import _stopped
+    from launcher.parent.agent import _stopped
 
     proc = subprocess.Popen(["sleep", "60"])
     try:
@@ -544,7 +544,7 @@ def test_a_failure_is_told_by_its_cause_and_its_echoes_without_the_collective_li
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from launcher.failures import rank_lines, secondary
+    from launcher.parent.failures import rank_lines, secondary
 
     def failed(reports: dict[int, str]) -> ChildFailedError:
         failures = {}
@@ -553,7 +553,7 @@ def test_a_failure_is_told_by_its_cause_and_its_echoes_without_the_collective_li
             info = {"py_callstack": "", "timestamp": str(int(time.time())), "time": time.time() + rank}
             file.write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
             failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file=str(file))
-        return ChildFailedError("launcher.worker", failures)
+        return ChildFailedError("launcher.worker.main", failures)
 
     cause = ("while saving the checkpoint of step 4: EndpointConnectionError: Could not connect to the endpoint URL: "
              '"http://127.0.0.1:1/b/x" (traceback: logs/rank0.traceback)')  # fmt: skip

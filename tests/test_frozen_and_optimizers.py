@@ -79,7 +79,7 @@ def test_frozen_weights_stay_as_loaded_and_only_the_adapters_have_optimizer_stat
     from safetensors.torch import load_file
 
     from launcher.checkpoint.untrusted import read_metadata
-    from launcher.convert import weights
+    from launcher.parent.convert import weights
 
     folder = load_file(str(base_folder / "model.safetensors"))
     for strategy, job in trained.items():
@@ -123,7 +123,7 @@ def test_convert_writes_the_adapters_peft_loads_and_merged_the_whole_model(train
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from launcher.convert import weights
+    from launcher.parent.convert import weights
 
     saved = weights(checkpoint(trained["zero3"], STEPS))
     model = lora(base_folder)[:4]
@@ -177,7 +177,7 @@ def test_bucket_sizes_are_multiples_of_deepspeeds_alignment_for_any_parameter_co
 @pytest.mark.unit
 def test_the_optimizer_holds_the_trainable_parameters_with_the_kernel_they_take() -> None:
     """On plain tensors every fused kernel; on DTensors (FSDP's shards) only where DTensor dispatches it."""
-    from launcher.optimizers import _dtensor_fuses, build_optimizer
+    from launcher.worker.optimizers import _dtensor_fuses, build_optimizer
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2), requires_grad=False)]
     for optimizer in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adagrad):

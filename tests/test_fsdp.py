@@ -112,8 +112,8 @@ _COUNT_FORWARDS = """
 import sys, torch, torch.distributed as dist
 from launcher.models.gpt import GPT, Attention
 from strategies.base import RunContext
-from launcher import schema
-from launcher.context import preset_strategy
+from launcher.config import schema
+from launcher.config.context import preset_strategy
 
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 ctx = RunContext("cpu", 0, 0, 1, "fp32", 1.0, 1, 2)
@@ -133,7 +133,7 @@ with strategy.sync(True):
 print(len(calls))
 strategy.teardown()
 dist.destroy_process_group()
-from launcher.lifecycle import exit_now
+from launcher.worker.lifecycle import exit_now
 exit_now(0)  # as the launcher's own workers end: a gloo thread can abort the interpreter's teardown
 """
 

@@ -127,7 +127,7 @@ def test_token_ids_beyond_the_vocabulary(tmp_path: Path) -> None:
 
     import numpy as np
 
-    from launcher.data import largest_id
+    from launcher.data.builtin import largest_id
 
     path = tmp_path / "train.bin"
     np.array([*range(200), 300, *range(200)], dtype=np.uint16).tofile(path)
@@ -180,7 +180,7 @@ def test_a_collective_timeout_is_known_by_its_type_and_wait() -> None:
     import torch
     import torch.distributed as dist
 
-    from launcher.runner import _collective_timeout
+    from launcher.worker.runner import _collective_timeout
 
     try:
         raise TimeoutError("wandb: Network error: timed out")

@@ -13,10 +13,9 @@ from conftest import LAUNCH, TINY, clean_env, cli_here, launch_here, launch_once
 from hydra import compose, initialize_config_module
 from processes import free_port
 
-from launcher import schema
 from launcher.clusters import shaped
-from launcher.config import ConfigError, derive, freeze
-from launcher.rendezvous import rendezvous
+from launcher.config import ConfigError, derive, freeze, schema
+from launcher.parent.rendezvous import rendezvous
 
 schema.register()
 JOB = [*TINY, "batch.global_size=16", "trainer.max_steps=5"]

@@ -205,7 +205,7 @@ def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_pa
 def test_the_phase_is_kept_in_memory_and_written_now_and_then(tmp_path: Path) -> None:
     """A phase a micro-step costs no I/O: 20,000 phases between two of the writer's rounds are not written (at most
     the first phase, by the writer's first round); a flush writes the newest, with the time it began."""
-    from launcher.lifecycle import Phase
+    from launcher.worker.lifecycle import Phase
 
     phase = Phase(tmp_path, 0, every=3600.0)
     for n in range(20_000):
@@ -248,7 +248,7 @@ def test_an_out_of_memory_error_says_how_to_see_where_the_memory_went(tmp_path: 
 @pytest.mark.unit
 def test_nccl_s_flight_recorder_is_on_unless_the_user_chose(tmp_path: Path) -> None:
     """What the launcher puts in a CUDA run's worker environment (there is no GPU here: the function it calls)."""
-    from launcher.lifecycle import flight_recorder_env
+    from launcher.worker.lifecycle import flight_recorder_env
 
     folder = tmp_path / "logs" / "flight_recorder"
     assert flight_recorder_env(tmp_path, {}) == {
@@ -320,7 +320,7 @@ def test_slurm_style_signals_during_a_long_save_end_with_a_complete_checkpoint(t
 def test_only_a_repeat_well_after_the_first_stops_at_once(tmp_path: Path) -> None:
     probe = """
 import os, signal, sys, time
-from launcher import lifecycle
+from launcher.worker import lifecycle
 lifecycle.STOP_REPEAT_GRACE = 1.0
 stop = lifecycle.StopRequest().install()
 os.kill(os.getpid(), signal.SIGTERM)

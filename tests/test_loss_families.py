@@ -19,7 +19,7 @@ from conftest import Run, launch_once
 from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 
-from launcher.loss import LabelRule, StepTargets, count_targets, micro_loss, target_tokens
+from launcher.models.loss import LabelRule, StepTargets, count_targets, micro_loss, target_tokens
 
 SEED = 1337  # the config's seed: the order of the samples
 GLOBAL = 8
@@ -75,7 +75,7 @@ def step_samples(data: str, step: int = 1) -> np.ndarray:
     """The samples of optimizer step `step` (1-based): they depend on the seed and the global size alone."""
     import loss_models
 
-    from launcher.data import GlobalBatches
+    from launcher.data.builtin import GlobalBatches
 
     return GlobalBatches(len(getattr(loss_models, data)("train")), GLOBAL, SEED).at((step - 1) * GLOBAL)
 
@@ -131,7 +131,7 @@ def test_a_model_whose_mean_stays_a_mean_is_named_once(conformance_dir: Path) ->
 
 
 def _rule(target: str, **keys: Any) -> LabelRule:
-    from launcher.meta import build_on_meta, measure
+    from launcher.models.meta import build_on_meta, measure
 
     size = measure(build_on_meta(OmegaConf.create({"_target_": target, **keys})))
     return LabelRule.of(size.as_dict())

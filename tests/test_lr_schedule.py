@@ -1,4 +1,4 @@
-"""The learning-rate schedule (`launcher.optimizers.lr_at`): warmup, then cosine, linear or constant down to the
+"""The learning-rate schedule (`launcher.worker.optimizers.lr_at`): warmup, then cosine, linear or constant down to the
 floor, as a function and as a run logs it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 from conftest import Run
 
-from launcher.optimizers import lr_at
+from launcher.worker.optimizers import lr_at
 
 
 @pytest.mark.unit

@@ -36,7 +36,7 @@ def one_process(conformance_dir: Path, name: str, *overrides: str) -> Run:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from launcher.convert import find_checkpoint, weights
+    from launcher.parent.convert import find_checkpoint, weights
 
     return weights(find_checkpoint(run_dir))
 
@@ -239,7 +239,7 @@ def test_ddps_error_names_the_parameters_that_got_no_gradient_and_guesses_no_exp
     at the next forward names them, from the indices it lists."""
     import functools
 
-    from launcher.context import preset_strategy
+    from launcher.config.context import preset_strategy
     from strategies import RunContext
 
     ctx = RunContext("cpu", 0, 0, 1, "fp32", 0.0, 1, 1)
@@ -259,7 +259,7 @@ def test_ddps_error_names_the_parameters_that_got_no_gradient_and_guesses_no_exp
 def test_ddp_synchronises_parameters_named_before_start_only_in_steps_that_use_them(one_rank) -> None:
     import functools
 
-    from launcher.context import preset_strategy
+    from launcher.config.context import preset_strategy
     from strategies import RunContext
 
     ctx = RunContext("cpu", 0, 0, 1, "fp32", 0.0, 1, 1, no_grad=("spare.weight", "spare.bias"))

@@ -28,7 +28,7 @@ def _routes(step: int) -> list[list[list[int]]]:
     """The expert of each sample, per rank and micro-step, of a 2-rank run's step (1-based) at the first weights."""
     import moe_models
 
-    from launcher.data import GlobalBatches, rank_micro_batches
+    from launcher.data.builtin import GlobalBatches, rank_micro_batches
 
     torch.manual_seed(1337)  # the runner's seed, before it builds the model
     model, data = moe_models.TopOneMoE(), moe_models.points("train")
@@ -64,7 +64,7 @@ def test_zero_reduces_routed_experts_in_one_order_at_accumulation_1_too(conforma
     order. Micro-batches of 2 make K = 1 with the global batch of the one-process run above."""
     import moe_models
 
-    from launcher.data import GlobalBatches, rank_micro_batches
+    from launcher.data.builtin import GlobalBatches, rank_micro_batches
 
     torch.manual_seed(1337)
     model, data = moe_models.TopOneMoE(), moe_models.points("train")

@@ -63,8 +63,8 @@ def reference(s3: S3, tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 def test_saves_go_to_the_bucket_pruned_with_metrics_and_logs_local_and_no_secret(reference: Run, s3: S3) -> None:
+    from launcher.base.storage import location
     from launcher.checkpoint.format import damage
-    from launcher.checkpoint.storage import location
 
     fs = s3.fs()
     assert _listing(fs, "reference") == ["latest", _step(6), _step(8)]  # keep_last=2 pruned steps 2 and 4
@@ -132,9 +132,9 @@ def test_a_kill_mid_save_leaves_a_partial_prefix_and_the_next_pod_resumes_exactl
     """Save every step and SIGKILL rank 0 while a save is being uploaded: that prefix has no manifest and is never
     read; every prefix with one verifies and loads; a launch on a fresh run directory (a new pod) resumes from the
     newest complete checkpoint and logs the uninterrupted run's losses."""
+    from launcher.base.storage import location
     from launcher.checkpoint.format import damage, latest
-    from launcher.checkpoint.storage import location
-    from launcher.convert import weights
+    from launcher.parent.convert import weights
 
     fs, url = s3.fs(), s3.url("killed")
     flags = ["trainer.checkpoint_every=1", "trainer.keep_last=3", f"trainer.checkpoint_dir={url}"]
@@ -259,8 +259,8 @@ def test_a_transformers_model_sharded_by_fsdp_saves_to_the_bucket_and_converts_f
     from safetensors.torch import load_file
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from launcher.checkpoint.storage import location
-    from launcher.convert import weights
+    from launcher.base.storage import location
+    from launcher.parent.convert import weights
 
     url, env = s3.url("gpt2"), clean_env(tmp_path) | s3.env
     hf = [*(o for o in JOB if not o.startswith(("model", "trainer.max_steps"))), *GPT2, "data.format=hf"]
@@ -305,8 +305,8 @@ def test_a_checkpoint_dir_that_cannot_hold_checkpoints_is_one_line_before_start(
 
 def _checkpoint(folder, step: int, at: float) -> None:  # type: ignore[no-untyped-def]
     """A checkpoint as the saver writes it (a file and its manifest, last), into a local folder or at a URL."""
+    from launcher.base.storage import write_durably, write_file
     from launcher.checkpoint.format import MANIFEST, Position, checksum, record
-    from launcher.checkpoint.storage import write_durably, write_file
 
     folder.mkdir(parents=True, exist_ok=True)
     write_file(folder / "rng_0.pt", bytes(range(256)) * 4)
@@ -317,8 +317,8 @@ def _checkpoint(folder, step: int, at: float) -> None:  # type: ignore[no-untype
 
 @pytest.mark.unit
 def test_a_url_is_read_as_a_local_folder_and_a_prefix_without_manifest_is_partial(tmp_path: Path) -> None:
+    from launcher.base.storage import Remote, location, write_file
     from launcher.checkpoint.format import by_time, damage, is_partial, newest_intact, remove_partial, writing_folder
-    from launcher.checkpoint.storage import Remote, location, write_file
 
     remote, local = location(f"memory://launch-{uuid.uuid4().hex}/ckpts"), location(tmp_path / "ckpts")
     assert isinstance(remote, Remote) and isinstance(local, Path)
@@ -375,7 +375,7 @@ def test_a_url_with_credentials_is_refused_without_echoing_them(tmp_path: Path, 
 def test_locations_and_urls_refused_before_any_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from launcher.checkpoint.storage import Remote, check_url, checkpoints_of, location, masked
+    from launcher.base.storage import Remote, check_url, checkpoints_of, location, masked
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

@@ -48,7 +48,7 @@ def test_a_wheel_install_finds_its_configs_and_runs(tmp_path: Path) -> None:
     scan = "from hydra.core.plugins import Plugins; print([c.__module__ for c in Plugins.instance().discover()])"
     found = subprocess.run([sys.executable, "-c", scan], cwd=work, env=env, capture_output=True, text=True).stdout
     assert "hydra_plugins.launch_optuna.sweeper" in found, found
-    entry = "import sys; from launcher.cli import main; main(sys.argv[1:])"
+    entry = "import sys; from launcher.parent.cli import main; main(sys.argv[1:])"
     run = subprocess.run(
         [
             sys.executable,

@@ -24,10 +24,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from runs import JOB, SHAPES, STRATEGIES
 
-from launcher import schema
-from launcher.config import derive, freeze
-from launcher.context import make_strategy
-from launcher.meta import build_on_meta, measure
+from launcher.config import derive, freeze, schema
+from launcher.config.context import make_strategy
+from launcher.models.meta import build_on_meta, measure
 from launcher.plan.costs import (
     GB,
     activation_bytes,
@@ -307,7 +306,7 @@ def test_plan_bad_input_is_one_line(tmp_path: Path, case: str) -> None:
 
 def test_plan_imports_neither_deepspeed_nor_wandb(tmp_path: Path) -> None:
     probe = (
-        "import sys; from launcher import cli\n"
+        "import sys; from launcher.parent import cli\n"
         "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
         "heavy = [m for m in ('deepspeed', 'wandb', 'torch._dynamo') if m in sys.modules]\n"
         "print('HEAVY', heavy, file=sys.stderr)\n"
@@ -402,7 +401,7 @@ def test_auto_on_cpu_fits_the_hosts_available_memory(tmp_path: Path) -> None:
     """device=cpu: the device is the host, its available memory shared by the node's ranks (not an assumed GPU). For
     gpt_1b on 2 ranks a strategy fits exactly when its peak (offloaded state included: the same memory) and a save's
     export fit that share; strategy=auto picks one that does, or refuses before any worker with what would fit."""
-    from launcher.machine import memory_available
+    from launcher.base.machine import memory_available
 
     overrides = ("model=gpt_1b", "gpus=2", "device=cpu")
     plan = _plan_json(tmp_path, *overrides)

@@ -12,7 +12,7 @@ import pytest
 from conftest import launch_here
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from launcher.report import collect, trials, trials_table
+from launcher.parent.report import collect, trials, trials_table
 from launcher.search.objective import lineage, objective, read_metrics
 from launcher.search.space import SpaceError, low_end, parse
 from launcher.search.study import StudyError, finished, hold, open_study, orphans, storage_url, tell
@@ -155,7 +155,7 @@ def test_the_report_lists_trials_in_the_order_they_ran_and_marks_the_best(tmp_pa
 def test_the_ready_study_searches_lr_warmup_and_weight_decay_in_a_directory_of_its_own() -> None:
     from hydra import compose, initialize_config_module
 
-    from launcher.overrides import CONFIG_MODULE, CONFIG_NAME
+    from launcher.parent.overrides import CONFIG_MODULE, CONFIG_NAME
 
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         cfg = compose(CONFIG_NAME, overrides=["+sweep=search"], return_hydra_config=True)
@@ -174,7 +174,7 @@ def test_the_ready_study_searches_lr_warmup_and_weight_decay_in_a_directory_of_i
 
 
 def test_each_trial_is_one_run_in_its_studys_group_in_every_logger() -> None:
-    from launcher.launch import _name_logger_run
+    from launcher.parent.launch import _name_logger_run
 
     def named(study: str | None, sweep_dir: str, num: int) -> set[tuple[str, str]]:
         loggers = {name: {"group": None, "name": None} for name in ("wandb", "mlflow", "tensorboard")}

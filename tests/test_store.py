@@ -16,7 +16,7 @@ from conftest import clean_env, cli_here, launch, launch_here
 from object_store import SECRET, s3_server
 from text_corpus import documents, train_tokenizer, write_jsonl
 
-from launcher.store import Store, StoreError
+from launcher.data.store import Store, StoreError
 
 TINY = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "logger=none", "device=cpu", "trainer.progress=false",
         "trainer.log_every=1", "batch.global_size=16", "batch.micro_size=4"]  # fmt: skip
@@ -47,7 +47,7 @@ def test_parts_build_shards_a_killed_build_resumes_and_the_manifest_comes_last(c
     document of every file is in one split of its shard, once, in order, its EOS after it."""
     from transformers import AutoTokenizer
 
-    import launcher.store_build as build
+    import launcher.data.store_build as build
 
     out = tmp_path / "store"
     code, stdout, _ = _prepare(corpus, str(out), "data.shard_index=0", "data.num_shards=2", cwd=tmp_path)

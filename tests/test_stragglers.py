@@ -1,5 +1,5 @@
-"""Stragglers, named (`launcher/stragglers.py`): each logged step's compute and wait per rank, and one line naming a
-rank that keeps the others waiting for several logged steps."""
+"""Stragglers, named (`launcher/worker/stragglers.py`): each logged step's compute and wait per rank, and one line
+naming a rank that keeps the others waiting for several logged steps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY, Run, launch
 
-from launcher.stragglers import Stragglers
+from launcher.worker.stragglers import Stragglers
 
 SLEEP_S = 0.2
 """Seconds rank 1's model sleeps in each training forward."""

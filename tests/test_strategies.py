@@ -86,7 +86,7 @@ def test_a_strategy_makes_the_collectives_it_declares(strategy: str, one_process
     padding of each unit to a multiple of the ranks."""
     from omegaconf import OmegaConf
 
-    from launcher.context import make_strategy
+    from launcher.config.context import make_strategy
 
     run = suite
     last, resolved = run.metrics[-1], OmegaConf.load(run.run_dir / "resolved.yaml")
@@ -124,9 +124,8 @@ def test_hsdp_syncs_once_per_step_in_both_groups(tmp: Path, one_process: Run) ->
 def _layout(strategy: str):
     from hydra import compose, initialize_config_module
 
-    from launcher import schema
-    from launcher.config import freeze
-    from launcher.context import make_strategy
+    from launcher.config import freeze, schema
+    from launcher.config.context import make_strategy
 
     schema.register()
     overrides = [f"strategy={strategy}", *SHAPES.get(strategy, (2, []))[1]]
@@ -184,9 +183,9 @@ def test_the_mean_of_micro_batch_means_would_fail_that_check(one_process: Run) -
     import numpy as np
     import torch
 
-    from launcher import schema
-    from launcher.context import preset_dataset
-    from launcher.data import GlobalBatches
+    from launcher.config import schema
+    from launcher.config.context import preset_dataset
+    from launcher.data.builtin import GlobalBatches
     from launcher.models.gpt import GPT
 
     schema.register()

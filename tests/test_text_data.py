@@ -26,7 +26,7 @@ def corpus(tmp_path: Path) -> dict[str, Path]:
 
 
 def _prepare(corpus: dict[str, Path], cache: Path, **settings) -> Path:
-    from launcher.text import prepare
+    from launcher.data.text import prepare
 
     keys = {"files": [str(corpus["corpus"])], "tokenizer": str(corpus["tokenizer"]), "cache_dir": str(cache)}
     return prepare(**text_settings(**keys, **(SETTINGS | settings)))
@@ -92,8 +92,8 @@ def test_an_interrupted_build_leaves_nothing_complete_and_workers_never_tokenize
     """A build stopped half way (here: Ctrl-C between writing its splits) leaves no folder a worker would map; nor
     does one killed outright (its temporary folder, whose process is gone, is removed by the next build). `Text`
     (what each worker calls) refuses to run without a complete cache rather than tokenizing."""
-    from launcher import text_build
-    from launcher.text import Text
+    from launcher.data import text_build
+    from launcher.data.text import Text
 
     cache = tmp_path / "cache"
     real = text_build.write
@@ -159,7 +159,7 @@ def test_every_kind_of_file_is_read(corpus: dict[str, Path], tmp_path: Path) -> 
         stream.write_table(pa.table({"body": docs[20:30]}))
     Dataset.from_dict({"body": docs[30:], "n": list(range(10))}).save_to_disk(str(tmp_path / "in" / "d" / "saved"))
     (tmp_path / "in" / ".hidden.jsonl").write_text("not json\n")  # left out, as a folder's hidden files are
-    from launcher.text import prepare
+    from launcher.data.text import prepare
 
     keys = text_settings(
         files=[str(tmp_path / "*.jsonl.gz"), str(tmp_path / "in")],
@@ -202,7 +202,7 @@ def test_packed_and_padded_samples(corpus: dict[str, Path], tmp_path: Path) -> N
     chunk of a document, labels -100 where padded (data.format=hf), as data=pysource data.packing=false."""
     from omegaconf import OmegaConf
 
-    from launcher.text import Text
+    from launcher.data.text import Text
 
     folder = _prepare(corpus, tmp_path / "cache")
     files = OmegaConf.create([str(corpus["jsonl"]), str(corpus["corpus"] / "*.parquet")])  # as a worker gets them

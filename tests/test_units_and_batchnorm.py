@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import launch_here, launch_once
 
-from launcher import schema
+from launcher.config import schema
 from strategies.base import RunContext, split_ties, tied_unit_lines, unit_classes
 
-schema.register()  # the presets' schemas, for launcher.context.preset_strategy
+schema.register()  # the presets' schemas, for launcher.config.context.preset_strategy
 
 BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
         "vocab_size": 256, "max_position_embeddings": 32, "hidden_dropout_prob": 0.0,
@@ -66,7 +66,7 @@ def test_explicit_units_that_split_a_tie_are_refused_naming_the_tied_parameters_
 @pytest.mark.unit
 @pytest.mark.parametrize("replicate_size", [1, None], ids=["fsdp", "hsdp"])
 def test_fsdp_and_hsdp_check_the_same_rule_in_the_parent(replicate_size, capsys) -> None:  # type: ignore[no-untyped-def]
-    from launcher.context import preset_strategy
+    from launcher.config.context import preset_strategy
 
     preset_strategy("fsdp", replicate_size=replicate_size).check(CTX, bert())
     out = capsys.readouterr().out.splitlines()
@@ -113,7 +113,7 @@ def test_ties_between_two_units_of_a_class_and_between_a_unit_and_the_root_drop_
 def test_deepspeed_refuses_sync_batchnorm_in_one_line() -> None:
     from units_models import BatchNormNet
 
-    from launcher.context import preset_strategy
+    from launcher.config.context import preset_strategy
 
     with pytest.raises(ValueError, match=r"^strategy.sync_batchnorm=true is not supported by DeepSpeed") as e:
         preset_strategy("zero3", sync_batchnorm=True).check(CTX, on_meta(BatchNormNet))
@@ -180,7 +180,7 @@ def test_sync_batchnorm_on_2_ranks_is_one_process_with_both_micro_batches(confor
     samples as one process with micro-batch 2m does: the same losses (1e-5), and the checkpoint's running statistics
     are that process's (1e-5), under DDP and FSDP. (At K > 1 no one-process run equals it: each of its micro-steps
     normalises the G micro-batches of that micro-step together.)"""
-    from launcher.convert import find_checkpoint, weights
+    from launcher.parent.convert import find_checkpoint, weights
 
     sweep = conformance_dir / "units-batchnorm"
     run = launch_once(conformance_dir, "-m", "+sweep=smoke", *BATCHNORM, f"batch.micro_size={MICRO}",

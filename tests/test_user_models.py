@@ -56,9 +56,9 @@ def _next_token_loss(folder: Path, global_size: int) -> float:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from launcher import schema
-    from launcher.context import preset_dataset
-    from launcher.data import GlobalBatches
+    from launcher.config import schema
+    from launcher.config.context import preset_dataset
+    from launcher.data.builtin import GlobalBatches
 
     schema.register()
     data = preset_dataset("pysource", "train", seq_len=16, packing=False, format="hf")
@@ -99,7 +99,7 @@ def test_convert_writes_a_folder_that_from_pretrained_loads(hf_sweep, gpt2_folde
 
     from transformers import AutoModelForCausalLM
 
-    from launcher.convert import find_checkpoint, weights
+    from launcher.parent.convert import find_checkpoint, weights
 
     _, sweep = hf_sweep
     checkpoint = find_checkpoint(jobs(sweep)["zero3"])

@@ -26,7 +26,7 @@ def test_the_launchers_of_one_run_directory_agree_on_one_run_id(tmp_path: Path) 
     from concurrent.futures import ThreadPoolExecutor
 
     from launcher.checkpoint.format import RUN_ID_PATTERN
-    from launcher.run_id import make_run_id, read_run_id
+    from launcher.parent.run_id import make_run_id, read_run_id
 
     start = threading.Barrier(8)
 
@@ -50,7 +50,7 @@ def test_a_run_id_file_that_holds_no_id_is_refused_before_the_claim(tmp_path: Pa
     """Not replaced: a new id would split the run's history silently. Refused in one line naming the file and the
     fix, before the run directory is claimed (nothing written)."""
     from launcher.config import ConfigError
-    from launcher.run_id import claim_run
+    from launcher.parent.run_id import claim_run
 
     (tmp_path / "run_id").write_text("../not an id\n")
     with pytest.raises(ConfigError) as e:
@@ -65,7 +65,7 @@ def test_a_run_id_file_that_holds_no_id_is_refused_before_the_claim(tmp_path: Pa
 def test_nodes_that_share_no_run_directory_derive_one_run_id_from_their_job(tmp_path: Path) -> None:
     """Kubernetes: each pod's run directory is its own, and new with each pod. Every pod of the job, and a pod made
     again after a failure, gets the same id from what they share; a job saving to another checkpoint folder another."""
-    from launcher.run_id import claim_run
+    from launcher.parent.run_id import claim_run
 
     def run_id(pod: str, checkpoints: str = "s3://bucket/run") -> str:
         frozen = OmegaConf.create(
@@ -107,7 +107,7 @@ def test_a_manifest_records_its_run_id_checked_and_older_ones_without_it_load(tm
 def test_the_last_logged_step_is_the_highest_in_metrics_jsonl_not_its_last(tmp_path: Path) -> None:
     """Attempts append from the step they resumed at: 1..9, then 7..8 (killed before it passed 9), then a line torn
     by a kill. The next attempt must not log 9 again."""
-    from launcher.logs import JsonlLogger, last_logged_step
+    from launcher.worker.logs import JsonlLogger, last_logged_step
 
     path = tmp_path / "metrics.jsonl"
     assert last_logged_step(path) == 0

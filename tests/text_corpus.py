@@ -80,7 +80,7 @@ def text_settings(**given: object) -> dict[str, object]:
     them: what a run passes, for calling them outside one."""
     import dataclasses
 
-    from launcher.data_schema import TextDataConfig
+    from launcher.config.data_schema import TextDataConfig
 
     plain = {
         f.name: f.default

@@ -93,8 +93,8 @@ class LaunchOptunaSweeper(Sweeper):
         """The search space, the objective and the study, checked before anything is written; the study held."""
         from hydra.utils import instantiate
 
-        from launcher.checkpoint.storage import masked, secret_in
-        from launcher.ranges import SIZE
+        from launcher.base.storage import masked, secret_in
+        from launcher.config.ranges import SIZE
         from launcher.search.space import SpaceError, parse
         from launcher.search.study import StudyError, finished, hold, open_study, storage_url
 
@@ -140,8 +140,8 @@ class LaunchOptunaSweeper(Sweeper):
         return study, space, sweep_dir
 
     def _check_objective(self, sweep: dict[str, Any]) -> None:
-        from launcher.metrics import METRICS
         from launcher.search.space import SpaceError
+        from launcher.worker.metrics import METRICS
 
         assert self.config is not None
         name = sweep["objective"]
@@ -174,7 +174,7 @@ class LaunchOptunaSweeper(Sweeper):
                      f"sweep.study={self.study_name}", f"sweep.storage='{self.url}'"]  # fmt: skip
         result = None
         try:  # a value that does not compose (a wrong type) fails in the launcher, one that the run refuses in the job
-            (result,) = self.launcher.launch([overrides], initial_job_idx=trial.number)
+            (result,) = self.launcher.parent.launch([overrides], initial_job_idx=trial.number)
             record = result.return_value
         except Exception as e:  # the trial failed; the study goes on
             record = {"state": "failed", "reason": _one_line(e)}

@@ -1,8 +1,8 @@
 """The checkpoint format, written once: what a checkpoint folder holds, what makes it complete, which is newest.
 
-Layout of `<run dir>/checkpoints/` (or trainer.checkpoint_dir: a local folder or a URL, `launcher.checkpoint.storage`):
+Layout of `<run dir>/checkpoints/` (or trainer.checkpoint_dir: a local folder or a URL, `launcher.base.storage`):
     step_00000006/        .metadata + one .distcp per rank (torch.distributed.checkpoint), rng_<rank>.pt,
-                          manifest.json (written last: step, samples, identity, run id (`launcher.run_id`), and
+                          manifest.json (written last: step, samples, identity, run id (`launcher.parent.run_id`), and
                           every file with its size and its xxh3-128 checksum, computed as the bytes were written)
     .step_00000008.partial/   a save still being written, or one that never finished: never read
     latest                the name of the newest complete checkpoint, moved after the rename (for people and
@@ -26,14 +26,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.checkpoint import storage
-from launcher.checkpoint.storage import Location, is_remote
+from launcher.base import storage
+from launcher.base.hashing import checksum
+from launcher.base.storage import Location, is_remote
 from launcher.checkpoint.untrusted import UntrustedDataError
 
 LATEST = "latest"
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-"""What a run id may be (`launcher.run_id`; wandb's own are 8 base-36 digits, one written by hand any such name): in
-a manifest's `run_id` and in a run directory's `run_id` file."""
+"""What a run id may be (`launcher.parent.run_id`; wandb's own are 8 base-36 digits, one written by hand any such name):
+in a manifest's `run_id` and in a run directory's `run_id` file."""
 MANIFEST = "manifest.json"
 
 
@@ -50,7 +51,7 @@ class Position:
     """Global sample index: samples consumed so far (the data order resumes from here)."""
     stream: dict[str, Any] | None = None
     """A stream's own state after those samples (its `state_dict`, plain JSON), where it keeps one
-    (`launcher.sources`): a resume loads it instead of reading past the samples again."""
+    (`launcher.data.sources`): a resume loads it instead of reading past the samples again."""
 
 
 def folder_name(step: int) -> str:
@@ -139,7 +140,7 @@ def manifest_of(cfg: Any, world_size: int, precision: str) -> dict[str, Any]:
     """What a checkpoint's manifest records of the run, beside its step and files."""
     from omegaconf import OmegaConf
 
-    from launcher.identity import sweep_identity
+    from launcher.config.identity import sweep_identity
 
     job = cfg.job
     return {
@@ -148,22 +149,8 @@ def manifest_of(cfg: Any, world_size: int, precision: str) -> dict[str, Any]:
         "precision": precision,
         "config_hash": job.config_hash,
         "overrides": sweep_identity(job.overrides) if job.get("sweep_dir") else None,
-        "run_id": job.get("run_id"),  # the logger run it belongs to (`launcher.run_id`)
+        "run_id": job.get("run_id"),  # the logger run it belongs to (`launcher.parent.run_id`)
     }
-
-
-CHUNK = 8 << 20
-
-
-def checksum(path: Location) -> str:
-    """The xxh3-128 checksum of a file's bytes, as `launcher.checkpoint.saving` records it while writing."""
-    import xxhash
-
-    digest = xxhash.xxh3_128()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------ finding checkpoints

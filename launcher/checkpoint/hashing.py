@@ -10,14 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from launcher.checkpoint.format import checksum
-from launcher.checkpoint.storage import Location, is_remote, location
-
-
-def xxh3(data: Any) -> str:
-    import xxhash
-
-    return xxhash.xxh3_128(data).hexdigest()
+from launcher.base.hashing import checksum
+from launcher.base.storage import Location, is_remote, location
 
 
 class _Hashing:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from launcher.base.storage import Location, check_url, is_remote, location, masked
 from launcher.checkpoint.format import (
     MANIFEST,
     CheckpointError,
@@ -22,7 +23,6 @@ from launcher.checkpoint.format import (
     rng_name,
     set_rng_state,
 )
-from launcher.checkpoint.storage import Location, check_url, is_remote, location, masked
 from launcher.checkpoint.untrusted import UntrustedDataError, dcp_load, read_metadata
 
 

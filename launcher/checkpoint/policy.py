@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.base.storage import checkpoints_of, is_remote
 from launcher.checkpoint.format import complete
 from launcher.checkpoint.saving import Saver
 from launcher.checkpoint.space import check_space, checkpoint_bytes
-from launcher.checkpoint.storage import checkpoints_of, is_remote
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def saver(cfg: Any, ctx: Any, run_dir: Path, strategy: Any, step: int) -> Saver:
         try:
             check_space(folder, checkpoint_bytes(strategy.state_dict(), ctx.world_size), count, what)
         except RuntimeError as e:  # every rank read rank 0's free space: one refusal, not a failure per rank
-            from launcher.lifecycle import Refused
+            from launcher.base.errors import Refused
 
             raise Refused(f"the check for room before the first save: {e}") from e
     return Saver(

@@ -1,7 +1,7 @@
 """Saving checkpoints, collectively, atomically and durably: synchronous (`dcp.save`) or asynchronous
 (`dcp.async_save`, under trainer.async_checkpoint). What is written, and what makes it complete, is
 `launcher.checkpoint.format`; when a run saves is `launcher.checkpoint.policy`; a local folder or a URL,
-`launcher.checkpoint.storage` (in object storage: written in place, the manifest last, no rename).
+`launcher.base.storage` (in object storage: written in place, the manifest last, no rename).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.base.durable import disk, fsync_dir
+from launcher.base.hashing import xxh3
+from launcher.base.storage import Location, write_durably, write_file
 from launcher.checkpoint.format import (
     LATEST,
     MANIFEST,
@@ -31,10 +34,8 @@ from launcher.checkpoint.format import (
     rng_state,
     writing_folder,
 )
-from launcher.checkpoint.hashing import hashing_writer, xxh3
+from launcher.checkpoint.hashing import hashing_writer
 from launcher.checkpoint.space import check_space, checkpoint_bytes
-from launcher.checkpoint.storage import Location, write_durably, write_file
-from launcher.durable import disk, fsync_dir
 
 
 @dataclass

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from launcher.base.durable import disk
 from launcher.checkpoint.format import rng_state
-from launcher.durable import disk
 
 ENTRY_BYTES = 2048
 """Bytes DCP writes per state entry beyond its data: torch.save's archive around each one (about 1.6 kB) and its

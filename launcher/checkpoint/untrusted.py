@@ -19,7 +19,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from launcher.checkpoint.storage import Location, is_remote
+from launcher.base.storage import Location, is_remote
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {

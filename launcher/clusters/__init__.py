@@ -1,12 +1,12 @@
 """Where a launch runs: local, a SLURM allocation, a Kubernetes pod (PyTorchJob, JobSet), and room for more.
 
-Each cluster environment is a small plugin (a class that follows `Environment`, in a module of this package): it
-detects itself from the process environment, says which of the run's keys it dictates (`shape`: a PyTorchJob's
-nodes and processes per node), what it knows of the job (its nodes, this node's rank, where the nodes meet) and how
-the run directory is shared, checks the launch's settings against it, and says what a submission to it needs and
-what a stop signal means there. `detect` takes the first that recognises itself: a process started by torchrun
-first (where a launch is refused), `Local` last (it recognises every environment). `launcher.rendezvous` turns the
-job into the elastic agent's rendezvous; the run directory's check (`launcher.resume.check_shared_directory`) reads
+Each cluster environment is a small plugin (a class that follows `Environment`, in a module of this package): it detects
+itself from the process environment, says which of the run's keys it dictates (`shape`: a PyTorchJob's nodes and
+processes per node), what it knows of the job (its nodes, this node's rank, where the nodes meet) and how the run
+directory is shared, checks the launch's settings against it, and says what a submission to it needs and what a stop
+signal means there. `detect` takes the first that recognises itself: a process started by torchrun first (where a launch
+is refused), `Local` last (it recognises every environment). `launcher.parent.rendezvous` turns the job into the elastic
+agent's rendezvous; the run directory's check (`launcher.worker.resume.check_shared_directory`) reads
 `Job.shared_run_dir`.
 
 Add an environment: a module here, and its class in `environments()` before `Local`.

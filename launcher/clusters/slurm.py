@@ -8,9 +8,9 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from launcher.base.machine import ephemeral_port_floor
 from launcher.clusters import Job
 from launcher.config import ConfigError, Derived
-from launcher.machine import ephemeral_port_floor
 
 
 class Slurm:

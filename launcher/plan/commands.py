@@ -17,9 +17,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from launcher.checks import check_strategy
 from launcher.config import BatchSizeError, ConfigError, Derived, derive, freeze
-from launcher.context import make_strategy, with_presets
+from launcher.config.context import check_strategy, make_strategy, with_presets
 from launcher.plan.costs import UnknownOptimizer
 from launcher.plan.fit import make_plan
 from launcher.plan.render import as_dict, chart, describe_pick, render, strategy_rows
@@ -104,8 +103,8 @@ def _candidates(frozen: DictConfig) -> dict[str, DictConfig]:
 
 def plan_command(overrides: Sequence[str]) -> int:
     """`launch plan [overrides]`, inside an initialised Hydra (cli.py). Starts nothing, writes no run directory."""
-    from launcher.machine import visible_cuda_devices
-    from launcher.meta import build_on_meta, measure
+    from launcher.base.machine import visible_cuda_devices
+    from launcher.models.meta import build_on_meta, measure
 
     chosen, strategy_keys = _chosen_strategy(overrides)
     frozen = freeze(_compose(overrides))
@@ -166,7 +165,7 @@ def choose(frozen: DictConfig, derived: Derived, model: Any) -> tuple[str, DictC
     """strategy=auto, inside the Hydra app: the name and frozen config of the strategy with the least communication
     whose per-rank memory fits the device and whose own checks pass. Prints why (one line per candidate);
     raises ConfigError (exit 2) saying what would fit when nothing does. `model` is built on the meta device."""
-    from launcher.meta import measure
+    from launcher.models.meta import measure
 
     configs = _candidates(frozen)
     plan = make_plan(frozen, derived, measure(model), _strategies(configs))
@@ -191,7 +190,7 @@ def memory_advice(resolved: DictConfig, available: float) -> str:
     """For a run killed for memory: its plan's per-rank figure, the machine's memory, and the presets whose plan
     fits `available` bytes shared by this node's ranks (one line; empty if the plan cannot be made)."""
     from launcher.config import Derived
-    from launcher.meta import build_on_meta, measure
+    from launcher.models.meta import build_on_meta, measure
     from launcher.plan.render import _size
 
     try:
@@ -232,10 +231,10 @@ def planned_peak(frozen: DictConfig, derived: Derived, size: Any) -> float | Non
 def choose_micro(frozen: DictConfig, derived: Derived, model: Any, adapted: int | None) -> tuple[DictConfig, Derived]:
     """batch.micro_size=auto: the largest micro-batch that divides the global batch over every world size the job
     may run at and whose planned peak fits the device with plan.headroom there; at most `adapted`, the size an
-    out-of-memory error already brought this run down to (`launcher.adapt`). The frozen config with it, derived
+    out-of-memory error already brought this run down to (`launcher.worker.adapt`). The frozen config with it, derived
     again; one line says the choice. `model` is built on the meta device."""
     from launcher.config import valid_micro_sizes, world_sizes
-    from launcher.meta import measure
+    from launcher.models.meta import measure
     from launcher.plan.render import _size
 
     worlds = world_sizes(f"{derived.min_nodes}:{derived.nodes}", derived.gpus)

@@ -2,7 +2,7 @@
 
 Each strategy's `layout()` says what it shards and offloads, its `collectives()` what it sends (the planner keeps
 no table of strategy rules);
-`derive()` gives the batch; `launcher.meta` gives the model's size. `what_would_fit` searches more GPUs and
+`derive()` gives the batch; `launcher.models.meta` gives the model's size. `what_would_fit` searches more GPUs and
 smaller micro-batches when nothing fits.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.config import ConfigError, Derived
-from launcher.meta import ModelSize
+from launcher.models.meta import ModelSize
 from launcher.plan.costs import (
     GB,
     GPT_TARGET,
@@ -219,7 +219,7 @@ def device_memory(plan: DictConfig, derived: Derived, host_available: float) -> 
 
 def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, strategies: dict[str, Strategy]) -> Plan:
     """The plan of a frozen config (model, optimizer, precision, batch, plan.*) for each named strategy."""
-    from launcher.machine import memory_available
+    from launcher.base.machine import memory_available
 
     _, host = memory_available()
     model = cfg.model

@@ -98,7 +98,7 @@ def open_study(name: str, url: str, direction: str, sampler: Any, pruner: Any, d
     except Exception as e:  # the database's own error (SQLAlchemy's): one line, not its traceback
         if not type(e).__module__.startswith(("sqlalchemy", "optuna")):
             raise
-        from launcher.checkpoint.storage import masked
+        from launcher.base.storage import masked
         from launcher.config import one_line
 
         raise StudyError(

@@ -37,7 +37,7 @@ NVME_MARGIN = 1.2
 
 
 class DeepSpeed:
-    def __init__(  # every option's default is its schema's (launcher/schema.py), written there alone
+    def __init__(  # every option's default is its schema's (launcher/config/schema.py), written there alone
         self,
         *,
         stage: int,

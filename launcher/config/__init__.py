@@ -1,0 +1,39 @@
+"""The typed config: the schema under every YAML file of conf/ (`schema`, `data_schema`, `trainer_schema`,
+`sweep_schema`) and the ranges each numeric field declares (`ranges`); freezing a composed config into plain values and
+deriving what every rank shares (`frozen`); what a run is (`identity`); a rank's view of a frozen config, its strategy
+object and the strategy's own checks (`context`); the groups' options (`groups`) and the generated reference
+(`reference`). It runs in the parent and in every worker.
+
+May import: `launcher.base`, `launcher.data` (the vocabulary a data option's default reads, and its loader keys),
+`strategies`; never the models', checkpoints', worker's or parent's modules. Importing the package costs no torch:
+`launch --cfg job` composes without it.
+
+The names most modules want are here: `from launcher.config import ConfigError, freeze, derive, ...`.
+"""
+
+from launcher.base.errors import ConfigError
+from launcher.config.frozen import (
+    AUTO,
+    CPU_DEFAULT_GPUS,
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    GROUPS,
+    SEVERAL,
+    BatchSizeError,
+    Derived,
+    check_world_sizes,
+    derive,
+    freeze,
+    node_range,
+    one_line,
+    target_nodes,
+    valid_micro_sizes,
+    with_schemas,
+    world_sizes,
+)
+
+__all__ = [
+    "AUTO", "CPU_DEFAULT_GPUS", "EXIT_BAD_INPUT", "EXIT_FAILED", "GROUPS", "SEVERAL", "BatchSizeError", "ConfigError",
+    "Derived", "check_world_sizes", "derive", "freeze", "node_range", "one_line", "target_nodes", "valid_micro_sizes",
+    "with_schemas", "world_sizes",
+]  # fmt: skip

@@ -1,0 +1,93 @@
+"""The typed schema of the trainer's settings (`trainer.*`), which `launcher.config.schema` holds under the run's
+config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from launcher.config.ranges import COUNT, POSITIVE, SIZE, UNIT, launch_only, ranged
+
+
+class NonFinite(Enum):
+    stop = "stop"
+    """End the run with one line (step, micro-step, ranks); the newest checkpoint stays the last finite one."""
+    skip = "skip"
+    """Drop the step (no parameter or optimizer-state change), log skipped_steps; stop after max_skipped in a row."""
+
+
+class Schedule(Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = ranged(300, SIZE, identity=False)
+    """Optimizer steps to run."""
+    log_every: int = ranged(10, SIZE, identity=False)
+    """Log metrics every N optimizer steps (the last step is always logged)."""
+    eval_every: int = ranged(100, COUNT, identity=False)
+    """Validation loss every N optimizer steps (and at the end); 0 disables."""
+    eval_batches: int = ranged(4, SIZE, identity=False)
+    """Global batches in one validation pass (the same samples whatever the world size)."""
+    grad_clip: float = ranged(1.0, COUNT)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    schedule: Schedule = Schedule.cosine
+    """Learning-rate shape after warmup."""
+    warmup_steps: int = ranged(20, COUNT)
+    """Linear warmup from 0 to optim.lr over this many steps."""
+    min_lr_ratio: float = ranged(0.1, UNIT)
+    """Final learning rate as a fraction of optim.lr (cosine and linear schedules)."""
+    max_restarts: int = ranged(0, COUNT, identity=False)
+    """Times the elastic agent restarts the worker group after a failure."""
+    fork_workers: bool = launch_only(True)
+    """On CPU, workers are forked from the launcher (torch already imported); false: started afresh, as on CUDA."""
+    collective_timeout: float = ranged(600.0, POSITIVE, identity=False)
+    """Seconds a collective may wait before the process group gives up."""
+    progress: bool = launch_only(True)
+    """Show a progress bar on rank 0."""
+    checkpoint_every: int = ranged(0, COUNT, identity=False)
+    """Save a checkpoint every N optimizer steps (0: only at the end)."""
+    save_at_end: bool = launch_only(True)
+    """Save a checkpoint after the last step; false for smoke runs (a stop signal still saves)."""
+    stop_timeout: int = ranged(120, SIZE, identity=False)
+    """Seconds workers get, after a stop signal, to finish the step and save before they are killed."""
+    keep_last: int = ranged(2, COUNT, identity=False)
+    """Complete checkpoints kept in the run directory; older ones are deleted (0 keeps all)."""
+    checkpoint_dir: str | None = launch_only(None)
+    """Where checkpoints go: a local folder or an fsspec URL (s3://bucket/prefix, gs://...); unset:
+    <run dir>/checkpoints. Credentials come from the environment, never from here."""
+    async_checkpoint: bool = launch_only(False)
+    """Save checkpoints in the background (DCP's async_save): the state is copied to host memory, the loop goes on
+    while it is written, and the checkpoint becomes visible (manifest, `latest`) once every rank's write is over;
+    one save in flight at a time, the end of the run and a stop wait for it."""
+    compile: bool = launch_only(False)
+    """torch.compile each transformer block (the strategy's units), after activation checkpointing, before sharding."""
+    peak_tflops: float | None = ranged(None, POSITIVE, identity=False)
+    """Peak FLOPS per device, in TFLOPS, for the logged MFU; unset: looked up by GPU name (none on CPU)."""
+    profile_steps: list[int] | None = launch_only(None)
+    """[first, last]: torch.profiler over those optimizer steps on every rank, one trace per rank in
+    <run dir>/profile/, rank 0's top ops printed; unset: no profiler (and no cost)."""
+    profile_stacks: bool = launch_only(False)
+    """Record Python stacks in the profile too (larger traces)."""
+    memory_every: int = ranged(50, SIZE, identity=False)
+    """On CPU, the logged steps whose peak memory is measured: the first, the last and every Nth step (the
+    per-operator probe costs about a fifth of a step); on CUDA every logged step (the allocator keeps the peak)."""
+    memory_snapshot: bool = launch_only(False)
+    """CUDA: record the allocator's history from the start, and dump a snapshot into <run dir>/memory/ at
+    memory_snapshot_step and on an out-of-memory error (view it at pytorch.org/memory_viz)."""
+    memory_snapshot_step: int | None = ranged(None, SIZE, identity=False)
+    """The optimizer step after which a snapshot is dumped; unset: only on an out-of-memory error."""
+    nonfinite: NonFinite = launch_only(NonFinite.stop)
+    """A step whose loss (on any rank) or gradient norm is NaN or Inf is never applied; then stop the run, or skip
+    the step. Under precision=fp16 a gradient overflow with finite losses is the loss scaler's own skip, not this."""
+    max_skipped: int = ranged(10, SIZE, identity=False)
+    """trainer.nonfinite=skip: stop after this many non-finite steps in a row."""
+    straggler_fraction: float | None = ranged(0.2, COUNT, identity=False)
+    """A rank whose seconds computing in a logged step exceed the median of the other ranks' by more than this
+    fraction, in straggler_steps logged steps in a row, is named in one line (`launcher.worker.stragglers`); 0 or null:
+    never named (the logged compute_s and wait_s figures stay)."""
+    straggler_steps: int = ranged(3, SIZE, identity=False)
+    """Logged steps in a row a rank must straggle in before it is named."""

@@ -1,0 +1,9 @@
+"""The parent, one per node: the `launch` console script (`cli`) and its subcommands (`convert`; `launch plan` in
+`launcher.plan.commands`, `launch prepare` in `launcher.data.store_build`), the overrides composed once (`overrides`),
+the job checked before any worker starts (`checks`: everything a run will build, without its memory), started
+through torch's elastic agent (`launch`, `agent`, `rendezvous`), its run directory claimed and its run id made
+(`rundir`, `run_id`), a failure told in one line by its cause (`failures`), and a sweep's report (`report`).
+
+May import every other package of the launcher (it is the top); nothing imports it but the console script and the
+Hydra plugins in `hydra_plugins/`.
+"""

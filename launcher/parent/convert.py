@@ -1,0 +1,142 @@
+"""`launch convert`: the consolidated model weights of any checkpoint, as one safetensors file or as a model folder.
+
+    launch convert CHECKPOINT out=model.safetensors             the weights, for model.load_state_dict(...)
+    launch convert CHECKPOINT out=DIR [model overrides]         a folder: save_pretrained's (weights + config.json)
+                                                                for a model that has it, else model.safetensors +
+                                                                model.yaml; for a PEFT model, its adapters
+    launch convert CHECKPOINT out=DIR merge=true [overrides]    a PEFT model's adapters merged into its base model:
+                                                                the whole model's folder
+
+CHECKPOINT: a checkpoint, a checkpoints folder or a run directory, local or at a URL (s3://bucket/prefix/step_N).
+
+The checkpoint is read as data (`launcher.checkpoint.untrusted`); the model a folder needs comes from the overrides
+given on this command line, as for `launch` itself, never from files next to the checkpoint: a config is code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.base.storage import Location, check_url, is_remote, location
+from launcher.checkpoint.format import MANIFEST, CheckpointError, intact, newest_intact
+from launcher.checkpoint.untrusted import UntrustedDataError, dcp_load, read_metadata
+
+
+def find_checkpoint(path: Location) -> Location:
+    """A checkpoint folder that verifies, or the newest one that does of a run directory or checkpoints folder (a
+    line for each newer one skipped)."""
+    if (path / MANIFEST).exists():
+        return intact(path)
+    found = newest_intact(path / "checkpoints") if (path / "checkpoints").is_dir() else newest_intact(path)
+    if found is None:
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no valid manifest.json and files); "
+            "give a checkpoints/step_* folder or a run directory"
+        )
+    return found
+
+
+def weights(checkpoint: Location) -> dict[str, Any]:
+    """The model's full tensors, whatever layout saved them, read in this process."""
+    import torch
+
+    try:
+        entries = read_metadata(checkpoint).state_dict_metadata
+    except UntrustedDataError as e:
+        raise CheckpointError(str(e)) from e
+    template = {
+        k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in entries.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+    try:
+        dcp_load({"model": template}, checkpoint, no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException: a crafted or damaged file
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        reason = next((line.strip() for line in str(e).splitlines() if "Error" in line), type(e).__name__)
+        raise CheckpointError(f"checkpoint {checkpoint} does not load as data ({reason[:200]})") from e
+    return {name: t.contiguous() for name, t in template.items()}
+
+
+def write_file(tensors: dict[str, Any], out: Path, checkpoint: Location) -> None:
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"checkpoint": str(checkpoint)})
+    os.replace(tmp, out)
+
+
+def write_folder(
+    tensors: dict[str, Any], out: Path, model_cfg: DictConfig, checkpoint: Location, merge: bool = False
+) -> str:
+    """The model of `model_cfg` with the checkpoint's weights, saved as a folder its own loader reads back; returns
+    what was written, and how to load it, in words."""
+    from hydra.utils import instantiate
+
+    try:
+        model = instantiate(model_cfg)
+    except Exception as e:  # the model's own complaint, in one line
+        cause = e.__cause__ or e
+        raise CheckpointError(f"model {model_cfg.get('_target_')} could not be built: {cause}") from e
+    peft = hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")  # a PEFT model (LoRA, ...)
+    if merge and not peft:
+        raise CheckpointError(
+            f"merge=true merges a PEFT model's adapters into its base model; model {model_cfg.get('_target_')} "
+            "is not a PEFT model: leave merge out"
+        )
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} does not fit the model of these overrides ("
+            f"{'missing ' + missing[0] if missing else 'unexpected ' + unexpected[0]}); "
+            "give the model overrides the run was launched with"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    if peft and merge:
+        merged = model.merge_and_unload()
+        merged.save_pretrained(str(out))
+        return (
+            f"the whole model, its adapters merged ({_count(merged):,} parameters), to {out}: "
+            f"{type(merged).__name__}.from_pretrained({str(out)!r}) loads it"
+        )
+    if peft:  # PEFT's own format: the adapters and adapter_config.json, over a base model loaded separately
+        model.save_pretrained(str(out))
+        trained = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad)
+        base = next(iter(model.peft_config.values())).base_model_name_or_path or "<the base model>"
+        return (
+            f"the adapters ({trained:,} parameters) to {out}: PeftModel.from_pretrained(base, {str(out)!r}) loads "
+            f"them over base = {type(model.get_base_model()).__name__}.from_pretrained({base!r}); "
+            "merge=true writes the whole model, adapters merged"
+        )
+    if hasattr(model, "save_pretrained"):  # a transformers model: weights and config.json, for from_pretrained
+        model.save_pretrained(str(out))
+    else:
+        write_file(tensors, out / "model.safetensors", checkpoint)
+        OmegaConf.save(model_cfg, out / "model.yaml")
+    return f"{_count(tensors):,} parameters to {out}"
+
+
+def _count(weights: Any) -> int:
+    """Elements of a state dict's tensors, or a module's parameters (a tied one once)."""
+    return sum(t.numel() for t in (weights.values() if isinstance(weights, dict) else weights.parameters()))
+
+
+def convert(path: str | Path, out: Path, model_cfg: DictConfig | None, merge: bool = False) -> str:
+    """Write the checkpoint's weights to `out` (a .safetensors file, or a folder with `model_cfg`'s model); returns
+    what was written, in words. `path`: a local path or a URL (`launcher.base.storage.location`)."""
+    where = location(path)
+    if is_remote(where) and (why := check_url(str(where))):  # credentials, a bucket: one line, not a traceback
+        raise CheckpointError(f"{where}: {why}")
+    checkpoint = find_checkpoint(where)
+    tensors = weights(checkpoint)
+    if out.suffix == ".safetensors":
+        write_file(tensors, out, checkpoint)
+        return f"{_count(tensors):,} parameters to {out}"
+    assert model_cfg is not None, "a folder needs the model's config"
+    return write_folder(tensors, out, model_cfg, checkpoint, merge)

@@ -1,0 +1,423 @@
+"""The common runner: one training loop for every strategy, as a trainer with named phases.
+
+It never asks which strategy it drives; everything layout-specific is behind the Strategy protocol. Logged figures
+are reduced over all ranks: the loss is the mean over the whole global batch, memory figures are the maximum over
+ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.base.storage import checkpoints_of, inside, is_remote
+from launcher.base.targets import import_targets
+from launcher.checkpoint.format import Position, manifest_of
+from launcher.checkpoint.policy import SavePolicy, saver
+from launcher.data.builtin import BUILT_IN_DATA, build_dataset, check_token_ids
+from launcher.data.collate import build_collate
+from launcher.data.sources import StepData, source_of
+from launcher.models.loss import LabelRule, batch_tokens
+from launcher.models.meta import build_on_meta
+from launcher.search.trial import TrialReport, record_pruned
+from launcher.worker.adapt import after_out_of_memory, resizing
+from launcher.worker.guard import Guard
+from launcher.worker.lifecycle import GAVE_UP, Phase, StopRequest
+from launcher.worker.logs import Loggers, Progress
+from launcher.worker.memory import StepMemory, rss_bytes
+from launcher.worker.metrics import declared, over_ranks
+from launcher.worker.optimizers import lr_at, optimizer_factory
+from launcher.worker.profiling import MemorySnapshots, StepProfiler
+from launcher.worker.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_count, resume
+from launcher.worker.speed import Speed, Window
+from launcher.worker.step import all_reduce, evaluate, gather_rows, train_step
+from launcher.worker.stragglers import StepClock, Stragglers
+from strategies import RunContext, Strategy
+
+
+def train(
+    cfg: DictConfig,
+    ctx: RunContext,
+    strategy: Strategy,
+    run_dir: Path,
+    stop: StopRequest | None = None,
+    phase: Phase | None = None,
+) -> bool:
+    """Run the loop to `trainer.max_steps`; return False if a stop signal ended it early (after a checkpoint)."""
+    phase = phase or Phase(run_dir, ctx.rank)
+    trainer = cfg.trainer
+    snapshots = MemorySnapshots(
+        trainer.memory_snapshot, trainer.memory_snapshot_step, run_dir, ctx.rank, ctx.device_type
+    )
+    snapshots.start()  # before the model exists: its allocations are in the history
+    try:
+        return Trainer(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase, snapshots).run()
+    except torch.OutOfMemoryError as e:
+        phase.try_flush()
+        after_out_of_memory(cfg, ctx, run_dir, phase.now)  # batch.micro_size=auto: the restarted group halves it
+        error = snapshots.out_of_memory(e)
+        error.launch_phase = phase.now  # type: ignore[attr-defined]
+        raise error from e
+    except Exception as e:
+        phase.try_flush()  # where this rank was, for the other ranks' messages
+        if _collective_timeout(e, time.time() - phase.state[0], float(cfg.trainer.collective_timeout)):
+            # Say who is stuck and where, not only that a collective gave up.
+            recorder = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") if ctx.device_type == "cuda" else None
+            dumps = (
+                f"; NCCL's flight recorder dumps: {Path(recorder).parent} (torchfrtrace reads them)" if recorder else ""
+            )
+            stuck = RuntimeError(
+                f"rank {ctx.rank} waited {cfg.trainer.collective_timeout:g} s in a collective while {phase.now}, "
+                f"{GAVE_UP}; {phase.others()}{dumps}"
+            )
+            stuck.launch_phase = phase.now  # type: ignore[attr-defined]
+            raise stuck from e
+        e.launch_phase = getattr(e, "launch_phase", None) or phase.now  # type: ignore[attr-defined]
+        raise
+
+
+def _collective_timeout(error: BaseException, waited: float, timeout: float) -> bool:
+    """A collective that gave up after trainer.collective_timeout: torch's own error types for it (NCCL's
+    DistBackendError, the store's DistNetworkError and DistStoreError), or gloo's, a plain RuntimeError, raised from
+    torch's code (a collective, or the backward that runs DDP's); and this rank waited that long in its phase. Never
+    an error of a library that merely says "timed out" (wandb, a dataset's download)."""
+    if waited < timeout:
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    inner = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return type(error) is RuntimeError and inner.split(".")[0] == "torch"
+
+
+class Trainer:
+    """One worker's run: `setup` builds everything once, then `run` takes one optimizer step at a time.
+
+    A step's phases, in the order the collectives force (every rank makes the same collectives in the same order,
+    so no phase may be skipped on one rank and not on the others):
+      1. `data`      this rank's K micro-batches of global batch s (no collective);
+      2. `step`      forward/backward per micro-step, the strategy's gradient sync on the last one, the optimizer
+                     step (the global gradient norm); on logged steps a probe before the last backward, which times
+                     each rank's wait (`launcher.worker.stragglers`);
+      3. `commit`    whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
+      4. `log`       on logged and evaluated steps only, on every rank alike: the figures reduced over ranks, and
+                     the validation loss;
+      5. `agree`     one all-reduce: whether any rank got a stop signal, whether any still writes a checkpoint,
+                     whether a search's pruner ended the trial (rank 0 asked it in 4);
+      6. `save`      what the save policy asks for, or the stop agreed in 5.
+    The position advances in `advance`, once per step taken: a step not committed (trainer.nonfinite=skip) still
+    consumes its samples; a step that was never taken leaves the position where it was, and the loop takes it
+    again. Accumulation is the attempt's own (`RunContext.accumulation`): the samples of step s depend only on the
+    seed and the global batch, so a worker group restarted with another K goes on with the same data.
+    """
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        ctx: RunContext,
+        strategy: Strategy,
+        run_dir: Path,
+        stop: StopRequest,
+        phase: Phase,
+        snapshots: MemorySnapshots,
+    ) -> None:
+        self.cfg, self.ctx, self.strategy, self.run_dir = cfg, ctx, strategy, run_dir
+        self.stop, self.phase, self.snapshots, self.trainer = stop, phase, snapshots, cfg.trainer
+        self.device = torch.device(ctx.device)
+        self.K, self.B, self.max_steps = ctx.accumulation, int(cfg.batch.global_size), int(cfg.trainer.max_steps)
+        self.metrics: dict[str, float] = {}
+        """The newest logged figures."""
+        self.window = Window()
+        self.started = time.time()
+        self.stalled = False
+        """A save (or its finalisation) blocked the loop since the last log: its seconds go in the next."""
+
+    def run(self) -> bool:
+        """Steps up to trainer.max_steps; False if a stop signal ended the run early (after a checkpoint)."""
+        self.setup()
+        while self.position.step < self.max_steps:
+            step = self.position.step + 1
+            logged, evaluated = self.logged(step), self.evaluated(step)
+            measured = self.measured(step, logged or evaluated)
+            with self.profiler.step(step):
+                self.phase(f"reading the batches of step {step}")
+                started = time.perf_counter()  # from the wait for the data on: a slow loader shows here
+                self.clock = StepClock(self.device) if logged or evaluated else None  # compute and waits, per rank
+                data = self.data()
+                if data is not None:
+                    loss, grad_norm = self.step(step, data.micro, measured)
+                    self.commit(step, grad_norm)
+                    tokens = sum(batch_tokens(b) for b in data.micro)
+                    self.window.add(time.perf_counter() - started, tokens, measured)
+            if data is None:  # a stream ran out: every rank agreed on it, before any forward of this step
+                self.ended(step)
+                return True
+            self.profiler.ended(step)
+            self.snapshots.after_step(step)
+            self.advance(step, data.state)
+            if logged or evaluated:
+                self.log(step, loss, grad_norm, evaluated)
+            self.progress.update(step, self.metrics if logged else None)
+            stopping, pruned = self.agree(step)
+            if self.policy.due(step, stopping or pruned):  # a stop always saves
+                self.save(step)
+            if pruned:  # the study's pruner ended this trial: the run is done, not interrupted
+                self.pruned(step)
+                return True
+            if stopping and step < self.max_steps:
+                self.stopped(step)
+                return False
+        self.finish()
+        return True
+
+    # ------------------------------------------------------------------ before the first step
+
+    def setup(self) -> None:
+        """The data, the model wrapped by the strategy, the position to resume from, the loggers and the saver."""
+        cfg, ctx, trainer, phase = self.cfg, self.ctx, self.trainer, self.phase
+        phase("building the data")
+        collate = build_collate(cfg.data.get("collate"))
+        # Random access or a stream (`launcher.data.sources`); a permutation is data: held before the model is built.
+        self.source = source_of(build_dataset(cfg.data, "train"), self.B, cfg.seed, collate, "the train split")
+        self.val_source = (
+            source_of(build_dataset(cfg.data, "val"), self.B, cfg.seed, collate, "the val split")
+            if int(trainer.eval_every) > 0
+            else None
+        )
+        # What the process holds before the model exists: torch, and the data (host memory, as on a GPU machine).
+        self.memory = StepMemory(self.device, ctx.compile)
+        if int(cfg.derived.nodes) > 1:  # before the first save: where the nodes write together, they see one folder
+            self.check_shared_folders()
+        phase("building the model")
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank and in a one-process run
+
+        def build_model(meta: bool = False) -> Any:
+            return build_on_meta(cfg.model) if meta else instantiate(cfg.model)
+
+        with self.memory.imports_excluded(), self.memory.measure(True):
+            # The model's module and everything it imports, imported now: DeepSpeed's zero.Init patches torch's
+            # tensor constructors while the model is built, and a library imported first inside it fails.
+            import_targets(cfg.model)
+            self.strategy.setup(ctx, build_model, optimizer_factory(cfg, ctx))
+        self.setup_peak, self.memory.peak = self.memory.peak, None  # logged with every step
+        # Ranks may have drawn different random numbers while building (FSDP builds the whole model on rank 0 only):
+        # the same generator state everywhere from here, whatever the strategy, as one process would have.
+        torch.manual_seed(cfg.seed + 1)
+        self.speed = Speed.of(cfg, ctx, self.strategy)
+        with self.memory.counted():  # the state a checkpoint brings is the steps' memory too
+            self.position = resume(cfg, ctx, self.strategy, self.run_dir)
+        self.resumed_at = self.position.step
+        self.loggers = Loggers.create(cfg, ctx.rank, self.run_dir)
+        self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
+        self.rule = LabelRule.of(cfg.derived.model)  # how the model counts its labels: decided in the launcher
+        self.steps = self._feed()
+        self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
+                                     trainer.profile_stacks)  # fmt: skip
+        self.saves, self.policy = (
+            saver(cfg, ctx, self.run_dir, self.strategy, self.position.step),
+            SavePolicy.of(trainer),
+        )
+        self.manifest = manifest_of(cfg, ctx.world_size, ctx.precision)
+        self.trial, self.prune = TrialReport(cfg, ctx.rank), False
+        self.stragglers = Stragglers.of(trainer, self.run_dir)
+        self.nonfinite = str(trainer.get("nonfinite", "stop"))
+        self.guard = Guard(self.strategy, self.nonfinite, int(trainer.get("max_skipped", 10)), ctx.precision == "fp16",
+                           ctx.rank, ctx.world_size)  # fmt: skip
+
+    def _feed(self) -> Any:
+        """This rank's micro-batches from the resumed position on, K per step; token ids checked against the
+        vocabulary as they are read, unless the launcher checked the built-in data's before start."""
+        cfg, ctx, K, first = self.cfg, self.ctx, self.K, self.position.step + 1
+        vocab = OmegaConf.select(cfg, "derived.vocab_size", default=None)
+        check = None
+        if vocab is not None and not str(cfg.data._target_).startswith(BUILT_IN_DATA):
+
+            def check(batch: Any, n: int) -> None:
+                check_token_ids(batch, vocab, first + n // K)
+
+        steps = self.max_steps - self.position.step
+        workers = int(cfg.data.get("workers", 0))
+        return self.source.feed(self.position, steps, ctx.rank, ctx.world_size, K, workers, self.device, check)
+
+    # ------------------------------------------------------------------ the phases of a step
+
+    def measured(self, step: int, logged: bool) -> bool:
+        """Whether the step's peak memory is measured: a logged step on CUDA (the allocator keeps the peak); on CPU,
+        where the per-operator probe slows the step, the first logged step, the last and every
+        trainer.memory_every-th."""
+        if not logged:
+            return False
+        every = self.trainer.memory_every
+        return self.device.type == "cuda" or not self.metrics or step == self.max_steps or step % every == 0
+
+    def check_shared_folders(self) -> None:
+        """The run directory where the cluster shares it (SLURM, nodes by hand), and a local checkpoint folder
+        elsewhere (a Kubernetes pod's run directory is its own): every rank sees what rank 0 writes there."""
+        shared_run_dir = OmegaConf.select(self.cfg, "derived.shared_run_dir", default=True)
+        if shared_run_dir:
+            check_shared_directory(self.run_dir, self.ctx)
+        where = checkpoints_of(self.trainer, self.run_dir)
+        if not is_remote(where) and not (shared_run_dir and inside(where, self.run_dir)):
+            where.mkdir(parents=True, exist_ok=True)
+            check_shared_directory(where, self.ctx, CHECKPOINT_DIR_FIX)
+
+    def logged(self, step: int) -> bool:
+        """trainer.log_every, the last step, and the first (the loss is seen at once)."""
+        return step % self.trainer.log_every == 0 or step == self.max_steps or not self.metrics
+
+    def evaluated(self, step: int) -> bool:
+        every = int(self.trainer.eval_every)
+        return every > 0 and (step % every == 0 or step == self.max_steps)
+
+    def lr(self, step: int) -> float:
+        t = self.trainer
+        return lr_at(step - 1, self.cfg.optim.lr, t.warmup_steps, self.max_steps, str(t.schedule), t.min_lr_ratio)
+
+    def data(self) -> StepData | None:
+        """This rank's micro-batches of the next step; None when the stream ran out on any rank, which every rank
+        learns in one all-reduce before any forward (a source that never ends needs none)."""
+        got = next(self.steps, None)
+        if self.source.ends and all_reduce([float(got is None)], dist.ReduceOp.MAX, self.device)[0]:
+            return None
+        return got
+
+    def step(self, step: int, micro: list[Any], measured: bool) -> tuple[torch.Tensor, float]:
+        """Forward/backward, gradient sync and optimizer step; this rank's part of the loss, and the gradient norm.
+        Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is not on CPU: the
+        per-operator count would be in the profile, around every op of the step."""
+        with self.memory.measure(measured, profiled=self.profiler.covers(step)):
+            return train_step(self.guard, micro, self.ctx, self.lr(step), self.rule, step, self.phase, self.clock)  # type: ignore[arg-type]
+
+    def commit(self, step: int, grad_norm: float) -> bool:
+        """Before anything is logged or saved: a step that is not finite was not applied (False), and may end the
+        run (`Guard.judge` raises)."""
+        return self.guard.judge(step, grad_norm)
+
+    def advance(self, step: int, stream: dict[str, Any] | None = None) -> None:
+        self.position = Position(step, self.position.samples + self.B, stream)
+
+    def log(self, step: int, loss: torch.Tensor, grad_norm: float, evaluated: bool) -> None:
+        """The step's figures over all ranks (`launcher.worker.metrics` declares how each is reduced), then the
+        loggers."""
+        self.phase(f"logging step {step}")
+        metrics = self._figures(loss, grad_norm, self.lr(step))
+        metrics |= self.speed.metrics(metrics.get("tokens_per_s"), self.ctx.world_size)
+        if self.nonfinite == "skip":
+            metrics["skipped_steps"] = self.guard.skipped
+        if evaluated:
+            val = evaluate(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
+            metrics["val_loss"] = val
+        for name in metrics:
+            declared(name)  # a figure nobody declared is refused, not logged with a meaning nobody chose
+        self.loggers.log(metrics, step)
+        self.metrics, self.window = metrics, Window()
+        self.prune = self.trial.report(step, metrics, last=step == self.max_steps)  # rank 0 of a search's trial
+
+    def agree(self, step: int) -> tuple[bool, bool]:
+        """Every rank learns of a stop signal any rank got, and of a search's pruner ending the trial (rank 0 asks
+        it), so all save the same step together; and whether any rank still writes the checkpoint in flight: once
+        none does, it is made visible. (stop signal, pruned): the run stops here if either is true."""
+        self.phase(f"agreeing whether to stop after step {step}")
+        mine = [float(self.stop.signal is not None), float(self.saves.writing()), float(self.prune)]
+        stopping, writing, pruned = all_reduce(mine, dist.ReduceOp.MAX, self.device)
+        if self.saves.pending is not None and not writing:
+            self.phase(f"making the checkpoint of step {self.saves.pending.position.step} visible")
+            self.saves.finalise()
+            self.stalled = True
+        return bool(stopping), bool(pruned)
+
+    def save(self, step: int) -> None:
+        self.phase(f"saving the checkpoint of step {step}")
+        with self.memory.imports_excluded():  # the writer's modules, imported by the first save, are no step's memory
+            self.saves.save(self.position, self.strategy, self.manifest)
+        self.stalled = True
+
+    def stopped(self, step: int) -> None:
+        """A stop signal ended the run after `step`: its checkpoint written, and one line saying where it is."""
+        self.phase(f"writing the checkpoint of step {step}")
+        self.saves.finish()
+        if self.ctx.rank == 0 and resizing(self.run_dir, self.started):
+            print(f"launch: a node joins: the worker group saved step {step} ({self.saves.last}) and restarts at its "
+                  "new size", flush=True)  # fmt: skip
+        elif self.ctx.rank == 0:
+            print(f"launch: stopped on a signal after step {step}; checkpoint {self.saves.last}", flush=True)
+        self.finish("KILLED")
+
+    def ended(self, step: int) -> None:
+        """The stream ran out before a full global batch of `step`: the run ends after the step before it, on every
+        rank, with that step's checkpoint, and one line."""
+        last = step - 1
+        if last > self.resumed_at and not self.policy.due(last, False):  # else saved already, or resumed from
+            self.save(last)
+        self.phase(f"writing the checkpoint of step {last}")
+        self.saves.finish()
+        if self.ctx.rank == 0:
+            where = f"; checkpoint {self.saves.last}" if self.saves.last else ""
+            print(f"launch: data: the stream ended after {self.position.samples:,} samples: step {last} trained its "
+                  f"last full global batch of {self.B}, before trainer.max_steps={self.max_steps}; the run ends "
+                  f"here{where}", flush=True)  # fmt: skip
+        self.finish()
+
+    def pruned(self, step: int) -> None:
+        """The study's pruner ended this trial after `step`: its checkpoint written, a record for the sweeper, and
+        one line."""
+        self.phase(f"writing the checkpoint of step {step}")
+        self.saves.finish()
+        if self.ctx.rank == 0:
+            name = str(self.cfg.sweep.objective)
+            record_pruned(self.run_dir, step, name, self.metrics[name])
+            print(f"launch: trial {self.cfg.sweep.trial} pruned after step {step} ({name} {self.metrics[name]:.4f}); "
+                  f"checkpoint {self.saves.last}", flush=True)  # fmt: skip
+        self.finish()
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """The run ends with its last checkpoint written and visible, its progress line closed, its loggers done (told
+        how it ended: FINISHED, or KILLED by a stop signal)."""
+        if self.saves.pending is not None:
+            self.phase(f"writing the checkpoint of step {self.saves.pending.position.step}")
+            self.saves.finish()
+        self.phase("finishing")
+        self.progress.close()
+        self.loggers.finish(status)
+
+    # ------------------------------------------------------------------ figures
+
+    def _gather(self, values: list[float]) -> list[list[float]]:
+        return gather_rows(values, self.device)
+
+    def _figures(self, loss_part: torch.Tensor, grad_norm: float, lr: float) -> dict[str, float]:
+        """The step's figures over all ranks: this rank's, reduced by their declarations (the loss: every rank's
+        part summed, `launcher.models.loss`; memory, the strategy's figures and a save's stall: the largest rank's)."""
+        mine = {"loss": loss_part.item(), "rss_bytes": float(rss_bytes())}
+        if self.setup_peak is not None:
+            mine["setup_peak_bytes"] = float(self.setup_peak)
+        if self.memory.peak is not None:
+            mine["peak_memory_bytes"] = float(self.memory.peak)
+        if self.memory.heap_other is not None:
+            mine["heap_other_bytes"] = float(self.memory.heap_other)
+        if self.stalled:  # a save (or its finalisation) blocked the loop since the last log
+            mine["checkpoint_stall_s"], self.saves.stall, self.stalled = self.saves.stall, 0.0, False
+        mine |= self.strategy.metrics() | self.clock.figures()  # type: ignore[union-attr]
+        reduced, (tokens,), rows = over_ranks(mine, self._gather, [self.window.tokens()], self.clock.times())  # type: ignore[union-attr]
+        if self.ctx.rank == 0 and (straggler := self.stragglers.see(rows)):
+            print(straggler, flush=True)
+        reduced |= self.window.figures(self.B, tokens)
+        return {
+            "loss": reduced.pop("loss"),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "accumulation": self.ctx.accumulation,
+            "micro_size": self.ctx.micro_size,
+            "world_size": self.ctx.world_size,
+            "restart": restart_count(),  # which attempt of the worker group logged the step
+            **reduced,
+        }

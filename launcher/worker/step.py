@@ -1,0 +1,109 @@
+"""One optimizer step over this rank's micro-batches, and one evaluation, by the loss rule of `launcher.models.loss`:
+the arithmetic of a step, with no state of the run."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from launcher.models.loss import (
+    NUM_ITEMS,
+    LabelRule,
+    count_targets,
+    micro_loss,
+    model_loss,
+    say_once,
+    target_tokens,
+    usual_recipe_line,
+)
+from launcher.worker.lifecycle import Phase
+from strategies import RunContext, Strategy
+
+if TYPE_CHECKING:
+    from launcher.worker.stragglers import StepClock
+
+
+def all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (the same length on each), a row per rank in rank order: one collective."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    rows = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)  # flat: gloo's shape
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine)  # torch 2.13 renamed it
+    return rows.view(-1, len(values)).tolist()
+
+
+def evaluate(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rule: LabelRule) -> float:
+    """The loss over `batches` fixed global batches of the validation split (`source.evaluation`: the same samples at
+    every evaluation and world size), by the training step's rule (`launcher.models.loss`): Σ token losses / Σ targets
+    where the model returns sums or its mean is over targets the launcher counts (its labels, by `rule`), else the mean
+    of the micro-batches' means."""
+    device = torch.device(ctx.device)
+    strategy.train(False)
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for micro in source.evaluation(batches, ctx.rank, ctx.world_size, ctx.accumulation, device):
+            for batch in micro:
+                loss, tokens = model_loss(strategy.forward(batch))
+                targets, known = target_tokens(batch, rule.label_shift)
+                if tokens is None and known:  # a mean over the counted targets: back to their sum (none: 0, not NaN)
+                    loss, tokens = (loss * targets if targets else torch.zeros(())), torch.tensor(targets)
+                total, count = total + float(loss), count + (float(tokens) if tokens is not None else 1.0)
+    strategy.train(True)
+    total, count = all_reduce([total, count], dist.ReduceOp.SUM, device)
+    return total / count
+
+
+def train_step(
+    strategy: Strategy,
+    micro: list[Any],
+    ctx: RunContext,
+    lr: float,
+    rule: LabelRule,
+    step: int,
+    phase: Phase,
+    clock: StepClock | None = None,
+) -> tuple[torch.Tensor, float]:
+    """One optimizer step over this rank's K micro-batches; returns this rank's part of the step's loss (summed over
+    ranks it is the loss of the whole global batch: `launcher.models.loss`) and the pre-clip gradient norm. `clock` (a
+    logged step's): this rank's seconds in the step's first collective and in a probe before the last backward
+    (`launcher.worker.stragglers`)."""
+    device, K = torch.device(ctx.device), len(micro)
+
+    def reduce(values: list[float]) -> list[float]:  # the step's first collective: a logged step times its wait
+        if clock is None:
+            return all_reduce(values, dist.ReduceOp.SUM, device)
+        return clock.waiting(lambda: all_reduce(values, dist.ReduceOp.SUM, device))
+
+    if clock is not None:
+        clock.batches_read()
+    # The global batch's targets, counted before the first forward: each micro-step's loss is scaled so that the
+    # step's gradient is that of one forward over the whole global batch.
+    targets = count_targets(micro, ctx.world_size, reduce, rule.label_shift)
+    divided = targets.counted and rule.takes_num_items and all(targets.labels)
+    loss_sum, normalised = torch.zeros((), dtype=torch.float64, device=device), False
+    for k, batch in enumerate(micro):
+        phase(f"in forward/backward of step {step}, micro-step {k + 1}/{K}")
+        if divided:  # a transformers model divides its summed loss by this itself
+            batch = {**batch, NUM_ITEMS: targets.total / ctx.world_size}
+        # Gradients are synchronised once per optimizer step: on the last micro-step only.
+        with strategy.sync(k == K - 1):
+            output = strategy.forward(batch)
+            if clock is not None and k == K - 1:  # before the gradient sync: a slow forward is waited for here
+                clock.probe()
+            backward, part, normalised = micro_loss(output, k, targets, K, divided)
+            strategy.backward(backward)
+        loss_sum += part.double()
+    if not normalised and ctx.rank == 0:
+        say_once(usual_recipe_line(targets))
+    phase(f"in the optimizer step {step}")
+    grad_norm = strategy.step(lr)
+    if clock is not None:
+        clock.stop()
+    return loss_sum / (targets.total if normalised else ctx.world_size), grad_norm
