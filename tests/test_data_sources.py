@@ -304,3 +304,25 @@ def test_a_user_stream_that_ends_early_ends_the_run_on_every_rank_and_resumes_by
     assert "launch: data: the stream resumed at sample 64 by reading past the 64 before it" in resumed.stdout
     assert [m["step"] for m in resumed.metrics] == [5, 6, 7]
     _same_losses(resumed.metrics, first.metrics, range(5, 8))
+
+
+@pytest.mark.unit
+def test_a_snapshot_of_the_local_hub_cache_is_read_as_it_is(tmp_path: Path) -> None:
+    """data=hf over a dataset as the Hub cache keeps it (`datasets--ORG--NAME/snapshots/REVISION/data/*.parquet`),
+    nothing downloaded: its rows, a validation part of them drawn by the seed, the same every time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.data.hf import HF
+
+    snapshot = tmp_path / "hub" / "datasets--acme--tiny" / "snapshots" / ("0" * 40)
+    (snapshot / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"input_ids": [[i, i + 1] for i in range(40)], "label": [i % 2 for i in range(40)]}),
+                   snapshot / "data" / "train-00000-of-00001.parquet")  # fmt: skip
+    keys = {"path": str(snapshot), "name": None, "split": "train", "val_split": None, "val_fraction": 0.1,
+            "split_seed": 0, "data_files": None, "streaming": False, "tokenizer": None, "text_field": "text",
+            "max_length": None, "columns": None, "cache_dir": str(tmp_path / "cache")}  # fmt: skip
+    train, val = HF("train", **keys), HF("val", **keys)
+    assert len(train) == 36 and len(val) == 4
+    assert sorted([r["input_ids"][0] for r in train] + [r["input_ids"][0] for r in val]) == list(range(40))
+    assert [r["input_ids"] for r in HF("val", **keys)] == [r["input_ids"] for r in val]

@@ -128,7 +128,7 @@ class HFDataConfig:
     _target_: str = "launcher.data.hf.HF"
     path: str = MISSING
     """What load_dataset takes: a builder (json, parquet, csv, text) with data.data_files, a folder of such files, or
-    a dataset of the local Hub cache."""
+    a snapshot folder of the local Hub cache (hub/datasets--ORG--NAME/snapshots/REVISION)."""
     name: str | None = None
     """The dataset's configuration (load_dataset's name)."""
     split: str = "train"

@@ -2,7 +2,8 @@
 are the schema's, launcher/config/data_schema.py: `HFDataConfig`).
 
 `data.path` is what `load_dataset` takes: a builder with `data.data_files` (json, parquet, csv, text), a folder of
-such files, or a dataset of the local Hub cache (with `HF_HUB_OFFLINE=1` nothing is downloaded); `data.name` its
+such files (a snapshot folder of the local Hub cache among them), or a Hub id (with `HF_DATASETS_OFFLINE=1`, what
+`datasets` cached of it); `data.name` its
 configuration, `data.split` the split to train on. The validation samples are `data.val_split`, or else
 `data.val_fraction` of the training split, drawn by `data.split_seed` (`train_test_split`: the same rows every time).
 `data.streaming=true` gives a stream (`datasets.IterableDataset`), drawn in its own order (`launcher.data.sources`).
@@ -274,5 +275,5 @@ def _failed(keys: _Keys, e: BaseException) -> ConfigError:
     files = f" data.data_files={keys.data_files}" if keys.data_files else ""
     return ConfigError(
         f"{where}{files} does not load ({type(e).__name__}: {message}); give a local folder or files (e.g. "
-        "data.path=json data.data_files=train.jsonl), or a dataset of the local Hub cache"
+        "data.path=json data.data_files=train.jsonl), or a snapshot folder of the local Hub cache"
     )
