@@ -174,7 +174,7 @@ class LaunchOptunaSweeper(Sweeper):
                      f"sweep.study={self.study_name}", f"sweep.storage='{self.url}'"]  # fmt: skip
         result = None
         try:  # a value that does not compose (a wrong type) fails in the launcher, one that the run refuses in the job
-            (result,) = self.launcher.parent.launch([overrides], initial_job_idx=trial.number)
+            (result,) = self.launcher.launch([overrides], initial_job_idx=trial.number)
             record = result.return_value
         except Exception as e:  # the trial failed; the study goes on
             record = {"state": "failed", "reason": _one_line(e)}

@@ -11,26 +11,20 @@ May import: `launcher.base`, `launcher.data` (the vocabulary a data option's def
 The names most modules want are here: `from launcher.config import ConfigError, freeze, derive, ...`.
 """
 
+from typing import Any
+
 from launcher.base.errors import ConfigError
-from launcher.config.frozen import (
-    AUTO,
-    CPU_DEFAULT_GPUS,
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    GROUPS,
-    SEVERAL,
-    BatchSizeError,
-    Derived,
-    check_world_sizes,
-    derive,
-    freeze,
-    node_range,
-    one_line,
-    target_nodes,
-    valid_micro_sizes,
-    with_schemas,
-    world_sizes,
-)
+
+
+def __getattr__(name: str) -> Any:
+    """The names of `frozen`, imported when first asked for: `launch --help` reads `groups` and pays for no
+    OmegaConf."""
+    if name in __all__:
+        from launcher.config import frozen
+
+        return getattr(frozen, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AUTO", "CPU_DEFAULT_GPUS", "EXIT_BAD_INPUT", "EXIT_FAILED", "GROUPS", "SEVERAL", "BatchSizeError", "ConfigError",
