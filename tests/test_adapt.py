@@ -94,8 +94,9 @@ def _until(condition: Callable[[], bool], *nodes: subprocess.Popen[str], what: s
 
 def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp_path: Path) -> None:
     """Two one-rank nodes train together; one is killed whole mid-run, and the survivor goes on alone at twice the
-    accumulation; a third node joining later brings the world back to 2. Every logged step's loss, the redone ones
-    too, is an uninterrupted run's. The data is a token store (data=store) that `launch prepare` built."""
+    accumulation; a third node joining later brings the world back to 2, and a fourth, one too many, is refused in
+    one line. Every logged step's loss, the redone ones too, is an uninterrupted run's. The data is a token store
+    (data=store) that `launch prepare` built."""
     from conftest import cli_here
     from text_corpus import documents, train_tokenizer, write_jsonl
 
@@ -134,6 +135,13 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
     alone = killed + sizes()[killed:].index(1)
     third = _node(tmp_path, port, "third", data)
     _until(lambda: 2 in sizes()[alone:], first, third, what="a step at world size 2 again")
+    fourth = _node(tmp_path, port, "fourth", data)  # the job has its 2 nodes: refused, the job untouched
+    assert fourth.wait(timeout=300) != 0
+    said = [line for line in (tmp_path / "fourth.out").read_text().splitlines() if line.startswith("launch: error")]
+    assert said == [
+        "launch: error: job 'elastic' runs on its 2 nodes already (the most its nodes= allows): this node is not "
+        "needed; start it again once a node has left, or start the job with a larger maximum"
+    ], (tmp_path / "fourth.out").read_text()
     (tmp_path / "slow").unlink()  # the rest at full speed
     assert first.wait(timeout=300) == 0 and third.wait(timeout=300) == 0, (tmp_path / "first.out").read_text()
     assert reference.wait(timeout=300) == 0, reference.stderr.read()  # type: ignore[union-attr]

@@ -40,7 +40,15 @@ from launcher.config.identity import identity_hash
 from launcher.parent.agent import agent_logs_to_file, failed_group_grace, preload
 from launcher.parent.checks import check_built, check_keys, check_resume, vocabulary
 from launcher.parent.failures import lost_node, oom_kills, rank_lines, secondary
-from launcher.parent.rendezvous import LOOPBACK, Rendezvous, cheap_event_names, reachable, rendezvous
+from launcher.parent.rendezvous import (
+    LOOPBACK,
+    JobFull,
+    Rendezvous,
+    cheap_event_names,
+    reachable,
+    refuse_spare_nodes,
+    rendezvous,
+)
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import Ownership, remove_made
 from launcher.worker.lifecycle import (
@@ -310,6 +318,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     _worker_environment(derived, rdzv, run_dir)
     agent_logs_to_file(run_dir)
     cheap_event_names()
+    refuse_spare_nodes()
     forked = forks_workers(derived, trainer)
     if forked:
         preload(prepared.requirements, derived.device)
@@ -354,6 +363,8 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
             elastic_launch(config, sys.executable)("-u", "-m", "launcher.worker.main", str(resolved))
     except SignalException as e:
         return _stopped(e.sigval, run_dir, previous, trainer)
+    except JobFull as e:
+        return Outcome(EXIT_FAILED, str(e))
     except RendezvousError as e:
         if gone := lost():
             return Outcome(EXIT_FAILED, gone)

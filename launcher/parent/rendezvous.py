@@ -95,6 +95,44 @@ def cheap_event_names() -> None:
     dynamic_rendezvous.get_method_name = method_name
 
 
+class JobFull(Exception):
+    """This node joined a job that has all its nodes already (`refuse_spare_nodes`)."""
+
+
+def refuse_spare_nodes() -> None:
+    """torch keeps a node that joins a job with all its nodes (nodes=MIN:MAX running at MAX) as a spare: it waits,
+    saying nothing, until a node leaves, for as long as the job runs. The launcher refuses it in one line instead,
+    before it changes the rendezvous state, and leaves the rendezvous open for the job (torch's agent closes it on
+    its way out: the job's next restart would find it closed)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    join = getattr(dr._RendezvousJoinOp.__call__, "launch_original", dr._RendezvousJoinOp.__call__)
+    shutdown = getattr(dr.DynamicRendezvousHandler.shutdown, "launch_original", dr.DynamicRendezvousHandler.shutdown)
+    refused: list[str] = []
+
+    def joining(op: Any, ctx: Any, deadline: float) -> Any:
+        action = join(op, ctx, deadline)
+        if action == dr._Action.ADD_TO_REDUNDANCY_LIST:
+            refused.append(ctx.settings.run_id)
+            raise JobFull(
+                f"job {ctx.settings.run_id!r} runs on its {ctx.settings.max_nodes} nodes already (the most its nodes= "
+                f"allows): this node is not needed; start it again once a node has left, or start the job with a "
+                f"larger maximum"
+            )
+        return action
+
+    def leaving(handler: Any) -> bool:
+        if refused:  # not a member: the job's rendezvous is not this node's to close
+            handler._stop_heartbeats()
+            return True
+        return bool(shutdown(handler))
+
+    joining.launch_original = join  # type: ignore[attr-defined]
+    leaving.launch_original = shutdown  # type: ignore[attr-defined]
+    dr._RendezvousJoinOp.__call__ = joining  # type: ignore[method-assign]
+    dr.DynamicRendezvousHandler.shutdown = leaving  # type: ignore[method-assign]
+
+
 def reachable(endpoint: str, timeout: float = 2.0) -> bool:
     """Whether something listens at `endpoint` (HOST:PORT): the rendezvous store of a multi-node job, hosted by the
     agent of one node, is there as long as that node is."""
