@@ -297,12 +297,11 @@ def unit_tests_start_no_python(request: pytest.FixtureRequest, monkeypatch: pyte
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: each test runs 2-rank jobs, so about one test process per two CPUs, and one more: a test spends
-    part of its time waiting (on a rendezvous, a timeout it provokes, a node it kills), and the extra process fills
-    those waits; at least three."""
+    """`-n auto`: each test runs 2-rank jobs, so about one test process per two CPUs, and at least two
+    (a test spends much of its time starting processes and waiting on them)."""
     from launcher.base.machine import usable_cpus
 
-    return max(3, usable_cpus() // 2 + 1)
+    return max(2, usable_cpus() // 2)
 
 
 def assert_each_restart_resumes_the_newest(run_dir: Path, out: str, every: int, restarts: int) -> None:

@@ -36,7 +36,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return {int(m["step"]): m["loss"] for m in run.metrics}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])  # a torch optimizer and DeepSpeed's, rebuilt at the new size
 def test_an_out_of_memory_error_halves_the_micro_batch_and_keeps_the_trajectory(
     strategy: str, reference: dict[int, float], tmp_path: Path
 ) -> None:

@@ -36,7 +36,9 @@ def test_resume_with_data_workers_is_exact(ddp_run: Run, tmp_path: Path) -> None
     assert _max_diff(full, resumed, range(7, 13)) <= 1e-6
 
 
-@pytest.mark.parametrize("strategy", AT_TWO_RANKS)  # hsdp's 4-rank run resumes under fsdp in CROSSINGS
+# Every way of holding the state: zero1's and zero2_offload's are zero2's and zero3_offload's (ddp -> zero1 is in
+# CROSSINGS); hsdp's 4-rank run resumes under fsdp there too.
+@pytest.mark.parametrize("strategy", [s for s in AT_TWO_RANKS if s not in ("zero1", "zero2_offload")])
 def test_resume_is_exact(strategy: str, suite: Run, tmp_path: Path) -> None:
     full = suite
     resumed = launch(tmp_path, *JOB, *selecting(tmp_path, strategy), "gpus=2", f"resume={_ckpt(full, 6)}").check()

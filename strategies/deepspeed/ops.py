@@ -34,6 +34,7 @@ def load_ops(ops: tuple[str, ...], device_type: str) -> None:
 def _builder(op: str, device_type: str) -> Any:
     """DeepSpeed's builder of the op `op` (a `Requirements.ops` name) for `device_type`."""
     os.environ.setdefault("DS_ACCELERATOR", device_type)  # no accelerator guess (and warning) in the launcher
+    import strategies.deepspeed.imported  # noqa: F401, I001  # before any `import deepspeed`
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
     builders = {"cpu_adam": CPUAdamBuilder, "async_io": AsyncIOBuilder}

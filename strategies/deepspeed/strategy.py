@@ -119,8 +119,8 @@ class DeepSpeed:
         return Requirements(
             ops=ops + (("async_io",) if "nvme" in offloads else ()),
             nvme_folder="nvme" in offloads,
-            # Every ZeRO optimizer's constructor imports DeepSpeed's Muon, which imports torch's inductor: about 1 s.
-            imports=("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer"),
+            # DeepSpeed and its Muon (every ZeRO optimizer's constructor imports it, and torch's inductor with it).
+            imports=("strategies.deepspeed.imported",),
         )
 
     def conformance(self) -> Conformance:
@@ -219,6 +219,7 @@ class DeepSpeed:
     # ------------------------------------------------------------------ training (workers)
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
+        import strategies.deepspeed.imported  # noqa: F401, I001  # before any `import deepspeed`
         import deepspeed
 
         # DeepSpeed calls torch collectives that torch has deprecated: nothing a user can act on.
