@@ -315,7 +315,7 @@ def measure(nodes: int, steps: int, out: Path) -> dict[str, float]:
 
     run_dir, port = out / f"nodes{nodes}", free_port()
     overrides = [*SHAPE, f"batch.micro_size={GLOBAL // nodes}", f"trainer.max_steps={steps}",
-                 "trainer.checkpoint_every=10"]  # fmt: skip
+                 "trainer.checkpoint_every=2"]  # fmt: skip
     with StoreHost(port, out) as store, Job(nodes, run_dir, overrides, port, f"scale{nodes}") as job:
         codes = job.wait(timeout=1800)
         if any(codes):
@@ -423,11 +423,7 @@ def report(figures: list[dict[str, float]]) -> str:
 
 
 def _cell(value: float) -> str:
-    if value >= 1000:
-        return f"{value:,.0f}"
-    if value >= 10:
-        return f"{value:.1f}"
-    return f"{value:.3f}"
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
 
 
 # ------------------------------------------------------------------ --check

@@ -10,6 +10,8 @@ from typing import Any
 
 def op_problem(op: str, device_type: str) -> str | None:
     """Why DeepSpeed's op `op` (a `Requirements.ops` name) cannot run here, or None."""
+    if op == "shm_comm":  # where it cannot build, DeepSpeed's collectives go through torch's
+        return None
     if op == "async_io":
         return async_io_problem(device_type)
     if not _is_compatible(_builder(op, device_type)):
@@ -28,7 +30,25 @@ def load_ops(ops: tuple[str, ...], device_type: str) -> None:
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
     for op in ops:
-        _builder(op, device_type).load(verbose=False)
+        if op == "shm_comm":
+            _load_shm_comm(device_type)
+        else:
+            _builder(op, device_type).load(verbose=False)
+
+
+def _load_shm_comm(device_type: str) -> None:
+    """DeepSpeed's shared-memory collectives, which each CPU rank's `deepspeed.comm` loads for itself after probing
+    every op builder (compiler runs, about 0.3 s a rank), loaded here as that rank would: the probe's answer
+    (`deepspeed.ops.__compatible_ops__`) and the op are then every forked rank's. Nothing on another device."""
+    if device_type != "cpu":
+        return
+    _builder("cpu_adam", device_type)  # DS_ACCELERATOR, and DeepSpeed imported as the launcher imports it
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    builder = ShareMemCommBuilder()
+    if deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        builder.load(verbose=False)
 
 
 def _builder(op: str, device_type: str) -> Any:

@@ -115,7 +115,7 @@ class DeepSpeed:
 
     def requirements(self) -> Requirements:
         offloads = (self.offload_optimizer, self.offload_params)
-        ops = ("cpu_adam",) if self.offload_optimizer != "none" else ()
+        ops = ("shm_comm",) + (("cpu_adam",) if self.offload_optimizer != "none" else ())
         return Requirements(
             ops=ops + (("async_io",) if "nvme" in offloads else ()),
             nvme_folder="nvme" in offloads,
