@@ -410,7 +410,7 @@ def report(figures: list[dict[str, float]]) -> str:
     for key, words in COLUMNS.items():
         slope, kind = growth(figures, key)
         note = ""
-        if kind == "worse than linear" and key.endswith("_s"):
+        if kind == "worse than linear" and key.endswith("_s") and not key.endswith("_per_s"):  # seconds, not rates
             note = f"; a minute at N = {minute_at(figures, key, slope):,.0f}"
         lines.append(f"{words}: {kind} (N^{slope:.2f}){note}")
     last = figures[-1]

@@ -478,6 +478,42 @@ def test_ranks_that_failed_alike_are_named_in_rank_order_whichever_failed_first(
     assert _merged(lines) == [f"ranks 0, 1, 10 {tail.format('<N>')}", "rank 2 failed: something else"]
 
 
+@pytest.mark.unit
+def test_a_node_whose_ranks_only_stopped_names_the_peer_rank_that_failed_first(tmp_path: Path) -> None:
+    """Among many nodes, the one line a node whose ranks only lost their peers prints: the first cause another node's
+    rank reported into the shared run directory, with its node; echoes, older files, damaged or crafted ones are not
+    causes."""
+    import time
+
+    from launcher.parent.failures import peer_failure
+
+    logs = tmp_path / "logs"
+
+    def report(agent: str, line: object, age: float = 0.0) -> None:
+        file = logs / agent / "attempt_0" / "0" / "error.json"
+        file.parent.mkdir(parents=True)
+        file.write_text(json.dumps({"message": {"message": line}}))
+        os.utime(file, (time.time() - age, time.time() - age))
+
+    started = time.time() - 10
+    assert peer_failure(tmp_path, started) is None  # nothing reported: a node that went away
+    report("a", f"while in step 3: RuntimeError: Connection closed by peer (traceback: {logs}/rank1.traceback)")
+    report("b", {"not": "a line"})
+    report("c", "not json at all, no traceback")
+    report("d", f"while in step 1: ValueError: old (traceback: {logs}/rank9.traceback)", age=3600)  # an earlier run
+    (logs / "e" / "attempt_0" / "0").mkdir(parents=True)
+    (logs / "e" / "attempt_0" / "0" / "error.json").write_bytes(b"\xff\xfe{")
+    assert peer_failure(tmp_path, started) is None
+    report("f", f"while in forward/backward of step 1: RuntimeError: broke (traceback: {logs}/rank20.traceback)", 2)
+    report("g", f"while in step 1: RuntimeError: later (traceback: {logs}/rank7.traceback)", age=1)
+    (logs / "ranks").mkdir()
+    (logs / "ranks" / "rank20.json").write_text(json.dumps({"node": 20, "host": "gpu20", "launcher": "x"}))
+    assert peer_failure(tmp_path, started) == (
+        f"rank 20 (node 20, gpu20) failed while in forward/backward of step 1: RuntimeError: broke (traceback: "
+        f"{logs}/rank20.traceback); this node's ranks stopped with it"
+    )
+
+
 def test_free_space_is_checked_before_a_save(tmp_path: Path) -> None:
     """A real save on a one-rank gloo group; only the free-space reading is made small (a full disk cannot be
     made here without privileges)."""

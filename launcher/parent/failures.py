@@ -124,6 +124,33 @@ def secondary(line: str) -> bool:
     )
 
 
+def peer_failure(run_dir: Path, since: float) -> str | None:
+    """The cause another node's rank reported, for a node whose own ranks only stopped with it: the earliest error
+    file since `since` in the shared run directory's `logs/` (the agents' `<id>/attempt_<n>/<local rank>/error.json`)
+    whose line is a cause, not an echo, naming its rank (by its traceback's file) and that rank's node; None if there
+    is none (a node that went away reported nothing). The files are read as data: a line, never more."""
+    found: list[tuple[float, int, str]] = []
+    for file in (run_dir / "logs").glob("*/attempt_*/*/error.json"):
+        try:
+            written = file.stat().st_mtime
+            line = json.loads(file.read_text())["message"]["message"] if written >= since else None
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(line, str) or secondary(line):
+            continue
+        if m := re.search(r"[/\\]rank(\d+)\.traceback\)$", line):
+            found.append((written, int(m.group(1)), " ".join(line.split())[:1000]))
+    if not found:
+        return None
+    _, rank, line = min(found)
+    try:
+        record = json.loads((run_dir / "logs" / "ranks" / f"rank{rank}.json").read_text())
+        where = f" (node {int(record['node'])}, {str(record['host'])[:100]})"
+    except (OSError, ValueError, KeyError, TypeError):
+        where = ""
+    return f"rank {rank}{where} failed {line}; this node's ranks stopped with it"
+
+
 def lost_node(
     run_dir: Path, since: float, world_size: int, me: str, store_gone: str | None = None, elastic: bool = False
 ) -> str | None:

@@ -39,7 +39,7 @@ from launcher.config.context import check_protocol, check_strategy
 from launcher.config.identity import identity_hash
 from launcher.parent.agent import agent_logs_to_file, failed_group_grace, preload
 from launcher.parent.checks import check_built, check_keys, check_resume, vocabulary
-from launcher.parent.failures import lost_node, oom_kills, rank_lines, secondary
+from launcher.parent.failures import lost_node, oom_kills, peer_failure, rank_lines, secondary
 from launcher.parent.rendezvous import (
     LOOPBACK,
     JobFull,
@@ -347,9 +347,11 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     os.environ[FAILURE_DIR_ENV] = str(spare)  # failure reports that cannot be written into the run directory
     started = time.time()
 
-    def lost() -> str | None:  # the group had joined, and another node went away
+    def lost() -> str | None:  # another node's rank failed, or the group had joined and another node went away
         if derived.nodes == 1:
             return None
+        if cause := peer_failure(run_dir, started - 1):  # the cause, not a node gone because of it
+            return cause
         store_gone = None if reachable(rdzv.endpoint) else rdzv.endpoint  # its store: on the node that went away?
         elastic = derived.min_nodes < derived.nodes
         return lost_node(run_dir, started - 1, derived.world_size, os.environ[NODE_ID_ENV], store_gone, elastic)
