@@ -189,21 +189,26 @@ def _run_dir_problem(hydra_node: DictConfig, overrides: Sequence[str], parsed: S
         folder = Path(given[-1] if given else str(OmegaConf.select(hydra_node, key.removeprefix("hydra.")))).absolute()
     except Exception:  # an interpolation only Hydra's job can resolve: it checks it itself
         return None
-    made = [p for p in (folder, *folder.parents) if not p.exists()]
-    try:  # try it for real (root bypasses permission bits; /proc, read-only mounts) and leave nothing behind
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".launch-probe-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        return f"{key}={folder} cannot be created and written ({e.strerror}: {e.filename}); choose another {key}"
-    finally:
-        for created in made:  # deepest first
-            try:
-                created.rmdir()
-            except OSError:
-                break
-    return None
+    for _ in range(10):  # the nodes of one job probe one shared folder at once: one may remove it under another
+        made = [p for p in (folder, *folder.parents) if not p.exists()]
+        try:  # try it for real (root bypasses permission bits; /proc, read-only mounts) and leave nothing behind
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".launch-probe-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+            return None
+        except FileNotFoundError as e:  # made by another launcher, and removed by it meanwhile: again
+            error = e
+        except OSError as e:
+            error = e
+            break
+        finally:
+            for created in made:  # deepest first
+                try:
+                    created.rmdir()
+                except OSError:
+                    break
+    return f"{key}={folder} cannot be created and written ({error.strerror}: {error.filename}); choose another {key}"
 
 
 def _candidates(o) -> list[str]:
