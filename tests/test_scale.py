@@ -15,30 +15,30 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def bench(tmp_path: Path, *args: str) -> str:
+    """bench/scale.py with `args`, its runs in `tmp_path`: its output, once it exited 0 (its checks passed)."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), *args, "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=3500)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    return run.stdout
+
+
 @pytest.mark.scale
 @pytest.mark.timeout(3600)
 def test_32_one_rank_nodes_equal_one_process_and_resume_exactly_on_8(tmp_path: Path) -> None:
-    check = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "scale.py"), "--check", "--nodes", "32", "--resume-nodes", "8",
-         "--steps", "6", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=3500,
-    )  # fmt: skip
-    assert check.returncode == 0, check.stdout + check.stderr[-4000:]
-    assert "exact: 32 nodes then 8 nodes against one process" in check.stdout, check.stdout
+    out = bench(tmp_path, "--check", "--nodes", "32", "--resume-nodes", "8", "--steps", "6")
+    assert "exact: 32 nodes then 8 nodes against one process" in out, out
 
 
 @pytest.mark.scale
 @pytest.mark.timeout(3600)
 def test_an_elastic_job_of_16_refuses_a_17th_and_goes_on_exactly_at_13_after_3_are_killed(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--elastic", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=3500)  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
-    assert "exact: nodes=12:16, 16 nodes then 13 after 3 were killed" in run.stdout, run.stdout
+    out = bench(tmp_path, "--elastic")
+    assert "exact: nodes=12:16, 16 nodes then 13 after 3 were killed" in out, out
 
 
 @pytest.mark.scale
 @pytest.mark.timeout(3600)
 def test_one_fault_among_32_nodes_is_one_line_on_each_naming_the_rank_at_fault(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--faults", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=3500)  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    out = bench(tmp_path, "--faults")
+    assert "32 of 32 name rank 20" in out, out
