@@ -251,6 +251,7 @@ def test_a_contradicting_submitit_shape_is_refused(tmp_path: Path, override: str
     assert message in launch_here(tmp_path, "-m", "hydra/launcher=submitit_local", *JOB, "nodes=2", override).refused()
 
 
+@pytest.mark.long
 def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     run = launch(

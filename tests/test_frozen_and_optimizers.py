@@ -98,6 +98,7 @@ def test_frozen_weights_stay_as_loaded_and_only_the_adapters_have_optimizer_stat
     assert held["zero3"] < 0.55 * held["ddp"], held
 
 
+@pytest.mark.long
 def test_a_resume_from_the_mid_run_checkpoint_is_exact(trained, conformance_dir, base_folder) -> None:
     root = trained["ddp"].parent  # each job resumes from its own strategy's checkpoint
     resume = f"resume={root}/${{hydra:runtime.choices.strategy}}/checkpoints/step_{CHECKPOINT_STEP:08d}"

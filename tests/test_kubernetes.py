@@ -155,6 +155,7 @@ def _pods(tmp_path: Path, command: list[str], extra_env: dict[str, str] | None =
     return [(p.wait(timeout=300), *p.communicate()) for p in procs]
 
 
+@pytest.mark.long
 def test_the_exported_pytorchjob_runs_as_two_pods_that_match_one_node(conformance_dir: Path, tmp_path: Path) -> None:
     """The manifest names the run's overrides; its pods, started with the environment the operator gives them (on
     loopback), join as nodes 0 and 1, train as one node of 2 ranks does, and keep their checkpoints in object storage

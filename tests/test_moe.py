@@ -84,6 +84,7 @@ def test_reducing_each_micro_step_under_zero2_or_3_with_routed_experts_is_refuse
     assert "use strategy.sync_each_microbatch=false" in line, line
 
 
+@pytest.mark.long
 def test_a_transformers_moe_matches_one_process_under_every_strategy(conformance_dir: Path) -> None:
     run, sweep = smoke(conformance_dir, "smoke-mixtral", *MIXTRAL, STRATEGIES)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -126,6 +126,7 @@ def _partial_save(fs, prefix: str, proc: subprocess.Popen, timeout: float = 120)
     return None
 
 
+@pytest.mark.long
 def test_a_kill_mid_save_leaves_a_partial_prefix_and_the_next_pod_resumes_exactly(
     reference: Run, s3: S3, tmp_path: Path
 ) -> None:

@@ -61,6 +61,7 @@ def test_no_mfu_on_cpu_without_a_peak(ddp_run: Run) -> None:
     assert "mfu" not in run.metrics[-1] and run.metrics[-1]["comm_bytes_formula"] > 0
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("strategy", ["ddp"])  # FSDP compiles the same units (strategy.compile_units)
 def test_compiled_blocks_train_to_the_same_losses(
     conformance_dir: Path, tmp_path: Path, strategy: str, suite: Run
