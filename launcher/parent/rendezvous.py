@@ -103,16 +103,26 @@ def refuse_spare_nodes() -> None:
     """torch keeps a node that joins a job with all its nodes (nodes=MIN:MAX running at MAX) as a spare: it waits,
     saying nothing, until a node leaves, for as long as the job runs. The launcher refuses it in one line instead,
     before it changes the rendezvous state, and leaves the rendezvous open for the job (torch's agent closes it on
-    its way out: the job's next restart would find it closed)."""
+    its way out: the job's next restart would find it closed). Where a member has gone quiet (a node that just
+    failed, started again before torch dropped it), the node waits as torch has it, to take that place."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     join = getattr(dr._RendezvousJoinOp.__call__, "launch_original", dr._RendezvousJoinOp.__call__)
     shutdown = getattr(dr.DynamicRendezvousHandler.shutdown, "launch_original", dr.DynamicRendezvousHandler.shutdown)
     refused: list[str] = []
 
+    def alive(ctx: Any) -> bool:
+        """Every member kept its place alive within two keep-alive intervals: none is a node that just failed, whose
+        place a node started again for it takes once torch drops the dead one (the spare's wait, kept for that)."""
+        from datetime import datetime, timezone
+
+        recent = datetime.now(timezone.utc) - 2 * ctx.settings.keep_alive_interval
+        beats = ctx.state.last_heartbeats
+        return all(node in beats and beats[node] > recent for node in ctx.state.participants)
+
     def joining(op: Any, ctx: Any, deadline: float) -> Any:
         action = join(op, ctx, deadline)
-        if action == dr._Action.ADD_TO_REDUNDANCY_LIST:
+        if action == dr._Action.ADD_TO_REDUNDANCY_LIST and alive(ctx):
             refused.append(ctx.settings.run_id)
             raise JobFull(
                 f"job {ctx.settings.run_id!r} runs on its {ctx.settings.max_nodes} nodes already (the most its nodes= "
