@@ -1,6 +1,6 @@
 """MkDocs hooks: the pages' generated parts, made from the code at build time, so that they cannot go stale: the
 configuration reference (`launcher.config.reference`, from the typed schema) and the table of logged figures
-(`launcher.worker.metrics`, from their declarations)."""
+(`launcher.base.metrics`, from their declarations)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 MARKERS = {
     "<!-- configuration reference -->": "launcher.config.reference:markdown",
-    "<!-- metrics table -->": "launcher.worker.metrics:table",
+    "<!-- metrics table -->": "launcher.base.metrics:table",
 }
 
 

@@ -314,7 +314,7 @@ def scaler_scale(scaler: Any) -> float | None:
 def step_figures(
     counter: CommCounter, on_device: float, offloaded: float | None = None, loss_scale: float | None = None
 ) -> dict[str, float]:
-    """What every strategy's `metrics()` reports of its last optimizer step, under the names `launcher.worker.metrics`
+    """What every strategy's `metrics()` reports of its last optimizer step, under the names `launcher.base.metrics`
     declares: the model state it holds on the device (and offloaded, where it offloads), the loss scale under
     precision=fp16, and its counter's collectives since the last step (read and reset)."""
     figures = {"model_state_bytes": float(on_device)}

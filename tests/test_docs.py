@@ -152,10 +152,10 @@ def _hooks():
 
 @pytest.mark.unit
 def test_the_generated_parts_are_the_codes_own() -> None:
-    """The logging page's table of figures is `launcher.worker.metrics`' declarations; the configuration page's
+    """The logging page's table of figures is `launcher.base.metrics`' declarations; the configuration page's
     reference is the typed schema, every option of every group and every key of the run there."""
+    from launcher.base.metrics import table
     from launcher.config.reference import markdown, option_schemas
-    from launcher.worker.metrics import table
 
     hooks = _hooks()
     for page, made in (("logging.md", table()), ("configuration.md", markdown())):

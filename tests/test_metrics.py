@@ -1,11 +1,11 @@
-"""The logged figures' declarations (`launcher/worker/metrics.py`): read by the runner and the docs alike (the docs'
+"""The logged figures' declarations (`launcher/base/metrics.py`): read by the runner and the docs alike (the docs'
 table is made from them: tests/test_docs.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from launcher.worker.metrics import METRICS, declared, over_ranks
+from launcher.base.metrics import METRICS, declared, over_ranks
 
 
 @pytest.mark.unit
@@ -36,5 +36,5 @@ def test_each_figure_is_reduced_over_ranks_as_declared() -> None:
 
 @pytest.mark.unit
 def test_a_figure_nobody_declared_is_refused() -> None:
-    with pytest.raises(KeyError, match="'comm_secret' has no declaration in launcher/worker/metrics.py"):
+    with pytest.raises(KeyError, match="'comm_secret' has no declaration in launcher/base/metrics.py"):
         declared("comm_secret")

@@ -140,8 +140,8 @@ class LaunchOptunaSweeper(Sweeper):
         return study, space, sweep_dir
 
     def _check_objective(self, sweep: dict[str, Any]) -> None:
+        from launcher.base.metrics import METRICS
         from launcher.search.space import SpaceError
-        from launcher.worker.metrics import METRICS
 
         assert self.config is not None
         name = sweep["objective"]

@@ -27,7 +27,7 @@ class Direction(Enum):
 @dataclass
 class SweepConfig:
     objective: str = "val_loss"
-    """The logged figure a search optimises (launcher/worker/metrics.py declares them)."""
+    """The logged figure a search optimises (launcher/base/metrics.py declares them)."""
     objective_at: ObjectiveAt = ObjectiveAt.last
     direction: Direction = Direction.minimize
     pruner: Any = field(default_factory=lambda: {"_target_": "optuna.pruners.MedianPruner"})

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.base.metrics import declared, over_ranks
 from launcher.base.storage import checkpoints_of, inside, is_remote
 from launcher.base.targets import import_targets
 from launcher.checkpoint.format import Position, manifest_of
@@ -32,7 +33,6 @@ from launcher.worker.guard import Guard
 from launcher.worker.lifecycle import GAVE_UP, Phase, StopRequest
 from launcher.worker.logs import Loggers, Progress
 from launcher.worker.memory import StepMemory, rss_bytes
-from launcher.worker.metrics import declared, over_ranks
 from launcher.worker.optimizers import lr_at, optimizer_factory
 from launcher.worker.profiling import MemorySnapshots, StepProfiler
 from launcher.worker.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_count, resume
@@ -306,7 +306,7 @@ class Trainer:
         self.position = Position(step, self.position.samples + self.B, stream)
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: float, evaluated: bool) -> None:
-        """The step's figures over all ranks (`launcher.worker.metrics` declares how each is reduced), then the
+        """The step's figures over all ranks (`launcher.base.metrics` declares how each is reduced), then the
         loggers."""
         self.phase(f"logging step {step}")
         metrics = self._figures(loss, grad_norm, self.lr(step))

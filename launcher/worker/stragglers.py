@@ -77,7 +77,7 @@ class StepClock:
         return Times(self.data_s, self.wait_s, self.step_s - self.wait_s)
 
     def figures(self) -> dict[str, float]:
-        """This rank's part of the logged figures (`launcher.worker.metrics` reduces each: the largest, and whose)."""
+        """This rank's part of the logged figures (`launcher.base.metrics` reduces each: the largest, and whose)."""
         t = self.times()
         return {"compute_s_max": t.compute_s, "compute_s_rank": t.compute_s, "wait_s_max": t.wait_s,
                 "wait_s_rank": t.wait_s}  # fmt: skip

@@ -90,7 +90,7 @@ def declared(name: str) -> Metric:
         return METRICS[name]
     except KeyError:
         raise KeyError(
-            f"the figure {name!r} has no declaration in launcher/worker/metrics.py: declare its unit and its reduction "
+            f"the figure {name!r} has no declaration in launcher/base/metrics.py: declare its unit and its reduction "
             "over ranks there"
         ) from None
 
@@ -128,7 +128,7 @@ def over_ranks(
 
 
 def table() -> str:
-    """The README's table of logged figures, from the declarations (`python -m launcher.worker.metrics` prints it)."""
+    """The README's table of logged figures, from the declarations (`python -m launcher.base.metrics` prints it)."""
     lines = ["| figure | unit | over ranks | reported by | what it is |", "|---|---|---|---|---|"]
     for m in METRICS.values():
         lines.append(f"| `{m.name}` | {m.unit or '—'} | {m.reduction} | {m.by} | {m.doc} |")
