@@ -328,3 +328,26 @@ def test_state_dict_is_the_full_torch_state_and_loads(tmp_path: Path, preset: st
     # Streamed: each rank holds the full copies of the parameters it owns, about 1/G of them (the tied
     # embedding, a third of this model, is one rank's), never the whole state.
     assert sum(result["shares"]) == pytest.approx(1.0) and max(result["shares"]) <= 0.6, result
+
+
+@pytest.mark.unit
+def test_an_op_check_keeps_what_the_compiler_prints_off_the_terminal(capfd: pytest.CaptureFixture[str]) -> None:
+    """Without libaio, DeepSpeed's check of its async I/O op runs the compiler, which logs its command lines and
+    prints "cannot find -laio": the refusal is the one line the user sees."""
+    import logging
+
+    from strategies.deepspeed.ops import _is_compatible
+
+    class Noisy:
+        def is_compatible(self, verbose: bool) -> bool:
+            os.system("echo 'gcc test.o -laio' && echo 'collect2: error: ld returned 1 exit status' >&2")
+            logging.getLogger("compilers.C.base").info("gcc test.o -laio -o a.out")
+            print("python out")
+            print("python err", file=sys.stderr)
+            return False
+
+    assert _is_compatible(Noisy()) is False
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", ""), (out, err)
+    print("after")  # the terminal is back
+    assert capfd.readouterr().out == "after\n"

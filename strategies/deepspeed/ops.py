@@ -87,8 +87,26 @@ def async_io_problem(device_type: str) -> str | None:
 def _is_compatible(builder) -> bool:
     """DeepSpeed's own test (it compiles and links a call to io_submit), with a standard error that has a file
     descriptor: the test points that descriptor at a file and, on a stream without one (a notebook's, a redirected
-    StringIO), answers "incompatible" though libaio is there."""
+    StringIO), answers "incompatible" though libaio is there. What the test prints is nobody's business but its own:
+    the compiler's command lines (logged at INFO by its `compilers` logger) and the linker's "cannot find -laio" are
+    kept off the terminal, at the level of the file descriptors too, where the compiler writes."""
     import contextlib
+    import logging
+    import sys
 
-    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
-        return bool(builder.is_compatible(verbose=False))
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    previous = logging.root.manager.disable
+    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink), contextlib.redirect_stdout(sink):
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        logging.disable(logging.INFO)
+        try:
+            return bool(builder.is_compatible(verbose=False))
+        finally:
+            logging.disable(previous)
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
