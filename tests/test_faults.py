@@ -512,6 +512,10 @@ def test_a_node_whose_ranks_only_stopped_names_the_peer_rank_that_failed_first(t
         f"rank 20 (node 20, gpu20) failed while in forward/backward of step 1: RuntimeError: broke (traceback: "
         f"{logs}/rank20.traceback); this node's ranks stopped with it"
     )
+    # A refusal every rank made alike (a node whose run directory is its own), earliest: its own words, once.
+    refusal = "rank 20 (on n20) does not see /runs/a as rank 0 wrote it: the nodes of one run need one shared run"
+    report("h", f"refused: {refusal}", age=3)
+    assert peer_failure(tmp_path, started) == refusal
 
 
 def test_free_space_is_checked_before_a_save(tmp_path: Path) -> None:

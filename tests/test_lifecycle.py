@@ -234,6 +234,37 @@ def test_the_phase_is_kept_in_memory_and_written_now_and_then(tmp_path: Path) ->
     assert phase.writes == written + 1 and not (tmp_path / "logs").exists()
 
 
+@pytest.mark.unit
+def test_a_rank_that_gives_up_names_the_ranks_that_never_came_to_the_collective(tmp_path: Path) -> None:
+    """Among many ranks every one is in the same phase while one is stuck (a gradient all-reduce runs inside the
+    backward): the ranks at fault are those whose phase does not say they gave up too; an earlier attempt's file
+    says nothing of this one."""
+    from launcher.worker.lifecycle import WAITING, Phase
+
+    (tmp_path / "logs" / "phase").mkdir(parents=True)
+    stale = tmp_path / "logs" / "phase" / "rank4"
+    stale.write_text(f"1.000 {WAITING} while in forward/backward of step 9")
+    os.utime(stale, (1.0, 1.0))  # written by an earlier worker group
+    phases = [Phase(tmp_path, rank, every=3600.0) for rank in range(4)]  # rank 4 has not started (yet)
+    step = "in forward/backward of step 3, micro-step 1/1"
+    for rank in range(4):
+        phases[rank](step)
+    for rank in (1, 3):
+        phases[rank](f"{WAITING} while {step}")
+    for rank in range(1, 4):
+        phases[rank].flush()
+    line = phases[0].gave_up(5, wait=0.5)
+    assert line.startswith(f"ranks 2, 4 never came to it: rank 4 wrote no report; rank 2 was last {step} "), line
+    assert line.endswith("; 2 other ranks gave up waiting too"), line
+    assert WAITING in (tmp_path / "logs" / "phase" / "rank0").read_text()  # its own mark, for the others
+    phases[2](f"{WAITING} while {step}")
+    phases[2].flush()
+    phases.append(Phase(tmp_path, 4, every=3600.0))
+    phases[4](f"{WAITING} while {step}")
+    phases[4].flush()
+    assert phases[0].gave_up(5, wait=600.0).startswith("every other rank gave up waiting too: none is stuck")
+
+
 def test_an_out_of_memory_error_says_how_to_see_where_the_memory_went(tmp_path: Path) -> None:
     """The path around torch.cuda.OutOfMemoryError, on CPU: one line per rank, the snapshot's advice, no hang."""
     run = launch(tmp_path, *JOB, "model._target_=faulty.OutOfMemoryGPT", "trainer.collective_timeout=30")

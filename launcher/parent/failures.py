@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from launcher.base.errors import REFUSED
 from launcher.base.machine import memory_cgroups
 
 
@@ -127,8 +128,9 @@ def secondary(line: str) -> bool:
 def peer_failure(run_dir: Path, since: float) -> str | None:
     """The cause another node's rank reported, for a node whose own ranks only stopped with it: the earliest error
     file since `since` in the shared run directory's `logs/` (the agents' `<id>/attempt_<n>/<local rank>/error.json`)
-    whose line is a cause, not an echo, naming its rank (by its traceback's file) and that rank's node; None if there
-    is none (a node that went away reported nothing). The files are read as data: a line, never more."""
+    whose line is a cause, not an echo, naming its rank (by its traceback's file) and that rank's node, or a refusal
+    every rank made alike (in its own words); None if there is none (a node that went away reported nothing). The
+    files are read as data: a line, never more."""
     found: list[tuple[float, int, str]] = []
     for file in (run_dir / "logs").glob("*/attempt_*/*/error.json"):
         try:
@@ -138,11 +140,15 @@ def peer_failure(run_dir: Path, since: float) -> str | None:
             continue
         if not isinstance(line, str) or secondary(line):
             continue
-        if m := re.search(r"[/\\]rank(\d+)\.traceback\)$", line):
+        if line.startswith(REFUSED):  # a check every rank made alike: its own words
+            found.append((written, -1, " ".join(line.removeprefix(REFUSED).split())[:1000]))
+        elif m := re.search(r"[/\\]rank(\d+)\.traceback\)$", line):
             found.append((written, int(m.group(1)), " ".join(line.split())[:1000]))
     if not found:
         return None
     _, rank, line = min(found)
+    if rank < 0:
+        return line
     try:
         record = json.loads((run_dir / "logs" / "ranks" / f"rank{rank}.json").read_text())
         where = f" (node {int(record['node'])}, {str(record['host'])[:100]})"
@@ -229,7 +235,6 @@ def _order(rank: int, failure: Any) -> tuple[int, float, int]:
 
 
 def _line(rank: int, failure: Any, oom: bool, run_dir: Path | None = None) -> str:
-    from launcher.base.errors import REFUSED
     from launcher.parent.agent import STOPPED_BY_LAUNCHER
 
     message = failure.message

@@ -43,6 +43,9 @@ PHASE_FLUSH_EVERY = 2.0
 GAVE_UP = "then gave up"
 """How a rank says it waited trainer.collective_timeout in a collective (`launcher.worker.runner`): the others are
 stuck."""
+WAITING = "gave up waiting in a collective"
+"""How a rank's phase file says it gave up (`Phase.gave_up`): the ranks whose files do not say so are the ones at
+fault."""
 DUMP_SIGNAL = signal.SIGUSR1
 """Asks every rank for its phase and its Python stacks (`<run dir>/logs/phase/`, `<run dir>/logs/stacks/`)."""
 
@@ -170,7 +173,8 @@ class Phase:
         self.dir = run_dir / "logs" / "phase"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path, self.rank = self.dir / f"rank{rank}", rank
-        self.state = (time.time(), "starting")  # one attribute, replaced whole: the thread never reads half of it
+        self.born = time.time()
+        self.state = (self.born, "starting")  # one attribute, replaced whole: the thread never reads half of it
         self.writes = 0
         self._written: tuple[float, str] | None = None
         self._lock = threading.Lock()
@@ -220,22 +224,52 @@ class Phase:
                 pass
             time.sleep(self._every)
 
-    def others(self) -> str:
-        """The other ranks' last phases, oldest first: the stuck rank leads."""
-        seen = []
-        for path in self.dir.glob("rank*"):
-            if path != self.path:
-                stamp, _, what = path.read_text().partition(" ")
-                now, heard = time.time(), path.stat().st_mtime  # touched by its writer while the rank runs
-                seen.append(
-                    (
-                        float(stamp),
-                        f"{path.name.replace('rank', 'rank ')} was last {what} (entered {now - float(stamp):.0f} s "
-                        f"ago; its last report, written every {self._every:g} s while it runs, is {now - heard:.0f} s "
-                        "old)",
-                    )
-                )
-        return "; ".join(text for _, text in sorted(seen)) or "no other rank reported"
+    def gave_up(self, world_size: int, wait: float) -> str:
+        """This rank gave up waiting in a collective: its phase says so (written now), and so do those of the other
+        ranks that gave up too, within `wait` seconds. Those that did not never came to the collective: the ranks
+        at fault, named with where each was last, the stalest report first; the rest are counted, not listed (at 32
+        nodes a line naming all 31 would say nothing)."""
+        self(f"{WAITING} while {self.now}")
+        self.flush()
+        deadline, others = time.monotonic() + wait, set(range(world_size)) - {self.rank}
+        while True:
+            reports = {rank: report for rank in others if (report := self._report(rank)) is not None}
+            waiting = {rank for rank, (_, what, _) in reports.items() if what.startswith(WAITING)}
+            if waiting == others or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        absent = sorted(others - waiting, key=lambda rank: reports.get(rank, (0.0, "", 0.0))[2])
+        if not absent:
+            return (
+                "every other rank gave up waiting too: none is stuck in its own code (a connection between nodes "
+                "lost, or a collective that only some ranks call)"
+            )
+        now, told = time.time(), []
+        for rank in absent[:3]:
+            if rank not in reports:
+                told.append(f"rank {rank} wrote no report")
+                continue
+            stamp, what, heard = reports[rank]
+            told.append(
+                f"rank {rank} was last {what} (entered {now - stamp:.0f} s ago; its last report, written every "
+                f"{self._every:g} s while it runs, is {now - heard:.0f} s old)"
+            )
+        more = f"; and {len(absent) - 3} more ranks" if len(absent) > 3 else ""
+        also = f"; {len(waiting)} other rank{'s' if len(waiting) != 1 else ''} gave up waiting too" if waiting else ""
+        ranks = ", ".join(map(str, sorted(absent)))
+        return f"rank{'s' if len(absent) > 1 else ''} {ranks} never came to it: {'; '.join(told)}{more}{also}"
+
+    def _report(self, rank: int) -> tuple[float, str, float] | None:
+        """(when its phase began, the phase, when its writer last touched it) from `rank`'s phase file, if written
+        in this worker group's life (an earlier attempt's file says nothing of this one)."""
+        path = self.dir / f"rank{rank}"
+        try:
+            stamp, _, what = path.read_text().partition(" ")
+            heard = path.stat().st_mtime
+            began = float(stamp)
+        except (OSError, ValueError):
+            return None
+        return (began, what, heard) if heard >= self.born else None
 
     def answer_dump_signal(self) -> None:
         """On SIGUSR1: every thread's Python stack appended to `<run dir>/logs/stacks/rank<N>` (by faulthandler, from

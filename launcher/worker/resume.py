@@ -16,6 +16,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.durable import write_durably
+from launcher.base.errors import Refused
 from launcher.base.storage import checkpoints_of, inside, location
 from launcher.checkpoint.format import Position, by_time, damage, read_manifest, remove_partial, skipped
 from launcher.checkpoint.loading import load
@@ -52,10 +53,11 @@ def check_shared_directory(run_dir: Path, ctx: RunContext, fix: str = RUN_DIR_FI
         seen = False
     views: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(views, (seen, ctx.rank, socket.gethostname()))
-    blind = [(rank, host) for ok, rank, host in views if not ok]
-    if blind:
-        rank, host = blind[0]
-        raise RuntimeError(f"rank {rank} (on {host}) does not see {run_dir} as rank 0 wrote it: {fix}")
+    blind = [f"rank {rank} (on {host})" for ok, rank, host in views if not ok]
+    if blind:  # every rank has the same views: a refusal told once, not each rank's failure
+        more = f" and {len(blind) - 3} more ranks" if len(blind) > 3 else ""
+        who = f"{', '.join(blind[:3])}{more} {'do' if len(blind) > 1 else 'does'}"
+        raise Refused(f"{who} not see {run_dir} as rank 0 wrote it: {fix}")
 
 
 def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -> Position:

@@ -73,11 +73,12 @@ def train(
             dumps = (
                 f"; NCCL's flight recorder dumps: {Path(recorder).parent} (torchfrtrace reads them)" if recorder else ""
             )
+            where, timeout = phase.now, float(cfg.trainer.collective_timeout)
+            absent = phase.gave_up(ctx.world_size, wait=min(15.0, timeout / 4))  # the others give up within seconds
             stuck = RuntimeError(
-                f"rank {ctx.rank} waited {cfg.trainer.collective_timeout:g} s in a collective while {phase.now}, "
-                f"{GAVE_UP}; {phase.others()}{dumps}"
+                f"rank {ctx.rank} waited {timeout:g} s in a collective while {where}, {GAVE_UP}; {absent}{dumps}"
             )
-            stuck.launch_phase = phase.now  # type: ignore[attr-defined]
+            stuck.launch_phase = where  # type: ignore[attr-defined]
             raise stuck from e
         e.launch_phase = getattr(e, "launch_phase", None) or phase.now  # type: ignore[attr-defined]
         raise
