@@ -201,8 +201,9 @@ class Job:
         """One more launcher of this job."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "OMP_"))}
         tests = str(ROOT / "tests")  # the fault models (tests/faulty.py)
-        # One thread per worker: the nodes share this machine's cores (the launcher would give each all of them, and
-        # N nodes' spinning OpenMP threads on 2 cores make a step of 1,365 micro-steps 100x slower).
+        # One thread per worker: the nodes share this machine's cores. The launcher would give each node's worker all
+        # of them, and 16 nodes' OpenMP threads, spinning on 2 cores, took minutes over a step of 1,365 micro-steps
+        # that one thread each runs in seconds.
         env |= {"PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0", "PYTHONPATH": tests, "OMP_NUM_THREADS": "1"}
         n = len(self.members)
         if not any(o.startswith("hydra.run.dir=") for o in extra):

@@ -194,7 +194,8 @@ def test_a_hang_names_the_stuck_rank_and_sigusr1_shows_every_rank_s_stack(tmp_pa
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 1, (proc.returncode, err)
     (line,) = err.strip().splitlines()  # the cause; the stopped rank's end is no failure of its own
-    assert "rank 0 waited 10 s in a collective" in line and f"rank 1 was last {stuck}" in line, err
+    assert "rank 0 waited 10 s in a collective" in line and "rank 1 never came to it: rank 1 (on " in line, err
+    assert f") was last {stuck}" in line, err
     agent = (run_dir / "logs" / "agent.log").read_text()
     assert f"launch: killing rank 1 (pid {rank1}) at once: a rank gave up waiting for it in a collective" in agent
     assert "Unable to shutdown process" not in agent, agent  # torch's SIGKILL, after 30 s of waiting on SIGTERM
@@ -253,8 +254,10 @@ def test_a_rank_that_gives_up_names_the_ranks_that_never_came_to_the_collective(
         phases[rank](f"{WAITING} while {step}")
     for rank in range(1, 4):
         phases[rank].flush()
+    (tmp_path / "logs" / "ranks").mkdir()
+    (tmp_path / "logs" / "ranks" / "rank2.json").write_text(json.dumps({"node": 2, "host": "n2", "launcher": "x"}))
     line = phases[0].gave_up(5, wait=0.5)
-    assert line.startswith(f"ranks 2, 4 never came to it: rank 4 wrote no report; rank 2 was last {step} "), line
+    assert line.startswith(f"ranks 2, 4 never came to it: rank 4 wrote no report; rank 2 (on n2) was last {step} ")
     assert line.endswith("; 2 other ranks gave up waiting too"), line
     assert WAITING in (tmp_path / "logs" / "phase" / "rank0").read_text()  # its own mark, for the others
     phases[2](f"{WAITING} while {step}")

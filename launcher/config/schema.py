@@ -371,11 +371,6 @@ def register() -> None:
 
         OmegaConf.register_new_resolver("launch_strategies", smoke.runnable_strategies, use_cache=True)
         OmegaConf.register_new_resolver("launch_scratch", smoke.scratch, use_cache=True)
-    from hydra.core.plugins import Plugins
-
-    from hydra_plugins.launch_optuna import sweeper  # hydra/sweeper=launch_optuna, stored as the module is imported
-
-    Plugins.instance().register(sweeper.LaunchOptunaSweeper)  # Hydra's own scan misses it in an editable install
     store = ConfigStore.instance()
     store.store(name="launch_schema", node=LaunchConfig)
     for group, nodes in SCHEMAS.items():

@@ -97,9 +97,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if secret := secret_in(argv):  # before Hydra logs, records or composes any of them
         fail(secret)
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.launch_optuna import sweeper  # hydra/sweeper=launch_optuna, stored as the module is imported
     from launcher.config import schema
 
     schema.register()
+    Plugins.instance().register(sweeper.LaunchOptunaSweeper)  # Hydra's own scan misses it in an editable install
     if argv[:1] == ["convert"]:
         return convert(argv[1:])
     if argv[:1] == ["plan"]:

@@ -246,12 +246,14 @@ class Phase:
             )
         now, told = time.time(), []
         for rank in absent[:3]:
+            host = host_of(self.dir.parent.parent, rank)  # `joined`'s record: where the rank at fault runs
+            named = f"rank {rank}{f' (on {host})' if host else ''}"
             if rank not in reports:
-                told.append(f"rank {rank} wrote no report")
+                told.append(f"{named} wrote no report")
                 continue
             stamp, what, heard = reports[rank]
             told.append(
-                f"rank {rank} was last {what} (entered {now - stamp:.0f} s ago; its last report, written every "
+                f"{named} was last {what} (entered {now - stamp:.0f} s ago; its last report, written every "
                 f"{self._every:g} s while it runs, is {now - heard:.0f} s old)"
             )
         more = f"; and {len(absent) - 3} more ranks" if len(absent) > 3 else ""
