@@ -512,6 +512,13 @@ def test_a_node_whose_ranks_only_stopped_names_the_peer_rank_that_failed_first(t
         f"rank 20 (node 20, gpu20) failed while in forward/backward of step 1: RuntimeError: broke (traceback: "
         f"{logs}/rank20.traceback); this node's ranks stopped with it"
     )
+    # Whether this node's own rank had joined: a lost rendezvous is then no join that timed out.
+    from launcher.parent.failures import joined_here
+
+    assert not joined_here(tmp_path, started, "me")
+    (logs / "ranks" / "rank3.json").write_text(json.dumps({"node": 3, "host": "n3", "launcher": "me"}))
+    (logs / "ranks" / "rank4.json").write_bytes(b"\xff[")
+    assert joined_here(tmp_path, started, "me") and not joined_here(tmp_path, time.time() + 60, "me")
     # A refusal every rank made alike (a node whose run directory is its own), earliest: its own words, once.
     refusal = "rank 20 (on n20) does not see /runs/a as rank 0 wrote it: the nodes of one run need one shared run"
     report("h", f"refused: {refusal}", age=3)

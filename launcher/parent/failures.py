@@ -157,6 +157,18 @@ def peer_failure(run_dir: Path, since: float) -> str | None:
     return f"rank {rank}{where} failed {line}; this node's ranks stopped with it"
 
 
+def joined_here(run_dir: Path, since: float, me: str) -> bool:
+    """Whether a rank of this node's launcher (`me`) joined the process group since `since` (its `logs/ranks/`
+    record): a rendezvous error after it is a store lost while the job ran, not nodes that never came."""
+    for file in (run_dir / "logs" / "ranks").glob("rank*.json"):
+        try:
+            if file.stat().st_mtime >= since and json.loads(file.read_text()).get("launcher") == me:
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
 def lost_node(
     run_dir: Path, since: float, world_size: int, me: str, store_gone: str | None = None, elastic: bool = False
 ) -> str | None:

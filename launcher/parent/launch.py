@@ -39,7 +39,7 @@ from launcher.config.context import check_protocol, check_strategy
 from launcher.config.identity import identity_hash
 from launcher.parent.agent import agent_logs_to_file, failed_group_grace, preload
 from launcher.parent.checks import check_built, check_keys, check_resume, vocabulary
-from launcher.parent.failures import lost_node, oom_kills, peer_failure, rank_lines, secondary
+from launcher.parent.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
 from launcher.parent.rendezvous import (
     LOOPBACK,
     JobFull,
@@ -370,6 +370,13 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     except RendezvousError as e:
         if gone := lost():
             return Outcome(EXIT_FAILED, gone)
+        if joined_here(run_dir, started - 1, os.environ[NODE_ID_ENV]):
+            return Outcome(
+                EXIT_FAILED,
+                f"rendezvous {rdzv.endpoint} (id {rdzv.run_id}) stopped answering once the job ran "
+                f"({type(e).__name__}): the node that hosts it ended or cannot be reached (each node's lines are in "
+                "<run dir>/logs/agent.log); start launch again on every node to resume from the last checkpoint",
+            )
         return Outcome(
             EXIT_FAILED,
             f"the {derived.nodes} nodes did not all join rendezvous {rdzv.endpoint} (id {rdzv.run_id}) "
