@@ -232,12 +232,17 @@ class Phase:
         self(f"{WAITING} while {self.now}")
         self.flush()
         deadline, others = time.monotonic() + wait, set(range(world_size)) - {self.rank}
-        while True:
-            reports = {rank: report for rank in others if (report := self._report(rank)) is not None}
-            waiting = {rank for rank, (_, what, _) in reports.items() if what.startswith(WAITING)}
+        reports: dict[int, tuple[float, str, float]] = {}
+        waiting: set[int] = set()
+        while True:  # a rank marked stays marked: only the others are read again (thousands of ranks, one file system)
+            for rank in others - waiting:
+                if (report := self._report(rank)) is not None:
+                    reports[rank] = report
+                    if report[1].startswith(WAITING):
+                        waiting.add(rank)
             if waiting == others or time.monotonic() >= deadline:
                 break
-            time.sleep(0.2)
+            time.sleep(0.5)
         absent = sorted(others - waiting, key=lambda rank: reports.get(rank, (0.0, "", 0.0))[2])
         if not absent:
             return (
