@@ -230,7 +230,7 @@ class Phase:
         at fault, named with where each was last, the stalest report first; the rest are counted, not listed (at 32
         nodes a line naming all 31 would say nothing)."""
         self(f"{WAITING} while {self.now}")
-        self.flush()
+        self.try_flush()  # never raises: the timeout is what this rank reports (else the writer's round marks it)
         deadline, others = time.monotonic() + wait, set(range(world_size)) - {self.rank}
         reports: dict[int, tuple[float, str, float]] = {}
         waiting: set[int] = set()
