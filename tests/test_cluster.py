@@ -187,6 +187,8 @@ def test_nodes_without_a_shared_directory_stop_at_start(tmp_path: Path) -> None:
     assert [r[0] for r in results] == [1, 1], results
     err = "".join(r[2] for r in results)
     assert "rank 1 (on " in err and "does not see" in err and "shared run directory" in err, err
+    said = [line for _, _, e in results for line in e.splitlines() if line.startswith("launch: error:")]
+    assert len(said) == 2 and all(f"does not see {tmp_path / 'node0'} as rank 0 wrote it" in s for s in said), said
     assert not (tmp_path / "node0" / "checkpoints").exists() and not (tmp_path / "node1" / "checkpoints").exists()
 
 

@@ -46,7 +46,7 @@ def check_shared_directory(run_dir: Path, ctx: RunContext, fix: str = RUN_DIR_FI
     nonce = secrets.token_hex(8) if ctx.rank == 0 else None
     if ctx.rank == 0:
         write_durably(marker, nonce)  # type: ignore[arg-type]
-    nonce = _broadcast(nonce)
+    nonce, shared = _broadcast((nonce, str(run_dir)))  # rank 0's path: the one every node names
     try:
         seen = marker.read_text() == nonce
     except OSError:
@@ -57,7 +57,7 @@ def check_shared_directory(run_dir: Path, ctx: RunContext, fix: str = RUN_DIR_FI
     if blind:  # every rank has the same views: a refusal told once, not each rank's failure
         more = f" and {len(blind) - 3} more ranks" if len(blind) > 3 else ""
         who = f"{', '.join(blind[:3])}{more} {'do' if len(blind) > 1 else 'does'}"
-        raise Refused(f"{who} not see {run_dir} as rank 0 wrote it: {fix}")
+        raise Refused(f"{who} not see {shared} as rank 0 wrote it: {fix}")
 
 
 def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -> Position:
