@@ -246,7 +246,8 @@ def test_a_rank_that_gives_up_names_the_ranks_that_never_came_to_the_collective(
     stale = tmp_path / "logs" / "phase" / "rank4"
     stale.write_text(f"1.000 {WAITING} while in forward/backward of step 9")
     os.utime(stale, (1.0, 1.0))  # written by an earlier worker group
-    phases = [Phase(tmp_path, rank, every=3600.0) for rank in range(4)]  # rank 4 has not started (yet)
+    # Rank 0's writer at its usual pace (what it takes as the others' pace too); the others' writers write when told.
+    phases = [Phase(tmp_path, rank, every=2.0 if rank == 0 else 3600.0) for rank in range(4)]  # rank 4: not yet
     step = "in forward/backward of step 3, micro-step 1/1"
     for rank in range(4):
         phases[rank](step)
@@ -260,11 +261,18 @@ def test_a_rank_that_gives_up_names_the_ranks_that_never_came_to_the_collective(
     assert line.startswith(f"ranks 2, 4 never came to it: rank 4 wrote no report; rank 2 (on n2) was last {step} ")
     assert line.endswith("; 2 other ranks gave up waiting too"), line
     assert WAITING in (tmp_path / "logs" / "phase" / "rank0").read_text()  # its own mark, for the others
-    phases[2](f"{WAITING} while {step}")
-    phases[2].flush()
     phases.append(Phase(tmp_path, 4, every=3600.0))
     phases[4](f"{WAITING} while {step}")
     phases[4].flush()
+    # Rank 2 stopped (SIGSTOP, a debugger): its writer no longer touches its file, so no mark of its can come; the
+    # rank that gave up does not wait the whole 600 s for it (the test's timeout would end it first).
+    phases[0].born -= 120  # the group started two minutes ago, rank 2 was last heard from one minute ago
+    os.utime(tmp_path / "logs" / "phase" / "rank2", (time.time() - 60, time.time() - 60))
+    line = phases[0].gave_up(5, wait=600.0)
+    assert line.startswith(f"rank 2 never came to it: rank 2 (on n2) was last {step} "), line
+    assert "is 60 s old); 3 other ranks gave up waiting too" in line, line
+    phases[2](f"{WAITING} while {step}")
+    phases[2].flush()
     assert phases[0].gave_up(5, wait=600.0).startswith("every other rank gave up waiting too: none is stuck")
 
 

@@ -226,7 +226,8 @@ class Phase:
 
     def gave_up(self, world_size: int, wait: float) -> str:
         """This rank gave up waiting in a collective: its phase says so (written now), and so do those of the other
-        ranks that gave up too, within `wait` seconds. Those that did not never came to the collective: the ranks
+        ranks that gave up too, within `wait` seconds (less where the rest are silent: a stopped or dead rank, whose
+        file its writer no longer touches, never marks it). Those that did not never came to the collective: the ranks
         at fault, named with where each was last, the stalest report first; the rest are counted, not listed (at 32
         nodes a line naming all 31 would say nothing)."""
         self(f"{WAITING} while {self.now}")
@@ -240,8 +241,9 @@ class Phase:
                     reports[rank] = report
                     if report[1].startswith(WAITING):
                         waiting.add(rank)
-            if waiting == others or time.monotonic() >= deadline:
-                break
+            silent = {rank for rank, (_, _, heard) in reports.items() if time.time() - heard > 3 * self._every}
+            if not others - waiting - silent or time.monotonic() >= deadline:
+                break  # the rest are marked, or their writers are silent: stopped or gone, they will never mark
             time.sleep(0.5)
         absent = sorted(others - waiting, key=lambda rank: reports.get(rank, (0.0, "", 0.0))[2])
         if not absent:
