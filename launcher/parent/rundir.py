@@ -112,6 +112,24 @@ def _foreign_checkpoints(run_dir: Path, config_hash: str) -> str | None:
     return str(found) if other else None
 
 
+JOB_PATIENCE = 10.0
+"""Seconds a node of a multi-node job waits for the run directory's lock, which the job's other nodes hold only while
+they write the claim (a launch on one node holds it for its whole run)."""
+
+
+def _locked(lock: IO[str], patience: float) -> bool:
+    """Take `lock` exclusively, trying for `patience` seconds; whether it was taken."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
 def claim(run_dir: Path, config_hash: str, job: str | None, command: list[str] | None = None) -> Ownership:
     """Claim `run_dir` for this run, or raise ConfigError (one line) without writing anything.
 
@@ -132,9 +150,8 @@ def claim(run_dir: Path, config_hash: str, job: str | None, command: list[str] |
     if job is None or held is None or held.get("job") != job:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = open(run_dir / LOCK, "a")  # held open while the run lasts
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        # Across nodes another node of this job holds the lock for the moment it writes the claim: wait for that.
+        if not _locked(lock, patience=0.0 if job is None else JOB_PATIENCE):
             lock.close()
             now = _read_claim(run_dir) or {}
             raise ConfigError(
@@ -142,10 +159,14 @@ def claim(run_dir: Path, config_hash: str, job: str | None, command: list[str] |
                 "wait for it to end, or choose another hydra.run.dir"
             ) from None
         os.register_at_fork(after_in_child=functools.partial(_close_in_child, lock))  # workers forked from here
-        if job is not None:  # across nodes the lock only orders this node's writes; the claim names the job
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            lock.close()
-            lock = None
+        if job is not None:  # another node of this job may have claimed it while this one waited for the lock
+            held = _read_claim(run_dir)
+            if held is not None and held["config_hash"] != config_hash:
+                Ownership(lock).release()
+                raise ConfigError(
+                    f"hydra.run.dir={run_dir} belongs to another run (config hash {held['config_hash']}, "
+                    f"{_who(held)}); choose another hydra.run.dir"
+                )
     from launcher.base.durable import write_durably
 
     record = {
@@ -158,4 +179,7 @@ def claim(run_dir: Path, config_hash: str, job: str | None, command: list[str] |
     }
     if held is None or held.get("job") != job or job is None:
         write_durably(run_dir / CLAIM, json.dumps(record, indent=2))
+    if job is not None and lock is not None:  # across nodes the lock only orders the claim's writes; the claim names
+        Ownership(lock).release()  # the job, which its other nodes share
+        lock = None
     return Ownership(lock)
