@@ -157,16 +157,23 @@ def peer_failure(run_dir: Path, since: float) -> str | None:
     return f"rank {rank}{where} failed {line}; this node's ranks stopped with it"
 
 
+def _joined(run_dir: Path, since: float) -> dict[int, dict[str, Any]]:
+    """The ranks' `logs/ranks/` records (`lifecycle.joined`) written since `since`, by rank; damaged ones left out."""
+    records: dict[int, dict[str, Any]] = {}
+    for file in (run_dir / "logs" / "ranks").glob("rank*.json"):
+        try:
+            record = json.loads(file.read_text()) if file.stat().st_mtime >= since else None
+            if isinstance(record, dict):
+                records[int(file.stem.removeprefix("rank"))] = record
+        except (OSError, ValueError):
+            continue
+    return records
+
+
 def joined_here(run_dir: Path, since: float, me: str) -> bool:
     """Whether a rank of this node's launcher (`me`) joined the process group since `since` (its `logs/ranks/`
     record): a rendezvous error after it is a store lost while the job ran, not nodes that never came."""
-    for file in (run_dir / "logs" / "ranks").glob("rank*.json"):
-        try:
-            if file.stat().st_mtime >= since and json.loads(file.read_text()).get("launcher") == me:
-                return True
-        except (OSError, ValueError, AttributeError):
-            continue
-    return False
+    return any(record.get("launcher") == me for record in _joined(run_dir, since).values())
 
 
 def lost_node(
@@ -177,13 +184,7 @@ def lost_node(
     do: `store_gone`, the rendezvous endpoint where nothing answers any more (the node that went away hosted the
     rendezvous store, which no job outlives, elastic or not); None if the group never joined whole, or no other node's
     rank is known."""
-    records: dict[int, dict[str, Any]] = {}
-    for file in (run_dir / "logs" / "ranks").glob("rank*.json"):
-        try:
-            if file.stat().st_mtime >= since:
-                records[int(file.stem.removeprefix("rank"))] = json.loads(file.read_text())
-        except (OSError, ValueError):
-            continue
+    records = _joined(run_dir, since)
     others: dict[int, list[int]] = {}
     for rank, record in sorted(records.items()):
         if record.get("launcher") != me:
