@@ -295,7 +295,7 @@ def test_an_mlflow_store_that_cannot_be_used_is_one_line_naming_it(
     """Refused before start, in one line naming the URI, its credentials never shown: a server that refuses the
     connection, one that never answers (MLflow's own client, one try, CHECK_TIMEOUT seconds: here 1), credentials in
     the config, a SQLite store whose folder cannot be made."""
-    from launcher.worker import mlflow_logger
+    from launcher.worker import mlflow_store
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     (tmp_path / "keep").write_text("")  # a refused run removes the empty folders it leaves: not this one
@@ -306,7 +306,7 @@ def test_an_mlflow_store_that_cannot_be_used_is_one_line_naming_it(
     assert f"the tracking store http://127.0.0.1:{port} cannot be used" in line, line
     assert "MLFLOW_TRACKING_URI" in line and "Traceback" not in line, line
 
-    monkeypatch.setattr(mlflow_logger, "CHECK_TIMEOUT", 1)
+    monkeypatch.setattr(mlflow_store, "CHECK_TIMEOUT", 1)
     with socket.socket() as silent:  # accepts connections (the kernel does) and never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
@@ -350,7 +350,7 @@ def test_an_mlflow_run_id_file_that_holds_no_id_is_refused_not_replaced(tmp_path
 @pytest.mark.unit
 def test_the_loggers_get_the_config_without_the_rendezvous_secret_and_urls_without_credentials() -> None:
     from launcher.worker.logs import HIDDEN, run_config
-    from launcher.worker.mlflow_logger import redact
+    from launcher.worker.mlflow_store import redact
 
     config = run_config(OmegaConf.create({"rdzv": {"secret": "t0ken", "port": 1}, "seed": 3}))
     assert config == {"rdzv": {"secret": HIDDEN, "port": 1}, "seed": 3}

@@ -15,25 +15,19 @@ signal). mlflow is imported by rank 0 only; the launcher's check imports it only
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from launcher.worker import mlflow_store as store
 from launcher.worker.logs import can_make, installed, last_logged_step
 
 RUN_ID_FILE = "mlflow_run_id"
 """`<run dir>/mlflow_run_id`: the MLflow run of the job (one line)."""
-STORE = "mlflow"
-"""The local store's folder: `<run or sweep dir>/mlflow/mlflow.db`, artifacts in `mlflow/mlartifacts/`."""
-CHECK_TIMEOUT = 5
-"""Seconds the launcher's check waits for a tracking server's answer (one try) before it says it cannot be reached."""
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 """What MLflow's run ids look like; anything else in `mlflow_run_id` is refused."""
 PARAM_VALUE_LIMIT = 6000
@@ -43,80 +37,6 @@ PARAMS_PER_CALL = 100
 NAME = re.compile(r"[^/\w.\- :]")
 """A character MLflow refuses in a param's name."""
 EXTRA = "pip install 'launch[mlflow]'"
-
-
-def redact(text: str) -> str:
-    """`text` with the credentials of every URL in it hidden (`http://user:secret@host` -> `http://***@host`)."""
-    return re.sub(r"(\w+://)[^/\s@]+@", r"\1***@", text)
-
-
-def _say(line: str) -> None:
-    print(f"mlflow: {line}", file=sys.stderr, flush=True)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return redact(lines[0] if lines else type(e).__name__)[:300]
-
-
-def _reason(e: BaseException, timeout: float | None = None) -> str:
-    """Why MLflow's client could not use a store, in a few words: the network's error (a refused connection, a name
-    that does not resolve, no answer within `timeout` seconds), the server's HTTP status, else MLflow's first line."""
-    text = str(e)
-    if "timed out" in text.lower():
-        return "no answer" + (f" within {timeout:g} s" if timeout else " in time")
-    if found := re.search(r"\[Errno -?\d+\] ([^'\")]+)", text):
-        return found.group(1).strip()
-    if found := re.search(r"error code (\d+) != 200", text):
-        return f"HTTP {found.group(1)}"
-    return _first_line(e)
-
-
-def configured_uri(tracking_uri: str | None) -> str | None:
-    """The tracking URI the user chose: logger.mlflow.tracking_uri, else MLFLOW_TRACKING_URI; None: the local store."""
-    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
-
-
-def local_store(folder: Path) -> str:
-    """The SQLite URI of the local store in `folder` (a run or sweep directory)."""
-    return f"sqlite:///{(folder / STORE / 'mlflow.db').absolute()}"
-
-
-def _sqlite_file(uri: str) -> Path | None:
-    """The database file of a SQLite URI (`sqlite:///relative` or `sqlite:////absolute`), None for another URI."""
-    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
-
-
-def _artifacts_beside(uri: str) -> str | None:
-    """Where a new experiment of a SQLite store keeps its artifacts: beside the database (MLflow's own default is
-    `./mlruns` in whatever folder the process runs in); None: the store's or server's own choice."""
-    database = _sqlite_file(uri)
-    return str(database.absolute().parent / "mlartifacts") if database is not None else None
-
-
-@contextlib.contextmanager
-def _http_for_a_check() -> Iterator[None]:
-    """MLflow's HTTP calls, for the launcher's check only: one try, CHECK_TIMEOUT seconds (its defaults: 7 retries
-    with back-off and 120 s each, minutes before it says a server is not there)."""
-    settings = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(CHECK_TIMEOUT), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
-    saved = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _quiet() -> None:
-    """MLflow's and alembic's INFO lines (a new store's migrations) stay out of rank 0's output."""
-    import logging
-
-    for name in ("mlflow", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:
@@ -146,13 +66,13 @@ class MlflowLogger:
         tags: dict[str, str] | None,
     ) -> None:
         """What MLflow would refuse once the run starts, checked before: its package, the settings, a tracking server
-        that answers within CHECK_TIMEOUT seconds, a SQLite store's folder. ImportError, ValueError or ConnectionError
-        (one line, credentials hidden)."""
+        that answers within `mlflow_store.CHECK_TIMEOUT` seconds, a SQLite store's folder. ImportError, ValueError or
+        ConnectionError (one line, credentials hidden)."""
         if not installed("mlflow"):
             raise ImportError(f"logger=mlflow needs the mlflow package, which is not installed: {EXTRA}")
         if tracking_uri and (urlsplit(tracking_uri).username or urlsplit(tracking_uri).password):
             raise ValueError(
-                f"logger.mlflow.tracking_uri={redact(tracking_uri)} carries credentials: give them in "
+                f"logger.mlflow.tracking_uri={store.redact(tracking_uri)} carries credentials: give them in "
                 "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), never the config"
             )
         if not str(experiment).strip():
@@ -163,10 +83,10 @@ class MlflowLogger:
                     f"logger.mlflow.tags holds {str(key)!r}: MLflow tag names are 1-250 letters, digits and / _ . - : "
                     "or spaces, their values up to 8000 characters"
                 )
-        uri = configured_uri(tracking_uri)
+        uri = store.configured_uri(tracking_uri)
         if uri is None:
             return  # the local store, in the run directory the launcher checks it can write
-        database = _sqlite_file(uri)
+        database = store.sqlite_file(uri)
         if database is not None:
             if not can_make(database.parent):
                 raise ValueError(
@@ -174,7 +94,7 @@ class MlflowLogger:
                     "choose another logger.mlflow.tracking_uri (or MLFLOW_TRACKING_URI)"
                 )
             return  # a local database: made by the run, not here (a new store's migrations take seconds)
-        _reach(uri, str(experiment))
+        store.reach(uri, str(experiment))
 
     def __init__(
         self,
@@ -189,27 +109,29 @@ class MlflowLogger:
     ) -> None:
         from mlflow.tracking import MlflowClient  # heavy: only rank 0 of a run that asked for MLflow pays for it
 
-        _quiet()
+        store.quiet()
         job = run_config.get("job") or {}
         sweep_dir = job.get("sweep_dir")
         self.run_dir = Path(run_dir)
-        self.uri = configured_uri(tracking_uri) or local_store(Path(sweep_dir) if sweep_dir else self.run_dir)
+        self.uri = store.configured_uri(tracking_uri) or store.local_store(
+            Path(sweep_dir) if sweep_dir else self.run_dir
+        )
         # A sweep's jobs may start at once: one makes the store, the experiment and the parent run.
-        with _store_lock(sweep_dir):
+        with store.lock(sweep_dir):
             self.client = MlflowClient(self.uri)
-            experiment_id = _experiment(self.client, str(experiment), self.uri)
-            parent = _parent_run(self.client, experiment_id, group, sweep_dir) if group else None
+            experiment_id = store.experiment(self.client, str(experiment), self.uri)
+            parent = store.parent_run(self.client, experiment_id, group, sweep_dir) if group else None
         self.run_id, continued = self._open(experiment_id, job, name, dict(tags or {}), parent)
         # One step axis: the steps an earlier attempt logged (past the checkpoint this one resumed from) are not
         # logged again; MLflow would keep both.
         self.logged = self._logged_before() if continued else 0
         self.said, self.lost, self.failing = False, [], False
         self._log_config(run_config, continued)
-        chosen = configured_uri(tracking_uri)
-        where = f"at {redact(self.uri)}" if chosen else f"in {_sqlite_file(self.uri)}"
+        chosen = store.configured_uri(tracking_uri)
+        where = f"at {store.redact(self.uri)}" if chosen else f"in {store.sqlite_file(self.uri)}"
         view = "" if chosen else f" (view: mlflow ui --backend-store-uri {self.uri})"
         verb = "continuing" if continued else "logging to"
-        _say(f"{verb} run {self.run_id} of experiment '{experiment}' {where}{view}")
+        store.say(f"{verb} run {self.run_id} of experiment '{experiment}' {where}{view}")
 
     def _open(
         self, experiment_id: str, job: dict[str, Any], name: str | None, tags: dict[str, str], parent: str | None
@@ -233,9 +155,9 @@ class MlflowLogger:
                 if e.error_code != "RESOURCE_DOES_NOT_EXIST":  # the store itself failed: a fault, not a new run
                     raise
                 run = None
-                _say(f"run {known} ({file}) is not in {redact(self.uri)}: logging to a new run")
+                store.say(f"run {known} ({file}) is not in {store.redact(self.uri)}: logging to a new run")
             if run is not None and run.info.lifecycle_stage == "deleted":
-                _say(f"run {known} ({file}) was deleted: logging to a new run")
+                store.say(f"run {known} ({file}) was deleted: logging to a new run")
                 run = None
             if run is not None:
                 self.client.update_run(known, status="RUNNING")
@@ -269,7 +191,7 @@ class MlflowLogger:
         cut = sorted(k for k, v in params.items() if len(v) > PARAM_VALUE_LIMIT)
         params = {k: v[: PARAM_VALUE_LIMIT - 1] + "…" if k in cut else v for k, v in params.items()}
         if cut:
-            _say(
+            store.say(
                 f"params {', '.join(cut)} are longer than MLflow keeps ({PARAM_VALUE_LIMIT} characters): cut; "
                 "resolved.yaml, an artifact of the run, holds them whole"
             )
@@ -279,7 +201,7 @@ class MlflowLogger:
             params = {k: v for k, v in params.items() if k not in kept}
             if changed:
                 shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-                _say(
+                store.say(
                     f"run {self.run_id} keeps the params of its first attempt; this attempt's differ in {shown} "
                     "(resolved.yaml, an artifact of the run, is this attempt's)"
                 )
@@ -295,7 +217,7 @@ class MlflowLogger:
             if not self.said:
                 self.said = True
                 steps = f"step {step} is" if step == self.logged else f"steps {step}..{self.logged} are"
-                _say(
+                store.say(
                     f"{steps} in run {self.run_id} already (an earlier attempt logged them): logging from step "
                     f"{self.logged + 1} on"
                 )
@@ -306,8 +228,8 @@ class MlflowLogger:
             self.client.log_batch(self.run_id, metrics=batch)
         except Exception as e:  # the server gone for a while: training goes on, metrics.jsonl keeps every step
             if not self.failing:  # once an outage
-                _say(
-                    f"step {step} could not be logged to {redact(self.uri)} ({_reason(e)}); "
+                store.say(
+                    f"step {step} could not be logged to {store.redact(self.uri)} ({store.reason(e)}); "
                     "the run goes on, metrics.jsonl holds every step"
                 )
             self.failing = True
@@ -315,92 +237,18 @@ class MlflowLogger:
             return
         if self.failing:
             self.failing = False
-            _say(f"logging to run {self.run_id} again from step {step}")
+            store.say(f"logging to run {self.run_id} again from step {step}")
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.lost:
-            _say(
+            store.say(
                 f"{len(self.lost)} logged step(s) did not reach run {self.run_id} (the first: step {self.lost[0]}); "
                 "metrics.jsonl holds them"
             )
         try:
             self.client.set_terminated(self.run_id, status=status)
         except Exception as e:  # the run trained to its end: a store gone at the last moment does not fail it
-            _say(f"run {self.run_id} could not be marked {status} at {redact(self.uri)} ({_reason(e)})")
-
-
-def _reach(uri: str, experiment: str) -> None:
-    """ConnectionError (one line naming the URI, credentials hidden) when MLflow's client cannot use the tracking
-    store at `uri`: no answer within CHECK_TIMEOUT seconds, a refusal (credentials, permissions), a URI it does not
-    take."""
-    with _http_for_a_check():
-        try:
-            from mlflow.tracking import MlflowClient
-
-            _quiet()
-            MlflowClient(uri).get_experiment_by_name(experiment)
-        except Exception as e:
-            raise ConnectionError(
-                f"logger=mlflow: the tracking store {redact(uri)} cannot be used ({_reason(e, CHECK_TIMEOUT)}); start "
-                "it or fix logger.mlflow.tracking_uri (or MLFLOW_TRACKING_URI), or unset both to log into a SQLite "
-                "store in the run directory"
-            ) from None
-
-
-@contextlib.contextmanager
-def _store_lock(sweep_dir: str | None) -> Iterator[None]:
-    """Held by a sweep's job while it opens the sweep's store (the first makes its tables), experiment and parent run;
-    nothing to hold for a single run."""
-    if not sweep_dir:
-        yield
-        return
-    import fcntl
-
-    with open(Path(sweep_dir) / ".mlflow.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        yield
-
-
-def _experiment(client: Any, name: str, uri: str) -> str:
-    """The experiment's id, made where it is not there (its artifacts beside a SQLite store)."""
-    from mlflow.exceptions import MlflowException
-
-    found = client.get_experiment_by_name(name)
-    if found is None:
-        try:
-            return client.create_experiment(name, artifact_location=_artifacts_beside(uri))
-        except MlflowException:  # made meanwhile by another job
-            found = client.get_experiment_by_name(name)
-            if found is None:
-                raise
-    if found.lifecycle_stage == "deleted":
-        raise ValueError(
-            f"MLflow experiment '{name}' at {redact(uri)} is deleted; restore it (mlflow experiments restore "
-            f"--experiment-id {found.experiment_id}) or choose another logger.mlflow.experiment"
-        )
-    return str(found.experiment_id)
-
-
-def _quoted(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _find_parent(client: Any, experiment_id: str, group: str, sweep_dir: str | None) -> Any:
-    """The parent run of `group` (in a sweep: of that sweep directory), or None."""
-    where = f"tags.`launch.group` = {_quoted(group)} and tags.`launch.sweep_dir` = {_quoted(sweep_dir or '')}"
-    found = client.search_runs([experiment_id], filter_string=where, max_results=1)
-    return found[0] if found else None
-
-
-def _parent_run(client: Any, experiment_id: str, group: str, sweep_dir: str | None) -> str:
-    """The run the job's run is nested under: one per group (a sweep), made by its first job, RUNNING while jobs run."""
-    parent = _find_parent(client, experiment_id, group, sweep_dir)
-    if parent is None:
-        tags = {"launch.group": group, "launch.sweep_dir": sweep_dir or ""}
-        return str(client.create_run(experiment_id, run_name=group, tags=tags).info.run_id)
-    if parent.info.status != "RUNNING":  # a sweep that goes on (a search continued)
-        client.update_run(parent.info.run_id, status="RUNNING")
-    return str(parent.info.run_id)
+            store.say(f"run {self.run_id} could not be marked {status} at {store.redact(self.uri)} ({store.reason(e)})")
 
 
 def _read_run_id(file: Path) -> str | None:
@@ -422,32 +270,3 @@ def _write_run_id(file: Path, run_id: str) -> None:
     tmp = file.with_name(f".{file.name}.{os.getpid()}")
     tmp.write_text(f"{run_id}\n")
     os.replace(tmp, file)
-
-
-def finish_sweep(sweep_dir: Path, status: str, files: list[Path]) -> str | None:
-    """At the end of a sweep whose jobs logged to MLflow: its parent run gets `files` (the report and its chart) as
-    artifacts and its status. Returns the parent's id, None when the sweep has none (its jobs logged elsewhere)."""
-    import yaml
-
-    for resolved in sorted(sweep_dir.glob("*/resolved.yaml")):
-        cfg = yaml.safe_load(resolved.read_text()) or {}
-        settings = (cfg.get("logger") or {}).get("mlflow")
-        if isinstance(settings, dict) and settings.get("group"):
-            break
-    else:
-        return None
-    from mlflow.tracking import MlflowClient
-
-    _quiet()
-    uri = configured_uri(settings.get("tracking_uri")) or local_store(sweep_dir)
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(str(settings["experiment"]))
-    job = cfg.get("job") or {}
-    parent = experiment and _find_parent(client, experiment.experiment_id, settings["group"], job.get("sweep_dir"))
-    if not parent:
-        return None
-    for file in files:
-        if file.exists():
-            client.log_artifact(parent.info.run_id, str(file))
-    client.set_terminated(parent.info.run_id, status=status)
-    return str(parent.info.run_id)
