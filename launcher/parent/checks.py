@@ -85,6 +85,7 @@ def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] =
     import inspect
 
     from launcher.base.targets import locate
+    from launcher.config.known import not_taken
 
     if not isinstance(node, DictConfig) or node.get("_target_") is None:  # no target (data.collate unset)
         return
@@ -102,13 +103,7 @@ def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] =
     unknown = sorted(k for k in given if k not in names and k not in passed)
     if not unknown:
         return
-    takes = ", ".join(sorted(names - set(passed))) or "nothing else"
-    keys = ", ".join(f"{path}.{k}" for k in unknown)
-    if path == group and group in ("model", "data"):
-        fix = f"use {group}=custom {group}._target_={target}, then add its own keys with +{group}.KEY=VALUE"
-    else:
-        fix = f"remove them (~{path}.{unknown[0]}) or name a target that takes them"
-    raise ConfigError(f"{path}._target_={target} does not take {keys} (it takes: {takes}); {fix}")
+    raise ConfigError(not_taken(path, group, target, unknown, sorted(names - set(passed))))
 
 
 def check_built(frozen: DictConfig, model: Any) -> list[str] | None:
