@@ -252,7 +252,8 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
             *(["nodes"] if across else []),
             "ms",
         ]
-    return [*_table(groups, [header, *rows]), *_why_not(plan)]
+    why = _why_not(plan)
+    return [*_table(groups, [header, *rows]), *([] if compact or not why else [""]), *why]
 
 
 def _why_not(plan: Plan) -> list[str]:
@@ -266,7 +267,7 @@ def _why_not(plan: Plan) -> list[str]:
                 for s in short
             )
             lines.append(f"  {sp.name + ':':<{width + 1}} {why}")
-    return ["", "does not fit:", *lines] if lines else []
+    return ["does not fit:", *lines] if lines else []
 
 
 def _comm(plan: Plan, sp: StrategyPlan) -> str:
