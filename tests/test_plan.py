@@ -278,6 +278,21 @@ def test_the_readme_example_plans_the_nodes_it_names_not_this_machine(tmp_path: 
 
 
 @pytest.mark.unit
+def test_the_host_memory_is_the_nodes_where_the_plan_is_made_on_one(tmp_path: Path, laptop: None, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where a GPU is visible the plan is made on a node: its host memory is this machine's available memory, and so
+    with device=cpu (where each rank's share of it is the device); plan.host_memory_gb, set, wins over both."""
+    from launcher.plan import fit
+
+    job = (*README_PLAN[1:], "plan.device_memory_gb=80", "plan.format=json")  # no CUDA to ask for its free memory
+    monkeypatch.setattr(fit, "_gpu_visible", lambda: True)
+    on_node = _plan_json(tmp_path, *job)["host_memory"]
+    assert on_node == {"bytes_per_node": LAPTOP[1], "source": "available on this machine"}, on_node
+    assert _plan_json(tmp_path, *job, "plan.host_memory_gb=512")["host_memory"]["bytes_per_node"] == 512e9
+    cpu = _plan_json(tmp_path, "model=gpt_124m", "gpus=2", "device=cpu", "plan.host_memory_gb=64")
+    assert cpu["host_memory"]["bytes_per_node"] == 64e9 and cpu["device_memory"]["bytes"] == 32e9, cpu
+
+
+@pytest.mark.unit
 def test_every_no_says_which_limit_and_by_how_much(tmp_path: Path, laptop: None) -> None:
     """plan.host_memory_gb set small: each row whose node needs more host memory (offloaded state and a save's export,
     over its 8 ranks) says so with the amount; rows that need none are not held to it; DDP's rows say the device."""
