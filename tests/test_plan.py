@@ -314,6 +314,10 @@ def test_every_no_says_which_limit_and_by_how_much(tmp_path: Path, laptop: None)
     short = {s["name"]: {f["limit"] for f in s["shortfalls"]} for s in plan["strategies"]}
     assert short["ddp"] == {"device memory"} and short["zero3_offload"] == {"host memory"}, short
     assert short["fsdp"] == short["hsdp"] == set(), short  # nothing on the host: any host will do
+    # Nothing fits: the one line says the host's limit too, where the strategy that needs the least device is over it.
+    none = _cli(tmp_path, *README_PLAN, "plan.host_memory_gb=1", "plan.device_memory_gb=12", "nodes=1").stdout
+    assert re.search(r"no strategy fits 10\.80 GB per device \(the least any needs, \w+'s, is [\d.]+ GB; it is "
+                     r"[\d.]+ GB over the host memory per node of 8 ranks\)", none), none.splitlines()[-1]  # fmt: skip
 
 
 @pytest.mark.unit

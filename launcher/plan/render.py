@@ -284,9 +284,11 @@ def describe_pick(plan: Plan, blocked: dict[str, str] | None = None) -> str:
         smallest = min(runnable, key=plan.need)
         would = what_would_fit(plan, blocked)
         runs = "runnable strategy" if blocked else "strategy"
+        short = [s for s in plan.shortfalls(smallest) if s.limit != "device memory"]  # the node's limits, beyond it
+        beyond = [f"{_size(s.over)} over the {s.limit} {s.per}" for s in short]
         return (
             f"no {runs} fits {_size(plan.device.usable)} per device (the least any needs, {smallest.name}'s, is "
-            f"{_size(plan.need(smallest))}); would fit: "
+            f"{_size(plan.need(smallest))}{''.join(f'; it is {b}' for b in beyond)}); would fit: "
             f"{'; '.join(would) or 'nothing found: shrink the model or data.seq_len'}"
         )
     measure, after = plan.decided_by(pick, blocked)
