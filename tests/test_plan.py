@@ -393,6 +393,9 @@ PLAN_BAD = {
     "not an override": (["nonsense"], "Error parsing override 'nonsense'"),
     "heads do not divide width": (["model.n_head=5"], "not divisible by model.n_head=5"),
     "unknown candidate": (["strategy=auto", "strategy.candidates=[ddp,nope]"], "unknown strategy 'nope'"),
+    "a key nothing takes": (["+trainer.checkpoint_evry=100"], "did you mean trainer.checkpoint_every?"),
+    "a key the data does not take": (["data=synthetic", "+data.seq_lenn=64"], "did you mean data.seq_len?"),
+    "a key the strategy does not take": (["strategy=ddp", "+strategy.bucket_cap=5"], "did you mean strategy.bucket_"),
 }
 
 

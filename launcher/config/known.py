@@ -4,8 +4,9 @@ is refused before start, naming the nearest known key.
 
 Each node's schema is read from the composed config itself (its dataclass), so a field is known where it is
 declared, with no list of keys kept here. Open, as before:
-- a node with a `_target_` (a group's option, data's collate, a pruner) takes what its target takes: the parent's
-  `check_keys` holds it to the target's signature (a model or optimizer of your own, `+model.KEY=VALUE`);
+- a node with a `_target_` (a group's option, data's collate, a pruner) takes what its target takes: `check_keys`
+  holds a group's targets to their signatures once the config is frozen (a model or optimizer of your own,
+  `+model.KEY=VALUE`);
 - a node typed `dict` or `Any` (a DeepSpeed config, the loggers by name): its keys are its own;
 - Hydra's node (`hydra.*`), which is Hydra's to check.
 """
@@ -18,6 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from launcher.base.errors import ConfigError
 
 OPEN_AT_THE_TOP = ("hydra",)
 """Top-level keys that are not the launcher's: Hydra's own node, composed beside the run's config."""
@@ -82,10 +85,53 @@ def _nearest(name: str, path: str, siblings: list[str], known: list[str]) -> str
     return f"{where} has: {', '.join(sorted(siblings))}"
 
 
-def not_taken(path: str, group: str, target: str, unknown: list[str], takes: list[str]) -> str:
-    """One line for keys of a target's node that the target does not take (the parent's `check_keys`): the nearest
-    key it takes where one key is close to it (misspelt), else how to pass keys of your own (several: a built-in
-    option's keys under a target of yours)."""
+# What the launcher itself passes to each group's target, besides the keys in its config node.
+PASSED_BY_THE_LAUNCHER = {
+    "strategy": (),
+    "model": (),
+    "data": ("split", "role", "workers", "collate"),  # the loader's keys (LOADER_KEYS), never passed on
+    "optim": ("params",),
+    "logger": ("run_config", "run_dir"),
+}
+
+
+def check_keys(frozen: DictConfig) -> None:
+    """Every key of a target's config node (nested targets too) must be a parameter it takes: a model of your own
+    under the built-in GPT's keys is a one-line error naming the keys and the fix, not a TypeError in a worker.
+    ConfigError (one line) otherwise."""
+    from launcher.config import target_nodes
+
+    for group, passed in PASSED_BY_THE_LAUNCHER.items():
+        for path, node in target_nodes(frozen, group):
+            _check_node_keys(node, path, group, passed)
+
+
+def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] = ()) -> None:
+    import inspect
+
+    from launcher.base.targets import locate
+
+    if not isinstance(node, DictConfig) or node.get("_target_") is None:  # no target (data.collate unset)
+        return
+    target = str(node._target_)
+    given = [str(k) for k in node if not str(k).startswith("_")]
+    for key in given:
+        _check_node_keys(node.get(key), f"{path}.{key}", group)
+    try:
+        parameters = inspect.signature(locate(target)).parameters.values()
+    except (ImportError, TypeError, ValueError):  # not importable (derive says so) or no signature to read
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    names = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    unknown = sorted(k for k in given if k not in names and k not in passed)
+    if unknown:
+        raise ConfigError(_not_taken(path, group, target, unknown, sorted(names - set(passed))))
+
+
+def _not_taken(path: str, group: str, target: str, unknown: list[str], takes: list[str]) -> str:
+    """The nearest key the target takes where one key is close to it (misspelt), else how to pass keys of your own
+    (several: a built-in option's keys under a target of yours)."""
     keys = ", ".join(f"{path}.{k}" for k in unknown)
     close = difflib.get_close_matches(unknown[0], takes, n=1) if len(unknown) == 1 else []
     if close:
