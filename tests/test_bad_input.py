@@ -27,6 +27,11 @@ BAD = {
     "unknown data": (["data=imagenet"], "unknown data 'imagenet'; valid: custom, hf, pysource"),
     "unknown key": (["trainer.max_stpes=5"], "unknown key 'trainer.max_stpes'"),
     "unknown top-level key": (["gpu=2"], "unknown key 'gpu'"),
+    "a misspelt key added": (["+trainer.checkpoint_evry=100"], "unknown key trainer.checkpoint_evry=100: no schema or "
+                             "target of the launcher takes it; did you mean trainer.checkpoint_every?"),
+    "a key added that nothing takes": (["+foo=1"], "unknown key foo=1: no schema or target of the launcher takes it"),
+    "a key added that the data does not take": (["+data.seq_lenn=32"], "does not take data.seq_lenn (it takes: format, "
+                                                "num_samples, seq_len, vocab_size); did you mean data.seq_len?"),
     "wrong type": (["batch.global_size=lots"], "Value 'lots' of type 'str' could not be converted to Integer; "
                                               "full_key: batch.global_size"),
     "bad enum": (["device=tpu"], "Invalid value 'tpu', expected one of [auto, cpu, cuda]; full_key: device"),

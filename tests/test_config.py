@@ -5,8 +5,10 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import LAUNCH, TINY, clean_env, launch_here
@@ -259,3 +261,89 @@ def test_an_option_without_its_schema_takes_the_built_in_ones(tmp_path: Path) ->
         assert str(e.value).startswith(expected + "strategies.ddp.DDP, which your strategy option names: "), e.value
         with pytest.raises(ConfigError, match=r"^strategy.bucket_cap_mb=-1.0 is invalid: it must be > 0$"):
             freeze(compose("config", overrides=[search, "strategy=mine", "strategy.bucket_cap_mb=-1"]))
+
+
+@dataclass
+class _Section:
+    early_stop_patience: int = 3
+
+
+@dataclass
+class _Top:
+    section: _Section = field(default_factory=_Section)
+    settings: dict[str, Any] = field(default_factory=dict)
+    target: Any = field(default_factory=lambda: {"_target_": "builtins.dict"})
+
+
+MISSPELT = {  # one per section of the launcher's own schema, and the top level
+    "+trainer.checkpoint_evry=100": "unknown key trainer.checkpoint_evry=100: no schema or target of the launcher "
+    "takes it; did you mean trainer.checkpoint_every?",
+    "+batch.global_sise=64": "did you mean batch.global_size?",
+    "+rdzv.join_timout=5": "did you mean rdzv.join_timeout?",
+    "+plan.host_memory=512": "did you mean plan.host_memory_gb?",
+    "+sweep.objectiv=loss": "did you mean sweep.objective?",
+    "+max_steps=5": "unknown key max_steps=5: no schema or target of the launcher takes it; did you mean "
+    "trainer.max_steps?",  # a section's key set at the top
+    "+foo=1": "unknown key foo=1: no schema or target of the launcher takes it; the top level has: batch, data, ",
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("override", sorted(MISSPELT))
+def test_a_key_no_schema_or_target_takes_is_refused_naming_the_nearest(override: str) -> None:
+    """Hydra's `+` adds a key to a typed config without a word; freezing the config refuses it in one line."""
+    with pytest.raises(ConfigError) as e:
+        freeze(_compose(*TINY, override))
+    assert MISSPELT[override] in str(e.value) and "\n" not in str(e.value), e.value
+
+
+@pytest.mark.unit
+def test_the_known_keys_are_the_schema_dataclasses_own() -> None:
+    """The rule reads each node's dataclass: a field declared there is known, with no list elsewhere; a node with a
+    `_target_` and a node typed dict are open."""
+    from omegaconf import open_dict
+
+    from launcher.config.known import unknown_key
+
+    def added(key: str) -> str | None:
+        cfg = OmegaConf.structured(_Top)
+        with open_dict(cfg):
+            OmegaConf.update(cfg, key, 1, force_add=True)
+        return unknown_key(cfg)
+
+    assert added("section.early_stop_patience") is None
+    assert added("section.early_stop_patiense") == (
+        "unknown key section.early_stop_patiense=1: no schema or target of the launcher takes it; did you mean "
+        "section.early_stop_patience?"
+    )
+    assert added("early_stop_patiense") == (
+        "unknown key early_stop_patiense=1: no schema or target of the launcher takes it; did you mean "
+        "section.early_stop_patience?"
+    )
+    assert str(added("patience")).endswith("; the top level has: section, settings, target")
+    assert added("settings.anything") is None and added("target.anything") is None
+    assert added("hydra.anything") is None  # Hydra's node, composed beside the run's
+
+
+VALID_ADDED = [  # keys the suite and the docs add with `+`: each taken by a target, or by a node typed dict
+    ("optim=sgd", "+optim.nesterov=true"),
+    ("+model.at_call=1",),
+    ("model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
+     "+model.config._target_=transformers.GPT2Config", "+model.config.n_layer=2"),
+    ("data=custom", "data._target_=user_models.images", "model.block_size=32", "+data.root=corpus"),
+    ("+data._check_=false",),
+    ("data=hf", "data.path=corpus", "model.block_size=32",
+     "+data.collate.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
+     "+data.collate.tokenizer.pretrained_model_name_or_path=models/gpt2"),
+    ("logger=custom", "logger.custom._target_=user_models.RecordingLogger", "+logger.custom.file=log.jsonl"),
+    ("strategy=zero1", "+strategy.ds_config.zero_optimization.reduce_bucket_size=1000"),
+    ("+sweep.pruner.upper=1.0",),
+]  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides", VALID_ADDED, ids=lambda o: o[-1])
+def test_keys_a_target_or_a_dict_takes_stay_open(overrides: tuple[str, ...]) -> None:
+    frozen = freeze(_compose(*overrides))
+    key, value = overrides[-1].lstrip("+").split("=", 1)
+    assert str(OmegaConf.select(frozen, key)).lower() == value.lower(), (key, OmegaConf.select(frozen, key))

@@ -83,7 +83,7 @@ def test_every_command_composes_and_validates(where: str, args: list[str], refus
     import launcher.config.frozen as config
     from launcher.clusters import shaped
     from launcher.config import ConfigError, derive, freeze, schema
-    from launcher.parent.checks import check_keys
+    from launcher.config.known import check_keys
     from launcher.parent.overrides import CONFIG_MODULE, compose_checked
 
     schema.register()

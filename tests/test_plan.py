@@ -232,12 +232,115 @@ def test_plan_of_hsdp_over_8_nodes_of_8(tmp_path: Path) -> None:
     # The default global batch (32) does not divide over 64 ranks: the plan is made at micro x world = 256, and says so.
     table = _cli(tmp_path, "plan", "model=gpt_7b", "gpus=8", "nodes=8", "precision=bf16")
     assert table.returncode == 0 and "planned at batch.global_size=256" in table.stderr, table.stderr
-    rows = {line.split()[1 if line.startswith("*") else 0]: line for line in table.stdout.splitlines()[8:18]}
+    rows = {m[1]: m[0] for m in re.finditer(r"^[* ] (\S+) .*$", table.stdout, re.M)}
     print("\n".join(rows[name] for name in ("hsdp", "fsdp", "zero3")))  # shown with pytest -s
     assert re.search(r"^\* hsdp +1/8 +1/8 +1/8 ", table.stdout, re.M), table.stdout
     assert (
         f"{across / GB:.2f}" in rows["hsdp"].split() and f"{(2 * 2 + 4) * 63 / 64 * P / GB:.2f}" in rows["fsdp"].split()
     )
+
+
+ROOT = Path(__file__).resolve().parent.parent
+README_PLAN = re.search(r"^ +launch (plan .+)$", (ROOT / "README.md").read_text(), re.M)[1].split()
+"""The README's first example: `launch plan model=gpt_7b gpus=8 nodes=2 precision=bf16`."""
+LAPTOP = 16e9, 8e9
+"""A laptop's total and available memory, in bytes: far less than the planned nodes have."""
+
+
+@pytest.fixture
+def laptop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`launch plan` run on a machine without a GPU and with LAPTOP's memory: the probes answer as such a machine's."""
+    from launcher.base import machine
+    from launcher.plan import fit
+
+    monkeypatch.setattr(machine, "memory_available", lambda: LAPTOP)
+    monkeypatch.setattr(fit, "_gpu_visible", lambda: False)
+
+
+@pytest.mark.unit
+def test_the_readme_example_plans_the_nodes_it_names_not_this_machine(tmp_path: Path, laptop: None) -> None:
+    """Planned from a laptop, 7B on 2 nodes of 8 x 80 GB: ZeRO-1/2/3 fit (a save's export, summed over a node's 8
+    ranks, far exceeds the laptop's 8 GB but not a typical node's host memory, which the header states with its key);
+    docs/planning.md shows the output as it prints."""
+    plan = _plan_json(tmp_path, *README_PLAN[1:])
+    by_name = {s["name"]: s for s in plan["strategies"]}
+    host = plan["host_memory"]
+    assert host["bytes_per_node"] == 2 * 8 * 80e9 and host["source"].startswith("no GPU visible: a typical node for 8")
+    for name in ("zero1", "zero2", "zero3"):
+        zero = by_name[name]
+        assert zero["host_need_bytes_per_node"] > LAPTOP[1] and zero["fits"] and zero["shortfalls"] == [], zero
+    table = _cli(tmp_path, *README_PLAN)
+    assert table.returncode == 0, table.stderr
+    assert re.search(r"^host +1280\.00 GB per node \(no GPU visible: .*set plan\.host_memory_gb\)", table.stdout, re.M)
+    assert re.search(r"^device .*set plan\.device_memory_gb", table.stdout, re.M), table.stdout
+    shown = re.search(r"```text\n(model .*?)```", (ROOT / "docs/planning.md").read_text(), re.S)
+    assert shown and shown[1] == table.stdout, "docs/planning.md: paste the README example's output as it prints"
+
+
+@pytest.mark.unit
+def test_the_host_memory_is_the_nodes_where_the_plan_is_made_on_one(tmp_path: Path, laptop: None, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where a GPU is visible the plan is made on a node: its host memory is this machine's available memory, and so
+    with device=cpu (where each rank's share of it is the device); plan.host_memory_gb, set, wins over both."""
+    from launcher.plan import fit
+
+    job = (*README_PLAN[1:], "plan.device_memory_gb=80", "plan.format=json")  # no CUDA to ask for its free memory
+    monkeypatch.setattr(fit, "_gpu_visible", lambda: True)
+    on_node = _plan_json(tmp_path, *job)["host_memory"]
+    assert on_node == {"bytes_per_node": LAPTOP[1], "source": "available on this machine"}, on_node
+    assert _plan_json(tmp_path, *job, "plan.host_memory_gb=512")["host_memory"]["bytes_per_node"] == 512e9
+    cpu = _plan_json(tmp_path, "model=gpt_124m", "gpus=2", "device=cpu", "plan.host_memory_gb=64")
+    assert cpu["host_memory"]["bytes_per_node"] == 64e9 and cpu["device_memory"]["bytes"] == 32e9, cpu
+
+
+@pytest.mark.unit
+def test_every_no_says_which_limit_and_by_how_much(tmp_path: Path, laptop: None) -> None:
+    """plan.host_memory_gb set small: each row whose node needs more host memory (offloaded state and a save's export,
+    over its 8 ranks) says so with the amount; rows that need none are not held to it; DDP's rows say the device."""
+    plan = _plan_json(tmp_path, *README_PLAN[1:], "plan.host_memory_gb=40")
+    usable = 40e9 * (1 - 0.1)
+    table = _cli(tmp_path, *README_PLAN, "plan.host_memory_gb=40").stdout
+    for s in plan["strategies"]:
+        node = 8 * (s["host_state_bytes"] + s["export_host_bytes"])
+        assert s["host_need_bytes_per_node"] == pytest.approx(node)
+        limits = {f["limit"]: f for f in s["shortfalls"]}
+        assert ("host memory" in limits) == (node > usable), s["name"]
+        assert ("device memory" in limits) == (s["need_bytes"] > plan["device_memory"]["usable_bytes"]), s["name"]
+        assert s["fits"] == (not limits), s["name"]
+        line = re.search(rf"^  {s['name']}: +(.*)$", table, re.M)
+        assert bool(line) == bool(limits), (s["name"], table)
+        for limit, f in limits.items():
+            over = f"{limit}: needs {f['need_bytes'] / GB:.2f} GB per "
+            assert over in line[1] and f"{(f['need_bytes'] - f['usable_bytes']) / GB:.2f} GB over" in line[1], line[1]
+    short = {s["name"]: {f["limit"] for f in s["shortfalls"]} for s in plan["strategies"]}
+    assert short["ddp"] == {"device memory"} and short["zero3_offload"] == {"host memory"}, short
+    assert short["fsdp"] == short["hsdp"] == set(), short  # nothing on the host: any host will do
+    # Nothing fits: the one line says the host's limit too, where the strategy that needs the least device is over it.
+    none = _cli(tmp_path, *README_PLAN, "plan.host_memory_gb=1", "plan.device_memory_gb=12", "nodes=1").stdout
+    assert re.search(r"no strategy fits 10\.80 GB per device \(the least any needs, \w+'s, is [\d.]+ GB; it is "
+                     r"[\d.]+ GB over the host memory per node of 8 ranks\)", none), none.splitlines()[-1]  # fmt: skip
+
+
+@pytest.mark.unit
+def test_the_pick_line_names_the_measure_that_picked(tmp_path: Path, laptop: None) -> None:
+    """On 2 nodes hsdp is picked for the least communication time, though zero1 sends fewer bytes: the line says
+    time, with the pick's and the next one's figures. On one node zero1 and zero2 tie on every figure: the line says
+    the name decided."""
+    plan = _plan_json(tmp_path, *README_PLAN[1:])
+    by_name, fitting = {s["name"]: s for s in plan["strategies"]}, [s for s in plan["strategies"] if s["fits"]]
+    pick = by_name[plan["auto"]]
+    assert plan["auto_by"] == "time" and pick["name"] == "hsdp"
+    assert all(pick["comm_seconds"] < s["comm_seconds"] for s in fitting if s is not pick)
+    assert min(fitting, key=lambda s: s["comm_bytes"])["comm_bytes"] < pick["comm_bytes"]  # not the fewest bytes
+    line = _cli(tmp_path, *README_PLAN).stdout.splitlines()[-1]
+    assert f"hsdp: the least communication time of those that fit, {pick['comm_seconds'] * 1e3:.3g} ms" in line, line
+    one = _plan_json(tmp_path, *README_PLAN[1:], "nodes=1")
+    tied = [s for s in one["strategies"] if s["name"] in ("zero1", "zero2")]
+    assert one["auto"] == "zero1" and one["auto_by"] == "name"
+    for key in ("comm_seconds", "comm_bytes", "layout"):
+        assert tied[0][key] == tied[1][key], key
+    line = _cli(tmp_path, *README_PLAN, "nodes=1").stdout.splitlines()[-1]
+    assert "zero1: the least communication time of those that fit" in line, line
+    assert "tied with zero2 on time, bytes, offload, sharding, picked by name" in line, line
 
 
 @pytest.mark.unit
@@ -290,6 +393,9 @@ PLAN_BAD = {
     "not an override": (["nonsense"], "Error parsing override 'nonsense'"),
     "heads do not divide width": (["model.n_head=5"], "not divisible by model.n_head=5"),
     "unknown candidate": (["strategy=auto", "strategy.candidates=[ddp,nope]"], "unknown strategy 'nope'"),
+    "a key nothing takes": (["+trainer.checkpoint_evry=100"], "did you mean trainer.checkpoint_every?"),
+    "a key the data does not take": (["data=synthetic", "+data.seq_lenn=64"], "did you mean data.seq_len?"),
+    "a key the strategy does not take": (["strategy=ddp", "+strategy.bucket_cap=5"], "did you mean strategy.bucket_"),
 }
 
 

@@ -1,6 +1,7 @@
 """The typed config: the schema under every YAML file of conf/ (`schema`, `data_schema`, `trainer_schema`,
 `sweep_schema`) and the ranges each numeric field declares (`ranges`); freezing a composed config into plain values and
-deriving what every rank shares (`frozen`); what a run is (`identity`); a rank's view of a frozen config, its strategy
+deriving what every rank shares (`frozen`); every key known, to a schema or to the target it is passed to (`known`);
+what a run is (`identity`); a rank's view of a frozen config, its strategy
 object and the strategy's own checks (`context`); the groups' options (`groups`) and the generated reference
 (`reference`). It runs in the parent and in every worker.
 

@@ -41,12 +41,14 @@ def one_line(e: BaseException) -> str:
 def freeze(cfg: DictConfig) -> DictConfig:
     """The composed config as plain values: interpolations resolved, enums as their names, no schema attached.
 
-    The one place where enums become strings, and where every numeric field is checked against the range its
-    schema declares (`schema.check_ranges`), while the schema is still attached; `resolved.yaml` is this config
+    The one place where enums become strings, where a key no schema or target takes is refused (`known`), and where
+    every numeric field is checked against the range its schema declares (`schema.check_ranges`), while the schema
+    is still attached; `resolved.yaml` is this config
     plus what the launcher derived.
     """
     from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
+    from launcher.config.known import unknown_key
     from launcher.config.ranges import check_ranges
 
     cfg = with_schemas(cfg)
@@ -59,7 +61,7 @@ def freeze(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"{e.full_key}: {str(e).strip().splitlines()[0]}; set {e.full_key}=... yourself") from e
     if missing:
         raise ConfigError(f"{missing[0]} has no value; set it on the command line: {missing[0]}=...")
-    problem = check_ranges(cfg)
+    problem = unknown_key(cfg) or check_ranges(cfg)
     if problem:
         raise ConfigError(problem)
     try:

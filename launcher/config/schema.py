@@ -283,6 +283,12 @@ class PlanConfig:
     run when nodes > 1."""
     device_memory_gb: float | None = ranged(None, POSITIVE)
     """Memory per device in GB (1e9 bytes); unset: the free memory of cuda:0 when a GPU is visible, else 80."""
+    host_memory_gb: float | None = ranged(None, POSITIVE)
+    """Host memory per node in GB, shared by its ranks; unset: this machine's available memory with device=cpu or a
+    GPU visible, else a typical node for the GPUs planned (2 GB per GB of their memory)."""
+    nvme_gb: float | None = ranged(None, POSITIVE)
+    """NVMe space per node in GB for state offloaded there, shared by its ranks; unset: not checked by the plan (a
+    launch checks strategy.nvme_path's free space)."""
     headroom: float = ranged(0.1, FRACTION)
     """Fraction of device memory kept free (allocator fragmentation, CUDA context, buffers); 0 <= headroom < 1."""
     format: PlanFormat = PlanFormat.table

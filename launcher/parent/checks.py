@@ -61,56 +61,6 @@ def _check_steps_left(checkpoint: Location, max_steps: int) -> None:
         )
 
 
-# What the launcher itself passes to each group's target, besides the keys in its config node.
-PASSED_BY_THE_LAUNCHER = {
-    "strategy": (),
-    "model": (),
-    "data": ("split", "role", "workers", "collate"),  # the loader's keys (LOADER_KEYS), never passed on
-    "optim": ("params",),
-    "logger": ("run_config", "run_dir"),
-}
-
-
-def check_keys(frozen: DictConfig) -> None:
-    """Every key of a target's config node (nested targets too) must be a parameter it takes: a model of your own
-    under the built-in GPT's keys is a one-line error naming the keys and the fix, not a TypeError in a worker."""
-    from launcher.config import target_nodes
-
-    for group, passed in PASSED_BY_THE_LAUNCHER.items():
-        for path, node in target_nodes(frozen, group):
-            _check_node_keys(node, path, group, passed)
-
-
-def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] = ()) -> None:
-    import inspect
-
-    from launcher.base.targets import locate
-
-    if not isinstance(node, DictConfig) or node.get("_target_") is None:  # no target (data.collate unset)
-        return
-    target = str(node._target_)
-    given = [str(k) for k in node if not str(k).startswith("_")]
-    for key in given:
-        _check_node_keys(node.get(key), f"{path}.{key}", group)
-    try:
-        parameters = inspect.signature(locate(target)).parameters.values()
-    except (ImportError, TypeError, ValueError):  # not importable (derive says so) or no signature to read
-        return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return
-    names = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL}
-    unknown = sorted(k for k in given if k not in names and k not in passed)
-    if not unknown:
-        return
-    takes = ", ".join(sorted(names - set(passed))) or "nothing else"
-    keys = ", ".join(f"{path}.{k}" for k in unknown)
-    if path == group and group in ("model", "data"):
-        fix = f"use {group}=custom {group}._target_={target}, then add its own keys with +{group}.KEY=VALUE"
-    else:
-        fix = f"remove them (~{path}.{unknown[0]}) or name a target that takes them"
-    raise ConfigError(f"{path}._target_={target} does not take {keys} (it takes: {takes}); {fix}")
-
-
 def check_built(frozen: DictConfig, model: Any) -> list[str] | None:
     """Build in the parent what the workers will build, and refuse in one line what fails: the optimizer over the
     model's (meta) parameters, the data's own preparation (data=text tokenizes here), both datasets and their first

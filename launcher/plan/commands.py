@@ -104,10 +104,12 @@ def _candidates(frozen: DictConfig) -> dict[str, DictConfig]:
 def plan_command(overrides: Sequence[str]) -> int:
     """`launch plan [overrides]`, inside an initialised Hydra (cli.py). Starts nothing, writes no run directory."""
     from launcher.base.machine import visible_cuda_devices
+    from launcher.config.known import check_keys
     from launcher.models.meta import build_on_meta, measure
 
     chosen, strategy_keys = _chosen_strategy(overrides)
     frozen = freeze(_compose(overrides))
+    check_keys(frozen)  # a key its target does not take (+data.seq_lenn=64) would be planned without a word
     # A plan may be for GPUs this machine lacks: count the GPUs asked for as visible.
     devices = max(visible_cuda_devices(), frozen.gpus or 0)
     try:

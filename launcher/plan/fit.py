@@ -8,7 +8,7 @@ smaller micro-batches when nothing fits.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 from omegaconf import DictConfig, OmegaConf
@@ -36,6 +36,10 @@ from strategies.declarations import Layout
 
 DEFAULT_DEVICE_MEMORY_GB = 80.0
 """Assumed per-device memory when no GPU is visible and plan.device_memory_gb is unset (A100/H100 80 GB)."""
+HOST_PER_DEVICE = 2.0
+"""Assumed host memory per byte of its GPUs' memory on a node planned from a machine without GPUs: GPU nodes carry
+2 to 3.6 times it (8 x 80 GB: 1.24 TB on AWS p4de, 2 TB on a DGX H100); the low end, so that a plan does not promise
+what a node lacks."""
 MAX_NODES = 4096
 """How far `what would fit` looks for more nodes."""
 
@@ -51,6 +55,32 @@ class DeviceMemory:
     @property
     def usable(self) -> float:
         return self.total * (1 - self.headroom)
+
+
+@dataclass(frozen=True)
+class NodeSpace:
+    """What a node has beyond its devices, shared by its ranks: host memory, or NVMe space."""
+
+    total: float | None
+    """Bytes per node; None: unknown, not checked."""
+    source: str
+    """Where `total` came from, for the reader."""
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """Why a strategy does not fit: one limit it exceeds."""
+
+    limit: str
+    """The device's memory, the host's, or NVMe space."""
+    need: float
+    usable: float
+    per: str
+    """What `need` and `usable` are counted over: a device, or a node (its ranks together)."""
+
+    @property
+    def over(self) -> float:
+        return self.need - self.usable
 
 
 @dataclass(frozen=True)
@@ -114,8 +144,10 @@ class Plan:
     gpt: bool
     """The activation formula applies (the built-in GPT)."""
     device: DeviceMemory
-    host_available: float
-    """Bytes of host memory available on a node, shared by its ranks."""
+    host: NodeSpace
+    """Host memory of a planned node, shared by its ranks (with headroom `device.headroom`)."""
+    nvme: NodeSpace
+    """NVMe space of a planned node, shared by its ranks."""
     link_gbps: float
     internode_gbps: float
     strategies: list[StrategyPlan]
@@ -162,12 +194,16 @@ class Plan:
         )
 
     def ranked(self) -> list[StrategyPlan]:
-        """Least communication first: the least time on the links (across nodes at the inter-node link's pace), then
-        the least volume. At equal figures the simplest layout: less offload (host copies are slow), then less
-        sharding (each adds bookkeeping the volume does not show), then by name."""
-        return sorted(
-            self.strategies, key=lambda sp: (sp.comm_seconds, sp.comm_bytes, sp.offload_depth, sp.sharded, sp.name)
-        )
+        """Least communication first, by the measures of `RANKING` in turn."""
+        return sorted(self.strategies, key=lambda sp: tuple(key(sp) for _, _, key in RANKING))
+
+    def decided_by(self, pick: StrategyPlan, blocked: Collection[str] = ()) -> tuple[int, StrategyPlan | None]:
+        """The index in `RANKING` of the measure that puts `pick` before the next strategy that fits (not `blocked`),
+        and that one; 0 when no other fits."""
+        later = [sp for sp in self.ranked() if sp is not pick and sp.name not in blocked and self.fits(sp)]
+        if not later:
+            return 0, None
+        return next(i for i, (_, _, key) in enumerate(RANKING) if key(pick) != key(later[0])), later[0]
 
     def peak(self, sp: StrategyPlan) -> float:
         """A rank's peak where its device's memory is: on the device; with `device=cpu` (the device is the host)
@@ -181,14 +217,28 @@ class Plan:
             return max(self.peak(sp), sp.on("device") + sp.on("cpu") + sp.export)
         return sp.peak_device
 
-    def fits(self, sp: StrategyPlan) -> bool:
-        """Where each byte lives: the device's need against the device's memory; host memory (offloaded state, a
-        DeepSpeed save's export) against the machine's, shared by the node's ranks. With `device=cpu` the device
-        is the host: everything a rank holds against its share."""
+    def host_need(self, sp: StrategyPlan) -> float:
+        """Host memory a node's ranks need together: their offloaded state and a DeepSpeed save's export."""
+        return self.derived.gpus * (sp.on("cpu") + sp.export)
+
+    def shortfalls(self, sp: StrategyPlan) -> list[Shortfall]:
+        """Where each byte lives, each limit it exceeds: the device's need against the device's memory; host memory
+        (offloaded state, a DeepSpeed save's export) against the node's, shared by its ranks; NVMe state against the
+        node's NVMe space where known. With `device=cpu` the device is the host: everything a rank holds against its
+        share."""
+        short = []
         if self.need(sp) > self.device.usable:
-            return False
-        host = self.derived.gpus * (sp.on("cpu") + sp.export)
-        return self.derived.device == "cpu" or host <= self.host_available * (1 - self.device.headroom)
+            short.append(Shortfall("device memory", self.need(sp), self.device.usable, "per device"))
+        host, gpus = self.host.total, self.derived.gpus
+        if self.derived.device != "cpu" and host is not None and self.host_need(sp) > host * (1 - self.device.headroom):
+            usable = host * (1 - self.device.headroom)
+            short.append(Shortfall("host memory", self.host_need(sp), usable, f"per node of {gpus} ranks"))
+        if self.nvme.total is not None and gpus * sp.on("nvme") > self.nvme.total:
+            short.append(Shortfall("NVMe space", gpus * sp.on("nvme"), self.nvme.total, f"per node of {gpus} ranks"))
+        return short
+
+    def fits(self, sp: StrategyPlan) -> bool:
+        return not self.shortfalls(sp)
 
     def pick(self, blocked: Collection[str] = ()) -> StrategyPlan | None:
         """strategy=auto's choice: the first in `ranked` order that fits, among those not `blocked` (refused by
@@ -196,18 +246,55 @@ class Plan:
         return next((sp for sp in self.ranked() if self.fits(sp) and sp.name not in blocked), None)
 
 
-def device_memory(plan: DictConfig, derived: Derived, host_available: float) -> DeviceMemory:
-    """plan.device_memory_gb when set; for device=cpu this rank's share of the host's available memory; else the
-    free memory of the first visible GPU; else 80 GB (planning for GPUs this machine lacks)."""
-    if plan.device_memory_gb is not None:
-        return DeviceMemory(plan.device_memory_gb * GB, plan.headroom, "plan.device_memory_gb")
-    if derived.device == "cpu" and host_available:
-        share = host_available / derived.gpus
-        source = f"device=cpu: the host's {host_available / GB:.2f} GB available, shared by {derived.gpus} ranks"
-        return DeviceMemory(share, plan.headroom, source)
+RANKING: tuple[tuple[str, str, Callable[[StrategyPlan], float | str]], ...] = (
+    ("time", "the least communication time", lambda sp: sp.comm_seconds),  # across nodes at that link's pace
+    ("bytes", "fewer bytes sent", lambda sp: sp.comm_bytes),
+    ("offload", "less offload", lambda sp: sp.offload_depth),  # host copies are slow
+    ("sharding", "less sharding", lambda sp: sp.sharded),  # each adds bookkeeping the volume does not show
+    ("name", "name", lambda sp: sp.name),
+)
+"""strategy=auto's order: (measure, what it prefers, key), each deciding where those before it tie; the pick's line
+names the one that decided."""
+
+
+def _gpu_visible() -> bool:
     import torch
 
-    if torch.cuda.is_available():
+    return torch.cuda.is_available()
+
+
+def host_memory(plan: DictConfig, derived: Derived, device_gb: float, available: float) -> NodeSpace:
+    """plan.host_memory_gb when set; this machine's available memory with device=cpu or on a node (a GPU visible);
+    else a typical node for the GPUs planned, `HOST_PER_DEVICE` times their `device_gb` each."""
+    if plan.host_memory_gb is not None:
+        return NodeSpace(plan.host_memory_gb * GB, "plan.host_memory_gb")
+    if derived.device == "cpu" or _gpu_visible():
+        return NodeSpace(available or None, "available on this machine" if available else "unknown: not checked")
+    return NodeSpace(
+        HOST_PER_DEVICE * derived.gpus * device_gb * GB,
+        f"no GPU visible: a typical node for {derived.gpus} GPUs of {device_gb:g} GB assumed, {HOST_PER_DEVICE:g} GB "
+        "per GB of theirs; set plan.host_memory_gb",
+    )
+
+
+def nvme_space(plan: DictConfig) -> NodeSpace:
+    if plan.nvme_gb is not None:
+        return NodeSpace(plan.nvme_gb * GB, "plan.nvme_gb")
+    return NodeSpace(None, "not checked by the plan (a launch checks strategy.nvme_path); set plan.nvme_gb")
+
+
+def device_memory(plan: DictConfig, derived: Derived, host: float | None) -> DeviceMemory:
+    """plan.device_memory_gb when set; for device=cpu this rank's share of the host's memory (`host` bytes per node);
+    else the free memory of the first visible GPU; else 80 GB (planning for GPUs this machine lacks)."""
+    if plan.device_memory_gb is not None:
+        return DeviceMemory(plan.device_memory_gb * GB, plan.headroom, "plan.device_memory_gb")
+    if derived.device == "cpu" and host:
+        share = host / derived.gpus
+        source = f"device=cpu: the host's {host / GB:.2f} GB, shared by {derived.gpus} ranks"
+        return DeviceMemory(share, plan.headroom, source)
+    if _gpu_visible():
+        import torch
+
         free, _ = torch.cuda.mem_get_info(0)
         return DeviceMemory(float(free), plan.headroom, "free on cuda:0")
     return DeviceMemory(
@@ -221,7 +308,13 @@ def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, strategies: di
     """The plan of a frozen config (model, optimizer, precision, batch, plan.*) for each named strategy."""
     from launcher.base.machine import memory_available
 
-    _, host = memory_available()
+    _, available = memory_available()
+    if derived.device == "cpu":  # the device is the host
+        host = host_memory(cfg.plan, derived, 0.0, available)
+        device = device_memory(cfg.plan, derived, host.total)
+    else:
+        device = device_memory(cfg.plan, derived, None)
+        host = host_memory(cfg.plan, derived, device.total / GB, available)
     model = cfg.model
     seq = OmegaConf.select(cfg, "data.seq_len", default=None) or OmegaConf.select(model, "block_size", default=1)
     precision = str(cfg.precision)
@@ -253,8 +346,9 @@ def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, strategies: di
         activations=activations,
         activations_checkpointed=checkpointed,
         gpt=gpt,
-        device=device_memory(cfg.plan, derived, host),
-        host_available=host,
+        device=device,
+        host=host,
+        nvme=nvme_space(cfg.plan),
         link_gbps=cfg.plan.link_gbps,
         internode_gbps=cfg.plan.internode_gbps,
         strategies=[],

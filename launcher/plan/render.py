@@ -8,7 +8,7 @@ from typing import Any
 
 from launcher.config import ConfigError
 from launcher.plan.costs import GB, GPT_TARGET, KINDS, PLACES, BytesPerParam
-from launcher.plan.fit import Plan, what_would_fit
+from launcher.plan.fit import RANKING, Plan, StrategyPlan, what_would_fit
 from strategies.declarations import Placement
 
 WHERE = {"device": "device", "cpu": "host", "nvme": "nvme"}
@@ -63,6 +63,8 @@ def as_dict(plan: Plan) -> dict[str, Any]:
             "headroom": plan.device.headroom,
             "source": plan.device.source,
         },
+        "host_memory": {"bytes_per_node": plan.host.total, "source": plan.host.source},
+        "nvme": {"bytes_per_node": plan.nvme.total, "source": plan.nvme.source},
         "link": {"gbps": plan.link_gbps, "internode_gbps": plan.internode_gbps, "bound_gbps": plan.gbps},
         "strategies": [
             {
@@ -88,6 +90,11 @@ def as_dict(plan: Plan) -> dict[str, Any]:
                 "peak_bytes": plan.peak(sp),  # where the device's memory is: with device=cpu, offloaded state too
                 "need_bytes": plan.need(sp),  # what `fits` compares with the device's usable bytes
                 "fits": plan.fits(sp),
+                "host_need_bytes_per_node": plan.host_need(sp),
+                "shortfalls": [
+                    {"limit": s.limit, "need_bytes": s.need, "usable_bytes": s.usable, "per": s.per}
+                    for s in plan.shortfalls(sp)
+                ],
                 "shards": sp.shards,
                 "comm_bytes": sp.comm_bytes,
                 "internode_bytes": sp.internode_bytes,
@@ -96,6 +103,7 @@ def as_dict(plan: Plan) -> dict[str, Any]:
             for sp in plan.strategies
         ],
         "auto": pick.name if pick else None,
+        "auto_by": RANKING[plan.decided_by(pick)[0]][0] if pick else None,
     }
 
 
@@ -131,6 +139,19 @@ def _header(plan: Plan) -> list[str]:
         f"device       {_size(plan.device.total)} ({plan.device.source}), headroom {plan.device.headroom:.0%}: "
         f"{_size(plan.device.usable)} usable"
     )
+    if d.device == "cpu":
+        lines.append("host         the device: what a rank offloads is counted on it")
+    elif plan.host.total is None:
+        lines.append(f"host         {plan.host.source}")
+    else:
+        lines.append(
+            f"host         {_size(plan.host.total)} per node ({plan.host.source}), headroom "
+            f"{plan.device.headroom:.0%}: {_size(plan.host.total * (1 - plan.device.headroom))} usable by its "
+            f"{d.gpus} ranks"
+        )
+    if any(sp.on("nvme") for sp in plan.strategies):
+        nvme = f"{_size(plan.nvme.total)} per node ({plan.nvme.source})" if plan.nvme.total else plan.nvme.source
+        lines.append(f"nvme         {nvme}")
     link = f"{plan.link_gbps:g} GB/s per GPU within a node"
     if d.nodes > 1:
         link += f", {plan.internode_gbps:g} GB/s between nodes: rings across nodes run at {plan.gbps:g} GB/s"
@@ -231,7 +252,27 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
             *(["nodes"] if across else []),
             "ms",
         ]
-    return _table(groups, [header, *rows])
+    why = _why_not(plan)
+    return [*_table(groups, [header, *rows]), *([] if compact or not why else [""]), *why]
+
+
+def _why_not(plan: Plan) -> list[str]:
+    """One line per strategy that does not fit: each limit it exceeds, and by how much."""
+    lines = []
+    width = max(len(sp.name) for sp in plan.strategies)
+    for sp in plan.strategies:
+        if short := plan.shortfalls(sp):
+            why = "; ".join(
+                f"{s.limit}: needs {_size(s.need)} {s.per}, {_size(s.usable)} usable, {_size(s.over)} over"
+                for s in short
+            )
+            lines.append(f"  {sp.name + ':':<{width + 1}} {why}")
+    return ["does not fit:", *lines] if lines else []
+
+
+def _comm(plan: Plan, sp: StrategyPlan) -> str:
+    across = f", {_size(sp.internode_bytes)} of it across nodes" if plan.derived.nodes > 1 else ""
+    return f"{sp.comm_seconds * 1e3:.3g} ms per step ({_size(sp.comm_bytes)} per rank{across})"
 
 
 def describe_pick(plan: Plan, blocked: dict[str, str] | None = None) -> str:
@@ -243,16 +284,21 @@ def describe_pick(plan: Plan, blocked: dict[str, str] | None = None) -> str:
         smallest = min(runnable, key=plan.need)
         would = what_would_fit(plan, blocked)
         runs = "runnable strategy" if blocked else "strategy"
+        short = [s for s in plan.shortfalls(smallest) if s.limit != "device memory"]  # the node's limits, beyond it
+        beyond = [f"{_size(s.over)} over the {s.limit} {s.per}" for s in short]
         return (
             f"no {runs} fits {_size(plan.device.usable)} per device (the least any needs, {smallest.name}'s, is "
-            f"{_size(plan.need(smallest))}); would fit: "
+            f"{_size(plan.need(smallest))}{''.join(f'; it is {b}' for b in beyond)}); would fit: "
             f"{'; '.join(would) or 'nothing found: shrink the model or data.seq_len'}"
         )
-    return (
-        f"{pick.name}: the least communication ({_size(pick.comm_bytes)} per rank per step, "
-        f"{pick.comm_seconds * 1e3:.3g} ms) whose peak ({_size(plan.peak(pick))}) "
-        f"fits {_size(plan.device.usable)} per device"
-    )
+    measure, after = plan.decided_by(pick, blocked)
+    line = f"{pick.name}: {RANKING[0][1]} of those that fit, {_comm(plan, pick)}"
+    if after is not None and measure == 0:
+        line += f"; next {after.name}, {_comm(plan, after)}"
+    elif after is not None:
+        tied = ", ".join(name for name, _, _ in RANKING[:measure])
+        line += f"; tied with {after.name} on {tied}, picked by {RANKING[measure][1]}"
+    return f"{line}; its peak {_size(plan.peak(pick))} fits {_size(plan.device.usable)} per device"
 
 
 def render(plan: Plan) -> str:
