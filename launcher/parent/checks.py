@@ -225,11 +225,15 @@ def _check_datasets(frozen: DictConfig) -> Any:
     (`+data._check_=false`; the collate is still built)."""
     from launcher.data.builtin import BUILT_IN_DATA, SKIP_CHECK, build_dataset
     from launcher.data.collate import collate_name, describe, tensors_in
+    from launcher.data.mix import MIX_TARGET
+    from launcher.data.mix_check import check_mixture
     from launcher.data.sources import is_stream
 
     collate = _collate(frozen.data.get("collate"))
     if frozen.data.get(SKIP_CHECK) is False:
         return None
+    if str(frozen.data._target_) == MIX_TARGET:  # a mixture checks its sources itself
+        return check_mixture(frozen, collate)
     splits = ["train"] + (["val"] if frozen.trainer.eval_every > 0 else [])
     global_size, first = int(frozen.batch.global_size), None
     for split in splits:
