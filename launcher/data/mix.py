@@ -23,6 +23,7 @@ by the same rule, and its weight is 0 from then on, the others renormalised.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import torch
 
 from launcher.data.builtin import GlobalBatches, build_dataset, rank_micro_batches
 from launcher.data.collate import Collate, to_device
-from launcher.data.mix_weights import SOURCE_KEYS, MixError, allocate, check_sources
+from launcher.data.mix_weights import SOURCE_KEYS, MixError, Weights, allocate, check_sources
 from launcher.data.sources import StepData, Stream, _json_state, is_stream, resumes_by_state
 
 MIX_TARGET = "launcher.data.mix.Mix"
@@ -137,23 +138,35 @@ class MixSource:
         reader = _MixReader(self, state, position.step, steps, rank, world_size, accumulation)
         loader = DataLoader(reader, batch_size=None, collate_fn=_as_is, num_workers=min(workers, 1),
                             pin_memory=device.type == "cuda", prefetch_factor=4 if workers > 0 else None)  # fmt: skip
-        for step, (micro, state) in enumerate(loader):
+        for step, (micro, state, which) in enumerate(loader):
             if check is not None:
                 for k, batch in enumerate(micro):
                     check(batch, step * accumulation + k)
-            yield StepData([to_device(batch, device) for batch in micro], state)
+            yield StepData([to_device(batch, device) for batch in micro], {"mix": state}, which)
 
     def evaluation(self, batches: int, rank: int, world_size: int, accumulation: int, device: torch.device) -> Any:
         """The mixture's first `batches` global batches (from every source's start, by the weights of steps 1 on),
         this rank's micro-batches of each: the same samples at every evaluation and world size."""
         reader = _MixReader(self, fresh(self.mixture), 0, batches, rank, world_size, accumulation, quiet=True)
-        for micro, _ in reader:
+        for micro, _, _ in reader:
             yield [to_device(batch, device) for batch in micro]
+
+    def alone(self) -> dict[str, MixSource]:
+        """Each source by itself, as a mixture of one: its own validation loss (`launcher.worker.step`)."""
+        out = {}
+        for part in self.mixture.parts:
+            one = copy.copy(self.mixture)
+            one.parts, one.weights = [part], Weights({part.name: 1.0}, None)
+            out[part.name] = MixSource(one, self.global_size, self.seed, self.collate, f"{self.name}: {part.name}")
+        return out
 
     def resumed(self, position: Any, rank: int) -> dict[str, Any]:
         """The mixture's state at `position`: its checkpoint's, with the sources it did not know started afresh and
         a change of sources or weights said in one line (rank 0); fresh at step 0."""
         state = fresh(self.mixture)
+        if rank == 0:
+            print(f"launch: data: the mixture's weights: {self.mixture.weights.describe()}; a source that ends: "
+                  f"data.on_end={self.mixture.on_end}", flush=True)  # fmt: skip
         saved = (position.stream or {}).get("mix") if isinstance(position.stream, dict) else None
         if position.step == 0:
             return state
@@ -195,9 +208,7 @@ class _MixReader(torch.utils.data.IterableDataset):
         self.source, self.state, self.done, self.steps = source, state, done, steps
         self.rank, self.world_size, self.accumulation, self.quiet = rank, world_size, accumulation, quiet
 
-    def __iter__(self) -> Iterator[tuple[list[Any], dict[str, Any]]]:
-        import copy
-
+    def __iter__(self) -> Iterator[tuple[list[Any], dict[str, Any], list[np.ndarray]]]:
         source, parts, B = self.source, self.source.mixture.parts, self.source.global_size
         state = copy.deepcopy(self.state)
         rows = [state["sources"][p.name] for p in parts]
@@ -218,14 +229,16 @@ class _MixReader(torch.utils.data.IterableDataset):
                     start = rows[i]["samples"]
                     chunks[i] = _Indexed(p, p.batches.of(np.arange(start, start + int(counts[i]))))  # type: ignore[union-attr]
             micro = [source.collate([chunks[int(labels[j])][int(nth[j])] for j in part]) for part in mine]
+            which = [labels[part] for part in mine]
             for i, p in enumerate(parts):
                 rows[i]["samples"] += int(counts[i])
+                rows[i]["size"] = None if p.stream else len(p.dataset)
                 if i in streams:
                     stateful = resumes_by_state(p.dataset)[0]
                     rows[i]["stream"] = _json_state(p.dataset.state_dict()) if stateful else None
             weights = self._weights(step, rows)
             state["weights"] = {p.name: float(w) for p, w in zip(parts, weights)}
-            yield micro, copy.deepcopy(state)
+            yield micro, copy.deepcopy(state), which
 
     def _weights(self, step: int, rows: list[dict[str, Any]]) -> np.ndarray:
         """The weights of `step` over the sources still in, normalised."""
@@ -301,3 +314,17 @@ class _Indexed:
 
     def __getitem__(self, k: int) -> Any:
         return self.part.dataset[int(self.indices[k])]
+
+
+def mix_figures(state: Any) -> dict[str, float]:
+    """data=mix's figures from its state after a step (the same on every rank): each source's samples, its share of
+    all samples so far, and a map-style source's epochs begun; none for other data."""
+    rows = (state or {}).get("mix", {}).get("sources", {}) if isinstance(state, dict) else {}
+    total = sum(r["samples"] for r in rows.values()) or 1
+    figures = {}
+    for name, row in rows.items():
+        figures[f"samples/{name}"] = float(row["samples"])
+        figures[f"fraction/{name}"] = row["samples"] / total
+        if row.get("size"):
+            figures[f"epochs/{name}"] = float(-(-row["samples"] // row["size"]))
+    return figures

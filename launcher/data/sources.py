@@ -43,6 +43,8 @@ class StepData:
     """This rank's K micro-batches, collated and on the device."""
     state: dict[str, Any] | None = None
     """A stream's state after this step's samples (its `state_dict`), recorded with a checkpoint of this step."""
+    sources: list[Any] | None = None
+    """data=mix: per micro-batch, the source of each row (its index among the mixture's sources)."""
 
 
 def is_stream(dataset: Any) -> bool:
