@@ -222,3 +222,24 @@ def test_a_three_kind_mixture_on_two_ranks_logs_one_process_and_resumes_on_one_a
     assert "reading past" not in resumed.stdout and "resuming from" in resumed.stdout, resumed.stdout
     assert [m["step"] for m in resumed.metrics] == [8, 9]
     assert _worst(resumed.metrics, two.metrics, range(8, 10)) <= TOLERANCE
+
+
+@pytest.mark.unit
+def test_a_resume_with_other_weights_or_sources_says_so_and_goes_on_from_each_position(parts, capsys) -> None:
+    """Step 3's state resumed with the store left out and other weights: one line says what changed, the two sources
+    left go on from their own positions by the new weights, and a checkpoint that records no mixture is refused in one
+    line."""
+    from launcher.data.mix_weights import MixError
+
+    _, states = _read(_sources(parts), Position(0, 0), 3, 1, 4)
+    capsys.readouterr()
+    two = {k: v for k, v in _sources(parts, (0.2, 0.8, 0.0)).items() if k != "store"}
+    at_3 = Position(3, 3 * B, {"mix": states[2]})
+    _, after = _read(two, at_3, 2, 1, 4)
+    out = capsys.readouterr().out
+    assert "launch: data: the mixture changed since step 3 (maps 0.5->0.2, stream 0.3->0.8; left out: store)" in out
+    for name in ("maps", "stream"):
+        given = after[-1]["sources"][name]["samples"] - states[2]["sources"][name]["samples"]
+        assert given == round(2 * B * (0.2 if name == "maps" else 0.8)), (name, given)
+    with pytest.raises(MixError, match="the checkpoint of step 3 was not written by data=mix"):
+        _read(two, Position(3, 3 * B, None), 1, 1, 4)
