@@ -200,10 +200,11 @@ def _worst(a: list[dict], b: list[dict], steps: range, figure: str = "loss") -> 
 
 def test_a_three_kind_mixture_on_two_ranks_logs_one_process_and_resumes_on_one_after_a_stop_at_7(parts, tmp_path):
     """The mixture of a datasets.Dataset, a streamed datasets IterableDataset and a token store, into a GPT-2 from a
-    config: 2 ranks with K=2 log the losses of one process with K=4 (within 1e-6); the 2-rank run's checkpoint of
+    config: 2 ranks with K=2 (the mixture read by one process ahead of the loop) log the losses of one process with
+    K=4 (within 1e-6), each source's loss too; the 2-rank run's checkpoint of
     step 7, resumed on 1 rank, logs the same losses at steps 8 and 9, its stream loaded from its state."""
     job = [*RUN, *_mix_args(parts), "trainer.max_steps=9", "trainer.checkpoint_every=7"]
-    two = launch(tmp_path, *job, "gpus=2", name="two").check()
+    two = launch(tmp_path, *job, "gpus=2", "data.workers=1", name="two").check()  # read by one process ahead
     one = launch(tmp_path, *job, "gpus=1", name="one").check()
     assert [m["world_size"] for m in two.metrics] == [2] * 9 and [m["accumulation"] for m in one.metrics] == [4] * 9
     assert _worst(two.metrics, one.metrics, range(1, 10)) <= TOLERANCE
@@ -211,6 +212,7 @@ def test_a_three_kind_mixture_on_two_ranks_logs_one_process_and_resumes_on_one_a
     for name in ("maps", "stream", "store"):
         assert _worst(two.metrics, one.metrics, range(1, 10), f"loss/{name}") <= TOLERANCE, name
     last = two.metrics[-1]
+    assert sum(last[f"tokens/{n}"] for n in ("maps", "stream", "store")) == B * 16, last  # the step's, all ranks
     assert sum(last[f"samples/{n}"] for n in ("maps", "stream", "store")) == 9 * B
     assert abs(last["fraction/maps"] - 0.5) <= 1 / (9 * B) + 1e-12, last
     assert "launch: data: the mixture's weights: maps/stream/store = 0.5/0.3/0.2" in two.stdout, two.stdout

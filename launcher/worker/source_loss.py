@@ -3,8 +3,9 @@
 Each micro-batch's rows come with their source (`StepData.sources`); after each forward, the model's own logits give
 every row's summed token loss and its targets (a transformers model's `labels`, by its rule: `LabelRule`, or a
 tuple's targets as they stand), with no gradient; the sums and counts of every source, over the step's micro-batches
-and all ranks (one all-reduce), make `loss/NAME` = Σ token losses / Σ targets of that source's samples. A model whose
-output holds no `logits` logs none (its loss is a single number per micro-batch)."""
+and all ranks (one all-reduce), make `loss/NAME` = Σ token losses / Σ targets of that source's samples, and
+`tokens/NAME` its samples' input tokens in the step. A model whose output holds no `logits` logs no `loss/NAME` (its
+loss is a single number per micro-batch)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class SourceLosses:
 
     def __init__(self, names: list[str], rule: LabelRule) -> None:
         self.names, self.rule = names, rule
-        self.sums = torch.zeros(2 * len(names), dtype=torch.float64)
+        self.sums = torch.zeros(3 * len(names), dtype=torch.float64)
+        """Per source: Σ token losses, Σ targets, Σ input tokens (the elements of its rows' token ids)."""
 
     @classmethod
     def of(cls, source: Any, rule: LabelRule) -> SourceLosses | None:
@@ -42,6 +44,13 @@ class SourceLosses:
         return seen
 
     def see(self, output: Any, batch: Any, rows: torch.Tensor) -> None:
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if isinstance(batch, (list, tuple)) and batch:
+            ids = batch[0]
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dim() >= 2:
+            per_row = torch.full((len(rows),), float(ids[0].numel()), dtype=torch.float64)
+            for i in range(len(self.names)):
+                self.sums[3 * i + 2] += per_row[rows == i].sum()
         logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
         if isinstance(batch, Mapping):
             labels, shift = batch.get("labels"), self.rule.label_shift or 0
@@ -57,13 +66,17 @@ class SourceLosses:
             targets = (labels != IGNORE_INDEX).sum(-1).double().cpu()
         for i in range(len(self.names)):
             mine = rows == i
-            self.sums[2 * i] += per_row[mine].sum()
-            self.sums[2 * i + 1] += targets[mine].sum()
+            self.sums[3 * i] += per_row[mine].sum()
+            self.sums[3 * i + 1] += targets[mine].sum()
 
     def figures(self, device: torch.device) -> dict[str, float]:
-        """`loss/NAME` over every rank's samples of the step (one all-reduce, on every rank alike), then reset."""
+        """`loss/NAME` and `tokens/NAME` over every rank's samples of the step (one all-reduce, on every rank
+        alike), then reset."""
         total = self.sums.to(device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         total, self.sums = total.cpu(), torch.zeros_like(self.sums)
-        return {f"loss/{n}": float(total[2 * i] / total[2 * i + 1]) for i, n in enumerate(self.names)
-                if total[2 * i + 1] > 0}  # fmt: skip
+        figures = {f"tokens/{n}": float(total[3 * i + 2]) for i, n in enumerate(self.names) if total[3 * i + 2] > 0}
+        for i, n in enumerate(self.names):
+            if total[3 * i + 1] > 0:
+                figures[f"loss/{n}"] = float(total[3 * i] / total[3 * i + 1])
+        return figures
