@@ -245,3 +245,52 @@ def test_a_resume_with_other_weights_or_sources_says_so_and_goes_on_from_each_po
         assert given == round(2 * B * (0.2 if name == "maps" else 0.8)), (name, given)
     with pytest.raises(MixError, match="the checkpoint of step 3 was not written by data=mix"):
         _read(two, Position(3, 3 * B, None), 1, 1, 4)
+
+
+def _ending(on_end: str) -> dict:
+    """A user's stream of 40 samples (no state_dict) and the built-in random tokens, half and half."""
+    synthetic = {"_target_": "launcher.data.builtin.Synthetic", "seq_len": 16, "vocab_size": 256, "num_samples": 512,
+                 "format": "tuple", "weight": 0.5}  # fmt: skip
+    return {"stream": {"_target_": "data_sources.token_stream", "count": 40, "weight": 0.5}, "synthetic": synthetic}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("on_end", ["stop", "drop"])
+def test_a_stream_that_ends_stops_the_mixture_or_leaves_it_alike_at_any_world_size(on_end: str, capsys) -> None:
+    """A stream of 40 samples at weight 0.5 (8 a step) ends in step 6: on_end=stop ends the mixture after step 5;
+    drop uses its last samples in step 6, fills the step from the other source, says so in one line, and goes on
+    without it; the same samples on 1 rank with K=4 as on 2 ranks with K=2."""
+
+    def read(world: int, K: int) -> tuple[list, list]:
+        from omegaconf import OmegaConf
+
+        mix = Mix("train", sources=OmegaConf.create(_ending(on_end)), on_end=on_end)
+        source = source_of(mix, B, 0, default_collate, "train")
+        fed = [list(source.feed(Position(0, 0), 10, r, world, K, 0, torch.device("cpu"))) for r in range(world)]
+        steps = [torch.cat([m[0] for r in range(world) for m in fed[r][s].micro]) for s in range(len(fed[0]))]
+        return steps, [d.state["mix"] for d in fed[0]]
+
+    one, states = read(1, 4)
+    two, _ = read(2, 2)
+    assert len(one) == len(two) and all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    stream = [s["sources"]["stream"]["samples"] for s in states]
+    if on_end == "stop":
+        assert len(one) == 5 and stream == [8, 16, 24, 32, 40], stream
+    else:
+        assert len(one) == 10 and stream[-1] == 40 and states[-1]["sources"]["stream"]["ended"], stream
+        assert "launch: data: data.sources.stream ended after 40 samples at step 6; it leaves the mixture" in (
+            capsys.readouterr().out
+        )
+
+
+def test_a_mixture_whose_stream_ends_ends_the_run_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    """data=mix on 2 ranks, its stream of 40 samples ending in step 6 under on_end=stop: the run ends after step 5
+    on every rank (exit 0), saying so, with step 5's checkpoint."""
+    srcs = ("data.sources={stream:{weight:0.5,_target_:data_sources.token_stream,count:40},synthetic:{weight:0.5,"
+            "_target_:launcher.data.builtin.Synthetic,seq_len:16,num_samples:512}}")  # fmt: skip
+    job = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.block_size=16", "data=mix", srcs,
+           *(o for o in RUN if not o.startswith(("model", "+model"))), "trainer.max_steps=10", "gpus=2"]  # fmt: skip
+    run = launch(tmp_path, *job).check()
+    assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5], run.metrics
+    assert "launch: data: the stream ended after 80 samples: step 5 trained its last full global batch" in run.stdout
+    assert (run.run_dir / "checkpoints" / "step_00000005" / "manifest.json").is_file()
