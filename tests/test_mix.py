@@ -202,7 +202,7 @@ def test_a_three_kind_mixture_on_two_ranks_logs_one_process_and_resumes_on_one_a
     """The mixture of a datasets.Dataset, a streamed datasets IterableDataset and a token store, into a GPT-2 from a
     config: 2 ranks with K=2 (the mixture read by one process ahead of the loop) log the losses of one process with
     K=4 (within 1e-6), each source's loss too; the 2-rank run's checkpoint of
-    step 7, resumed on 1 rank, logs the same losses at steps 8 and 9, its stream loaded from its state."""
+    step 7, resumed on 1 rank under FSDP, logs the same losses at steps 8 and 9, its stream loaded from its state."""
     job = [*RUN, *_mix_args(parts), "trainer.max_steps=9", "trainer.checkpoint_every=7"]
     two = launch(tmp_path, *job, "gpus=2", "data.workers=1", name="two").check()  # read by one process ahead
     one = launch(tmp_path, *job, "gpus=1", name="one").check()
@@ -219,8 +219,8 @@ def test_a_three_kind_mixture_on_two_ranks_logs_one_process_and_resumes_on_one_a
     manifest = json.loads((two.run_dir / "checkpoints" / "step_00000007" / "manifest.json").read_text())
     rows = manifest["stream"]["mix"]["sources"]
     assert sum(r["samples"] for r in rows.values()) == 7 * B and isinstance(rows["stream"]["stream"], dict), rows
-    resumed = launch(tmp_path, *job, "gpus=1", f"resume={two.run_dir / 'checkpoints' / 'step_00000007'}",
-                     name="resumed").check()  # fmt: skip
+    step_7 = two.run_dir / "checkpoints" / "step_00000007"
+    resumed = launch(tmp_path, *job, "gpus=1", "strategy=fsdp", f"resume={step_7}", name="resumed").check()
     assert "reading past" not in resumed.stdout and "resuming from" in resumed.stdout, resumed.stdout
     assert [m["step"] for m in resumed.metrics] == [8, 9]
     assert _worst(resumed.metrics, two.metrics, range(8, 10)) <= TOLERANCE
