@@ -11,8 +11,9 @@ python bench/loader.py [--only slow|kinds|mix] [--steps 12] [--cost-ms 5] [--wor
   stream and keeps its share, `launcher.data.sources`), read in the loop and by one reader process ahead of it; as rows
   of Python lists through the default collate; and through a collate of the user's (padding to the longest).
   Goal: a stream within 1.05 x of the map-style dataset.
-- mix: one map-style source alone (data=custom), against data=mix of three sources (that map-style one, a stream and
-  rows of lists; weights 0.5/0.3/0.2), read in the loop and by one reader process. Goal: the mixture within 1.05 x.
+- mix: one map-style source alone (data=custom), against data=mix of three sources (weights 0.5/0.3/0.2): three of
+  that kind (the cost of mixing alone), and three kinds (that one, a stream, rows of lists) read in the loop and by one
+  reader process. Goal: the mixture within 1.05 x.
 """
 
 from __future__ import annotations
@@ -164,13 +165,17 @@ def main() -> None:
 
 MIX = ("data.sources={one:{weight:0.5,_target_:loader.Slow,cost_ms:0},two:{weight:0.3,_target_:loader.Stream},"
        "three:{weight:0.2,_target_:loader.Rows}}")  # fmt: skip
+SAME = ("data.sources={one:{weight:0.5,_target_:loader.Slow,cost_ms:0},two:{weight:0.3,_target_:loader.Slow,"
+        "cost_ms:0},three:{weight:0.2,_target_:loader.Slow,cost_ms:0}}")  # fmt: skip
+"""Three map-style sources of the kind the single source is: the cost of mixing alone."""
 
 
 def mix(a: argparse.Namespace, out: Path) -> None:
     """One map-style source against a mixture of three kinds, interleaved `--repeats` times, each one's fastest."""
     kinds = [("one map-style source", ["data._target_=loader.Slow", "+data.cost_ms=0"]),
-             ("data=mix, three sources, read in the loop", ["data=mix", MIX]),
-             ("data=mix, three sources, a reader process", ["data=mix", MIX, "data.workers=1"])]  # fmt: skip
+             ("data=mix, three map-style sources, read in the loop", ["data=mix", SAME]),
+             ("data=mix, map-style + stream + rows, read in the loop", ["data=mix", MIX]),
+             ("data=mix, map-style + stream + rows, a reader", ["data=mix", MIX, "data.workers=1"])]  # fmt: skip
     found: dict[str, list[tuple[float, float]]] = {}
     for r in range(a.repeats):
         for i, (name, data) in enumerate(kinds):

@@ -180,8 +180,9 @@ class MixSource:
         gone = [n for n in saved["sources"] if n not in names]
         for name in names:
             state["sources"][name] |= saved["sources"].get(name, {})
-        old_w, now_w = saved.get("weights", {}), self.mixture.weights.at(position.step)
-        now = {n: float(w / now_w.sum()) for n, w in zip(names, now_w)}
+        old_w = saved.get("weights", {})
+        now_w = self.mixture.weights.at(position.step) * [not state["sources"][n]["ended"] for n in names]
+        now = {n: float(w / (now_w.sum() or 1.0)) for n, w in zip(names, now_w)}
         changed = new or gone or any(abs(old_w.get(n, -1.0) - now[n]) > 1e-9 for n in names)
         if changed and rank == 0:
             said = ", ".join(f"{n} {old_w.get(n, 0):.3g}->{now[n]:.3g}" for n in names)
