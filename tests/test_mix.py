@@ -224,6 +224,10 @@ def test_a_three_kind_mixture_on_two_ranks_logs_one_process_and_resumes_on_one_a
     assert "reading past" not in resumed.stdout and "resuming from" in resumed.stdout, resumed.stdout
     assert [m["step"] for m in resumed.metrics] == [8, 9]
     assert _worst(resumed.metrics, two.metrics, range(8, 10)) <= TOLERANCE
+    # Its positions are the sources': another data cannot go on from them, refused before any worker.
+    hf = ["data=hf", "data.path=json", f"data.data_files={parts['rows']}", f"data.cache_dir={parts['cache']}"]
+    other = launch_here(tmp_path, *RUN, *hf, "trainer.max_steps=9", f"resume={step_7}", name="other")
+    assert f"resume={step_7} was written by data=mix (its positions are each source's)" in other.refused()
 
 
 @pytest.mark.unit

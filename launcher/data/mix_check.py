@@ -65,3 +65,25 @@ def _first(part: Any, split: str) -> Any:
         raise ConfigError(f"data.sources.{part.name}: its {split} split holds no sample; give it samples, or leave it "
                           "out of the mixture")  # fmt: skip
     return found[0]
+
+
+def check_mixture_resume(frozen: Any, checkpoint: Any) -> None:
+    """A checkpoint resumed with data it cannot be honoured under: one written by data=mix resumed with other data
+    (its position counts the mixture's samples, not the data's), or one of other data resumed by a mixture (it
+    records no source's position). ConfigError (one line); other changes of a mixture are said by the worker."""
+    from launcher.checkpoint.format import read_manifest
+    from launcher.data.mix import MIX_TARGET
+
+    manifest = read_manifest(checkpoint)
+    mixed = isinstance(manifest.get("stream"), dict) and "mix" in manifest["stream"]
+    mixing = str(frozen.data._target_) == MIX_TARGET
+    if manifest["step"] and mixed and not mixing:
+        raise ConfigError(
+            f"resume={checkpoint} was written by data=mix (its positions are each source's); resume it with that "
+            "mixture (data=mix and its sources), or start this data afresh"
+        )
+    if manifest["step"] and mixing and not mixed:
+        raise ConfigError(
+            f"resume={checkpoint} was not written by data=mix (it records no source's position); resume it with the "
+            "data it was written with, or start this mixture afresh"
+        )

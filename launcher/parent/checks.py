@@ -26,6 +26,7 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Location | No
     from launcher.base.storage import checkpoints_of
     from launcher.checkpoint.format import CheckpointError
     from launcher.checkpoint.loading import check_fits, check_folder, find_resume
+    from launcher.data.mix_check import check_mixture_resume
 
     try:
         identity = {"config_hash": frozen.job.config_hash, "sweep_dir": frozen.job.get("sweep_dir")}
@@ -38,6 +39,7 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Location | No
         if found is not None:
             check_fits(found, model)
             _check_steps_left(found, frozen.trainer.max_steps)
+            check_mixture_resume(frozen, found)  # data=mix's positions, or another data's
     except CheckpointError as e:
         raise ConfigError(str(e)) from e
     if frozen.resume == "auto":
