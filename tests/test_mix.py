@@ -19,7 +19,7 @@ from text_corpus import documents, train_tokenizer, write_jsonl
 
 from launcher.checkpoint.format import Position
 from launcher.data.collate import default_collate
-from launcher.data.mix import Mix
+from launcher.data.mix import Mix, mix_figures
 from launcher.data.mix_weights import Weights, allocate
 from launcher.data.sources import source_of
 
@@ -128,16 +128,20 @@ def test_a_scheduled_change_of_weights_shows_in_the_counts_at_its_step(parts) ->
 @pytest.mark.parametrize("on_end", ["stop", "drop"])
 def test_a_source_that_ends_stops_the_run_or_leaves_the_mixture(parts, on_end: str) -> None:
     """The map-style source with epochs=1 (180 rows) at weight 0.9 runs out at step 13: on_end=stop ends the run
-    after step 12 on every world size alike; on_end=drop gives its last rows, the others fill the step, and it gives
-    none after."""
+    after step 12 on every world size alike (without epochs it repeats: its second epoch is counted); on_end=drop
+    gives its last rows, the others fill the step, and it gives none after."""
     sources = _sources(parts, (0.9, 0.05, 0.05))
     sources["maps"]["epochs"] = 1
     one, states = _read(sources, Position(0, 0), 20, 1, 4, on_end=on_end)
     two, _ = _read(sources, Position(0, 0), 20, 2, 2, on_end=on_end)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True)) and len(one) == len(two)
     maps = [s["sources"]["maps"]["samples"] for s in states]
+    assert mix_figures({"mix": states[-1]})["epochs/maps"] == 1.0
     if on_end == "stop":
         assert len(one) == 12 and maps[-1] <= 180 and maps[-1] + 0.9 * B > 180, maps
+        del sources["maps"]["epochs"]  # unset: it repeats, its epochs counted on its own
+        _, states = _read(sources, Position(0, 0), 20, 1, 4, on_end=on_end)
+        assert states[-1]["sources"]["maps"]["samples"] > 180 and mix_figures({"mix": states[-1]})["epochs/maps"] == 2
     else:
         assert len(one) == 20 and maps[-1] == 180 and states[-1]["sources"]["maps"]["ended"], maps
         assert states[-1]["weights"]["maps"] == 0 and abs(sum(states[-1]["weights"].values()) - 1) < 1e-12
