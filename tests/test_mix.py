@@ -293,7 +293,8 @@ def test_a_stream_that_ends_stops_the_mixture_or_leaves_it_alike_at_any_world_si
 
 def test_a_mixture_whose_stream_ends_ends_the_run_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
     """data=mix on 2 ranks, its stream of 40 samples ending in step 6 under on_end=stop: the run ends after step 5
-    on every rank (exit 0), saying so, with step 5's checkpoint."""
+    on every rank (exit 0), saying so, with step 5's checkpoint; the built-in GPT's loss per source adds up to the
+    step's."""
     srcs = ("data.sources={stream:{weight:0.5,_target_:data_sources.token_stream,count:40},synthetic:{weight:0.5,"
             "_target_:launcher.data.builtin.Synthetic,seq_len:16,num_samples:512}}")  # fmt: skip
     job = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.block_size=16", "data=mix", srcs,
@@ -302,3 +303,10 @@ def test_a_mixture_whose_stream_ends_ends_the_run_on_every_rank_at_the_same_step
     assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5], run.metrics
     assert "launch: data: the stream ended after 80 samples: step 5 trained its last full global batch" in run.stdout
     assert (run.run_dir / "checkpoints" / "step_00000005" / "manifest.json").is_file()
+    # The built-in GPT's losses per source partition the step's: every sample holds 16 targets, so the step's loss is
+    # the mean of the sources' losses weighted by their samples in the step.
+    before = {"stream": 0.0, "synthetic": 0.0}
+    for m in run.metrics:
+        got = {n: m[f"samples/{n}"] - before[n] for n in before}
+        assert abs(m["loss"] - sum(m[f"loss/{n}"] * got[n] for n in got if got[n]) / B) < 1e-5, (m, got)
+        before = {n: m[f"samples/{n}"] for n in before}

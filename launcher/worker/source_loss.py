@@ -1,11 +1,11 @@
 """data=mix: the training loss of each source's samples on a logged step, reduced exactly over ranks.
 
-Each micro-batch's rows come with their source (`StepData.sources`); after each forward, the model's own logits give
-every row's summed token loss and its targets (a transformers model's `labels`, by its rule: `LabelRule`, or a
-tuple's targets as they stand), with no gradient; the sums and counts of every source, over the step's micro-batches
-and all ranks (one all-reduce), make `loss/NAME` = Σ token losses / Σ targets of that source's samples, and
-`tokens/NAME` its samples' input tokens in the step. A model whose output holds no `logits` logs no `loss/NAME` (its
-loss is a single number per micro-batch)."""
+Each micro-batch's rows come with their source (`StepData.sources`); after each forward, the model's own per-row losses
+(the built-in GPT's `row_loss`) or its logits give every row's summed token loss and its targets (a transformers model's
+`labels`, by its rule: `LabelRule`, or a tuple's targets as they stand), with no gradient; the sums and counts of every
+source, over the step's micro-batches and all ranks (one all-reduce), make `loss/NAME` = Σ token losses / Σ targets of
+that source's samples, and `tokens/NAME` its samples' input tokens in the step. A model whose output holds neither logs
+no `loss/NAME` (its loss is a single number per micro-batch)."""
 
 from __future__ import annotations
 
@@ -52,17 +52,23 @@ class SourceLosses:
             for i in range(len(self.names)):
                 self.sums[3 * i + 2] += per_row[rows == i].sum()
         logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+        rows_loss = output.get("row_loss") if isinstance(output, Mapping) else None  # the built-in GPT's own
         if isinstance(batch, Mapping):
             labels, shift = batch.get("labels"), self.rule.label_shift or 0
         else:
             labels, shift = (batch[-1] if isinstance(batch, (list, tuple)) and batch else None), 0
-        if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor) or logits.dim() != 3:
+        if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
             return
         with torch.no_grad():
-            logits, labels = logits[:, : logits.size(1) - shift].float(), labels[:, shift:]
-            token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                    reduction="none").view(labels.shape)  # fmt: skip
-            per_row = token.sum(-1).double().cpu()
+            if isinstance(rows_loss, torch.Tensor) and rows_loss.shape == labels.shape[:1]:
+                per_row = rows_loss.double().cpu()
+            elif isinstance(logits, torch.Tensor) and logits.dim() == 3:
+                logits, labels = logits[:, : logits.size(1) - shift].float(), labels[:, shift:]
+                token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                        reduction="none").view(labels.shape)  # fmt: skip
+                per_row = token.sum(-1).double().cpu()
+            else:
+                return
             targets = (labels != IGNORE_INDEX).sum(-1).double().cpu()
         for i in range(len(self.names)):
             mine = rows == i
