@@ -294,12 +294,18 @@ def test_a_stream_that_ends_stops_the_mixture_or_leaves_it_alike_at_any_world_si
 def test_a_mixture_whose_stream_ends_ends_the_run_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
     """data=mix on 2 ranks, its stream of 40 samples ending in step 6 under on_end=stop: the run ends after step 5
     on every rank (exit 0), saying so, with step 5's checkpoint; the built-in GPT's loss per source adds up to the
-    step's."""
+    step's; the losses per source, training and validation, are one process's (K=4) within 1e-6."""
     srcs = ("data.sources={stream:{weight:0.5,_target_:data_sources.token_stream,count:40},synthetic:{weight:0.5,"
             "_target_:launcher.data.builtin.Synthetic,seq_len:16,num_samples:512}}")  # fmt: skip
     job = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.block_size=16", "data=mix", srcs,
-           *(o for o in RUN if not o.startswith(("model", "+model"))), "trainer.max_steps=10", "gpus=2"]  # fmt: skip
-    run = launch(tmp_path, *job).check()
+           *(o for o in RUN if not o.startswith(("model", "+model"))), "trainer.max_steps=10", "trainer.eval_every=5",
+           "trainer.eval_batches=1"]  # fmt: skip
+    run = launch(tmp_path, *job, "gpus=2").check()
+    one = launch(tmp_path, *job, "gpus=1", name="one").check()
+    for figure in ("loss", "loss/stream", "loss/synthetic"):
+        assert _worst(run.metrics, one.metrics, range(1, 6), figure) <= TOLERANCE, figure
+    for figure in ("val_loss", "val_loss/stream", "val_loss/synthetic"):  # each source's validation split alone
+        assert abs(run.metrics[-1][figure] - one.metrics[-1][figure]) <= TOLERANCE, figure
     assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5], run.metrics
     assert "launch: data: the stream ended after 80 samples: step 5 trained its last full global batch" in run.stdout
     assert (run.run_dir / "checkpoints" / "step_00000005" / "manifest.json").is_file()
