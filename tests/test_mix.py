@@ -178,6 +178,7 @@ def test_bad_weights_are_one_line_before_any_worker(parts, case, extra, expected
         ("out of order", "+data.schedule=[{step:5,weights:{maps:1}},{step:3,weights:{maps:0}}]",
          "data.schedule[1].step=3 does not come after step 5"),
         ("ragged sources", "data.sources.store.seq_len=8", "data.sources.maps and data.sources.store give samples"),
+        ("epochs of a stream", "+data.sources.stream.epochs=2", "data.sources.stream.epochs=2: stream is a stream"),
     ],
 )  # fmt: skip
 def test_a_bad_schedule_or_sources_that_do_not_batch_are_one_line(parts, case, override, expected, tmp_path) -> None:
@@ -306,6 +307,12 @@ def test_a_mixture_whose_stream_ends_ends_the_run_on_every_rank_at_the_same_step
         assert _worst(run.metrics, one.metrics, range(1, 6), figure) <= TOLERANCE, figure
     for figure in ("val_loss", "val_loss/stream", "val_loss/synthetic"):  # each source's validation split alone
         assert abs(run.metrics[-1][figure] - one.metrics[-1][figure]) <= TOLERANCE, figure
+    from launcher.search.objective import objective, read_metrics  # a sweep's objective may be any of them
+
+    assert (
+        objective(read_metrics(run.run_dir), "val_loss/stream", "last", "minimize")[0]
+        == run.metrics[-1]["val_loss/stream"]
+    )
     assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5], run.metrics
     assert "launch: data: the stream ended after 80 samples: step 5 trained its last full global batch" in run.stdout
     assert (run.run_dir / "checkpoints" / "step_00000005" / "manifest.json").is_file()

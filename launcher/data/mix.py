@@ -75,8 +75,11 @@ class Mixture:
         self.parts = []
         for name, node in sources.items():
             dataset = build_dataset(_node(node), split)
-            epochs = node.get("epochs")
-            self.parts.append(Part(str(name), dataset, float(node.get("weight")), epochs, is_stream(dataset)))
+            epochs, stream = node.get("epochs"), is_stream(dataset)
+            if stream and epochs is not None:
+                raise MixError(f"data.sources.{name}.epochs={epochs}: {name} is a stream, which ends when it runs out; "
+                               "unset it (epochs count a map-style source's passes)")  # fmt: skip
+            self.parts.append(Part(str(name), dataset, float(node.get("weight")), epochs, stream))
 
     def source_for(self, global_size: int, seed: int, collate: Collate, name: str) -> MixSource:
         return MixSource(self, global_size, seed, collate, name)
