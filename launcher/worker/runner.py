@@ -24,7 +24,6 @@ from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
 from launcher.data.builtin import BUILT_IN_DATA, build_dataset, check_token_ids
 from launcher.data.collate import build_collate
-from launcher.data.mix import mix_figures
 from launcher.data.sources import StepData, source_of
 from launcher.models.loss import LabelRule, batch_tokens
 from launcher.models.meta import build_on_meta
@@ -39,7 +38,7 @@ from launcher.worker.profiling import MemorySnapshots, StepProfiler
 from launcher.worker.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_count, resume
 from launcher.worker.source_loss import SourceLosses
 from launcher.worker.speed import Speed, Window
-from launcher.worker.step import all_reduce, evaluate, evaluate_sources, gather_rows, train_step
+from launcher.worker.step import all_reduce, evaluations, gather_rows, train_step
 from launcher.worker.stragglers import StepClock, Stragglers
 from strategies import RunContext, Strategy
 
@@ -299,9 +298,8 @@ class Trainer:
         Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is not on CPU: the
         per-operator count would be in the profile, around every op of the step."""
         with self.memory.measure(measured, profiled=self.profiler.covers(step)):
-            seen = self.source_losses.seer(data.sources) if logged and self.source_losses else None
             return train_step(self.guard, data.micro, self.ctx, self.lr(step), self.rule, step, self.phase, self.clock,  # type: ignore[arg-type]
-                              seen)  # fmt: skip
+                              self.source_losses.seer(data.sources, logged))  # fmt: skip
 
     def commit(self, step: int, grad_norm: float) -> bool:
         """Before anything is logged or saved: a step that is not finite was not applied (False), and may end the
@@ -319,12 +317,9 @@ class Trainer:
         metrics |= self.speed.metrics(metrics.get("tokens_per_s"), self.ctx.world_size)
         if self.nonfinite == "skip":
             metrics["skipped_steps"] = self.guard.skipped
-        metrics |= mix_figures(self.position.stream)  # data=mix: each source's samples, share and training loss
-        metrics |= self.source_losses.figures(self.device) if self.source_losses else {}
-        if evaluated:
-            val = evaluate(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
-            metrics["val_loss"] = val
-            metrics |= evaluate_sources(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
+        metrics |= self.source_losses.figures(self.device, self.position.stream)  # data=mix: per source
+        if evaluated:  # val_loss (data=mix: and each source's alone)
+            metrics |= evaluations(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
         for name in metrics:
             declared(name)  # a figure nobody declared is refused, not logged with a meaning nobody chose
         self.loggers.log(metrics, step)

@@ -28,14 +28,15 @@ class SourceLosses:
         """Per source: Σ token losses, Σ targets, Σ input tokens (the elements of its rows' token ids)."""
 
     @classmethod
-    def of(cls, source: Any, rule: LabelRule) -> SourceLosses | None:
-        """For a mixture's source (one that names its parts), else None."""
-        parts = getattr(getattr(source, "mixture", None), "parts", None)
-        return cls([p.name for p in parts], rule) if parts else None
+    def of(cls, source: Any, rule: LabelRule) -> SourceLosses:
+        """For a mixture's source, its parts; for any other, none (it then logs nothing and reduces nothing)."""
+        parts = getattr(getattr(source, "mixture", None), "parts", None) or []
+        return cls([p.name for p in parts], rule)
 
-    def seer(self, rows: list[Any] | None) -> Any:
-        """The callback `train_step` calls after each forward: (micro-step k, the model's output, the batch)."""
-        if rows is None:
+    def seer(self, rows: list[Any] | None, logged: bool) -> Any:
+        """The callback `train_step` calls after each forward of a logged step: (micro-step k, the model's output,
+        the batch); None for other steps and other data."""
+        if rows is None or not logged or not self.names:
             return None
 
         def seen(k: int, output: Any, batch: Any) -> None:
@@ -75,13 +76,18 @@ class SourceLosses:
             self.sums[3 * i] += per_row[mine].sum()
             self.sums[3 * i + 1] += targets[mine].sum()
 
-    def figures(self, device: torch.device) -> dict[str, float]:
-        """`loss/NAME` and `tokens/NAME` over every rank's samples of the step (one all-reduce, on every rank
-        alike), then reset."""
+    def figures(self, device: torch.device, state: Any) -> dict[str, float]:
+        """The mixture's figures from its `state` after the step (`mix_figures`), and `loss/NAME` and `tokens/NAME`
+        over every rank's samples of the step (one all-reduce, on every rank alike); then reset."""
+        from launcher.data.mix import mix_figures
+
+        if not self.names:  # not a mixture, on every rank alike: no collective
+            return {}
         total = self.sums.to(device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         total, self.sums = total.cpu(), torch.zeros_like(self.sums)
-        figures = {f"tokens/{n}": float(total[3 * i + 2]) for i, n in enumerate(self.names) if total[3 * i + 2] > 0}
+        figures = mix_figures(state)
+        figures |= {f"tokens/{n}": float(total[3 * i + 2]) for i, n in enumerate(self.names) if total[3 * i + 2] > 0}
         for i, n in enumerate(self.names):
             if total[3 * i + 1] > 0:
                 figures[f"loss/{n}"] = float(total[3 * i] / total[3 * i + 1])

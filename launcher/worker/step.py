@@ -60,14 +60,11 @@ def evaluate(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rul
     return total / count if count else float("nan")
 
 
-def evaluate_sources(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rule: LabelRule) -> dict:
-    """data=mix: `val_loss/NAME`, each source's validation loss alone, by `evaluate`'s rule; none for other data, nor
-    for a source whose validation split holds no full global batch."""
-    alone = getattr(source, "alone", None)
-    if alone is None:
-        return {}
-    losses = {}
-    for name, one in alone().items():
+def evaluations(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rule: LabelRule) -> dict[str, float]:
+    """`val_loss` (`evaluate`), and for data=mix `val_loss/NAME`, each source's validation split alone (none for a
+    source whose split holds no full global batch)."""
+    losses = {"val_loss": evaluate(strategy, source, ctx, batches, rule)}
+    for name, one in (source.alone() if hasattr(source, "alone") else {}).items():
         loss = evaluate(strategy, one, ctx, batches, rule)
         if loss == loss:  # NaN: no batch to evaluate
             losses[f"val_loss/{name}"] = loss
