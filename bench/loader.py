@@ -3,7 +3,7 @@ same job (the built-in GPT, 4 x 128, sequence 128, random tokens; micro-batch 8 
 global 32, logger=none). Figures are the median logged step time after the first step, and samples/s; each ratio is
 against the first row, measured in the same invocation.
 
-python bench/loader.py [--only slow|kinds] [--steps 12] [--cost-ms 5] [--workers 4]
+python bench/loader.py [--only slow|kinds|mix] [--steps 12] [--cost-ms 5] [--workers 4]
 
 - slow: a dataset that costs nothing; one whose samples cost 5 ms each, read in the loop (data.workers=0); the same
   read by `--workers` DataLoader processes per rank ahead of the loop. Goal: the loader within 1.10 x of free.
@@ -11,6 +11,9 @@ python bench/loader.py [--only slow|kinds] [--steps 12] [--cost-ms 5] [--workers
   stream and keeps its share, `launcher.data.sources`), read in the loop and by one reader process ahead of it; as rows
   of Python lists through the default collate; and through a collate of the user's (padding to the longest).
   Goal: a stream within 1.05 x of the map-style dataset.
+- mix: one map-style source alone (data=custom), against data=mix of three sources (weights 0.5/0.3/0.2): three of
+  that kind (the cost of mixing alone), and three kinds (that one, a stream, rows of lists) read in the loop and by one
+  reader process. Goal: the mixture within 1.05 x.
 """
 
 from __future__ import annotations
@@ -90,7 +93,8 @@ def pad(samples):  # type: ignore[no-untyped-def]
 def run(name: str, data: list[str], steps: int, out: Path) -> tuple[float, float]:
     """The median step time after the first step, and the median samples/s, of one launch with `data` overrides."""
     env_path = str(Path(__file__).parent)
-    overrides = ["model=gpt_tiny", "model.block_size=128", "data=custom", *data, "batch.micro_size=8",
+    chosen = data if any(d.startswith("data=") for d in data) else ["data=custom", *data]
+    overrides = ["model=gpt_tiny", "model.block_size=128", *chosen, "batch.micro_size=8",
                  "batch.global_size=32", "gpus=2", "device=cpu",
                  f"trainer.max_steps={steps}", "trainer.log_every=1", "trainer.eval_every=0", "logger=none",
                  "trainer.progress=false", "trainer.save_at_end=false", f"hydra.run.dir={out / name}"]  # fmt: skip
@@ -117,7 +121,7 @@ def table(title: str, rows: list[tuple[str, tuple[float, float]]]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("slow", "kinds"))
+    p.add_argument("--only", choices=("slow", "kinds", "mix"))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--cost-ms", type=float, default=5.0)
     p.add_argument("--workers", type=int, default=4)
@@ -125,6 +129,8 @@ def main() -> None:
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
+        if a.only == "mix":
+            return mix(a, out)
         if a.only != "kinds":
             slow = ["data._target_=loader.Slow", f"+data.cost_ms={a.cost_ms}"]
             rows = [
@@ -153,6 +159,29 @@ def main() -> None:
                     found.setdefault(name, []).append(run(f"kind{i}-{r}", data, a.steps, out))
             rows = [(name, min(found[name])) for name, _ in kinds]
             table("2 CPU ranks, the same samples from each kind of source (goal: a stream <= 1.05 x map-style)", rows)
+        if a.only is None:
+            mix(a, out)
+
+
+MIX = ("data.sources={one:{weight:0.5,_target_:loader.Slow,cost_ms:0},two:{weight:0.3,_target_:loader.Stream},"
+       "three:{weight:0.2,_target_:loader.Rows}}")  # fmt: skip
+SAME = ("data.sources={one:{weight:0.5,_target_:loader.Slow,cost_ms:0},two:{weight:0.3,_target_:loader.Slow,"
+        "cost_ms:0},three:{weight:0.2,_target_:loader.Slow,cost_ms:0}}")  # fmt: skip
+"""Three map-style sources of the kind the single source is: the cost of mixing alone."""
+
+
+def mix(a: argparse.Namespace, out: Path) -> None:
+    """One map-style source against a mixture of three kinds, interleaved `--repeats` times, each one's fastest."""
+    kinds = [("one map-style source", ["data._target_=loader.Slow", "+data.cost_ms=0"]),
+             ("data=mix, three map-style sources, read in the loop", ["data=mix", SAME]),
+             ("data=mix, map-style + stream + rows, read in the loop", ["data=mix", MIX]),
+             ("data=mix, map-style + stream + rows, a reader", ["data=mix", MIX, "data.workers=1"])]  # fmt: skip
+    found: dict[str, list[tuple[float, float]]] = {}
+    for r in range(a.repeats):
+        for i, (name, data) in enumerate(kinds):
+            found.setdefault(name, []).append(run(f"mix{i}-{r}", data, a.steps, out))
+    table("2 CPU ranks, one source against a mixture of three (goal: the mixture <= 1.05 x one source)",
+          [(name, min(found[name])) for name, _ in kinds])  # fmt: skip
 
 
 if __name__ == "__main__":

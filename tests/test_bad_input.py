@@ -24,7 +24,7 @@ BAD = {
     # composition: the schema knows every key, type and choice
     "unknown strategy": (["strategy=nope"], "unknown strategy 'nope'; valid: auto, ddp"),
     "unknown model": (["model=gpt_huge"], "unknown model 'gpt_huge'; valid: custom, gpt_124m"),
-    "unknown data": (["data=imagenet"], "unknown data 'imagenet'; valid: custom, hf, pysource"),
+    "unknown data": (["data=imagenet"], "unknown data 'imagenet'; valid: custom, hf, mix, pysource"),
     "unknown key": (["trainer.max_stpes=5"], "unknown key 'trainer.max_stpes'"),
     "unknown top-level key": (["gpu=2"], "unknown key 'gpu'"),
     "a misspelt key added": (["+trainer.checkpoint_evry=100"], "unknown key trainer.checkpoint_evry=100: no schema or "

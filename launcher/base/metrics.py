@@ -80,6 +80,12 @@ METRICS = {
             "wait_s_max", "s", "max", "runner", "a rank's seconds waiting in the step's timed collectives, the most"
         ),
         Metric("wait_s_rank", "", "argmax", "runner", "the rank that waited that long"),
+        Metric("loss/<source>", "", "sum", "runner", "data=mix: the loss of a source's samples of the step (logits)"),
+        Metric("tokens/<source>", "", "sum", "runner", "data=mix: the input tokens of a source's samples of the step"),
+        Metric("val_loss/<source>", "", "sum", "evaluation", "data=mix: a source's validation loss, alone"),
+        Metric("samples/<source>", "", "same", "data", "data=mix: the samples a source gave so far (its position)"),
+        Metric("fraction/<source>", "", "same", "data", "data=mix: its share of every sample trained on so far"),
+        Metric("epochs/<source>", "", "same", "data", "data=mix: a map-style source's epochs begun"),
     )
 }
 
@@ -87,7 +93,7 @@ METRICS = {
 def declared(name: str) -> Metric:
     """The declaration of `name`; KeyError (one line) for a figure nobody declared."""
     try:
-        return METRICS[name]
+        return METRICS[name] if name in METRICS else METRICS[name.split("/", 1)[0] + "/<source>"]
     except KeyError:
         raise KeyError(
             f"the figure {name!r} has no declaration in launcher/base/metrics.py: declare its unit and its reduction "

@@ -1,4 +1,4 @@
-"""The typed config: the schema under every YAML file of conf/ (`schema`, `data_schema`, `trainer_schema`,
+"""The typed config: the schema under every YAML file of conf/ (`schema`, `data_schema`, `mix_schema`, `trainer_schema`,
 `sweep_schema`) and the ranges each numeric field declares (`ranges`); freezing a composed config into plain values and
 deriving what every rank shares (`frozen`); every key known, to a schema or to the target it is passed to (`known`);
 what a run is (`identity`); a rank's view of a frozen config, its strategy

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.errors import ConfigError
+from launcher.config.mix_schema import with_source_schemas
 
 CPU_DEFAULT_GPUS = 2
 """Workers per node on CPU when `gpus` is unset: enough to exercise real collectives."""
@@ -51,7 +52,7 @@ def freeze(cfg: DictConfig) -> DictConfig:
     from launcher.config.known import unknown_key
     from launcher.config.ranges import check_ranges
 
-    cfg = with_schemas(cfg)
+    cfg = with_source_schemas(with_schemas(cfg))  # data=mix: each source over its own option's schema
     try:
         missing = sorted(OmegaConf.missing_keys(cfg))
     except InterpolationResolutionError as e:  # e.g. model.block_size=${data.seq_len} under a data without seq_len

@@ -16,7 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from launcher.config import data_schema
+from launcher.config import data_schema, mix_schema
 from launcher.config.data_schema import PySourceDataConfig, SyntheticDataConfig, TokensDataConfig
 from launcher.config.groups import choices
 from launcher.config.ranges import (
@@ -351,6 +351,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "base_tokens": TokensDataConfig,
         "base_text": data_schema.TextDataConfig,
         "base_store": data_schema.StoreDataConfig,
+        "base_mix": mix_schema.MixDataConfig,
     },
     "optim": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig, "base_custom": CustomOptimConfig},
     "logger": {

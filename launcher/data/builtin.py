@@ -252,8 +252,11 @@ class GlobalBatches:
 
     def at(self, position: int) -> np.ndarray:
         """The global batch that starts at global sample index `position`."""
-        positions = np.arange(position, position + self.global_size)
-        out = np.empty(self.global_size, dtype=np.int64)
+        return self.of(np.arange(position, position + self.global_size))
+
+    def of(self, positions: np.ndarray) -> np.ndarray:
+        """The sample indices at these global sample indices (a mixture takes any number of them a step)."""
+        out = np.empty(len(positions), dtype=np.int64)
         for epoch in np.unique(positions // self.n):
             mask = positions // self.n == epoch
             out[mask] = self._permutation(int(epoch))[positions[mask] % self.n]

@@ -43,6 +43,8 @@ class StepData:
     """This rank's K micro-batches, collated and on the device."""
     state: dict[str, Any] | None = None
     """A stream's state after this step's samples (its `state_dict`), recorded with a checkpoint of this step."""
+    sources: list[Any] | None = None
+    """data=mix: per micro-batch, the source of each row (its index among the mixture's sources)."""
 
 
 def is_stream(dataset: Any) -> bool:
@@ -55,7 +57,10 @@ def is_stream(dataset: Any) -> bool:
 
 
 def source_of(dataset: Any, global_size: int, seed: int, collate: Collate, stream_name: str = "data") -> Any:
-    """The source a dataset is: `Stream` for an iterable, `RandomAccess` for anything indexed with a length."""
+    """The source a dataset is: `Stream` for an iterable, `RandomAccess` for anything indexed with a length, a
+    mixture's own (`launcher.data.mix`) for data=mix."""
+    if hasattr(dataset, "source_for"):
+        return dataset.source_for(global_size, seed, collate, stream_name)
     if is_stream(dataset):
         return Stream(dataset, global_size, collate, stream_name)
     return RandomAccess(dataset, global_size, seed, collate)

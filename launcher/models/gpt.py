@@ -105,6 +105,10 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.head(self.ln_f(x)).float()
         flat = targets.reshape(-1)
-        loss_sum = F.cross_entropy(logits.view(-1, logits.size(-1)), flat, reduction="sum")  # -100: no target
+        token_loss = F.cross_entropy(logits.view(-1, logits.size(-1)), flat, reduction="none")  # -100: 0, no target
+        loss_sum = token_loss.sum()
         num_tokens = (flat != -100).sum()
-        return {"loss": loss_sum / num_tokens.clamp(min=1), "loss_sum": loss_sum, "num_tokens": num_tokens}
+        # Each row's summed loss beside the total (no gradient): a mixture's loss per source (launcher.worker).
+        row_loss = token_loss.detach().view(idx.shape).sum(-1)
+        return {"loss": loss_sum / num_tokens.clamp(min=1), "loss_sum": loss_sum, "num_tokens": num_tokens,
+                "row_loss": row_loss}  # fmt: skip

@@ -26,6 +26,7 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Location | No
     from launcher.base.storage import checkpoints_of
     from launcher.checkpoint.format import CheckpointError
     from launcher.checkpoint.loading import check_fits, check_folder, find_resume
+    from launcher.data.mix_check import check_mixture_resume
 
     try:
         identity = {"config_hash": frozen.job.config_hash, "sweep_dir": frozen.job.get("sweep_dir")}
@@ -38,6 +39,7 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Location | No
         if found is not None:
             check_fits(found, model)
             _check_steps_left(found, frozen.trainer.max_steps)
+            check_mixture_resume(frozen, found)  # data=mix's positions, or another data's
     except CheckpointError as e:
         raise ConfigError(str(e)) from e
     if frozen.resume == "auto":
@@ -175,11 +177,15 @@ def _check_datasets(frozen: DictConfig) -> Any:
     (`+data._check_=false`; the collate is still built)."""
     from launcher.data.builtin import BUILT_IN_DATA, SKIP_CHECK, build_dataset
     from launcher.data.collate import collate_name, describe, tensors_in
+    from launcher.data.mix import MIX_TARGET
+    from launcher.data.mix_check import check_mixture
     from launcher.data.sources import is_stream
 
     collate = _collate(frozen.data.get("collate"))
     if frozen.data.get(SKIP_CHECK) is False:
         return None
+    if str(frozen.data._target_) == MIX_TARGET:  # a mixture checks its sources itself
+        return check_mixture(frozen, collate)
     splits = ["train"] + (["val"] if frozen.trainer.eval_every > 0 else [])
     global_size, first = int(frozen.batch.global_size), None
     for split in splits:

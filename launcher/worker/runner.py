@@ -36,8 +36,9 @@ from launcher.worker.memory import StepMemory, rss_bytes
 from launcher.worker.optimizers import lr_at, optimizer_factory
 from launcher.worker.profiling import MemorySnapshots, StepProfiler
 from launcher.worker.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_count, resume
+from launcher.worker.source_loss import SourceLosses
 from launcher.worker.speed import Speed, Window
-from launcher.worker.step import all_reduce, evaluate, gather_rows, train_step
+from launcher.worker.step import all_reduce, evaluations, gather_rows, train_step
 from launcher.worker.stragglers import StepClock, Stragglers
 from strategies import RunContext, Strategy
 
@@ -155,7 +156,7 @@ class Trainer:
                 self.clock = StepClock(self.device) if logged or evaluated else None  # compute and waits, per rank
                 data = self.data()
                 if data is not None:
-                    loss, grad_norm = self.step(step, data.micro, measured)
+                    loss, grad_norm = self.step(step, data, measured, logged)
                     self.commit(step, grad_norm)
                     tokens = sum(batch_tokens(b) for b in data.micro)
                     self.window.add(time.perf_counter() - started, tokens, measured)
@@ -220,6 +221,7 @@ class Trainer:
         self.loggers = Loggers.create(cfg, ctx.rank, self.run_dir)
         self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
         self.rule = LabelRule.of(cfg.derived.model)  # how the model counts its labels: decided in the launcher
+        self.source_losses = SourceLosses.of(self.source, self.rule)
         self.steps = self._feed()
         self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
                                      trainer.profile_stacks)  # fmt: skip
@@ -291,12 +293,13 @@ class Trainer:
             return None
         return got
 
-    def step(self, step: int, micro: list[Any], measured: bool) -> tuple[torch.Tensor, float]:
+    def step(self, step: int, data: StepData, measured: bool, logged: bool) -> tuple[torch.Tensor, float]:
         """Forward/backward, gradient sync and optimizer step; this rank's part of the loss, and the gradient norm.
         Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is not on CPU: the
         per-operator count would be in the profile, around every op of the step."""
         with self.memory.measure(measured, profiled=self.profiler.covers(step)):
-            return train_step(self.guard, micro, self.ctx, self.lr(step), self.rule, step, self.phase, self.clock)  # type: ignore[arg-type]
+            return train_step(self.guard, data.micro, self.ctx, self.lr(step), self.rule, step, self.phase, self.clock,  # type: ignore[arg-type]
+                              self.source_losses.seer(data.sources, logged))  # fmt: skip
 
     def commit(self, step: int, grad_norm: float) -> bool:
         """Before anything is logged or saved: a step that is not finite was not applied (False), and may end the
@@ -314,9 +317,9 @@ class Trainer:
         metrics |= self.speed.metrics(metrics.get("tokens_per_s"), self.ctx.world_size)
         if self.nonfinite == "skip":
             metrics["skipped_steps"] = self.guard.skipped
-        if evaluated:
-            val = evaluate(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
-            metrics["val_loss"] = val
+        metrics |= self.source_losses.figures(self.device, self.position.stream)  # data=mix: per source
+        if evaluated:  # val_loss (data=mix: and each source's alone)
+            metrics |= evaluations(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
         for name in metrics:
             declared(name)  # a figure nobody declared is refused, not logged with a meaning nobody chose
         self.loggers.log(metrics, step)

@@ -57,7 +57,18 @@ def evaluate(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rul
                 total, count = total + float(loss), count + (float(tokens) if tokens is not None else 1.0)
     strategy.train(True)
     total, count = all_reduce([total, count], dist.ReduceOp.SUM, device)
-    return total / count
+    return total / count if count else float("nan")
+
+
+def evaluations(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rule: LabelRule) -> dict[str, float]:
+    """`val_loss` (`evaluate`), and for data=mix `val_loss/NAME`, each source's validation split alone (none for a
+    source whose split holds no full global batch)."""
+    losses = {"val_loss": evaluate(strategy, source, ctx, batches, rule)}
+    for name, one in (source.alone() if hasattr(source, "alone") else {}).items():
+        loss = evaluate(strategy, one, ctx, batches, rule)
+        if loss == loss:  # NaN: no batch to evaluate
+            losses[f"val_loss/{name}"] = loss
+    return losses
 
 
 def train_step(
@@ -69,6 +80,7 @@ def train_step(
     step: int,
     phase: Phase,
     clock: StepClock | None = None,
+    seen: Any = None,
 ) -> tuple[torch.Tensor, float]:
     """One optimizer step over this rank's K micro-batches; returns this rank's part of the step's loss (summed over
     ranks it is the loss of the whole global batch: `launcher.models.loss`) and the pre-clip gradient norm. `clock` (a
@@ -95,6 +107,8 @@ def train_step(
         # Gradients are synchronised once per optimizer step: on the last micro-step only.
         with strategy.sync(k == K - 1):
             output = strategy.forward(batch)
+            if seen is not None:  # data=mix on a logged step: each source's loss (`launcher.worker.source_loss`)
+                seen(k, output, batch)
             if clock is not None and k == K - 1:  # before the gradient sync: a slow forward is waited for here
                 clock.probe()
             backward, part, normalised = micro_loss(output, k, targets, K, divided)

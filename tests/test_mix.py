@@ -1,0 +1,325 @@
+"""data=mix: a weighted mixture of sources of three kinds (a map-style `datasets.Dataset`, a streamed `datasets`
+IterableDataset over local jsonl, a token store), each in its own order, under the batch contract.
+
+Unit tests read the mixture in this process; the integration test trains a GPT-2 from a config on it, on 2 gloo ranks
+against one process, and resumes it at another world size. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import cli_here, launch, launch_here
+from text_corpus import documents, train_tokenizer, write_jsonl
+
+from launcher.checkpoint.format import Position
+from launcher.data.collate import default_collate
+from launcher.data.mix import Mix, mix_figures
+from launcher.data.mix_weights import Weights, allocate
+from launcher.data.sources import source_of
+
+B = 16
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """jsonl rows of 16 token ids (input_ids and labels), and a token store built by `launch prepare` over a corpus
+    of seeded documents with a byte-level BPE of 320 ids."""
+    root = tmp_path_factory.mktemp("mix")
+    rng = random.Random(0)
+    with open(root / "rows.jsonl", "w") as f:
+        for _ in range(200):
+            ids = [rng.randrange(320) for _ in range(16)]
+            f.write(json.dumps({"input_ids": ids, "labels": ids}) + "\n")
+    for i in range(2):
+        write_jsonl(root / "corpus" / f"part-{i}.jsonl", documents(60, seed=10 + i))
+    tok = train_tokenizer(root / "tokenizer", documents(200))
+    proc = cli_here(root, "prepare", "data=text", f"data.files={root / 'corpus'}", f"data.tokenizer={tok}",
+                    f"out={root / 'store'}", "block_size=2KiB")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return {"rows": root / "rows.jsonl", "store": root / "store", "cache": root / "cache"}
+
+
+def _hf(parts: dict[str, Path], streaming: bool, weight: float) -> dict:
+    return {"_target_": "launcher.data.hf.HF", "path": "json", "name": None, "split": "train", "val_split": None,
+            "val_fraction": 0.1, "split_seed": 0, "data_files": str(parts["rows"]), "tokenizer": None,
+            "text_field": "text", "max_length": None, "columns": None, "cache_dir": str(parts["cache"]),
+            "streaming": streaming, "weight": weight}  # fmt: skip
+
+
+def _sources(parts: dict[str, Path], weights=(0.5, 0.3, 0.2)) -> dict:
+    store = {"_target_": "launcher.data.store.Store", "url": str(parts["store"]), "seq_len": 16, "packing": True,
+             "format": "hf", "vocab_size": None, "tokenizer": None, "cache_dir": None, "cache_limit": "10GB",
+             "shuffle_blocks": 4, "weight": weights[2]}  # fmt: skip
+    return {"maps": _hf(parts, False, weights[0]), "stream": _hf(parts, True, weights[1]), "store": store}
+
+
+def _read(sources: dict, position: Position, steps: int, world: int, K: int, **mix) -> tuple[list, list]:
+    """Every step's inputs over all ranks in slot order, and rank 0's states."""
+    from omegaconf import OmegaConf
+
+    source = source_of(Mix("train", sources=OmegaConf.create(sources), **mix), B, 0, default_collate, "train")
+    fed = [list(source.feed(position, steps, r, world, K, 0, torch.device("cpu"))) for r in range(world)]
+    inputs = [torch.cat([m["input_ids"] for r in range(world) for m in fed[r][s].micro]) for s in range(len(fed[0]))]
+    return inputs, [d.state["mix"] for d in fed[0]]
+
+
+@pytest.mark.unit
+def test_counts_stay_within_one_sample_of_the_weights_under_any_schedule() -> None:
+    """The slot rule's bound, the docs' claim: after every step each source's count is within one sample of the sum
+    of B * w(t), its normalised weights, for random weights and schedules; every step hands out exactly B slots."""
+    rng = np.random.default_rng(0)
+    for trial in range(50):
+        n = int(rng.integers(1, 5))
+        base = {f"s{i}": float(rng.random()) + 0.01 for i in range(n)}
+        schedule = [{"step": 5 + 7 * j, "weights": {f"s{int(rng.integers(n))}": float(rng.random() * 3)}}
+                    for j in range(int(rng.integers(0, 3)))]  # fmt: skip
+        weights, size = Weights(base, schedule), int(rng.integers(1, 64))
+        debt, got, ideal = np.zeros(n), np.zeros(n), np.zeros(n)
+        for step in range(1, 41):
+            w = weights.at(step) / weights.at(step).sum()
+            debt += size * w
+            counts = allocate(size, debt, np.ones(n, dtype=bool))
+            got, ideal = got + counts, ideal + size * w
+            assert counts.sum() == size and (counts >= 0).all()
+            assert np.abs(got - ideal).max() < 1 + 1e-9, (trial, step, got, ideal)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world,K", [(2, 2), (4, 1)])
+def test_three_kinds_give_every_step_the_same_samples_at_any_world_size_and_resume_from_their_state(
+    parts, world: int, K: int, capsys
+) -> None:
+    """A datasets.Dataset, a streamed datasets IterableDataset and a token store mixed: G ranks with K micro-steps
+    read, step by step, what one process with G*K reads; a resume from step 3's state (plain JSON) on 1 rank reads
+    what the uninterrupted run reads from step 4 on, every stream loaded from its state rather than read again."""
+    sources = _sources(parts)
+    whole, states = _read(sources, Position(0, 0), 8, 1, 4)
+    many, _ = _read(sources, Position(0, 0), 8, world, K)
+    assert all(torch.equal(a, b) for a, b in zip(whole, many, strict=True))
+    at_3 = Position(3, 3 * B, {"mix": json.loads(json.dumps(states[2]))})
+    resumed, _ = _read(sources, at_3, 5, 1, 4)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, whole[3:], strict=True))
+    assert "reading past" not in capsys.readouterr().out
+    counts = {name: row["samples"] for name, row in states[-1]["sources"].items()}
+    assert sum(counts.values()) == 8 * B and abs(counts["maps"] - 0.5 * 8 * B) < 1, counts
+
+
+@pytest.mark.unit
+def test_a_scheduled_change_of_weights_shows_in_the_counts_at_its_step(parts) -> None:
+    """The store weighs 0 until step 4, then 1 from step 6 on (linear in between): it gives no sample at steps 1 to
+    4, some at 5, and every sample from step 6 on."""
+    sources = _sources(parts, (1.0, 1.0, 0.0))
+    schedule = [{"step": 4, "weights": {"store": 0.0}}, {"step": 6, "weights": {"maps": 0.0, "stream": 0.0,
+                                                                              "store": 1.0}}]  # fmt: skip
+    _, states = _read(sources, Position(0, 0), 8, 2, 2, schedule=schedule)
+    store = [s["sources"]["store"]["samples"] for s in states]
+    per_step = np.diff([0, *store])
+    assert list(per_step[:4]) == [0] * 4 and 0 < per_step[4] < B and list(per_step[5:]) == [B] * 3, per_step
+    assert "linear to" in Weights({"a": 1, "b": 0}, schedule=[{"step": 4, "weights": {"b": 1}}]).describe()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("on_end", ["stop", "drop"])
+def test_a_source_that_ends_stops_the_run_or_leaves_the_mixture(parts, on_end: str) -> None:
+    """The map-style source with epochs=1 (180 rows) at weight 0.9 runs out at step 13: on_end=stop ends the run
+    after step 12 on every world size alike (without epochs it repeats: its second epoch is counted); on_end=drop
+    gives its last rows, the others fill the step, and it gives none after."""
+    sources = _sources(parts, (0.9, 0.05, 0.05))
+    sources["maps"]["epochs"] = 1
+    one, states = _read(sources, Position(0, 0), 20, 1, 4, on_end=on_end)
+    two, _ = _read(sources, Position(0, 0), 20, 2, 2, on_end=on_end)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True)) and len(one) == len(two)
+    maps = [s["sources"]["maps"]["samples"] for s in states]
+    assert mix_figures({"mix": states[-1]})["epochs/maps"] == 1.0
+    if on_end == "stop":
+        assert len(one) == 12 and maps[-1] <= 180 and maps[-1] + 0.9 * B > 180, maps
+        del sources["maps"]["epochs"]  # unset: it repeats, its epochs counted on its own
+        _, states = _read(sources, Position(0, 0), 20, 1, 4, on_end=on_end)
+        assert states[-1]["sources"]["maps"]["samples"] > 180 and mix_figures({"mix": states[-1]})["epochs/maps"] == 2
+    else:
+        assert len(one) == 20 and maps[-1] == 180 and states[-1]["sources"]["maps"]["ended"], maps
+        assert states[-1]["weights"]["maps"] == 0 and abs(sum(states[-1]["weights"].values()) - 1) < 1e-12
+
+
+def _mix_args(parts: dict[str, Path], **weights: float) -> list[str]:
+    hf = f"_target_:launcher.data.hf.HF,path:json,data_files:{parts['rows']},cache_dir:{parts['cache']}"
+    w = {"maps": 0.5, "stream": 0.3, "store": 0.2} | weights
+    return ["data=mix", f"data.sources={{maps:{{weight:{w['maps']},streaming:false,{hf}}},stream:{{weight:"
+            f"{w['stream']},streaming:true,{hf}}},store:{{weight:{w['store']},_target_:launcher.data.store.Store,"
+            f"url:{parts['store']},seq_len:16,format:hf}}}}"]  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "case,extra,expected",
+    [
+        ("negative", {"store": -1}, "data.sources.store.weight=-1 is not a weight; give a finite number >= 0"),
+        ("nan", {"store": "nan"}, "data.sources.store.weight=nan is not a weight"),
+        ("zero sum", {"maps": 0, "stream": 0, "store": 0}, "data.sources: the weights sum to 0"),
+    ],
+)  # fmt: skip
+def test_bad_weights_are_one_line_before_any_worker(parts, case, extra, expected, tmp_path: Path) -> None:
+    line = launch_here(tmp_path, *RUN, *_mix_args(parts, **extra)).refused()
+    assert expected in line, line
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "case,override,expected",
+    [
+        ("unknown name", "+data.schedule=[{step:5,weights:{books:1}}]",
+         "data.schedule[0].weights.books names no source; the sources are maps, stream, store"),
+        ("out of order", "+data.schedule=[{step:5,weights:{maps:1}},{step:3,weights:{maps:0}}]",
+         "data.schedule[1].step=3 does not come after step 5"),
+        ("ragged sources", "data.sources.store.seq_len=8", "data.sources.maps and data.sources.store give samples"),
+        ("epochs of a stream", "+data.sources.stream.epochs=2", "data.sources.stream.epochs=2: stream is a stream"),
+    ],
+)  # fmt: skip
+def test_a_bad_schedule_or_sources_that_do_not_batch_are_one_line(parts, case, override, expected, tmp_path) -> None:
+    line = launch_here(tmp_path, *RUN, *_mix_args(parts), override.replace("+data.schedule", "data.schedule")).refused()
+    assert expected in line, line
+
+
+# ---------------------------------------------------------------- real runs: G=2, K=2 against one process, K=4
+
+GPT2 = ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
+        "+model.config._target_=transformers.GPT2Config", "+model.config.vocab_size=320", "+model.config.n_layer=1",
+        "+model.config.n_embd=32", "+model.config.n_head=2", "+model.config.n_positions=64",
+        "+model.config.resid_pdrop=0", "+model.config.embd_pdrop=0", "+model.config.attn_pdrop=0"]  # fmt: skip
+RUN = ["logger=none", "device=cpu", "trainer.progress=false", "trainer.log_every=1", "trainer.warmup_steps=2",
+       f"batch.global_size={B}", "batch.micro_size=4", "optim.lr=3e-3", "trainer.eval_every=0", *GPT2]  # fmt: skip
+TOLERANCE = 1e-6
+
+
+def _worst(a: list[dict], b: list[dict], steps: range, figure: str = "loss") -> float:
+    la, lb = {m["step"]: m[figure] for m in a}, {m["step"]: m[figure] for m in b}
+    assert all(s in la and s in lb for s in steps), (sorted(la), sorted(lb), steps)
+    return max(abs(la[s] - lb[s]) for s in steps)
+
+
+def test_a_three_kind_mixture_on_two_ranks_logs_one_process_and_resumes_on_one_after_a_stop_at_7(parts, tmp_path):
+    """The mixture of a datasets.Dataset, a streamed datasets IterableDataset and a token store, into a GPT-2 from a
+    config: 2 ranks with K=2 (the mixture read by one process ahead of the loop) log the losses of one process with
+    K=4 (within 1e-6), each source's loss too; the 2-rank run's checkpoint of
+    step 7, resumed on 1 rank under FSDP, logs the same losses at steps 8 and 9, its stream loaded from its state."""
+    job = [*RUN, *_mix_args(parts), "trainer.max_steps=9", "trainer.checkpoint_every=7"]
+    two = launch(tmp_path, *job, "gpus=2", "data.workers=1", name="two").check()  # read by one process ahead
+    one = launch(tmp_path, *job, "gpus=1", name="one").check()
+    assert [m["world_size"] for m in two.metrics] == [2] * 9 and [m["accumulation"] for m in one.metrics] == [4] * 9
+    assert _worst(two.metrics, one.metrics, range(1, 10)) <= TOLERANCE
+    # Each source's training loss, reduced over ranks: the same on 2 ranks as in one process; its counts add up.
+    for name in ("maps", "stream", "store"):
+        assert _worst(two.metrics, one.metrics, range(1, 10), f"loss/{name}") <= TOLERANCE, name
+    last = two.metrics[-1]
+    assert sum(last[f"tokens/{n}"] for n in ("maps", "stream", "store")) == B * 16, last  # the step's, all ranks
+    assert sum(last[f"samples/{n}"] for n in ("maps", "stream", "store")) == 9 * B
+    assert abs(last["fraction/maps"] - 0.5) <= 1 / (9 * B) + 1e-12, last
+    assert "launch: data: the mixture's weights: maps/stream/store = 0.5/0.3/0.2" in two.stdout, two.stdout
+    manifest = json.loads((two.run_dir / "checkpoints" / "step_00000007" / "manifest.json").read_text())
+    rows = manifest["stream"]["mix"]["sources"]
+    assert sum(r["samples"] for r in rows.values()) == 7 * B and isinstance(rows["stream"]["stream"], dict), rows
+    step_7 = two.run_dir / "checkpoints" / "step_00000007"
+    resumed = launch(tmp_path, *job, "gpus=1", "strategy=fsdp", f"resume={step_7}", name="resumed").check()
+    assert "reading past" not in resumed.stdout and "resuming from" in resumed.stdout, resumed.stdout
+    assert [m["step"] for m in resumed.metrics] == [8, 9]
+    assert _worst(resumed.metrics, two.metrics, range(8, 10)) <= TOLERANCE
+    # Its positions are the sources': another data cannot go on from them, refused before any worker.
+    hf = ["data=hf", "data.path=json", f"data.data_files={parts['rows']}", f"data.cache_dir={parts['cache']}"]
+    other = launch_here(tmp_path, *RUN, *hf, "trainer.max_steps=9", f"resume={step_7}", name="other")
+    assert f"resume={step_7} was written by data=mix (its positions are each source's)" in other.refused()
+
+
+@pytest.mark.unit
+def test_a_resume_with_other_weights_or_sources_says_so_and_goes_on_from_each_position(parts, capsys) -> None:
+    """Step 3's state resumed with the store left out and other weights: one line says what changed, the two sources
+    left go on from their own positions by the new weights, and a checkpoint that records no mixture is refused in one
+    line."""
+    from launcher.data.mix_weights import MixError
+
+    _, states = _read(_sources(parts), Position(0, 0), 3, 1, 4)
+    capsys.readouterr()
+    two = {k: v for k, v in _sources(parts, (0.2, 0.8, 0.0)).items() if k != "store"}
+    at_3 = Position(3, 3 * B, {"mix": states[2]})
+    _, after = _read(two, at_3, 2, 1, 4)
+    out = capsys.readouterr().out
+    assert "launch: data: the mixture changed since step 3 (maps 0.5->0.2, stream 0.3->0.8; left out: store)" in out
+    for name in ("maps", "stream"):
+        given = after[-1]["sources"][name]["samples"] - states[2]["sources"][name]["samples"]
+        assert given == round(2 * B * (0.2 if name == "maps" else 0.8)), (name, given)
+    with pytest.raises(MixError, match="the checkpoint of step 3 was not written by data=mix"):
+        _read(two, Position(3, 3 * B, None), 1, 1, 4)
+
+
+def _ending(on_end: str) -> dict:
+    """A user's stream of 40 samples (no state_dict) and the built-in random tokens, half and half."""
+    synthetic = {"_target_": "launcher.data.builtin.Synthetic", "seq_len": 16, "vocab_size": 256, "num_samples": 512,
+                 "format": "tuple", "weight": 0.5}  # fmt: skip
+    return {"stream": {"_target_": "data_sources.token_stream", "count": 40, "weight": 0.5}, "synthetic": synthetic}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("on_end", ["stop", "drop"])
+def test_a_stream_that_ends_stops_the_mixture_or_leaves_it_alike_at_any_world_size(on_end: str, capsys) -> None:
+    """A stream of 40 samples at weight 0.5 (8 a step) ends in step 6: on_end=stop ends the mixture after step 5;
+    drop uses its last samples in step 6, fills the step from the other source, says so in one line, and goes on
+    without it; the same samples on 1 rank with K=4 as on 2 ranks with K=2."""
+
+    def read(world: int, K: int) -> tuple[list, list]:
+        from omegaconf import OmegaConf
+
+        mix = Mix("train", sources=OmegaConf.create(_ending(on_end)), on_end=on_end)
+        source = source_of(mix, B, 0, default_collate, "train")
+        fed = [list(source.feed(Position(0, 0), 10, r, world, K, 0, torch.device("cpu"))) for r in range(world)]
+        steps = [torch.cat([m[0] for r in range(world) for m in fed[r][s].micro]) for s in range(len(fed[0]))]
+        return steps, [d.state["mix"] for d in fed[0]]
+
+    one, states = read(1, 4)
+    two, _ = read(2, 2)
+    assert len(one) == len(two) and all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    stream = [s["sources"]["stream"]["samples"] for s in states]
+    if on_end == "stop":
+        assert len(one) == 5 and stream == [8, 16, 24, 32, 40], stream
+    else:
+        assert len(one) == 10 and stream[-1] == 40 and states[-1]["sources"]["stream"]["ended"], stream
+        assert "launch: data: data.sources.stream ended after 40 samples at step 6; it leaves the mixture" in (
+            capsys.readouterr().out
+        )
+
+
+def test_a_mixture_whose_stream_ends_ends_the_run_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    """data=mix on 2 ranks, its stream of 40 samples ending in step 6 under on_end=stop: the run ends after step 5
+    on every rank (exit 0), saying so, with step 5's checkpoint; the built-in GPT's loss per source adds up to the
+    step's; the losses per source, training and validation, are one process's (K=4) within 1e-6."""
+    srcs = ("data.sources={stream:{weight:0.5,_target_:data_sources.token_stream,count:40},synthetic:{weight:0.5,"
+            "_target_:launcher.data.builtin.Synthetic,seq_len:16,num_samples:512}}")  # fmt: skip
+    job = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.block_size=16", "data=mix", srcs,
+           *(o for o in RUN if not o.startswith(("model", "+model"))), "trainer.max_steps=10", "trainer.eval_every=5",
+           "trainer.eval_batches=1"]  # fmt: skip
+    run = launch(tmp_path, *job, "gpus=2").check()
+    one = launch(tmp_path, *job, "gpus=1", name="one").check()
+    for figure in ("loss", "loss/stream", "loss/synthetic"):
+        assert _worst(run.metrics, one.metrics, range(1, 6), figure) <= TOLERANCE, figure
+    for figure in ("val_loss", "val_loss/stream", "val_loss/synthetic"):  # each source's validation split alone
+        assert abs(run.metrics[-1][figure] - one.metrics[-1][figure]) <= TOLERANCE, figure
+    from launcher.search.objective import objective, read_metrics  # a sweep's objective may be any of them
+
+    assert (
+        objective(read_metrics(run.run_dir), "val_loss/stream", "last", "minimize")[0]
+        == run.metrics[-1]["val_loss/stream"]
+    )
+    assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5], run.metrics
+    assert "launch: data: the stream ended after 80 samples: step 5 trained its last full global batch" in run.stdout
+    assert (run.run_dir / "checkpoints" / "step_00000005" / "manifest.json").is_file()
+    # The built-in GPT's losses per source partition the step's: every sample holds 16 targets, so the step's loss is
+    # the mean of the sources' losses weighted by their samples in the step.
+    before = {"stream": 0.0, "synthetic": 0.0}
+    for m in run.metrics:
+        got = {n: m[f"samples/{n}"] - before[n] for n in before}
+        assert abs(m["loss"] - sum(m[f"loss/{n}"] * got[n] for n in got if got[n]) / B) < 1e-5, (m, got)
+        before = {n: m[f"samples/{n}"] for n in before}
