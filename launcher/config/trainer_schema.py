@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from launcher.config.ranges import COUNT, POSITIVE, SIZE, UNIT, launch_only, ranged
 
@@ -32,6 +33,14 @@ class TrainerConfig:
     """Validation loss every N optimizer steps (and at the end); 0 disables."""
     eval_batches: int = ranged(4, SIZE, identity=False)
     """Global batches in one validation pass (the same samples whatever the world size)."""
+    metrics: dict[str, Any] = launch_only(factory=dict)
+    """Validation metrics, each under its name: a torchmetrics `Metric` by `_target_` with its keys, or a function
+    of (output, batch) returning (sum, count); `preds` and `target` say where the metric's inputs are in the model's
+    output and in the batch (a key, an attribute or a position; unset: found, and said once). Reduced over ranks
+    exactly (`launcher.worker.eval_metrics`); logged as val/<name>, or val/<set>/<name> with several sets."""
+    loss: Any = None
+    """Where the loss is in the model's output: a key, an attribute or a position (nanoGPT's `(logits, loss)`: 1);
+    unset: a scalar, `loss`, (loss_sum, num_tokens), or a tuple's only scalar tensor (said once)."""
     grad_clip: float = ranged(1.0, COUNT)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     schedule: Schedule = Schedule.cosine

@@ -107,4 +107,5 @@ class GPT(nn.Module):
         flat = targets.reshape(-1)
         loss_sum = F.cross_entropy(logits.view(-1, logits.size(-1)), flat, reduction="sum")  # -100: no target
         num_tokens = (flat != -100).sum()
-        return {"loss": loss_sum / num_tokens.clamp(min=1), "loss_sum": loss_sum, "num_tokens": num_tokens}
+        mean = loss_sum / num_tokens.clamp(min=1)
+        return {"loss": mean, "loss_sum": loss_sum, "num_tokens": num_tokens, "logits": logits}

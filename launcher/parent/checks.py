@@ -65,7 +65,7 @@ def _check_steps_left(checkpoint: Location, max_steps: int) -> None:
 PASSED_BY_THE_LAUNCHER = {
     "strategy": (),
     "model": (),
-    "data": ("split", "role", "workers", "collate"),  # the loader's keys (LOADER_KEYS), never passed on
+    "data": ("split", "role", "workers", "collate", "val"),  # the loader's keys (LOADER_KEYS), never passed on
     "optim": ("params",),
     "logger": ("run_config", "run_dir"),
 }
@@ -378,7 +378,7 @@ def _check_forward(frozen: DictConfig, model: Any, batch: Any) -> list[str] | No
         )
         return None
     try:
-        loss, _ = model_loss(output)
+        loss, _ = model_loss(output, frozen.trainer.get("loss"))
     except Exception as e:
         raise _fail("model", e, "make the model's forward take the data's batch and return the loss") from e
     return _without_gradient(model, loss)

@@ -29,6 +29,7 @@ from launcher.models.loss import LabelRule, batch_tokens
 from launcher.models.meta import build_on_meta
 from launcher.search.trial import TrialReport, record_pruned
 from launcher.worker.adapt import after_out_of_memory, resizing
+from launcher.worker.evaluation import evaluation_of
 from launcher.worker.guard import Guard
 from launcher.worker.lifecycle import GAVE_UP, Phase, StopRequest
 from launcher.worker.logs import Loggers, Progress
@@ -37,7 +38,7 @@ from launcher.worker.optimizers import lr_at, optimizer_factory
 from launcher.worker.profiling import MemorySnapshots, StepProfiler
 from launcher.worker.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_count, resume
 from launcher.worker.speed import Speed, Window
-from launcher.worker.step import all_reduce, evaluate, gather_rows, train_step
+from launcher.worker.step import all_reduce, gather_rows, train_step
 from launcher.worker.stragglers import StepClock, Stragglers
 from strategies import RunContext, Strategy
 
@@ -189,11 +190,7 @@ class Trainer:
         collate = build_collate(cfg.data.get("collate"))
         # Random access or a stream (`launcher.data.sources`); a permutation is data: held before the model is built.
         self.source = source_of(build_dataset(cfg.data, "train"), self.B, cfg.seed, collate, "the train split")
-        self.val_source = (
-            source_of(build_dataset(cfg.data, "val"), self.B, cfg.seed, collate, "the val split")
-            if int(trainer.eval_every) > 0
-            else None
-        )
+        self.evaluation = evaluation_of(cfg, ctx) if int(trainer.eval_every) > 0 else None
         # What the process holds before the model exists: torch, and the data (host memory, as on a GPU machine).
         self.memory = StepMemory(self.device, ctx.compile)
         if int(cfg.derived.nodes) > 1:  # before the first save: where the nodes write together, they see one folder
@@ -219,7 +216,7 @@ class Trainer:
         self.resumed_at = self.position.step
         self.loggers = Loggers.create(cfg, ctx.rank, self.run_dir)
         self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
-        self.rule = LabelRule.of(cfg.derived.model)  # how the model counts its labels: decided in the launcher
+        self.rule = LabelRule.of(cfg.derived.model, trainer.get("loss"))  # decided in the launcher
         self.steps = self._feed()
         self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
                                      trainer.profile_stacks)  # fmt: skip
@@ -315,8 +312,7 @@ class Trainer:
         if self.nonfinite == "skip":
             metrics["skipped_steps"] = self.guard.skipped
         if evaluated:
-            val = evaluate(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
-            metrics["val_loss"] = val
+            metrics |= self.evaluation.run(self.strategy, self.rule)  # type: ignore[union-attr]
         for name in metrics:
             declared(name)  # a figure nobody declared is refused, not logged with a meaning nobody chose
         self.loggers.log(metrics, step)

@@ -1,0 +1,62 @@
+"""Models, data and metrics of the evaluation tests (`tests/test_evaluation.py`): a classifier in nanoGPT's shape,
+built from a config object, whose forward returns `(logits, loss)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+
+@dataclass
+class NanoConfig:
+    """As nanoGPT's `GPTConfig`: the model's sizes in one object."""
+
+    channels: int = 3
+    classes: int = 4
+    width: int = 8
+
+
+class NanoClassifier(nn.Module):
+    """nanoGPT's contract on images: `NanoClassifier(NanoConfig(...))`, `forward(x, targets)` returns
+    `(logits, loss)`."""
+
+    def __init__(self, config: NanoConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.features = nn.Sequential(nn.Conv2d(config.channels, config.width, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(config.width, config.classes)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.head(self.features(x).mean(dim=(2, 3)))
+        loss = F.cross_entropy(logits, targets) if targets is not None else None
+        return logits, loss
+
+
+class Images(Dataset):
+    """Seeded random images whose label is the channel with the largest mean (learnable, fixed per split)."""
+
+    def __init__(self, split: str, count: int, channels: int) -> None:
+        generator = torch.Generator().manual_seed(0 if split == "train" else 1)
+        self.images = torch.randn(count, channels, 6, 6, generator=generator)
+        self.labels = self.images.mean(dim=(2, 3)).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[i], self.labels[i]
+
+
+def images(split: str, count: int = 64, val_count: int = 13, channels: int = 3) -> Images:
+    """`count` training images, and an odd number of validation images (`val_count`)."""
+    return Images(split, count if split == "train" else val_count, channels)
+
+
+def correct(output: tuple[torch.Tensor, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """A metric of one's own: (predictions that are right, predictions)."""
+    logits, _ = output
+    return (logits.argmax(dim=-1) == batch[1]).sum(), batch[1].numel()
