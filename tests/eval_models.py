@@ -60,3 +60,46 @@ def correct(output: tuple[torch.Tensor, torch.Tensor], batch: tuple[torch.Tensor
     """A metric of one's own: (predictions that are right, predictions)."""
     logits, _ = output
     return (logits.argmax(dim=-1) == batch[1]).sum(), batch[1].numel()
+
+
+class Recording:
+    """A callback of one's own, on every rank: each call, as a JSON line, into `<folder>/calls<rank>.jsonl`."""
+
+    every_rank = True
+
+    def __init__(self, folder: str) -> None:
+        import os
+
+        self.path = f"{folder}/calls{os.environ.get('RANK', '0')}.jsonl"
+
+    def _write(self, hook: str, step: int, figures: dict) -> None:
+        import json
+
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"hook": hook, "step": step, "figures": sorted(figures)}) + "\n")
+
+    def on_train_start(self, step: int, figures: dict) -> None:
+        self._write("on_train_start", step, figures)
+
+    def on_step_end(self, step: int, figures: dict) -> None:
+        self._write("on_step_end", step, figures)
+
+    def on_eval_end(self, step: int, figures: dict) -> None:
+        self._write("on_eval_end", step, figures)
+
+    def on_save(self, step: int, figures: dict) -> None:
+        self._write("on_save", step, figures)
+
+    def on_train_end(self, step: int, figures: dict) -> None:
+        self._write("on_train_end", step, figures)
+
+
+class Raising:
+    """A callback that raises at the end of step `at`, on rank 0 only."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, step: int, figures: dict) -> None:
+        if step == self.at:
+            raise RuntimeError(f"planted failure at step {step}")

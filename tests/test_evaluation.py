@@ -3,6 +3,7 @@ counts) reduced over ranks exactly, and a model in nanoGPT's shape (built from a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,51 @@ def test_each_validation_set_is_logged_under_its_name(conformance_dir: Path) -> 
         assert ours["val/same/accuracy"] == pytest.approx(theirs["val/accuracy"], abs=1e-12)
         assert ours["val/small/loss"] != ours["val/same/loss"]
         assert {"val/small/accuracy", "val/small/right"} <= set(ours), ours
+
+
+STOPPING = ["gpus=2", "trainer.max_steps=20", "trainer.eval_every=1", "trainer.eval_batches=1", "optim.lr=0",
+            "trainer.save_at_end=true", "trainer.keep_last=1", "+trainer.early_stop.metric=val/accuracy",
+            "trainer.early_stop.mode=max", "trainer.early_stop.patience=2"]  # fmt: skip
+"""A planted plateau: at lr 0 the accuracy never changes, so the best is step 1 and the run stops after step 3."""
+
+
+def test_early_stop_ends_every_rank_at_a_plateau_and_keeps_the_best(conformance_dir: Path) -> None:
+    folder = conformance_dir / "eval-early-calls"
+    folder.mkdir(exist_ok=True)
+    calls = ["+trainer.callbacks=[{_target_: eval_models.Recording, folder: " + str(folder) + "}]"]
+    run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, *STOPPING, *calls, name="eval-early")
+    run.check()
+    assert [m["step"] for m in run.metrics] == [1, 2, 3], run.metrics
+    line = "early stop after step 3: val/accuracy did not improve by more than 0 (max) in 2 evaluation(s); best"
+    assert run.stdout.count(line) == 1 and "at step 1; checkpoint" in run.stdout, run.stdout
+    checkpoints = run.run_dir / "checkpoints"
+    assert (checkpoints / "best").read_text().strip() == "step_00000001"  # kept beside the newest (keep_last=1)
+    assert (checkpoints / "latest").read_text().strip() == "step_00000003"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000001", "step_00000003"]
+    # Every rank's callback saw the same phases, in order, with the figures reduced over ranks.
+    seen = [[json.loads(x) for x in (folder / f"calls{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert seen[0] == seen[1]
+    hooks = [(c["hook"], c["step"]) for c in seen[0]]
+    assert hooks == [("on_train_start", 0), ("on_step_end", 1), ("on_eval_end", 1), ("on_save", 1),
+                     ("on_step_end", 2), ("on_eval_end", 2), ("on_step_end", 3), ("on_eval_end", 3), ("on_save", 3),
+                     ("on_train_end", 3)], hooks  # fmt: skip
+    assert "val/accuracy" in seen[0][2]["figures"] and "loss" not in seen[0][2]["figures"]
+    # A resume of it says that it stopped early, and goes on.
+    more = ["trainer.max_steps=4", "trainer.early_stop.patience=5", f"resume={run.run_dir}"]
+    again = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, *STOPPING, *more, name="eval-again")
+    again.check()
+    assert "launch: resuming a run that stopped early (early stop after step 3" in again.stdout, again.stdout
+
+
+def test_a_callback_that_raises_ends_the_run_in_one_line_with_its_last_checkpoint(conformance_dir: Path) -> None:
+    raising = ["+trainer.callbacks=[{_target_: eval_models.Raising, at: 3}]", "trainer.checkpoint_every=2",
+               "trainer.max_steps=6", "trainer.save_at_end=true"]  # fmt: skip
+    run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *JOB, *raising, name="eval-raising")
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("launch: error:")]
+    assert len(errors) == 1, run.stderr
+    assert (
+        "the callback eval_models.Raising raised in on_step_end at step 3: RuntimeError: planted failure" in errors[0]
+    )
+    assert errors[0].endswith("step_00000002"), errors[0]  # the last complete checkpoint, and it is the newest
+    assert (run.run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"

@@ -23,6 +23,27 @@ class Schedule(Enum):
     constant = "constant"
 
 
+class Direction(Enum):
+    min = "min"
+    """Lower is better (a loss)."""
+    max = "max"
+    """Higher is better (an accuracy)."""
+
+
+@dataclass
+class EarlyStopConfig:
+    """trainer.early_stop: end the run when a logged figure stops improving (`launcher.worker.callbacks`)."""
+
+    metric: str | None = None
+    """The figure watched (val_loss, val/accuracy, val/<set>/<metric>...); unset: no early stop."""
+    mode: Direction = Direction.min
+    """min: lower is better; max: higher is better."""
+    patience: int = ranged(3, SIZE)
+    """Evaluations (logged steps, for a training figure) in a row without improvement before the run stops."""
+    min_delta: float = ranged(0.0, COUNT)
+    """An improvement is a change by more than this."""
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = ranged(300, SIZE, identity=False)
@@ -38,6 +59,12 @@ class TrainerConfig:
     of (output, batch) returning (sum, count); `preds` and `target` say where the metric's inputs are in the model's
     output and in the batch (a key, an attribute or a position; unset: found, and said once). Reduced over ranks
     exactly (`launcher.worker.eval_metrics`); logged as val/<name>, or val/<set>/<name> with several sets."""
+    early_stop: EarlyStopConfig = launch_only(factory=EarlyStopConfig)
+    """Stop when trainer.early_stop.metric stops improving; the best step's checkpoint is kept and named `best`."""
+    callbacks: list[Any] = launch_only(factory=list)
+    """Objects of yours (`_target_`s) called at the trainer's phases: any of on_train_start, on_step_end,
+    on_eval_end, on_save, on_train_end, each with (step, figures); on rank 0, or on every rank where the class sets
+    `every_rank = True` (`launcher.worker.callbacks`)."""
     loss: Any = None
     """Where the loss is in the model's output: a key, an attribute or a position (nanoGPT's `(logits, loss)`: 1);
     unset: a scalar, `loss`, (loss_sum, num_tokens), or a tuple's only scalar tensor (said once)."""
