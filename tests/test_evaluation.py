@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import launch_once
+from conftest import launch_here, launch_once
 from runs import PARITY_TOLERANCE, jobs, metrics, smoke
 
 NANO = ["model=custom", "model._target_=eval_models.NanoClassifier", "+model.config._target_=eval_models.NanoConfig",
@@ -111,3 +111,24 @@ def test_a_callback_that_raises_ends_the_run_in_one_line_with_its_last_checkpoin
     )
     assert errors[0].endswith("step_00000002"), errors[0]  # the last complete checkpoint, and it is the newest
     assert (run.run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["+trainer.metrics.acc._target_=torchmetrics.classification.NoSuchAccuracy"],
+         "trainer.metrics.acc._target_=torchmetrics.classification.NoSuchAccuracy does not import"),
+        (["+trainer.metrics.acc._target_=torchmetrics.classification.MulticlassAccuracy"],
+         "MulticlassAccuracy does not build (ValueError: Argument `num_classes`"),
+        (["+trainer.metrics.loss._target_=eval_models.correct"], "trainer.metrics.loss: `loss` is the validation loss"),
+        ([*METRICS, "+trainer.early_stop.metric=val/acuracy"],
+         "trainer.early_stop.metric=val/acuracy is no figure this run logs; it logs: "),
+    ],
+    ids=["does-not-import", "does-not-build", "named-loss", "early-stop-figure"],
+)  # fmt: skip
+def test_bad_evaluation_input_is_one_line_before_any_worker_starts(tmp_path: Path, overrides, says) -> None:
+    line = launch_here(tmp_path, "+sweep=smoke", *NANO, *JOB, *overrides).refused()
+    assert says in line, line
+    if "early_stop" in says:
+        assert "val/accuracy" in line and "val/right" in line and "val_loss" in line, line

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config import ConfigError
 from launcher.config.context import outside_moe_blocks
 from launcher.config.identity import sweep_identity
+from launcher.parent.eval_checks import check_evaluation
 
 if TYPE_CHECKING:
     from launcher.base.storage import Location
@@ -122,6 +123,7 @@ def check_built(frozen: DictConfig, model: Any) -> list[str] | None:
     sample = _check_datasets(frozen)
     no_grad = _check_forward(frozen, model, sample) if sample is not None else None
     _check_logger(frozen)
+    check_evaluation(frozen)  # the metrics build, the early stop's figure is logged
     _check_vocabulary(frozen, model)
     return None if no_grad is None else outside_moe_blocks(model, no_grad, frozen.strategy.get("moe_blocks"))
 
