@@ -132,3 +132,24 @@ def test_bad_evaluation_input_is_one_line_before_any_worker_starts(tmp_path: Pat
     assert says in line, line
     if "early_stop" in says:
         assert "val/accuracy" in line and "val/right" in line and "val_loss" in line, line
+
+
+def test_launch_eval_of_a_zero3_checkpoint_at_one_process_gives_the_run_s_figures(conformance_dir: Path) -> None:
+    run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, "strategy=zero3",
+                      "trainer.save_at_end=true", name="eval-zero3").check()  # fmt: skip
+    logged = run.metrics[-1]
+    assert logged["step"] == 4 and "val/accuracy" in logged, logged
+    checkpoint = run.run_dir / "checkpoints" / "step_00000004"
+    evaluated = conformance_dir / "eval-of-zero3"
+    proc = launch_once(conformance_dir, "eval", str(checkpoint), "+sweep=smoke", *NANO, *METRICS, *JOB,
+                       "strategy=ddp", "gpus=1", name="eval-of-zero3")  # fmt: skip
+    proc.check()
+    figures = json.loads((evaluated / "eval.json").read_text())
+    assert figures["step"] == 4
+    names = ["val_loss", "val/accuracy", "val/right"]
+    assert sorted(figures["figures"]) == sorted(names)
+    for name in names:
+        assert figures["figures"][name] == pytest.approx(logged[name], abs=1e-6), name
+    table = proc.stdout[proc.stdout.index("launch: evaluation of step 4") :].splitlines()
+    assert table[1].split() == ["figure", "value"] and [r.split()[0] for r in table[2:5]] == names, table
+    assert not (evaluated / "metrics.jsonl").read_text().strip()  # no step trained, none logged

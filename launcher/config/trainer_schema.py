@@ -65,6 +65,8 @@ class TrainerConfig:
     """Objects of yours (`_target_`s) called at the trainer's phases: any of on_train_start, on_step_end,
     on_eval_end, on_save, on_train_end, each with (step, figures); on rank 0, or on every rank where the class sets
     `every_rank = True` (`launcher.worker.callbacks`)."""
+    eval_only: bool = launch_only(False)
+    """Set by `launch eval CHECKPOINT`: the checkpoint evaluated once, no step trained; eval.json in the run dir."""
     loss: Any = None
     """Where the loss is in the model's output: a key, an attribute or a position (nanoGPT's `(logits, loss)`: 1);
     unset: a scalar, `loss`, (loss_sum, num_tokens), or a tuple's only scalar tensor (said once)."""

@@ -38,7 +38,7 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Location | No
         found = find_resume(frozen.resume, run_dir, identity, checkpoints)
         if found is not None:
             check_fits(found, model)
-            _check_steps_left(found, frozen.trainer.max_steps)
+            _check_steps_left(found, frozen.trainer.max_steps) if not frozen.trainer.eval_only else None
     except CheckpointError as e:
         raise ConfigError(str(e)) from e
     if frozen.resume == "auto":

@@ -8,11 +8,14 @@ Figures: `val_loss` and `val/<metric>` for the data's one validation split; `val
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from launcher.base.durable import write_durably
 from launcher.data.builtin import build_dataset
 from launcher.data.collate import build_collate
 from launcher.data.sources import source_of
@@ -43,6 +46,17 @@ class Evaluation:
             figures["val_loss" if prefix == "val/" else f"{prefix}loss"] = loss
             figures |= {f"{prefix}{k}": v for k, v in values.items()}
         return figures
+
+    def once(self, strategy: Strategy, rule: LabelRule, step: int, run_dir: Path) -> bool:
+        """`launch eval`: the resumed checkpoint's figures, on every rank alike; rank 0 prints one table and writes
+        `<run dir>/eval.json` (the checkpoint's step and its figures)."""
+        figures = self.run(strategy, rule)
+        if self.ctx.rank == 0:
+            write_durably(run_dir / "eval.json", json.dumps({"step": step, "figures": figures}, indent=2))
+            width = max(len(name) for name in figures)
+            rows = [f"{'figure':<{width}}  value", *(f"{n:<{width}}  {v:.8g}" for n, v in figures.items())]
+            print("\n".join([f"launch: evaluation of step {step}", *rows, f"launch: wrote {run_dir / 'eval.json'}"]))
+        return True
 
 
 def validate(

@@ -146,6 +146,9 @@ class Trainer:
     def run(self) -> bool:
         """Steps up to trainer.max_steps; False if a stop signal ended the run early (after a checkpoint)."""
         self.setup()
+        if self.trainer.eval_only:  # launch eval: the checkpoint's figures, no step
+            self.evaluation.once(self.strategy, self.rule, self.position.step, self.run_dir)  # type: ignore[union-attr]
+            return self.finish() or True
         self.watch.call("on_train_start", self.position.step, {})
         while self.position.step < self.max_steps:
             step = self.position.step + 1
@@ -194,7 +197,7 @@ class Trainer:
         collate = build_collate(cfg.data.get("collate"))
         # Random access or a stream (`launcher.data.sources`); a permutation is data: held before the model is built.
         self.source = source_of(build_dataset(cfg.data, "train"), self.B, cfg.seed, collate, "the train split")
-        self.evaluation = evaluation_of(cfg, ctx) if int(trainer.eval_every) > 0 else None
+        self.evaluation = evaluation_of(cfg, ctx) if int(trainer.eval_every) > 0 or trainer.eval_only else None
         # What the process holds before the model exists: torch, and the data (host memory, as on a GPU machine).
         self.memory = StepMemory(self.device, ctx.compile)
         if int(cfg.derived.nodes) > 1:  # before the first save: where the nodes write together, they see one folder
