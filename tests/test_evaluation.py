@@ -4,6 +4,7 @@ counts) reduced over ranks exactly, and a model in nanoGPT's shape (built from a
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,17 @@ def test_launch_eval_of_a_zero3_checkpoint_at_one_process_gives_the_run_s_figure
     table = proc.stdout[proc.stdout.index("launch: evaluation of step 4") :].splitlines()
     assert table[1].split() == ["figure", "value"] and [r.split()[0] for r in table[2:5]] == names, table
     assert not (evaluated / "metrics.jsonl").read_text().strip()  # no step trained, none logged
+
+
+def test_perplexity_of_padded_samples_is_the_exponential_of_the_validation_loss(conformance_dir: Path) -> None:
+    """Padded samples (data.packing=false): the ranks hold different numbers of targets, and torchmetrics'
+    Perplexity, fed the built-in GPT's logits and targets (found), is exp(Σ token losses / Σ targets) over both."""
+    from conftest import TINY
+
+    ppl = ["+trainer.metrics.ppl._target_=torchmetrics.text.Perplexity", "+trainer.metrics.ppl.ignore_index=-100"]
+    job = ["data=pysource", "data.packing=false", "gpus=2", "trainer.max_steps=2", "trainer.eval_every=2",
+           "trainer.eval_batches=1", "batch.global_size=16", "batch.micro_size=4"]  # fmt: skip
+    run = launch_once(conformance_dir, *TINY, *job, "trainer.save_at_end=false", *ppl, name="eval-ppl").check()
+    logged = run.metrics[-1]
+    assert logged["val/ppl"] == pytest.approx(math.exp(logged["val_loss"]), rel=1e-6), logged
+    assert "metric ppl: preds = the model's output: 'logits'" in run.stdout, run.stdout
