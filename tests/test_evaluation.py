@@ -168,3 +168,23 @@ def test_perplexity_of_padded_samples_is_the_exponential_of_the_validation_loss(
     logged = run.metrics[-1]
     assert logged["val/ppl"] == pytest.approx(math.exp(logged["val_loss"]), rel=1e-6), logged
     assert "metric ppl: preds = the model's output: 'logits'" in run.stdout, run.stdout
+
+
+def test_an_optuna_search_maximises_a_metric_by_name(tmp_path: Path) -> None:
+    import subprocess
+
+    import optuna
+    from conftest import LAUNCH, clean_env
+
+    sweep = tmp_path / "sweep"
+    search = ["-m", "hydra/sweeper=launch_optuna", "optim.lr=tag(log,interval(1e-3,0.3))", "hydra.sweeper.n_trials=2",
+              "sweep.objective=val/accuracy", "sweep.direction=maximize", "sweep.pruner=null"]  # fmt: skip
+    cmd = [LAUNCH, *search, "+sweep=smoke", *NANO, *METRICS, *JOB, "gpus=1", f"hydra.sweep.dir={sweep}"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    study = optuna.load_study(study_name="search", storage=f"sqlite:///{sweep / 'study.db'}")
+    assert study.direction == optuna.study.StudyDirection.MAXIMIZE and len(study.trials) == 2
+    for trial in study.trials:  # each trial's value: the last accuracy its run logged
+        logged = [m for m in metrics(sweep / str(trial.number)) if "val/accuracy" in m]
+        assert trial.value == logged[-1]["val/accuracy"], (trial.number, logged)
+    assert study.best_value == max(t.value for t in study.trials)
