@@ -103,3 +103,13 @@ class Raising:
     def on_step_end(self, step: int, figures: dict) -> None:
         if step == self.at:
             raise RuntimeError(f"planted failure at step {step}")
+
+
+def sentences(output: object, batch: dict) -> tuple[list[str], list[list[str]]]:
+    """BLEUScore's inputs from a seq2seq model's output: each row's predicted tokens (the teacher-forced argmax) and
+    its labels, as sentences of token ids, -100 positions left out."""
+    predicted, labels = output.logits.argmax(dim=-1), batch["labels"]
+    keep = labels != -100
+    said = [" ".join(map(str, row[k].tolist())) for row, k in zip(predicted, keep)]
+    truth = [[" ".join(map(str, row[k].tolist()))] for row, k in zip(labels, keep)]
+    return said, truth

@@ -188,3 +188,27 @@ def test_an_optuna_search_maximises_a_metric_by_name(tmp_path: Path) -> None:
         logged = [m for m in metrics(sweep / str(trial.number)) if "val/accuracy" in m]
         assert trial.value == logged[-1]["val/accuracy"], (trial.number, logged)
     assert study.best_value == max(t.value for t in study.trials)
+
+
+def test_a_transformers_seq2seq_model_logs_bleu_exactly_at_two_ranks(conformance_dir: Path) -> None:
+    """T5 at its initial weights (lr 0) on padded rows of 2 to 16 tokens: the smoothed BLEU of its predictions over
+    the validation batch, at 2 ranks, is that of one plain forward over the same 8 samples here."""
+    import loss_models
+    from eval_models import sentences
+    from torch.utils.data import default_collate
+    from torchmetrics.text import BLEUScore
+
+    bleu = ["+trainer.metrics.bleu._target_=torchmetrics.text.BLEUScore", "+trainer.metrics.bleu.n_gram=2",
+            "+trainer.metrics.bleu.smooth=true", "+trainer.metrics.bleu.inputs=eval_models.sentences"]  # fmt: skip
+    job = ["device=cpu", "logger=none", "data=custom", "batch.global_size=8", "batch.micro_size=2", "gpus=2",
+           "trainer.eval_batches=1", "trainer.progress=false", "trainer.save_at_end=false", "model=custom",
+           "model._target_=loss_models.seq2seq", "data._target_=loss_models.reversal", "optim.lr=0",
+           "trainer.max_steps=1", "trainer.eval_every=1", "strategy=zero3"]  # fmt: skip
+    run = launch_once(conformance_dir, *job, *bleu, name="eval-bleu").check()
+    dataset, model = loss_models.reversal("val"), loss_models.seq2seq()
+    batch = default_collate([dataset[i] for i in range(8)])
+    metric = BLEUScore(n_gram=2, smooth=True)
+    metric.update(*sentences(model(**batch), batch))
+    expected = float(metric.compute())
+    assert expected > 0
+    assert run.metrics[-1]["val/bleu"] == pytest.approx(expected, abs=1e-7), (run.metrics[-1], expected)

@@ -14,7 +14,9 @@ A metric is either
 The validation's samples are the same at any world size (`launcher.data.sources`: `evaluation`), and what is reduced
 over ranks are sums or every rank's items, never a mean of the ranks' means: the figure is one process's, at any
 world size and under any strategy. The keys `preds` and `target` are the launcher's: where a metric's inputs are in
-the model's output and in the batch (`launcher.models.outputs`); every other key is the metric's own.
+the model's output and in the batch (`launcher.models.outputs`), or `inputs`, a function of yours that makes the
+metric's `update` arguments of (output, batch) (token ids decoded into the strings BLEUScore takes); every other key is
+the metric's own.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from launcher.base.errors import ConfigError
 from launcher.models.loss import say_once_at_start
 from launcher.models.outputs import describe, find_preds, find_target, pick
 
-LAUNCHER_KEYS = ("preds", "target")
+LAUNCHER_KEYS = ("preds", "target", "inputs")
 """Keys of a metric's node that are the launcher's, never passed to the metric."""
 
 
@@ -72,7 +74,15 @@ def build_metric(name: str, node: Any) -> Any:
             f"{setting}._target_={target} is no torchmetrics Metric (update, compute, declared states) nor a "
             "function; name one of them"
         )
-    return TorchMetric(name, metric, where["preds"], where["target"])
+    inputs = where["inputs"]
+    if inputs is not None:
+        try:
+            inputs = get_object(str(inputs))
+        except Exception as e:
+            raise ConfigError(
+                f"{setting}.inputs={where['inputs']} does not import ({_cause(e)}); name a function"
+            ) from e
+    return TorchMetric(name, metric, where["preds"], where["target"], inputs)
 
 
 def _cause(e: BaseException) -> str:
@@ -92,8 +102,10 @@ def _reduction(fx: Any) -> str | None:
 class TorchMetric:
     """A torchmetrics `Metric` fed from the model's output and the batch, its states reduced over ranks exactly."""
 
-    def __init__(self, name: str, metric: Any, preds: Any = None, target: Any = None) -> None:
-        self.name, self.metric, self.preds, self.target = name, metric, preds, target
+    def __init__(
+        self, name: str, metric: Any, preds: Any = None, target: Any = None, inputs: Callable[..., Any] | None = None
+    ) -> None:
+        self.name, self.metric, self.preds, self.target, self.inputs = name, metric, preds, target, inputs
         for state, fx in metric._reductions.items():
             if _reduction(fx) is None:
                 how = getattr(fx, "__name__", repr(fx))
@@ -111,6 +123,9 @@ class TorchMetric:
         return self
 
     def update(self, output: Any, batch: Any) -> None:
+        if self.inputs is not None:  # a function of the user's makes update's arguments
+            self.metric.update(*self.inputs(output, batch))
+            return
         preds = self._input(output, self.preds, find_preds, "the model's output", "preds")
         target = self._input(batch, self.target, find_target, "the batch", "target")
         self.metric.update(preds, target)
