@@ -19,14 +19,20 @@ METRICS = ["+trainer.metrics.accuracy._target_=torchmetrics.classification.Multi
            "+trainer.metrics.accuracy.num_classes=4", "+trainer.metrics.accuracy.average=micro",
            "+trainer.metrics.right._target_=eval_models.correct"]  # fmt: skip
 JOB = ["batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=4", "trainer.eval_every=2",
-       "trainer.eval_batches=2", "optim.lr=0.1", "trainer.warmup_steps=1"]  # fmt: skip
+       "trainer.eval_batches=2", "optim.lr=0.1", "trainer.warmup_steps=1", "trainer.save_at_end=true"]  # fmt: skip
 """16 validation samples per evaluation (the 13 and the first 3 again), 8 per rank at 2 ranks."""
+
+
+def nano_sweep(conformance_dir: Path) -> Path:
+    """The classifier at 2 ranks under ddp, fsdp, zero2 and zero3 (one multirun, once per session): its folder."""
+    run, sweep = smoke(conformance_dir, "eval-nano", *NANO, *METRICS, *JOB, "strategy=ddp,fsdp,zero2,zero3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return sweep
 
 
 def test_metrics_of_a_nanogpt_shaped_model_are_one_process_s_under_every_strategy(conformance_dir: Path) -> None:
     one = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, "gpus=1", name="eval-nano-one").check()
-    run, sweep = smoke(conformance_dir, "eval-nano", *NANO, *METRICS, *JOB, "strategy=ddp,fsdp,zero2,zero3")
-    assert run.returncode == 0, run.stderr[-3000:]
+    sweep = nano_sweep(conformance_dir)
     # The tuple's loss, and each metric's inputs, found where only one thing can be meant: said once, at start.
     said = "its loss is its only scalar tensor, at position 1 (trainer.loss=1 says so)"
     assert one.stdout.count(said) == 1, one.stdout
@@ -55,8 +61,8 @@ def test_each_validation_set_is_logged_under_its_name(conformance_dir: Path) -> 
     """Two sets: one with the data's own validation images (its figures are the one-set run's), one of 5 images."""
     sets = ["+data.val.same={}", "+data.val.small.val_count=5"]
     two = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, *sets, name="eval-two-sets").check()
-    one = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, name="eval-one-set").check()
-    evaluated, reference = [m for m in two.metrics if "val/same/loss" in m], [m for m in one.metrics if "val_loss" in m]
+    one = metrics(jobs(nano_sweep(conformance_dir))["ddp"])  # the same run with the data's one set: 2 ranks, ddp
+    evaluated, reference = [m for m in two.metrics if "val/same/loss" in m], [m for m in one if "val_loss" in m]
     assert [m["step"] for m in evaluated] == [m["step"] for m in reference] == [2, 4]
     for theirs, ours in zip(reference, evaluated):
         assert "val_loss" not in ours and "val/accuracy" not in ours, ours
@@ -136,11 +142,10 @@ def test_bad_evaluation_input_is_one_line_before_any_worker_starts(tmp_path: Pat
 
 
 def test_launch_eval_of_a_zero3_checkpoint_at_one_process_gives_the_run_s_figures(conformance_dir: Path) -> None:
-    run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, "strategy=zero3",
-                      "trainer.save_at_end=true", name="eval-zero3").check()  # fmt: skip
-    logged = run.metrics[-1]
+    zero3 = jobs(nano_sweep(conformance_dir))["zero3"]  # 2 ranks
+    logged = metrics(zero3)[-1]
     assert logged["step"] == 4 and "val/accuracy" in logged, logged
-    checkpoint = run.run_dir / "checkpoints" / "step_00000004"
+    checkpoint = zero3 / "checkpoints" / "step_00000004"
     evaluated = conformance_dir / "eval-of-zero3"
     proc = launch_once(conformance_dir, "eval", str(checkpoint), "+sweep=smoke", *NANO, *METRICS, *JOB,
                        "strategy=ddp", "gpus=1", name="eval-of-zero3")  # fmt: skip
