@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import launch_here, launch_once
+from conftest import Run, launch_here, launch_once
 from runs import PARITY_TOLERANCE, jobs, metrics, smoke
 
 NANO = ["model=custom", "model._target_=eval_models.NanoClassifier", "+model.config._target_=eval_models.NanoConfig",
@@ -23,19 +23,19 @@ JOB = ["batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=4", "trai
 """16 validation samples per evaluation (the 13 and the first 3 again), 8 per rank at 2 ranks."""
 
 
-def nano_sweep(conformance_dir: Path) -> Path:
+def nano_sweep(conformance_dir: Path) -> tuple[Run, Path]:
     """The classifier at 2 ranks under ddp, fsdp, zero2 and zero3 (one multirun, once per session): its folder."""
     run, sweep = smoke(conformance_dir, "eval-nano", *NANO, *METRICS, *JOB, "strategy=ddp,fsdp,zero2,zero3")
     assert run.returncode == 0, run.stderr[-3000:]
-    return sweep
+    return run, sweep
 
 
 def test_metrics_of_a_nanogpt_shaped_model_are_one_process_s_under_every_strategy(conformance_dir: Path) -> None:
     one = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, "gpus=1", name="eval-nano-one").check()
-    sweep = nano_sweep(conformance_dir)
+    run, sweep = nano_sweep(conformance_dir)
     # The tuple's loss, and each metric's inputs, found where only one thing can be meant: said once, at start.
     said = "its loss is its only scalar tensor, at position 1 (trainer.loss=1 says so)"
-    assert one.stdout.count(said) == 1, one.stdout
+    assert one.stdout.count(said) == 1 and run.stdout.count(said) == 1, one.stdout + run.stdout  # in a sweep too
     assert one.stdout.count("metric accuracy: preds = the model's output: position 0") == 1, one.stdout
     reference = one.metrics
     evaluated = [m for m in reference if "val_loss" in m]
@@ -61,7 +61,7 @@ def test_each_validation_set_is_logged_under_its_name(conformance_dir: Path) -> 
     """Two sets: one with the data's own validation images (its figures are the one-set run's), one of 5 images."""
     sets = ["+data.val.same={}", "+data.val.small.val_count=5"]
     two = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, *sets, name="eval-two-sets").check()
-    one = metrics(jobs(nano_sweep(conformance_dir))["ddp"])  # the same run with the data's one set: 2 ranks, ddp
+    one = metrics(jobs(nano_sweep(conformance_dir)[1])["ddp"])  # the same run with the data's one set: 2 ranks, ddp
     evaluated, reference = [m for m in two.metrics if "val/same/loss" in m], [m for m in one if "val_loss" in m]
     assert [m["step"] for m in evaluated] == [m["step"] for m in reference] == [2, 4]
     for theirs, ours in zip(reference, evaluated):
@@ -142,7 +142,7 @@ def test_bad_evaluation_input_is_one_line_before_any_worker_starts(tmp_path: Pat
 
 
 def test_launch_eval_of_a_zero3_checkpoint_at_one_process_gives_the_run_s_figures(conformance_dir: Path) -> None:
-    zero3 = jobs(nano_sweep(conformance_dir))["zero3"]  # 2 ranks
+    zero3 = jobs(nano_sweep(conformance_dir)[1])["zero3"]  # 2 ranks
     logged = metrics(zero3)[-1]
     assert logged["step"] == 4 and "val/accuracy" in logged, logged
     checkpoint = zero3 / "checkpoints" / "step_00000004"
