@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
+from torchmetrics import Metric
 
 
 @dataclass
@@ -113,3 +114,17 @@ def sentences(output: object, batch: dict) -> tuple[list[str], list[list[str]]]:
     said = [" ".join(map(str, row[k].tolist())) for row, k in zip(predicted, keep)]
     truth = [[" ".join(map(str, row[k].tolist()))] for row, k in zip(labels, keep)]
     return said, truth
+
+
+class Averaged(Metric):
+    """A torchmetrics Metric whose state is averaged over ranks (exact only where every rank holds as many)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("value", torch.tensor(0.0), dist_reduce_fx="mean")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.value = preds.float().mean()
+
+    def compute(self) -> torch.Tensor:
+        return self.value

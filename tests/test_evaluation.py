@@ -131,8 +131,10 @@ def test_a_callback_that_raises_ends_the_run_in_one_line_with_its_last_checkpoin
         (["+trainer.metrics.loss._target_=eval_models.correct"], "trainer.metrics.loss: `loss` is the validation loss"),
         ([*METRICS, "+trainer.early_stop.metric=val/acuracy"],
          "trainer.early_stop.metric=val/acuracy is no figure this run logs; it logs: "),
+        (["+trainer.metrics.avg._target_=eval_models.Averaged"],
+         "trainer.metrics.avg: Averaged's state 'value' is reduced over ranks by dim_zero_mean, which is exact only"),
     ],
-    ids=["does-not-import", "does-not-build", "named-loss", "early-stop-figure"],
+    ids=["does-not-import", "does-not-build", "named-loss", "early-stop-figure", "averaged-state"],
 )  # fmt: skip
 def test_bad_evaluation_input_is_one_line_before_any_worker_starts(tmp_path: Path, overrides, says) -> None:
     line = launch_here(tmp_path, "+sweep=smoke", *NANO, *JOB, *overrides).refused()
@@ -175,6 +177,7 @@ def test_perplexity_of_padded_samples_is_the_exponential_of_the_validation_loss(
     assert "metric ppl: preds = the model's output: 'logits'" in run.stdout, run.stdout
 
 
+@pytest.mark.long  # 35-95 s (two trials): a trial reads its objective by name as test_search_runs' trials read val_loss
 def test_an_optuna_search_maximises_a_metric_by_name(tmp_path: Path) -> None:
     import subprocess
 
@@ -217,3 +220,14 @@ def test_a_transformers_seq2seq_model_logs_bleu_exactly_at_two_ranks(conformance
     expected = float(metric.compute())
     assert expected > 0
     assert run.metrics[-1]["val/bleu"] == pytest.approx(expected, abs=1e-7), (run.metrics[-1], expected)
+
+
+def test_a_metric_that_fails_on_the_first_batch_ends_the_run_before_its_first_step(conformance_dir: Path) -> None:
+    two = ["+trainer.metrics.accuracy._target_=torchmetrics.classification.MulticlassAccuracy",
+           "+trainer.metrics.accuracy.num_classes=2"]  # fmt: skip
+    run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *JOB, *two, name="eval-fails-first")
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("launch: error:")]
+    assert len(errors) == 1, run.stderr
+    assert "trainer.metrics.accuracy fails on the first batch of the validation set val: " in errors[0], errors[0]
+    assert run.metrics == []  # no step was trained

@@ -8,6 +8,7 @@ Figures: `val_loss` and `val/<metric>` for the data's one validation split; `val
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.base.durable import write_durably
+from launcher.base.errors import Refused
 from launcher.data.builtin import build_dataset
 from launcher.data.collate import build_collate
 from launcher.data.sources import source_of
@@ -36,6 +38,30 @@ class Evaluation:
     def names(self, set_name: str) -> str:
         """The prefix of a set's figures."""
         return "val/" if list(self.sets) == ["val"] else f"val/{set_name}/"
+
+    def check(self, strategy: Strategy) -> None:
+        """Before the first step, on every rank alike: each metric fed the first micro-batch of each set (a copy of
+        it: nothing is counted), so that one that fails ends the run at once, in one line, and where its inputs were
+        found is said at start."""
+        if not any(self.metrics.values()):
+            return
+        strategy.train(False)
+        with torch.no_grad():
+            for name, source in self.sets.items():
+                batch = next(
+                    iter(source.evaluation(1, self.ctx.rank, self.ctx.world_size, self.ctx.accumulation, self.device))
+                )[0]
+                output = strategy.forward(batch)  # every rank: a sharded model's forward is collective
+                for metric_name, metric in self.metrics[name].items():
+                    try:
+                        copy.deepcopy(metric).update(output, batch)
+                    except Exception as e:
+                        why = " ".join(str(e).split())[:300]
+                        raise Refused(
+                            f"trainer.metrics.{metric_name} fails on the first batch of the validation set {name}: "
+                            f"{type(e).__name__}: {why}"
+                        ) from e
+        strategy.train(True)
 
     def run(self, strategy: Strategy, rule: LabelRule) -> dict[str, float]:
         """One pass over every set: each one's loss and metrics, as logged figures."""

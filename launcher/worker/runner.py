@@ -146,6 +146,8 @@ class Trainer:
     def run(self) -> bool:
         """Steps up to trainer.max_steps; False if a stop signal ended the run early (after a checkpoint)."""
         self.setup()
+        if self.evaluation is not None:  # each metric on the first batch of each set: one that fails ends it now
+            self.evaluation.check(self.strategy)
         if self.trainer.eval_only:  # launch eval: the checkpoint's figures, no step
             self.evaluation.once(self.strategy, self.rule, self.position.step, self.run_dir)  # type: ignore[union-attr]
             return self.finish() or True
@@ -227,10 +229,8 @@ class Trainer:
         self.steps = self._feed()
         self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
                                      trainer.profile_stacks)  # fmt: skip
-        self.saves, self.policy = (
-            saver(cfg, ctx, self.run_dir, self.strategy, self.position.step),
-            SavePolicy.of(trainer),
-        )
+        self.saves = saver(cfg, ctx, self.run_dir, self.strategy, self.position.step)
+        self.policy = SavePolicy.of(trainer)
         self.manifest = manifest_of(cfg, ctx.world_size, ctx.precision)
         self.trial, self.prune, self.watch = TrialReport(cfg, ctx.rank), False, Watch.of(cfg, ctx.rank)
         self.stragglers = Stragglers.of(trainer, self.run_dir)
