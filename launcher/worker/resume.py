@@ -101,7 +101,8 @@ def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) 
             again = f"restart {attempt} of the worker group: " if attempt else ""
             print(f"launch: {again}resuming from {path} (step {position.step}, sample {position.samples})", flush=True)
             if manifest.get("early_stop"):  # trainer.early_stop ended the run there: it goes on past it now
-                print(f"launch: resuming a run that stopped early ({manifest['early_stop'].removeprefix('launch: ')})")
+                stopped = manifest["early_stop"].removeprefix("launch: ")
+                print(f"launch: resuming a run that stopped early ({stopped})", flush=True)
         return position
     if paths:
         raise RuntimeError(
