@@ -140,18 +140,22 @@ class LaunchOptunaSweeper(Sweeper):
         return study, space, sweep_dir
 
     def _check_objective(self, sweep: dict[str, Any]) -> None:
+        """Any figure the run logs, by name: a declared one, or the evaluation's (val/<metric>: trainer.metrics)."""
         from launcher.base.metrics import METRICS
+        from launcher.parent.eval_checks import figures
         from launcher.search.space import SpaceError
 
         assert self.config is not None
         name = sweep["objective"]
-        if name not in METRICS:
-            raise SpaceError(f"sweep.objective={name} is not a logged figure; use one of: {', '.join(METRICS)}")
-        if name == "val_loss" and not self.config.trainer.eval_every:
+        if name.startswith("val") and not self.config.trainer.eval_every:
             raise SpaceError(
-                "sweep.objective=val_loss but trainer.eval_every=0 never evaluates; set trainer.eval_every=N "
+                f"sweep.objective={name} but trainer.eval_every=0 never evaluates; set trainer.eval_every=N "
                 "(each evaluation is also where a trial may be pruned)"
             )
+        logged = figures(self.config)
+        if name not in logged and not any(name.startswith(f"{figure}/") for figure in logged):
+            names = [n for n in METRICS if n in logged] + sorted(logged - set(METRICS))
+            raise SpaceError(f"sweep.objective={name} is not a logged figure; use one of: {', '.join(names)}")
 
     def _check_composes(self, space: Any) -> None:
         """One trial's overrides at the low end of every distribution compose (unknown keys, wrong types)."""

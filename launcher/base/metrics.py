@@ -90,8 +90,21 @@ METRICS = {
 }
 
 
+EVALUATED = Metric(
+    "val/<metric>, val/<set>/loss, val/<set>/<metric>",
+    "",
+    "same",
+    "evaluation",
+    "a validation figure of trainer.metrics or of a set data.val names: reduced over ranks exactly by the evaluation "
+    "(`launcher.worker.eval_metrics`), the same on every rank",
+)
+"""The declaration of every figure the evaluation names after the user's metrics and validation sets."""
+
+
 def declared(name: str) -> Metric:
     """The declaration of `name`; KeyError (one line) for a figure nobody declared."""
+    if name.startswith("val/"):
+        return EVALUATED
     try:
         return METRICS[name] if name in METRICS else METRICS[name.split("/", 1)[0] + "/<source>"]
     except KeyError:

@@ -32,6 +32,8 @@ from launcher.base.storage import Location, is_remote
 from launcher.checkpoint.untrusted import UntrustedDataError
 
 LATEST = "latest"
+BEST = "best"
+"""The pointer to trainer.early_stop's best checkpoint, beside `latest`."""
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """What a run id may be (`launcher.parent.run_id`; wandb's own are 8 base-36 digits, one written by hand any such name):
 in a manifest's `run_id` and in a run directory's `run_id` file."""

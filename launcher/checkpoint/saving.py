@@ -21,6 +21,7 @@ from launcher.base.durable import disk, fsync_dir
 from launcher.base.hashing import xxh3
 from launcher.base.storage import Location, write_durably, write_file
 from launcher.checkpoint.format import (
+    BEST,
     LATEST,
     MANIFEST,
     Position,
@@ -292,6 +293,8 @@ class Saver:
                 os.replace(tmp, final)
                 fsync_dir(self.checkpoints)  # type: ignore[arg-type]
             write_durably(self.checkpoints / LATEST, final.name)
+            if manifest.get("best"):  # trainer.early_stop's best step so far: named, and kept by the pruning
+                write_durably(self.checkpoints / BEST, final.name)
             _prune(self.checkpoints, self.keep_last)
         self.last = final
 
@@ -341,5 +344,8 @@ def _prune(checkpoints: Location, keep_last: int) -> None:
     a fallback, an abandoned folder of a higher step is older than the saves made since, and goes first."""
     if keep_last <= 0:
         return
+    best = checkpoints / BEST
+    kept = best.read_text().strip() if best.exists() else None
     for old in complete(checkpoints)[keep_last:]:
-        remove(old)
+        if old.name != kept:
+            remove(old)

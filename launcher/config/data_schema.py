@@ -38,6 +38,10 @@ class PySourceDataConfig:
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
     collate: CollateConfig = field(default_factory=lambda: CollateConfig())
     """The collate of a rank's micro-batch (launcher/data/collate.py)."""
+    val: dict[str, Any] = launch_only(factory=dict)
+    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
+    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
+    validation split of this data alone (val_loss, val/<metric>)."""
     packing: bool = True
     """true: files end to end in full windows; false: one sample per file chunk, the last one padded (-100 targets)."""
 
@@ -54,6 +58,10 @@ class SyntheticDataConfig:
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
     collate: CollateConfig = field(default_factory=lambda: CollateConfig())
     """The collate of a rank's micro-batch (launcher/data/collate.py)."""
+    val: dict[str, Any] = launch_only(factory=dict)
+    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
+    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
+    validation split of this data alone (val_loss, val/<metric>)."""
 
 
 @dataclass
@@ -69,6 +77,10 @@ class TokensDataConfig:
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
     collate: CollateConfig = field(default_factory=lambda: CollateConfig())
     """The collate of a rank's micro-batch (launcher/data/collate.py)."""
+    val: dict[str, Any] = launch_only(factory=dict)
+    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
+    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
+    validation split of this data alone (val_loss, val/<metric>)."""
 
 
 @dataclass
@@ -105,6 +117,10 @@ class TextDataConfig:
     """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
     collate: CollateConfig = field(default_factory=lambda: CollateConfig())
     """The collate of a rank's micro-batch (launcher/data/collate.py)."""
+    val: dict[str, Any] = launch_only(factory=dict)
+    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
+    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
+    validation split of this data alone (val_loss, val/<metric>)."""
     tokenize_workers: int = ranged(0, COUNT, identity=False)
     """Processes datasets.map tokenizes in (0: this one, with the tokenizer's own threads)."""
     cache_dir: str | None = launch_only(None)
@@ -119,6 +135,10 @@ class CustomDataConfig:
     _target_: str = MISSING
     collate: CollateConfig = field(default_factory=lambda: CollateConfig())
     """The collate of a rank's micro-batch (launcher/data/collate.py)."""
+    val: dict[str, Any] = launch_only(factory=dict)
+    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
+    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
+    validation split of this data alone (val_loss, val/<metric>)."""
 
 
 @dataclass
@@ -153,6 +173,10 @@ class HFDataConfig:
     same order either way."""
     collate: CollateConfig = field(default_factory=lambda: CollateConfig())
     """The collate of a rank's micro-batch (launcher/data/collate.py)."""
+    val: dict[str, Any] = launch_only(factory=dict)
+    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
+    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
+    validation split of this data alone (val_loss, val/<metric>)."""
     cache_dir: str | None = launch_only(None)
     """Where tokenized rows are kept; unset: ~/.cache/launch/hf (XDG_CACHE_HOME)."""
 
@@ -181,6 +205,10 @@ class StoreDataConfig:
     """DataLoader processes per rank reading ahead of the loop (their fetches run while the step trains)."""
     collate: CollateConfig = field(default_factory=lambda: CollateConfig())
     """The collate of a rank's micro-batch (launcher/data/collate.py)."""
+    val: dict[str, Any] = launch_only(factory=dict)
+    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
+    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
+    validation split of this data alone (val_loss, val/<metric>)."""
     cache_dir: str | None = launch_only(None)
     """Where a remote store's blocks are cached on each node; unset: ~/.cache/launch/store."""
     cache_limit: Any = launch_only("10GB")

@@ -89,7 +89,7 @@ def _nearest(name: str, path: str, siblings: list[str], known: list[str]) -> str
 PASSED_BY_THE_LAUNCHER = {
     "strategy": (),
     "model": (),
-    "data": ("split", "role", "workers", "collate"),  # the loader's keys (LOADER_KEYS), never passed on
+    "data": ("split", "role", "workers", "collate", "val"),  # the loader's keys (LOADER_KEYS), never passed on
     "optim": ("params",),
     "logger": ("run_config", "run_dir"),
 }

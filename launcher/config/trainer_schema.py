@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from launcher.config.ranges import COUNT, POSITIVE, SIZE, UNIT, launch_only, ranged
 
@@ -22,6 +23,27 @@ class Schedule(Enum):
     constant = "constant"
 
 
+class Direction(Enum):
+    min = "min"
+    """Lower is better (a loss)."""
+    max = "max"
+    """Higher is better (an accuracy)."""
+
+
+@dataclass
+class EarlyStopConfig:
+    """trainer.early_stop: end the run when a logged figure stops improving (`launcher.worker.callbacks`)."""
+
+    metric: str | None = None
+    """The figure watched (val_loss, val/accuracy, val/<set>/<metric>...); unset: no early stop."""
+    mode: Direction = Direction.min
+    """min: lower is better; max: higher is better."""
+    patience: int = ranged(3, SIZE)
+    """Evaluations (logged steps, for a training figure) in a row without improvement before the run stops."""
+    min_delta: float = ranged(0.0, COUNT)
+    """An improvement is a change by more than this."""
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = ranged(300, SIZE, identity=False)
@@ -32,6 +54,22 @@ class TrainerConfig:
     """Validation loss every N optimizer steps (and at the end); 0 disables."""
     eval_batches: int = ranged(4, SIZE, identity=False)
     """Global batches in one validation pass (the same samples whatever the world size)."""
+    metrics: dict[str, Any] = launch_only(factory=dict)
+    """Validation metrics, each under its name: a torchmetrics `Metric` by `_target_` with its keys, or a function
+    of (output, batch) returning (sum, count); `preds` and `target` say where the metric's inputs are in the model's
+    output and in the batch (a key, an attribute or a position; unset: found, and said once). Reduced over ranks
+    exactly (`launcher.worker.eval_metrics`); logged as val/<name>, or val/<set>/<name> with several sets."""
+    early_stop: EarlyStopConfig = launch_only(factory=EarlyStopConfig)
+    """Stop when trainer.early_stop.metric stops improving; the best step's checkpoint is kept and named `best`."""
+    callbacks: list[Any] = launch_only(factory=list)
+    """Objects of yours (`_target_`s) called at the trainer's phases: any of on_train_start, on_step_end,
+    on_eval_end, on_save, on_train_end, each with (step, figures); on rank 0, or on every rank where the class sets
+    `every_rank = True` (`launcher.worker.callbacks`)."""
+    eval_only: bool = launch_only(False)
+    """Set by `launch eval CHECKPOINT`: the checkpoint evaluated once, no step trained; eval.json in the run dir."""
+    loss: Any = None
+    """Where the loss is in the model's output: a key, an attribute or a position (nanoGPT's `(logits, loss)`: 1);
+    unset: a scalar, `loss`, (loss_sum, num_tokens), or a tuple's only scalar tensor (said once)."""
     grad_clip: float = ranged(1.0, COUNT)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     schedule: Schedule = Schedule.cosine

@@ -304,6 +304,6 @@ def build_dataset(data_cfg: Any, split: str) -> Any:
     return instantiate(node, **{"role" if "split" in node else "split": split})
 
 
-LOADER_KEYS = ("workers", "collate", SKIP_CHECK)
+LOADER_KEYS = ("workers", "collate", SKIP_CHECK, "val")
 """Keys of a data config node that are the launcher's, never passed to the dataset's target: the loader's processes,
-the collate (`launcher.data.collate`), the opt-out of the parent's check."""
+the collate (`launcher.data.collate`), the opt-out of the parent's check, the validation sets (`data.val`)."""

@@ -110,5 +110,5 @@ class GPT(nn.Module):
         num_tokens = (flat != -100).sum()
         # Each row's summed loss beside the total (no gradient): a mixture's loss per source (launcher.worker).
         row_loss = token_loss.detach().view(idx.shape).sum(-1)
-        return {"loss": loss_sum / num_tokens.clamp(min=1), "loss_sum": loss_sum, "num_tokens": num_tokens,
-                "row_loss": row_loss}  # fmt: skip
+        mean = loss_sum / num_tokens.clamp(min=1)
+        return {"loss": mean, "loss_sum": loss_sum, "num_tokens": num_tokens, "row_loss": row_loss, "logits": logits}

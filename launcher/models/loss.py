@@ -25,11 +25,16 @@ every other (equal-length samples) — and rank 0 says so once, in one line.
 from __future__ import annotations
 
 import functools
+import io
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from launcher.models.outputs import describe, only_scalar, pick
 
 IGNORE_INDEX = -100
 """Targets with this value count for nothing (torch's cross_entropy default, and transformers')."""
@@ -49,15 +54,25 @@ class LabelRule:
     seq2seq model (each label is the target where it stands); None when the launcher does not know how the model
     counts them (a model of one's own): its `labels` are then counted as they stand, and its mean stays a mean."""
 
+    loss_at: Any = None
+    """Where the loss is in the model's output (trainer.loss: a key, an attribute or a position); None: found."""
+
     @classmethod
-    def of(cls, derived_model: Mapping[str, Any] | None) -> LabelRule:
+    def of(cls, derived_model: Mapping[str, Any] | None, loss_at: Any = None) -> LabelRule:
         model = derived_model or {}
         shift = model.get("label_shift")
-        return cls(bool(model.get("takes_num_items", False)), None if shift is None else int(shift))
+        return cls(bool(model.get("takes_num_items", False)), None if shift is None else int(shift), loss_at)
 
 
-def model_loss(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(loss, num_tokens): a summed loss and its count when the output has both, else (the mean, None)."""
+def model_loss(output: Any, where: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, num_tokens): a summed loss and its count when the output has both, else (the mean, None). `where`
+    (trainer.loss): the mean's place in the output, a key, an attribute or a position (`launcher.models.outputs`);
+    unset: found (a scalar, `loss`, or a tuple's only scalar tensor: nanoGPT's `(logits, loss)`, said once)."""
+    if where is not None:
+        loss = pick(output, where, "the model's output", "trainer.loss")
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            return loss, None
+        raise TypeError(f"trainer.loss={where} is {describe(loss)} in the model's output, not a scalar loss")
     summed = _summed(output)
     if summed is not None:
         return summed
@@ -66,10 +81,17 @@ def model_loss(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor) and loss.dim() == 0:
         return loss, None
+    found = only_scalar(output)
+    if found is not None:
+        say_once_at_start(
+            f"launch: loss: the model's forward returns a {type(output).__name__}; its loss is its only scalar "
+            f"tensor, at position {found} (trainer.loss={found} says so)"
+        )
+        return output[found], None
     raise TypeError(
         f"the model's forward returned {_describe(output)}; return the scalar loss, an object with a scalar `loss` "
-        "(a transformers ModelOutput, a dict with 'loss'), or (loss_sum, num_tokens); a transformers model needs "
-        "`labels` in the batch"
+        "(a transformers ModelOutput, a dict with 'loss'), or (loss_sum, num_tokens), or set trainer.loss to where "
+        "the loss is (a key, an attribute or a position); a transformers model needs `labels` in the batch"
     )
 
 
@@ -86,6 +108,8 @@ def _summed(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def _describe(output: Any) -> str:
+    if isinstance(output, (tuple, list)):
+        return describe(output)
     if isinstance(output, torch.Tensor):
         return f"a tensor of shape {list(output.shape)}"
     if isinstance(output, Mapping):
@@ -152,7 +176,7 @@ def count_targets(batches: list[Any], world_size: int, all_reduce: Any, label_sh
 
 
 def micro_loss(
-    output: Any, k: int, targets: StepTargets, accumulation: int, divided: bool = False
+    output: Any, k: int, targets: StepTargets, accumulation: int, divided: bool = False, where: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(what micro-step k backpropagates, its part of the logged loss, whether it is token-normalised).
 
@@ -160,9 +184,9 @@ def micro_loss(
     over the counted targets (`StepTargets.labels`): the backward value is the summed loss times G / N and the
     part is the summed loss (the logged loss is then Σ parts over ranks / N). `divided`: the model was handed
     `num_items_in_batch=N/G` and returned the summed loss divided by it already. Otherwise the usual mean / K
-    (logged: Σ parts / G).
+    (logged: Σ parts / G). `where`: trainer.loss (`model_loss`).
     """
-    loss, tokens = model_loss(output)
+    loss, tokens = model_loss(output, where)
     count, labels = targets.counts[k], targets.labels[k]
     if tokens is not None:  # the model summed: it must have counted what the launcher counted
         if count is None:
@@ -213,3 +237,11 @@ def usual_recipe_line(targets: StepTargets) -> str:
 def say_once(line: str) -> None:
     """Print a line the first time it is asked for in this process."""
     print(line, flush=True)
+
+
+def say_once_at_start(line: str) -> None:
+    """Say a line once: in the launcher (its checks before start) and on rank 0 (`RANK`, which torch's agent sets in
+    each worker; a worker forked from the launcher remembers that the launcher said it). Not while the output is set
+    aside (a sweep's jobs, checked before the first starts): the job's own check says it."""
+    if os.environ.get("RANK", "0") == "0" and not isinstance(sys.stdout, io.StringIO):  # no check's output set aside
+        say_once(line)

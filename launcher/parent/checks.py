@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config import ConfigError
 from launcher.config.context import outside_moe_blocks
 from launcher.config.identity import sweep_identity
+from launcher.parent.eval_checks import check_evaluation
 
 if TYPE_CHECKING:
     from launcher.base.storage import Location
@@ -38,7 +39,7 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Location | No
         found = find_resume(frozen.resume, run_dir, identity, checkpoints)
         if found is not None:
             check_fits(found, model)
-            _check_steps_left(found, frozen.trainer.max_steps)
+            _check_steps_left(found, frozen.trainer.max_steps) if not frozen.trainer.eval_only else None
             check_mixture_resume(frozen, found)  # data=mix's positions, or another data's
     except CheckpointError as e:
         raise ConfigError(str(e)) from e
@@ -74,6 +75,7 @@ def check_built(frozen: DictConfig, model: Any) -> list[str] | None:
     sample = _check_datasets(frozen)
     no_grad = _check_forward(frozen, model, sample) if sample is not None else None
     _check_logger(frozen)
+    check_evaluation(frozen)  # the metrics build, the early stop's figure is logged
     _check_vocabulary(frozen, model)
     return None if no_grad is None else outside_moe_blocks(model, no_grad, frozen.strategy.get("moe_blocks"))
 
@@ -334,7 +336,7 @@ def _check_forward(frozen: DictConfig, model: Any, batch: Any) -> list[str] | No
         )
         return None
     try:
-        loss, _ = model_loss(output)
+        loss, _ = model_loss(output, frozen.trainer.get("loss"))
     except Exception as e:
         raise _fail("model", e, "make the model's forward take the data's batch and return the loss") from e
     return _without_gradient(model, loss)

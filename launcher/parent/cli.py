@@ -20,6 +20,7 @@ Usage:
   launch [group=option] [key=value] ...      e.g. launch strategy=zero3 gpus=8 model=gpt_1b
   launch plan [overrides]                    memory and communication per rank; nothing runs
   launch convert CHECKPOINT out=FILE         consolidated weights as safetensors
+  launch eval CHECKPOINT [overrides]         the validation sets and metrics of a checkpoint, no training: eval.json
   launch prepare data=text [data.*] out=URL  a token store in shards (a folder or s3://...) for data=store
   launch export kubeflow image=IMAGE [overrides]   a Kubeflow PyTorchJob that runs this config on its pods
   launch -m [overrides]                      a sweep, e.g. launch -m +sweep=strategies
@@ -91,7 +92,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     # torch when it is imported, so set before; a value of the user's own stands.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["plan"], ["convert"], ["export"], ["prepare"]):
+    if ("--help" in argv or "-h" in argv) and argv[:1] not in (
+        ["plan"],
+        ["convert"],
+        ["export"],
+        ["prepare"],
+        ["eval"],
+    ):
         return print_help()
     from launcher.base.storage import secret_in
 
@@ -112,6 +119,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return export(argv[1:])
     if argv[:1] == ["prepare"]:
         return prepare(argv[1:])
+    if argv[:1] == ["eval"]:  # the training run's overrides, with the checkpoint resumed and evaluated once
+        checkpoints = [a for a in argv[1:] if "=" not in a]
+        if len(checkpoints) != 1 or any(a.startswith("-") for a in argv[1:]):
+            fail("usage: launch eval CHECKPOINT [the run's overrides] (a checkpoint folder, a run directory or a URL)")
+        argv = [*(a for a in argv[1:] if "=" in a), f"resume={checkpoints[0]}", "trainer.eval_only=true"]
     overrides = _single_run(argv)
     if overrides is not None:
         raise SystemExit(run_once(overrides))

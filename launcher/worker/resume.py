@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.durable import write_durably
 from launcher.base.errors import Refused
-from launcher.base.storage import checkpoints_of, inside, location
+from launcher.base.storage import checkpoints_of, inside, is_remote, location
 from launcher.checkpoint.format import Position, by_time, damage, read_manifest, remove_partial, skipped
 from launcher.checkpoint.loading import load
 from strategies import RunContext, Strategy
@@ -100,6 +100,9 @@ def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) 
             attempt = restart_count()
             again = f"restart {attempt} of the worker group: " if attempt else ""
             print(f"launch: {again}resuming from {path} (step {position.step}, sample {position.samples})", flush=True)
+            if manifest.get("early_stop"):  # trainer.early_stop ended the run there: it goes on past it now
+                stopped = manifest["early_stop"].removeprefix("launch: ")
+                print(f"launch: resuming a run that stopped early ({stopped})", flush=True)
         return position
     if paths:
         raise RuntimeError(
@@ -116,3 +119,15 @@ def restart_count() -> int:
 
 def _say(line: str) -> None:
     print(line, flush=True)
+
+
+def check_shared_folders(cfg: DictConfig, ctx: RunContext, run_dir: Path) -> None:
+    """The run directory where the cluster shares it (SLURM, nodes by hand), and a local checkpoint folder
+    elsewhere (a Kubernetes pod's run directory is its own): every rank sees what rank 0 writes there."""
+    shared_run_dir = OmegaConf.select(cfg, "derived.shared_run_dir", default=True)
+    if shared_run_dir:
+        check_shared_directory(run_dir, ctx)
+    where = checkpoints_of(cfg.trainer, run_dir)
+    if not is_remote(where) and not (shared_run_dir and inside(where, run_dir)):
+        where.mkdir(parents=True, exist_ok=True)
+        check_shared_directory(where, ctx, CHECKPOINT_DIR_FIX)

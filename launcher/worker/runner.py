@@ -18,7 +18,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.metrics import declared, over_ranks
-from launcher.base.storage import checkpoints_of, inside, is_remote
 from launcher.base.targets import import_targets
 from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
@@ -29,16 +28,18 @@ from launcher.models.loss import LabelRule, batch_tokens
 from launcher.models.meta import build_on_meta
 from launcher.search.trial import TrialReport, record_pruned
 from launcher.worker.adapt import after_out_of_memory, resizing
+from launcher.worker.callbacks import Watch
+from launcher.worker.evaluation import evaluation_of
 from launcher.worker.guard import Guard
 from launcher.worker.lifecycle import GAVE_UP, Phase, StopRequest
 from launcher.worker.logs import Loggers, Progress
 from launcher.worker.memory import StepMemory, rss_bytes
 from launcher.worker.optimizers import lr_at, optimizer_factory
 from launcher.worker.profiling import MemorySnapshots, StepProfiler
-from launcher.worker.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_count, resume
+from launcher.worker.resume import check_shared_folders, restart_count, resume
 from launcher.worker.source_loss import SourceLosses
 from launcher.worker.speed import Speed, Window
-from launcher.worker.step import all_reduce, evaluations, gather_rows, train_step
+from launcher.worker.step import all_reduce, gather_rows, train_step
 from launcher.worker.stragglers import StepClock, Stragglers
 from strategies import RunContext, Strategy
 
@@ -146,6 +147,12 @@ class Trainer:
     def run(self) -> bool:
         """Steps up to trainer.max_steps; False if a stop signal ended the run early (after a checkpoint)."""
         self.setup()
+        if self.evaluation is not None:  # each metric on the first batch of each set: one that fails ends it now
+            self.evaluation.check(self.strategy)
+        if self.trainer.eval_only:  # launch eval: the checkpoint's figures, no step
+            self.evaluation.once(self.strategy, self.rule, self.position.step, self.run_dir)  # type: ignore[union-attr]
+            return self.finish() or True
+        self.watch.call("on_train_start", self.position.step, {})
         while self.position.step < self.max_steps:
             step = self.position.step + 1
             logged, evaluated = self.logged(step), self.evaluated(step)
@@ -170,9 +177,12 @@ class Trainer:
                 self.log(step, loss, grad_norm, evaluated)
             self.progress.update(step, self.metrics if logged else None)
             stopping, pruned = self.agree(step)
-            if self.policy.due(step, stopping or pruned):  # a stop always saves
+            if self.watch.failed:  # a callback raised: what is in flight is finished, the newest complete stays last
+                self.saves.finish()
+                self.watch.fail(self.saves.last)
+            if self.policy.due(step, stopping or pruned or self.watch.saves):  # a stop and a best step save
                 self.save(step)
-            if pruned:  # the study's pruner ended this trial: the run is done, not interrupted
+            if pruned or self.watch.stop:  # the study's pruner or the early stop ended the run: done, not interrupted
                 self.pruned(step)
                 return True
             if stopping and step < self.max_steps:
@@ -190,15 +200,11 @@ class Trainer:
         collate = build_collate(cfg.data.get("collate"))
         # Random access or a stream (`launcher.data.sources`); a permutation is data: held before the model is built.
         self.source = source_of(build_dataset(cfg.data, "train"), self.B, cfg.seed, collate, "the train split")
-        self.val_source = (
-            source_of(build_dataset(cfg.data, "val"), self.B, cfg.seed, collate, "the val split")
-            if int(trainer.eval_every) > 0
-            else None
-        )
+        self.evaluation = evaluation_of(cfg, ctx) if int(trainer.eval_every) > 0 or trainer.eval_only else None
         # What the process holds before the model exists: torch, and the data (host memory, as on a GPU machine).
         self.memory = StepMemory(self.device, ctx.compile)
         if int(cfg.derived.nodes) > 1:  # before the first save: where the nodes write together, they see one folder
-            self.check_shared_folders()
+            check_shared_folders(cfg, ctx, self.run_dir)
         phase("building the model")
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and in a one-process run
 
@@ -220,17 +226,15 @@ class Trainer:
         self.resumed_at = self.position.step
         self.loggers = Loggers.create(cfg, ctx.rank, self.run_dir)
         self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
-        self.rule = LabelRule.of(cfg.derived.model)  # how the model counts its labels: decided in the launcher
+        self.rule = LabelRule.of(cfg.derived.model, trainer.get("loss"))  # decided in the launcher
         self.source_losses = SourceLosses.of(self.source, self.rule)
         self.steps = self._feed()
         self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
                                      trainer.profile_stacks)  # fmt: skip
-        self.saves, self.policy = (
-            saver(cfg, ctx, self.run_dir, self.strategy, self.position.step),
-            SavePolicy.of(trainer),
-        )
+        self.saves = saver(cfg, ctx, self.run_dir, self.strategy, self.position.step)
+        self.policy = SavePolicy.of(trainer)
         self.manifest = manifest_of(cfg, ctx.world_size, ctx.precision)
-        self.trial, self.prune = TrialReport(cfg, ctx.rank), False
+        self.trial, self.prune, self.watch = TrialReport(cfg, ctx.rank), False, Watch.of(cfg, ctx.rank)
         self.stragglers = Stragglers.of(trainer, self.run_dir)
         self.nonfinite = str(trainer.get("nonfinite", "stop"))
         self.guard = Guard(self.strategy, self.nonfinite, int(trainer.get("max_skipped", 10)), ctx.precision == "fp16",
@@ -261,17 +265,6 @@ class Trainer:
             return False
         every = self.trainer.memory_every
         return self.device.type == "cuda" or not self.metrics or step == self.max_steps or step % every == 0
-
-    def check_shared_folders(self) -> None:
-        """The run directory where the cluster shares it (SLURM, nodes by hand), and a local checkpoint folder
-        elsewhere (a Kubernetes pod's run directory is its own): every rank sees what rank 0 writes there."""
-        shared_run_dir = OmegaConf.select(self.cfg, "derived.shared_run_dir", default=True)
-        if shared_run_dir:
-            check_shared_directory(self.run_dir, self.ctx)
-        where = checkpoints_of(self.trainer, self.run_dir)
-        if not is_remote(where) and not (shared_run_dir and inside(where, self.run_dir)):
-            where.mkdir(parents=True, exist_ok=True)
-            check_shared_directory(where, self.ctx, CHECKPOINT_DIR_FIX)
 
     def logged(self, step: int) -> bool:
         """trainer.log_every, the last step, and the first (the loss is seen at once)."""
@@ -318,12 +311,13 @@ class Trainer:
         if self.nonfinite == "skip":
             metrics["skipped_steps"] = self.guard.skipped
         metrics |= self.source_losses.figures(self.device, self.position.stream)  # data=mix: per source
-        if evaluated:  # val_loss (data=mix: and each source's alone)
-            metrics |= evaluations(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
+        if evaluated:  # data=mix: each source's validation loss too (`Evaluation.run`)
+            metrics |= self.evaluation.run(self.strategy, self.rule)  # type: ignore[union-attr]
         for name in metrics:
             declared(name)  # a figure nobody declared is refused, not logged with a meaning nobody chose
         self.loggers.log(metrics, step)
         self.metrics, self.window = metrics, Window()
+        self.watch.logged(step, metrics, evaluated)  # the early stop's judgement, the callbacks
         self.prune = self.trial.report(step, metrics, last=step == self.max_steps)  # rank 0 of a search's trial
 
     def agree(self, step: int) -> tuple[bool, bool]:
@@ -331,8 +325,9 @@ class Trainer:
         it), so all save the same step together; and whether any rank still writes the checkpoint in flight: once
         none does, it is made visible. (stop signal, pruned): the run stops here if either is true."""
         self.phase(f"agreeing whether to stop after step {step}")
-        mine = [float(self.stop.signal is not None), float(self.saves.writing()), float(self.prune)]
-        stopping, writing, pruned = all_reduce(mine, dist.ReduceOp.MAX, self.device)
+        mine = [float(self.stop.signal is not None), float(self.saves.writing()), float(self.prune), *self.watch.flags]
+        stopping, writing, pruned, *watched = all_reduce(mine, dist.ReduceOp.MAX, self.device)
+        self.watch.agreed(watched)
         if self.saves.pending is not None and not writing:
             self.phase(f"making the checkpoint of step {self.saves.pending.position.step} visible")
             self.saves.finalise()
@@ -342,8 +337,9 @@ class Trainer:
     def save(self, step: int) -> None:
         self.phase(f"saving the checkpoint of step {step}")
         with self.memory.imports_excluded():  # the writer's modules, imported by the first save, are no step's memory
-            self.saves.save(self.position, self.strategy, self.manifest)
+            self.saves.save(self.position, self.strategy, self.manifest | self.watch.marks(step))
         self.stalled = True
+        self.watch.call("on_save", step, self.metrics)
 
     def stopped(self, step: int) -> None:
         """A stop signal ended the run after `step`: its checkpoint written, and one line saying where it is."""
@@ -376,7 +372,9 @@ class Trainer:
         one line."""
         self.phase(f"writing the checkpoint of step {step}")
         self.saves.finish()
-        if self.ctx.rank == 0:
+        if self.ctx.rank == 0 and self.watch.stop:
+            print(f"{self.watch.early.why(step)}; checkpoint {self.saves.last}", flush=True)
+        elif self.ctx.rank == 0:
             name = str(self.cfg.sweep.objective)
             record_pruned(self.run_dir, step, name, self.metrics[name])
             print(f"launch: trial {self.cfg.sweep.trial} pruned after step {step} ({name} {self.metrics[name]:.4f}); "
@@ -390,6 +388,8 @@ class Trainer:
             self.phase(f"writing the checkpoint of step {self.saves.pending.position.step}")
             self.saves.finish()
         self.phase("finishing")
+        self.watch.call("on_train_end", self.position.step, self.metrics)
+        self.watch.settle(self.device, self.saves.last)  # a callback that raised since the last agreement ends it
         self.progress.close()
         self.loggers.finish(status)
 

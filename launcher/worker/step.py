@@ -1,4 +1,4 @@
-"""One optimizer step over this rank's micro-batches, and one evaluation, by the loss rule of `launcher.models.loss`:
+"""One optimizer step over this rank's micro-batches, by the loss rule of `launcher.models.loss`:
 the arithmetic of a step, with no state of the run."""
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from launcher.models.loss import (
     LabelRule,
     count_targets,
     micro_loss,
-    model_loss,
     say_once,
-    target_tokens,
     usual_recipe_line,
 )
 from launcher.worker.lifecycle import Phase
@@ -37,38 +35,6 @@ def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
     rows = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)  # flat: gloo's shape
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine)  # torch 2.13 renamed it
     return rows.view(-1, len(values)).tolist()
-
-
-def evaluate(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rule: LabelRule) -> float:
-    """The loss over `batches` fixed global batches of the validation split (`source.evaluation`: the same samples at
-    every evaluation and world size), by the training step's rule (`launcher.models.loss`): Σ token losses / Σ targets
-    where the model returns sums or its mean is over targets the launcher counts (its labels, by `rule`), else the mean
-    of the micro-batches' means."""
-    device = torch.device(ctx.device)
-    strategy.train(False)
-    total, count = 0.0, 0.0
-    with torch.no_grad():
-        for micro in source.evaluation(batches, ctx.rank, ctx.world_size, ctx.accumulation, device):
-            for batch in micro:
-                loss, tokens = model_loss(strategy.forward(batch))
-                targets, known = target_tokens(batch, rule.label_shift)
-                if tokens is None and known:  # a mean over the counted targets: back to their sum (none: 0, not NaN)
-                    loss, tokens = (loss * targets if targets else torch.zeros(())), torch.tensor(targets)
-                total, count = total + float(loss), count + (float(tokens) if tokens is not None else 1.0)
-    strategy.train(True)
-    total, count = all_reduce([total, count], dist.ReduceOp.SUM, device)
-    return total / count if count else float("nan")
-
-
-def evaluations(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rule: LabelRule) -> dict[str, float]:
-    """`val_loss` (`evaluate`), and for data=mix `val_loss/NAME`, each source's validation split alone (none for a
-    source whose split holds no full global batch)."""
-    losses = {"val_loss": evaluate(strategy, source, ctx, batches, rule)}
-    for name, one in (source.alone() if hasattr(source, "alone") else {}).items():
-        loss = evaluate(strategy, one, ctx, batches, rule)
-        if loss == loss:  # NaN: no batch to evaluate
-            losses[f"val_loss/{name}"] = loss
-    return losses
 
 
 def train_step(
@@ -111,7 +77,7 @@ def train_step(
                 seen(k, output, batch)
             if clock is not None and k == K - 1:  # before the gradient sync: a slow forward is waited for here
                 clock.probe()
-            backward, part, normalised = micro_loss(output, k, targets, K, divided)
+            backward, part, normalised = micro_loss(output, k, targets, K, divided, rule.loss_at)
             strategy.backward(backward)
         loss_sum += part.double()
     if not normalised and ctx.rank == 0:

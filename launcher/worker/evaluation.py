@@ -1,0 +1,140 @@
+"""The evaluation: the validation loss and the metrics of the user's choice over each validation set, by the training
+step's loss rule (`launcher.models.loss`) and reduced over ranks exactly (`launcher.worker.eval_metrics`), so that
+its figures are one process's at any world size and under any strategy.
+
+Figures: `val_loss` and `val/<metric>` for the data's one validation split; `val/<set>/loss` and
+`val/<set>/<metric>` for each set `data.val` names.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from launcher.base.durable import write_durably
+from launcher.base.errors import Refused
+from launcher.data.builtin import build_dataset
+from launcher.data.collate import build_collate
+from launcher.data.sources import source_of
+from launcher.models.loss import LabelRule, model_loss, target_tokens
+from launcher.worker.eval_metrics import build_metrics
+from launcher.worker.step import all_reduce
+from strategies import RunContext, Strategy
+
+
+class Evaluation:
+    """The validation sets of a run (name -> source) and, for each, its own instances of the configured metrics."""
+
+    def __init__(self, sets: dict[str, Any], metrics: Any, batches: int, ctx: RunContext) -> None:
+        self.sets, self.batches, self.ctx = sets, batches, ctx
+        self.device = torch.device(ctx.device)
+        self.metrics = {name: {n: m.to(self.device) for n, m in build_metrics(metrics or {}).items()} for name in sets}
+
+    def names(self, set_name: str) -> str:
+        """The prefix of a set's figures."""
+        return "val/" if list(self.sets) == ["val"] else f"val/{set_name}/"
+
+    def check(self, strategy: Strategy) -> None:
+        """Before the first step, on every rank alike: each metric fed the first micro-batch of each set (a copy of
+        it: nothing is counted), so that one that fails ends the run at once, in one line, and where its inputs were
+        found is said at start."""
+        if not any(self.metrics.values()):
+            return
+        strategy.train(False)
+        with torch.no_grad():
+            for name, source in self.sets.items():
+                batch = next(
+                    iter(source.evaluation(1, self.ctx.rank, self.ctx.world_size, self.ctx.accumulation, self.device))
+                )[0]
+                output = strategy.forward(batch)  # every rank: a sharded model's forward is collective
+                for metric_name, metric in self.metrics[name].items():
+                    try:
+                        copy.deepcopy(metric).update(output, batch)
+                    except Exception as e:
+                        why = " ".join(str(e).split())[:300]
+                        raise Refused(
+                            f"trainer.metrics.{metric_name} fails on the first batch of the validation set {name}: "
+                            f"{type(e).__name__}: {why}"
+                        ) from e
+        strategy.train(True)
+
+    def run(self, strategy: Strategy, rule: LabelRule) -> dict[str, float]:
+        """One pass over every set: each one's loss and metrics, as logged figures."""
+        figures: dict[str, float] = {}
+        for name, source in self.sets.items():
+            loss, values = validate(strategy, source, self.ctx, self.batches, rule, self.metrics[name])
+            prefix = self.names(name)
+            figures["val_loss" if prefix == "val/" else f"{prefix}loss"] = loss
+            figures |= {f"{prefix}{k}": v for k, v in values.items()}
+            for part, alone in (source.alone() if hasattr(source, "alone") else {}).items():  # data=mix's sources
+                part_loss, _ = validate(strategy, alone, self.ctx, self.batches, rule, {})
+                if part_loss == part_loss:  # NaN: its split holds no full global batch
+                    figures[f"val_loss/{part}" if prefix == "val/" else f"{prefix}loss/{part}"] = part_loss
+        return figures
+
+    def once(self, strategy: Strategy, rule: LabelRule, step: int, run_dir: Path) -> bool:
+        """`launch eval`: the resumed checkpoint's figures, on every rank alike; rank 0 prints one table and writes
+        `<run dir>/eval.json` (the checkpoint's step and its figures)."""
+        figures = self.run(strategy, rule)
+        if self.ctx.rank == 0:
+            write_durably(run_dir / "eval.json", json.dumps({"step": step, "figures": figures}, indent=2))
+            width = max(len(name) for name in figures)
+            rows = [f"{'figure':<{width}}  value", *(f"{n:<{width}}  {v:.8g}" for n, v in figures.items())]
+            print("\n".join([f"launch: evaluation of step {step}", *rows, f"launch: wrote {run_dir / 'eval.json'}"]))
+        return True
+
+
+def validate(
+    strategy: Strategy, source: Any, ctx: RunContext, batches: int, rule: LabelRule, metrics: dict[str, Any]
+) -> tuple[float, dict[str, float]]:
+    """The loss over `batches` fixed global batches of a validation source (`source.evaluation`: the same samples at
+    every evaluation and world size), by the training step's rule: Σ token losses / Σ targets where the model returns
+    sums or its mean is over targets the launcher counts (its labels, by `rule`), else the mean of the micro-batches'
+    means; and each metric, fed every micro-batch's output, reduced over ranks."""
+    device = torch.device(ctx.device)
+    strategy.train(False)
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for micro in source.evaluation(batches, ctx.rank, ctx.world_size, ctx.accumulation, device):
+            for batch in micro:
+                output = strategy.forward(batch)
+                loss, tokens = model_loss(output, rule.loss_at)
+                targets, known = target_tokens(batch, rule.label_shift)
+                if tokens is None and known:  # a mean over the counted targets: back to their sum (none: 0, not NaN)
+                    loss, tokens = (loss * targets if targets else torch.zeros(())), torch.tensor(targets)
+                total, count = total + float(loss), count + (float(tokens) if tokens is not None else 1.0)
+                for metric in metrics.values():
+                    metric.update(output, batch)
+    strategy.train(True)
+    total, count = all_reduce([total, count], dist.ReduceOp.SUM, device)
+    values: dict[str, float] = {}
+    for metric in metrics.values():  # in the config's order, the same on every rank: their collectives match
+        values |= metric.reduce(device)
+    return (total / count if count else float("nan")), values
+
+
+def evaluation_of(cfg: Any, ctx: RunContext) -> Evaluation:
+    """The run's evaluation: the validation sets (`validation_sets`), and the metrics trainer.metrics names."""
+    B = int(cfg.batch.global_size)
+    sets = {
+        name: source_of(build_dataset(node, "val"), B, cfg.seed, build_collate(node.get("collate")), f"the set {name}")
+        for name, node in validation_sets(cfg.data).items()
+    }
+    return Evaluation(sets, cfg.trainer.get("metrics"), int(cfg.trainer.eval_batches), ctx)
+
+
+def validation_sets(data: Any) -> dict[str, Any]:
+    """name -> the data node each validation set is built from (with split="val"): each of `data.val`, a node of its
+    own (`_target_`) or its keys merged over the data's; unset, the data's own validation split, named `val`."""
+    from omegaconf import OmegaConf
+
+    named = data.get("val") or {}
+    if not named:
+        return {"val": data}
+    base = OmegaConf.masked_copy(data, [k for k in data if k != "val"])
+    return {str(n): node if "_target_" in node else OmegaConf.merge(base, node) for n, node in named.items()}

@@ -1,0 +1,130 @@
+"""Models, data and metrics of the evaluation tests (`tests/test_evaluation.py`): a classifier in nanoGPT's shape,
+built from a config object, whose forward returns `(logits, loss)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+from torchmetrics import Metric
+
+
+@dataclass
+class NanoConfig:
+    """As nanoGPT's `GPTConfig`: the model's sizes in one object."""
+
+    channels: int = 3
+    classes: int = 4
+    width: int = 8
+
+
+class NanoClassifier(nn.Module):
+    """nanoGPT's contract on images: `NanoClassifier(NanoConfig(...))`, `forward(x, targets)` returns
+    `(logits, loss)`."""
+
+    def __init__(self, config: NanoConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.features = nn.Sequential(nn.Conv2d(config.channels, config.width, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(config.width, config.classes)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.head(self.features(x).mean(dim=(2, 3)))
+        loss = F.cross_entropy(logits, targets) if targets is not None else None
+        return logits, loss
+
+
+class Images(Dataset):
+    """Seeded random images whose label is the channel with the largest mean (learnable, fixed per split)."""
+
+    def __init__(self, split: str, count: int, channels: int) -> None:
+        generator = torch.Generator().manual_seed(0 if split == "train" else 1)
+        self.images = torch.randn(count, channels, 6, 6, generator=generator)
+        self.labels = self.images.mean(dim=(2, 3)).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[i], self.labels[i]
+
+
+def images(split: str, count: int = 64, val_count: int = 13, channels: int = 3) -> Images:
+    """`count` training images, and an odd number of validation images (`val_count`)."""
+    return Images(split, count if split == "train" else val_count, channels)
+
+
+def correct(output: tuple[torch.Tensor, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """A metric of one's own: (predictions that are right, predictions)."""
+    logits, _ = output
+    return (logits.argmax(dim=-1) == batch[1]).sum(), batch[1].numel()
+
+
+class Recording:
+    """A callback of one's own, on every rank: each call, as a JSON line, into `<folder>/calls<rank>.jsonl`."""
+
+    every_rank = True
+
+    def __init__(self, folder: str) -> None:
+        import os
+
+        self.path = f"{folder}/calls{os.environ.get('RANK', '0')}.jsonl"
+
+    def _write(self, hook: str, step: int, figures: dict) -> None:
+        import json
+
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"hook": hook, "step": step, "figures": sorted(figures)}) + "\n")
+
+    def on_train_start(self, step: int, figures: dict) -> None:
+        self._write("on_train_start", step, figures)
+
+    def on_step_end(self, step: int, figures: dict) -> None:
+        self._write("on_step_end", step, figures)
+
+    def on_eval_end(self, step: int, figures: dict) -> None:
+        self._write("on_eval_end", step, figures)
+
+    def on_save(self, step: int, figures: dict) -> None:
+        self._write("on_save", step, figures)
+
+    def on_train_end(self, step: int, figures: dict) -> None:
+        self._write("on_train_end", step, figures)
+
+
+class Raising:
+    """A callback that raises at the end of step `at`, on rank 0 only."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, step: int, figures: dict) -> None:
+        if step == self.at:
+            raise RuntimeError(f"planted failure at step {step}")
+
+
+def sentences(output: object, batch: dict) -> tuple[list[str], list[list[str]]]:
+    """BLEUScore's inputs from a seq2seq model's output: each row's predicted tokens (the teacher-forced argmax) and
+    its labels, as sentences of token ids, -100 positions left out."""
+    predicted, labels = output.logits.argmax(dim=-1), batch["labels"]
+    keep = labels != -100
+    said = [" ".join(map(str, row[k].tolist())) for row, k in zip(predicted, keep)]
+    truth = [[" ".join(map(str, row[k].tolist()))] for row, k in zip(labels, keep)]
+    return said, truth
+
+
+class Averaged(Metric):
+    """A torchmetrics Metric whose state is averaged over ranks (exact only where every rank holds as many)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("value", torch.tensor(0.0), dist_reduce_fx="mean")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.value = preds.float().mean()
+
+    def compute(self) -> torch.Tensor:
+        return self.value

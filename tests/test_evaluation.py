@@ -1,0 +1,233 @@
+"""Evaluation: metrics of the user's choice (a torchmetrics Metric by `_target_`, a function returning sums and
+counts) reduced over ranks exactly, and a model in nanoGPT's shape (built from a config object, `(logits, loss)`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import Run, launch_here, launch_once
+from runs import PARITY_TOLERANCE, jobs, metrics, smoke
+
+NANO = ["model=custom", "model._target_=eval_models.NanoClassifier", "+model.config._target_=eval_models.NanoConfig",
+        "+model.config.channels=4", "+model.config.width=16", "data=custom", "data._target_=eval_models.images",
+        "+data.channels=4"]  # fmt: skip
+"""A classifier in nanoGPT's shape, on 64 training images and 13 validation images (an odd number)."""
+METRICS = ["+trainer.metrics.accuracy._target_=torchmetrics.classification.MulticlassAccuracy",
+           "+trainer.metrics.accuracy.num_classes=4", "+trainer.metrics.accuracy.average=micro",
+           "+trainer.metrics.right._target_=eval_models.correct"]  # fmt: skip
+JOB = ["batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=4", "trainer.eval_every=2",
+       "trainer.eval_batches=2", "optim.lr=0.1", "trainer.warmup_steps=1", "trainer.save_at_end=true"]  # fmt: skip
+"""16 validation samples per evaluation (the 13 and the first 3 again), 8 per rank at 2 ranks."""
+
+
+def nano_sweep(conformance_dir: Path) -> tuple[Run, Path]:
+    """The classifier at 2 ranks under ddp, fsdp, zero2 and zero3 (one multirun, once per session): its folder."""
+    run, sweep = smoke(conformance_dir, "eval-nano", *NANO, *METRICS, *JOB, "strategy=ddp,fsdp,zero2,zero3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, sweep
+
+
+def test_metrics_of_a_nanogpt_shaped_model_are_one_process_s_under_every_strategy(conformance_dir: Path) -> None:
+    one = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, "gpus=1", name="eval-nano-one").check()
+    run, sweep = nano_sweep(conformance_dir)
+    # The tuple's loss, and each metric's inputs, found where only one thing can be meant: said once, at start.
+    said = "its loss is its only scalar tensor, at position 1 (trainer.loss=1 says so)"
+    assert one.stdout.count(said) == 1 and run.stdout.count(said) == 1, one.stdout + run.stdout  # in a sweep too
+    assert one.stdout.count("metric accuracy: preds = the model's output: position 0") == 1, one.stdout
+    reference = one.metrics
+    evaluated = [m for m in reference if "val_loss" in m]
+    assert [m["step"] for m in evaluated] == [2, 4]
+    accuracy = [m["val/accuracy"] for m in evaluated]
+    assert all(a * 16 == round(a * 16) for a in accuracy) and any(a * 8 != round(a * 8) for a in accuracy), accuracy
+    assert accuracy == [m["val/right"] for m in evaluated]  # the Metric and the function of sums agree
+    assert sorted(jobs(sweep)) == ["ddp", "fsdp", "zero2", "zero3"]
+    for strategy, job in jobs(sweep).items():
+        logged = metrics(job)
+        assert [m["loss"] for m in logged] == pytest.approx(
+            [m["loss"] for m in reference], abs=PARITY_TOLERANCE[strategy]
+        )
+        theirs = [m for m in logged if "val_loss" in m]
+        for name, tolerance in (("val/accuracy", 1e-7), ("val/right", 1e-7), ("val_loss", 1e-6)):
+            assert [m[name] for m in theirs] == pytest.approx([m[name] for m in evaluated], abs=tolerance), (
+                strategy,
+                name,
+            )
+
+
+def test_each_validation_set_is_logged_under_its_name(conformance_dir: Path) -> None:
+    """Two sets: one with the data's own validation images (its figures are the one-set run's), one of 5 images."""
+    sets = ["+data.val.same={}", "+data.val.small.val_count=5"]
+    two = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, *sets, name="eval-two-sets").check()
+    one = metrics(jobs(nano_sweep(conformance_dir)[1])["ddp"])  # the same run with the data's one set: 2 ranks, ddp
+    evaluated, reference = [m for m in two.metrics if "val/same/loss" in m], [m for m in one if "val_loss" in m]
+    assert [m["step"] for m in evaluated] == [m["step"] for m in reference] == [2, 4]
+    for theirs, ours in zip(reference, evaluated):
+        assert "val_loss" not in ours and "val/accuracy" not in ours, ours
+        assert ours["val/same/loss"] == pytest.approx(theirs["val_loss"], abs=1e-12)
+        assert ours["val/same/accuracy"] == pytest.approx(theirs["val/accuracy"], abs=1e-12)
+        assert ours["val/small/loss"] != ours["val/same/loss"]
+        assert {"val/small/accuracy", "val/small/right"} <= set(ours), ours
+
+
+STOPPING = ["gpus=2", "trainer.max_steps=20", "trainer.eval_every=1", "trainer.eval_batches=1", "optim.lr=0",
+            "trainer.save_at_end=true", "trainer.keep_last=1", "+trainer.early_stop.metric=val/accuracy",
+            "trainer.early_stop.mode=max", "trainer.early_stop.patience=2"]  # fmt: skip
+"""A planted plateau: at lr 0 the accuracy never changes, so the best is step 1 and the run stops after step 3."""
+
+
+def test_early_stop_ends_every_rank_at_a_plateau_and_keeps_the_best(conformance_dir: Path) -> None:
+    folder = conformance_dir / "eval-early-calls"
+    folder.mkdir(exist_ok=True)
+    calls = ["+trainer.callbacks=[{_target_: eval_models.Recording, folder: " + str(folder) + "}]"]
+    run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, *STOPPING, *calls, name="eval-early")
+    run.check()
+    assert [m["step"] for m in run.metrics] == [1, 2, 3], run.metrics
+    line = "early stop after step 3: val/accuracy did not improve by more than 0 (max) in 2 evaluation(s); best"
+    assert run.stdout.count(line) == 1 and "at step 1; checkpoint" in run.stdout, run.stdout
+    checkpoints = run.run_dir / "checkpoints"
+    assert (checkpoints / "best").read_text().strip() == "step_00000001"  # kept beside the newest (keep_last=1)
+    assert (checkpoints / "latest").read_text().strip() == "step_00000003"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000001", "step_00000003"]
+    # Every rank's callback saw the same phases, in order, with the figures reduced over ranks.
+    seen = [[json.loads(x) for x in (folder / f"calls{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert seen[0] == seen[1]
+    hooks = [(c["hook"], c["step"]) for c in seen[0]]
+    assert hooks == [("on_train_start", 0), ("on_step_end", 1), ("on_eval_end", 1), ("on_save", 1),
+                     ("on_step_end", 2), ("on_eval_end", 2), ("on_step_end", 3), ("on_eval_end", 3), ("on_save", 3),
+                     ("on_train_end", 3)], hooks  # fmt: skip
+    assert "val/accuracy" in seen[0][2]["figures"] and "loss" not in seen[0][2]["figures"]
+    # A resume of it says that it stopped early, and goes on.
+    more = ["trainer.max_steps=4", "trainer.early_stop.patience=5", f"resume={run.run_dir}"]
+    again = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, *STOPPING, *more, name="eval-again")
+    again.check()
+    assert "launch: resuming a run that stopped early (early stop after step 3" in again.stdout, again.stdout
+
+
+def test_a_callback_that_raises_ends_the_run_in_one_line_with_its_last_checkpoint(conformance_dir: Path) -> None:
+    raising = ["+trainer.callbacks=[{_target_: eval_models.Raising, at: 3}]", "trainer.checkpoint_every=2",
+               "trainer.max_steps=6", "trainer.save_at_end=true"]  # fmt: skip
+    run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *JOB, *raising, name="eval-raising")
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("launch: error:")]
+    assert len(errors) == 1, run.stderr
+    assert (
+        "the callback eval_models.Raising raised in on_step_end at step 3: RuntimeError: planted failure" in errors[0]
+    )
+    assert errors[0].endswith("step_00000002"), errors[0]  # the last complete checkpoint, and it is the newest
+    assert (run.run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["+trainer.metrics.acc._target_=torchmetrics.classification.NoSuchAccuracy"],
+         "trainer.metrics.acc._target_=torchmetrics.classification.NoSuchAccuracy does not import"),
+        (["+trainer.metrics.acc._target_=torchmetrics.classification.MulticlassAccuracy"],
+         "MulticlassAccuracy does not build (ValueError: Argument `num_classes`"),
+        (["+trainer.metrics.loss._target_=eval_models.correct"], "trainer.metrics.loss: `loss` is the validation loss"),
+        ([*METRICS, "+trainer.early_stop.metric=val/acuracy"],
+         "trainer.early_stop.metric=val/acuracy is no figure this run logs; it logs: "),
+        (["+trainer.metrics.avg._target_=eval_models.Averaged"],
+         "trainer.metrics.avg: Averaged's state 'value' is reduced over ranks by dim_zero_mean, which is exact only"),
+    ],
+    ids=["does-not-import", "does-not-build", "named-loss", "early-stop-figure", "averaged-state"],
+)  # fmt: skip
+def test_bad_evaluation_input_is_one_line_before_any_worker_starts(tmp_path: Path, overrides, says) -> None:
+    line = launch_here(tmp_path, "+sweep=smoke", *NANO, *JOB, *overrides).refused()
+    assert says in line, line
+    if "early_stop" in says:
+        assert "val/accuracy" in line and "val/right" in line and "val_loss" in line, line
+
+
+def test_launch_eval_of_a_zero3_checkpoint_at_one_process_gives_the_run_s_figures(conformance_dir: Path) -> None:
+    zero3 = jobs(nano_sweep(conformance_dir)[1])["zero3"]  # 2 ranks
+    logged = metrics(zero3)[-1]
+    assert logged["step"] == 4 and "val/accuracy" in logged, logged
+    checkpoint = zero3 / "checkpoints" / "step_00000004"
+    evaluated = conformance_dir / "eval-of-zero3"
+    proc = launch_once(conformance_dir, "eval", str(checkpoint), "+sweep=smoke", *NANO, *METRICS, *JOB,
+                       "strategy=ddp", "gpus=1", name="eval-of-zero3")  # fmt: skip
+    proc.check()
+    figures = json.loads((evaluated / "eval.json").read_text())
+    assert figures["step"] == 4
+    names = ["val_loss", "val/accuracy", "val/right"]
+    assert sorted(figures["figures"]) == sorted(names)
+    for name in names:
+        assert figures["figures"][name] == pytest.approx(logged[name], abs=1e-6), name
+    table = proc.stdout[proc.stdout.index("launch: evaluation of step 4") :].splitlines()
+    assert table[1].split() == ["figure", "value"] and [r.split()[0] for r in table[2:5]] == names, table
+    assert not (evaluated / "metrics.jsonl").read_text().strip()  # no step trained, none logged
+
+
+def test_perplexity_of_padded_samples_is_the_exponential_of_the_validation_loss(conformance_dir: Path) -> None:
+    """Padded samples (data.packing=false): the ranks hold different numbers of targets, and torchmetrics'
+    Perplexity, fed the built-in GPT's logits and targets (found), is exp(Σ token losses / Σ targets) over both."""
+    from conftest import TINY
+
+    ppl = ["+trainer.metrics.ppl._target_=torchmetrics.text.Perplexity", "+trainer.metrics.ppl.ignore_index=-100"]
+    job = ["data=pysource", "data.packing=false", "gpus=2", "trainer.max_steps=2", "trainer.eval_every=2",
+           "trainer.eval_batches=1", "batch.global_size=16", "batch.micro_size=4"]  # fmt: skip
+    run = launch_once(conformance_dir, *TINY, *job, "trainer.save_at_end=false", *ppl, name="eval-ppl").check()
+    logged = run.metrics[-1]
+    assert logged["val/ppl"] == pytest.approx(math.exp(logged["val_loss"]), rel=1e-6), logged
+    assert "metric ppl: preds = the model's output: 'logits'" in run.stdout, run.stdout
+
+
+@pytest.mark.long  # 35-95 s (two trials): a trial reads its objective by name as test_search_runs' trials read val_loss
+def test_an_optuna_search_maximises_a_metric_by_name(tmp_path: Path) -> None:
+    import subprocess
+
+    import optuna
+    from conftest import LAUNCH, clean_env
+
+    sweep = tmp_path / "sweep"
+    search = ["-m", "hydra/sweeper=launch_optuna", "optim.lr=tag(log,interval(1e-3,0.3))", "hydra.sweeper.n_trials=2",
+              "sweep.objective=val/accuracy", "sweep.direction=maximize", "sweep.pruner=null"]  # fmt: skip
+    cmd = [LAUNCH, *search, "+sweep=smoke", *NANO, *METRICS, *JOB, "gpus=1", f"hydra.sweep.dir={sweep}"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    study = optuna.load_study(study_name="search", storage=f"sqlite:///{sweep / 'study.db'}")
+    assert study.direction == optuna.study.StudyDirection.MAXIMIZE and len(study.trials) == 2
+    for trial in study.trials:  # each trial's value: the last accuracy its run logged
+        logged = [m for m in metrics(sweep / str(trial.number)) if "val/accuracy" in m]
+        assert trial.value == logged[-1]["val/accuracy"], (trial.number, logged)
+    assert study.best_value == max(t.value for t in study.trials)
+
+
+def test_a_transformers_seq2seq_model_logs_bleu_exactly_at_two_ranks(conformance_dir: Path) -> None:
+    """T5 at its initial weights (lr 0) on padded rows of 2 to 16 tokens: the smoothed BLEU of its predictions over
+    the validation batch, at 2 ranks, is that of one plain forward over the same 8 samples here."""
+    import loss_models
+    from eval_models import sentences
+    from torch.utils.data import default_collate
+    from torchmetrics.text import BLEUScore
+
+    bleu = ["+trainer.metrics.bleu._target_=torchmetrics.text.BLEUScore", "+trainer.metrics.bleu.n_gram=2",
+            "+trainer.metrics.bleu.smooth=true", "+trainer.metrics.bleu.inputs=eval_models.sentences"]  # fmt: skip
+    job = ["device=cpu", "logger=none", "data=custom", "batch.global_size=8", "batch.micro_size=2", "gpus=2",
+           "trainer.eval_batches=1", "trainer.progress=false", "trainer.save_at_end=false", "model=custom",
+           "model._target_=loss_models.seq2seq", "data._target_=loss_models.reversal", "optim.lr=0",
+           "trainer.max_steps=1", "trainer.eval_every=1", "strategy=zero3"]  # fmt: skip
+    run = launch_once(conformance_dir, *job, *bleu, name="eval-bleu").check()
+    dataset, model = loss_models.reversal("val"), loss_models.seq2seq()
+    batch = default_collate([dataset[i] for i in range(8)])
+    metric = BLEUScore(n_gram=2, smooth=True)
+    metric.update(*sentences(model(**batch), batch))
+    expected = float(metric.compute())
+    assert expected > 0
+    assert run.metrics[-1]["val/bleu"] == pytest.approx(expected, abs=1e-7), (run.metrics[-1], expected)
+
+
+def test_a_metric_that_fails_on_the_first_batch_ends_the_run_before_its_first_step(conformance_dir: Path) -> None:
+    two = ["+trainer.metrics.accuracy._target_=torchmetrics.classification.MulticlassAccuracy",
+           "+trainer.metrics.accuracy.num_classes=2"]  # fmt: skip
+    run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *JOB, *two, name="eval-fails-first")
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("launch: error:")]
+    assert len(errors) == 1, run.stderr
+    assert "trainer.metrics.accuracy fails on the first batch of the validation set val: " in errors[0], errors[0]
+    assert run.metrics == []  # no step was trained
