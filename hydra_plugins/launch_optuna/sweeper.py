@@ -141,8 +141,7 @@ class LaunchOptunaSweeper(Sweeper):
 
     def _check_objective(self, sweep: dict[str, Any]) -> None:
         """Any figure the run logs, by name: a declared one, or the evaluation's (val/<metric>: trainer.metrics)."""
-        from launcher.base.metrics import METRICS
-        from launcher.parent.eval_checks import figures
+        from launcher.base.metrics import METRICS, logged_figures
         from launcher.search.space import SpaceError
 
         assert self.config is not None
@@ -152,7 +151,7 @@ class LaunchOptunaSweeper(Sweeper):
                 f"sweep.objective={name} but trainer.eval_every=0 never evaluates; set trainer.eval_every=N "
                 "(each evaluation is also where a trial may be pruned)"
             )
-        logged = figures(self.config)
+        logged = logged_figures(self.config)
         if name not in logged and not any(name.startswith(f"{figure}/") for figure in logged):
             names = [n for n in METRICS if n in logged] + sorted(logged - set(METRICS))
             raise SpaceError(f"sweep.objective={name} is not a logged figure; use one of: {', '.join(names)}")

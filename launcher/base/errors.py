@@ -14,3 +14,11 @@ class Refused(RuntimeError):
 
 REFUSED = "refused: "
 """How a worker's report marks a refusal (`Refused`), for the launcher's one line (`launcher.parent.failures`)."""
+
+
+def failure(group: str, e: BaseException, fix: str) -> ConfigError:
+    """A check's one line for an exception raised by what it built (`group`: data, model, optim, logger): its cause's
+    message, its type, and the fix."""
+    cause = e.__cause__ or e
+    message = " ".join(str(cause).split()) or type(cause).__name__
+    return ConfigError(f"{group}: {message} ({type(cause).__name__}); {fix}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Reduction = Literal["sum", "max", "argmax", "same", "rank0"]
 """sum: each rank's part added; max: the largest rank's; argmax: which rank that is (the lowest of equal ones); same:
@@ -156,3 +156,17 @@ def table() -> str:
 
 if __name__ == "__main__":
     print(table())
+
+
+def logged_figures(frozen: Any) -> set[str]:
+    """The figures a run of the frozen config `frozen` logs, by name: the declared ones, and the evaluation's where it
+    evaluates (`val_loss`, or `val/<set>/loss` for each of data.val; `val/<metric>` or `val/<set>/<metric>`); a
+    mixture's per-source figures are `<figure>/<source>` of these (early stop and a sweep's objective take them by
+    prefix)."""
+    names = set(METRICS) - {"val_loss"}
+    if int(frozen.trainer.eval_every) <= 0:
+        return names
+    sets = [str(n) for n in (frozen.data.get("val") or {})]
+    prefixes = [f"val/{n}/" for n in sets] or ["val/"]
+    names |= {f"{p}loss" for p in prefixes} if sets else {"val_loss"}
+    return names | {f"{p}{m}" for p in prefixes for m in frozen.trainer.get("metrics") or {}}

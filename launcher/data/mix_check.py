@@ -67,14 +67,13 @@ def _first(part: Any, split: str) -> Any:
     return found[0]
 
 
-def check_mixture_resume(frozen: Any, checkpoint: Any) -> None:
-    """A checkpoint resumed with data it cannot be honoured under: one written by data=mix resumed with other data
-    (its position counts the mixture's samples, not the data's), or one of other data resumed by a mixture (it
-    records no source's position). ConfigError (one line); other changes of a mixture are said by the worker."""
-    from launcher.checkpoint.format import read_manifest
+def check_mixture_resume(frozen: Any, checkpoint: Any, manifest: dict[str, Any]) -> None:
+    """A checkpoint (its `manifest`) resumed with data it cannot be honoured under: one written by data=mix resumed
+    with other data (its position counts the mixture's samples, not the data's), or one of other data resumed by a
+    mixture (it records no source's position). ConfigError (one line); other changes of a mixture are said by the
+    worker."""
     from launcher.data.mix import MIX_TARGET
 
-    manifest = read_manifest(checkpoint)
     mixed = isinstance(manifest.get("stream"), dict) and "mix" in manifest["stream"]
     mixing = str(frozen.data._target_) == MIX_TARGET
     if manifest["step"] and mixed and not mixing:

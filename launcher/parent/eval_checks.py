@@ -21,21 +21,10 @@ def check_evaluation(frozen: Any) -> None:
     watched = frozen.trainer.early_stop.get("metric")
     if watched is None:
         return
-    logged = figures(frozen)
+    from launcher.base.metrics import logged_figures
+
+    logged = logged_figures(frozen)
     if watched not in logged and not any(watched.startswith(f"{name}/") for name in logged):
         raise ConfigError(
             f"trainer.early_stop.metric={watched} is no figure this run logs; it logs: {', '.join(sorted(logged))}"
         )
-
-
-def figures(frozen: Any) -> set[str]:
-    """The figures the run logs by name: the declared ones, and the evaluation's where it evaluates."""
-    from launcher.base.metrics import METRICS
-
-    names = set(METRICS) - {"val_loss"}
-    if int(frozen.trainer.eval_every) <= 0:
-        return names
-    sets = [str(n) for n in (frozen.data.get("val") or {})]
-    prefixes = [f"val/{n}/" for n in sets] or ["val/"]
-    names |= {f"{p}loss" for p in prefixes} if sets else {"val_loss"}
-    return names | {f"{p}{m}" for p in prefixes for m in frozen.trainer.get("metrics") or {}}

@@ -39,8 +39,9 @@ from launcher.config.context import check_protocol, check_strategy
 from launcher.config.identity import identity_hash
 from launcher.config.known import check_keys
 from launcher.parent.agent import agent_logs_to_file, failed_group_grace, preload
-from launcher.parent.checks import check_built, check_resume, vocabulary
+from launcher.parent.checks import check_built, check_resume
 from launcher.parent.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
+from launcher.parent.model_checks import vocabulary
 from launcher.parent.rendezvous import (
     LOOPBACK,
     JobFull,
