@@ -217,7 +217,7 @@ class StoreDataConfig:
 
 def tokenizer_vocab(tokenizer: str) -> int:
     """The resolver `${launch_vocab:PATH}`: the ids the tokenizer at PATH gives (transformers imported only here)."""
-    from launcher.data.text import tokenizer_vocab as vocab
+    from launcher.data.tokenizer import tokenizer_vocab as vocab
 
     return vocab(tokenizer)
 

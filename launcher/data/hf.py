@@ -173,7 +173,7 @@ class _Keys:
             )
         rows = self.load(self.val_split if role == "val" else self.split, True)
         if self.tokenizer is not None:
-            from launcher.data.text import load_tokenizer
+            from launcher.data.tokenizer import load_tokenizer
 
             rows = rows.map(_Encode(load_tokenizer(self.tokenizer), self.text_field, self.max_length), batched=True,
                             remove_columns=[self.text_field])  # fmt: skip
@@ -197,7 +197,7 @@ class _Keys:
 
     def key(self) -> dict[str, Any]:
         """Everything the tokenized rows depend on: the cache folder is named by its hash."""
-        from launcher.data.text import tokenizer_hash
+        from launcher.data.tokenizer import tokenizer_hash
 
         base = self.rows("train")
         return {
@@ -231,7 +231,8 @@ class _Keys:
         import time
 
         from launcher.base.durable import write_durably
-        from launcher.data.text import load_tokenizer, partial_folder
+        from launcher.data.text import partial_folder
+        from launcher.data.tokenizer import load_tokenizer
 
         key = self.key()
         folder, started = self.folder(key), time.monotonic()

@@ -363,7 +363,7 @@ def cache_dir_default() -> Path:
 
 
 def _check_tokenizer(manifest: dict[str, Any], tokenizer: str, url: str) -> None:
-    from launcher.data.text import tokenizer_hash
+    from launcher.data.tokenizer import tokenizer_hash
 
     path = Path(os.path.expanduser(str(tokenizer)))
     if not path.exists():

@@ -36,8 +36,9 @@ BLOCK_BYTES = 4 << 20
 def prepare_store(data: Any, out: str, part: tuple[int, int] | None, block_bytes: int = BLOCK_BYTES) -> str:
     """Build the shards of `part` (index, count; None: all) of data=text's corpus into the store at `out`, and its
     manifest once every shard is there. Returns the line that says what was done."""
-    from launcher.data.text import Corpus, eos_id, load_tokenizer, tokenizer_hash
+    from launcher.data.text import Corpus
     from launcher.data.text_build import check_field
+    from launcher.data.tokenizer import eos_id, load_tokenizer, tokenizer_hash
 
     if data.get("val_files"):
         raise ConfigError(
@@ -132,8 +133,8 @@ def _build(corpus: Any, todo: list[int], settings: dict[str, Any], workers: int)
 def build_shard(corpus: Any, index: int, settings: dict[str, Any]) -> int:
     """Tokenize input file `index` into shard `index`: its files, then its record; the shard's tokens."""
     from launcher.base.hashing import xxh3
-    from launcher.data.text import load_tokenizer
     from launcher.data.text_build import Encode, choose_val, document_lengths, tokenized, write
+    from launcher.data.tokenizer import load_tokenizer
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per shard: no thread pool under it
     started, name = time.monotonic(), f"{index:05d}"

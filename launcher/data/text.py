@@ -33,6 +33,7 @@ from launcher.base.durable import fsync_dir, write_durably
 from launcher.base.errors import ConfigError
 from launcher.base.storage import is_url
 from launcher.data.builtin import DocumentChunks, TokenWindows, _memmap, cache_dir, largest_id
+from launcher.data.tokenizer import eos_id, load_tokenizer, tokenizer_hash
 
 FORMAT = 1
 """The cache's layout; a new one builds new folders."""
@@ -41,8 +42,6 @@ READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "te
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 SAVED = ("state.json", "dataset_dict.json")
 """A folder holding one of these was written by `save_to_disk`: read with `datasets.load_from_disk`."""
-WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
-"""Files of a model folder that are no part of its tokenizer (not hashed: a tokenizer beside the weights)."""
 
 
 def Text(
@@ -291,61 +290,6 @@ def _stat(path: Any) -> list[Any]:
         return [str(path), [_stat(p) for p in sorted(path.rglob("*")) if p.is_file()]]
     stat = path.stat()
     return [str(path), stat.st_size, stat.st_mtime_ns]
-
-
-def tokenizer_hash(path: Path) -> str:
-    """The tokenizer's content: a file's bytes, or every file of its folder but model weights."""
-    digest = hashlib.sha256()
-    for file in [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file()):
-        if file.suffix in WEIGHTS:
-            continue
-        digest.update(file.name.encode() + b"\0")
-        with open(file, "rb") as f:
-            for block in iter(lambda f=f: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def load_tokenizer(tokenizer: str) -> Any:
-    """The tokenizer at a local folder (`AutoTokenizer.from_pretrained`, local files only, no remote code) or a
-    tokenizer.json (`PreTrainedTokenizerFast`); ConfigError (one line) when it does not load."""
-    path = Path(os.path.expanduser(str(tokenizer)))
-    if not path.exists():
-        raise ConfigError(
-            f"data.tokenizer={tokenizer} does not exist; point it at a local tokenizer folder (what "
-            "AutoTokenizer.from_pretrained loads, e.g. a model's folder copied from the Hub) or a tokenizer.json"
-        )
-    try:
-        import transformers
-
-        if path.is_file():
-            return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
-        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-    except Exception as e:
-        message = " ".join(str(e).split())[:300] or type(e).__name__
-        raise ConfigError(
-            f"data.tokenizer={tokenizer} does not load as a tokenizer ({type(e).__name__}: {message}); point it at a "
-            "folder AutoTokenizer.from_pretrained loads (tokenizer.json, tokenizer_config.json) or a tokenizer.json"
-        ) from e
-
-
-def tokenizer_vocab(tokenizer: str) -> int:
-    """How many ids the tokenizer gives (its vocabulary and added tokens): `data.vocab_size` when left unset."""
-    return len(load_tokenizer(tokenizer))
-
-
-def eos_id(tok: Any, tokenizer: str, eos_token: str | None) -> int:
-    """The id of the token that ends each document: data.eos_token, else the tokenizer's own EOS."""
-    name = eos_token or tok.eos_token
-    if name is None:
-        added = ", ".join(str(t) for t in tok.added_tokens_decoder.values()) or "none"
-        raise ConfigError(
-            f"data.tokenizer={tokenizer} names no EOS token (its added tokens: {added}); name the token that ends a "
-            "document with data.eos_token=..."
-        )
-    if name not in tok.get_vocab():
-        raise ConfigError(f"data.eos_token={name} is not a token of data.tokenizer={tokenizer}; name one it has")
-    return int(tok.convert_tokens_to_ids(name))
 
 
 def complete(folder: Path, key: dict[str, Any]) -> dict[str, Any] | None:
