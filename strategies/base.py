@@ -17,7 +17,11 @@ from strategies.declarations import Collective, Conformance, Layout, Requirement
 
 ModelFactory = Callable[..., nn.Module]
 """`build_model()` builds the model for real; `build_model(meta=True)` on the meta device (no memory, no values)."""
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+"""`build_optimizer(module)`: the optimizer over the module's trainable parameters, in param groups decided by each
+parameter's name (as in checkpoints: the unwrapped module's) and the types of the modules holding it."""
+LR_SCALE = "lr_scale"
+"""A param group's factor of the schedule's learning rate (1 where a group has none)."""
 
 
 @dataclass(frozen=True)
@@ -270,8 +274,9 @@ def model_state_bytes(
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's learning rate, times each group's `LR_SCALE`."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get(LR_SCALE, 1.0)
 
 
 def optimizer_step(

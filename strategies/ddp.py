@@ -163,7 +163,7 @@ class DDP:
         # modules whose parameters are all synchronised apart (`absent`) may be skipped by any rank.
         apart = [m for m in module.modules() if _params_within(m, self._absent.params)]
         self._same_modules = SameModulesCheck(module, [module] if self.find_unused_parameters else blocks + apart)
-        self.optimizer = build_optimizer(self.model.parameters())
+        self.optimizer = build_optimizer(module)  # the unwrapped module: the checkpoint's names
         self.dtype = autocast_dtype(ctx.precision)
         # fp16 needs loss scaling; bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler(ctx.device_type, enabled=ctx.precision == "fp16")

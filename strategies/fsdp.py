@@ -292,7 +292,7 @@ class FSDP:
                 if replicate > 1:
                     module.set_all_reduce_hook(_counting_all_reduce(self._counter, replicate))
         self.model = model
-        self.optimizer = build_optimizer(model.parameters())
+        self.optimizer = build_optimizer(model)
         # fp16 needs loss scaling; the sharded scaler agrees on inf/NaN across ranks, since each sees only its shard.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

@@ -114,9 +114,9 @@ def test_every_command_composes_and_validates(where: str, args: list[str], refus
                 check_keys(frozen)
                 if frozen.model._target_ == "launcher.models.gpt.GPT":  # the optimizer over the model's parameters
                     from launcher.models.meta import build_on_meta
-                    from launcher.parent.checks import _check_optimizer
+                    from launcher.parent.optim_checks import check_optimizer
 
-                    _check_optimizer(frozen, build_on_meta(frozen.model))
+                    check_optimizer(frozen, build_on_meta(frozen.model))
     except ConfigError as e:
         problem = str(e)
     finally:

@@ -79,8 +79,25 @@ class GPTConfig:
     dropout: float = ranged(0.0, FRACTION)
 
 
+RECIPE_KEYS = ("groups", "no_decay")
+"""Keys of every optim node that the launcher reads itself (its param groups), never passed to the optimizer."""
+
+
 @dataclass
-class AdamWConfig:
+class ParamGroupsConfig:
+    """The param groups every optim choice takes (`launcher.worker.param_groups`)."""
+
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    """Rules for param groups, the first that matches a parameter wins: each a name pattern (`name`, a glob over
+    the full parameter name) and/or a module type (`module`, a class name), with `lr_scale` (times optim.lr),
+    `weight_decay` or any other key the optimizer takes. A rule that matches no trainable parameter is refused."""
+    no_decay: bool = True
+    """After optim.groups' rules: no weight decay on biases, normalisation weights (by module type) and embeddings;
+    false: every parameter that no rule takes gets optim.weight_decay (the rule before 0.3)."""
+
+
+@dataclass
+class AdamWConfig(ParamGroupsConfig):
     _target_: str = "torch.optim.AdamW"
     lr: float = ranged(1e-3, COUNT)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -89,7 +106,7 @@ class AdamWConfig:
 
 
 @dataclass
-class SGDConfig:
+class SGDConfig(ParamGroupsConfig):
     _target_: str = "torch.optim.SGD"
     lr: float = ranged(0.1, COUNT)
     momentum: float = ranged(0.9, UNIT)
@@ -97,7 +114,7 @@ class SGDConfig:
 
 
 @dataclass
-class CustomOptimConfig:
+class CustomOptimConfig(ParamGroupsConfig):
     """optim=custom: any optimizer class, optim._target_=torch.optim.Adagrad or one of your own, called with the
     parameters, lr and the keys you add with +optim.KEY=VALUE. lr is the schedule's peak."""
 

@@ -15,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config import ConfigError
 from launcher.config.context import outside_moe_blocks
 from launcher.config.identity import sweep_identity
+from launcher.config.schema import RECIPE_KEYS
+from launcher.parent.optim_checks import check_optimizer
 
 if TYPE_CHECKING:
     from launcher.base.storage import Location
@@ -66,7 +68,7 @@ PASSED_BY_THE_LAUNCHER = {
     "strategy": (),
     "model": (),
     "data": ("split", "role", "workers", "collate"),  # the loader's keys (LOADER_KEYS), never passed on
-    "optim": ("params",),
+    "optim": ("params", *RECIPE_KEYS),
     "logger": ("run_config", "run_dir"),
 }
 
@@ -117,7 +119,7 @@ def check_built(frozen: DictConfig, model: Any) -> list[str] | None:
     samples, a forward and backward of one micro-batch on the meta device, the logger's settings, the vocabulary.
     Nothing here allocates a model's memory. Returns the trainable parameters that got no gradient in that backward
     (none of a mixture-of-experts block's: every strategy gives those one), or None when it could not run."""
-    _check_optimizer(frozen, model)
+    print(check_optimizer(frozen, model), flush=True)
     _prepare_data(frozen)
     sample = _check_datasets(frozen)
     no_grad = _check_forward(frozen, model, sample) if sample is not None else None
@@ -196,26 +198,6 @@ def _fail(group: str, e: BaseException, fix: str) -> ConfigError:
     cause = e.__cause__ or e
     message = " ".join(str(cause).split()) or type(cause).__name__
     return ConfigError(f"{group}: {message} ({type(cause).__name__}); {fix}")
-
-
-def _check_optimizer(frozen: DictConfig, model: Any) -> None:
-    from hydra.utils import instantiate
-
-    def build(node: DictConfig) -> None:
-        instantiate(node, _partial_=True, _convert_="all")(model.parameters())
-
-    try:
-        build(frozen.optim)
-    except Exception as e:  # torch's optimizers check their hyperparameters in the constructor
-        target = frozen.optim._target_
-        for key in [str(k) for k in frozen.optim if not str(k).startswith("_")]:
-            try:  # the key whose value it refuses: without it (the optimizer's default), it builds
-                build(OmegaConf.masked_copy(frozen.optim, [k for k in frozen.optim if k != key]))
-            except Exception:
-                continue
-            value = OmegaConf.to_container(frozen.optim)[key]  # type: ignore[index]
-            raise _fail("optim", e, f"fix optim.{key}={value}, which {target} refuses") from e
-        raise _fail("optim", e, f"fix the optim.* values that {target} refuses") from e
 
 
 def _check_datasets(frozen: DictConfig) -> Any:

@@ -33,9 +33,10 @@ from launcher.worker.guard import Guard
 from launcher.worker.lifecycle import GAVE_UP, Phase, StopRequest
 from launcher.worker.logs import Loggers, Progress
 from launcher.worker.memory import StepMemory, rss_bytes
-from launcher.worker.optimizers import lr_at, optimizer_factory
+from launcher.worker.optimizers import optimizer_factory
 from launcher.worker.profiling import MemorySnapshots, StepProfiler
 from launcher.worker.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_count, resume
+from launcher.worker.schedules import schedule_lr
 from launcher.worker.speed import Speed, Window
 from launcher.worker.step import all_reduce, evaluate, gather_rows, train_step
 from launcher.worker.stragglers import StepClock, Stragglers
@@ -280,8 +281,7 @@ class Trainer:
         return every > 0 and (step % every == 0 or step == self.max_steps)
 
     def lr(self, step: int) -> float:
-        t = self.trainer
-        return lr_at(step - 1, self.cfg.optim.lr, t.warmup_steps, self.max_steps, str(t.schedule), t.min_lr_ratio)
+        return schedule_lr(self.trainer, self.cfg.optim.lr, step - 1, self.max_steps)
 
     def data(self) -> StepData | None:
         """This rank's micro-batches of the next step; None when the stream ran out on any rank, which every rank

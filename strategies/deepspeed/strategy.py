@@ -6,7 +6,6 @@ The DeepSpeed config comes from `config.build_ds_config`; what reaches into ZeRO
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import tempfile
@@ -270,17 +269,19 @@ class DeepSpeed:
         )
 
     def _optimizer(self, model: nn.Module, build_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        optimizer = build_optimizer(model)
+        if self.offload_optimizer != "none":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            # The offloaded step runs on the host in DeepSpeed's C++ Adam, with optim's values, in the same groups.
+            own = set(optimizer.defaults) - {"lr", "betas", "eps", "weight_decay"}  # torch's keys CPU Adam lacks
+            groups = [{k: v for k, v in g.items() if k not in own} for g in optimizer.param_groups]
+            keywords = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
+            optimizer = DeepSpeedCPUAdam(groups, adamw_mode=ADAM_OPTIMIZERS[self.optimizer_target], **keywords)
         # Parameters that got no gradient on the launcher's first micro-batch get a zero one in DeepSpeed's flat
         # buffers: without weight decay, zero moments leave them as they are (`strategies.no_grad`).
-        params = without_decay(model, self.ctx.no_grad)
-        if self.offload_optimizer == "none":
-            return build_optimizer(params)
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        # The offloaded step runs on the host in DeepSpeed's C++ Adam, with optim's values.
-        assert isinstance(build_optimizer, functools.partial), "optim must be a partial (hydra _partial_)"
-        keywords = {k: v for k, v in build_optimizer.keywords.items() if k in ("lr", "betas", "eps", "weight_decay")}
-        return DeepSpeedCPUAdam(params, adamw_mode=ADAM_OPTIMIZERS[self.optimizer_target], **keywords)
+        without_decay(optimizer, model, self.ctx.no_grad)
+        return optimizer
 
     def forward(self, batch: Any) -> torch.Tensor:
         with self._same_modules.watch():

@@ -186,13 +186,15 @@ def export_state(engine: Any, stage: int, offload_optimizer: str) -> dict[str, A
         buffers = dict(module.named_buffers())
         model |= {n: buffers[n].detach().cpu() for n in _buffer_names(module)}
     groups: list[dict[str, Any]] = []
-    for group, ids in zip(inner.param_groups, _group_members(engine, stage)):
-        names = [n for n, p in module.named_parameters() if id(p) in ids]
-        if group.get(NO_GRAD_GROUP) and groups:  # the strategy's own group: listed where every other strategy has them
-            groups[-1]["params"] += names
-            continue
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": names})
+    members: dict[int, set[int]] = {}
+    for index, (group, ids) in enumerate(zip(inner.param_groups, _group_members(engine, stage))):
+        # The strategy's own groups (`without_decay`): listed in the group they came from, as every other strategy has
+        # them.
+        members.setdefault(group.get(NO_GRAD_GROUP, index), set()).update(ids)
+        if NO_GRAD_GROUP not in group:
+            groups.append({k: v for k, v in group.items() if k != "params"})
+    for index, group in enumerate(groups):
+        group["params"] = [n for n, p in module.named_parameters() if id(p) in members[index]]
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
