@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SUBCOMMANDS = ("plan", "prepare", "convert", "export")
 OWN_KEYS = {"prepare": ("out", "data.shard_index", "data.num_shards", "block_size"),
-            "convert": ("out", "merge"), "export": ("image", "name", "namespace")}  # fmt: skip
+            "convert": ("out", "merge", "ema"), "export": ("image", "name", "namespace")}  # fmt: skip
 
 
 def commands() -> list[tuple[str, list[str], bool]]:

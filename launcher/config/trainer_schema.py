@@ -3,11 +3,11 @@ config."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from launcher.config.ranges import COUNT, POSITIVE, SIZE, UNIT, launch_only, ranged
+from launcher.config.ranges import COUNT, OPEN_UNIT, POSITIVE, SIZE, UNIT, launch_only, ranged
 
 
 class NonFinite(Enum):
@@ -37,6 +37,18 @@ class DecayShape(Enum):
 
 
 @dataclass
+class EMAConfig:
+    decay: float | None = ranged(None, OPEN_UNIT)
+    """Keep an fp32 exponential moving average of the trainable parameters (held as the strategy holds them), with
+    this decay per update; validated too (val_ema_loss), saved and resumed; `launch convert CKPT ema=true` exports it.
+    Unset: none."""
+    every: int = ranged(1, SIZE)
+    """Update the average every N optimizer steps."""
+    start: int = ranged(0, COUNT)
+    """Up to this optimizer step the average is the weights themselves; it averages after it."""
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = ranged(300, SIZE, identity=False)
     """Optimizer steps to run."""
@@ -60,6 +72,8 @@ class TrainerConfig:
     """trainer.schedule=wsd without trainer.decay_steps: the fraction of trainer.max_steps the decay takes."""
     decay_shape: DecayShape = DecayShape.linear
     """trainer.schedule=wsd: how the rate falls in the decay (linear, sqrt: 1 - sqrt(progress), cosine)."""
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    """EMA weights: trainer.ema.decay=0.999 turns them on."""
     schedule_fn: Any = None
     """trainer.schedule=custom: {_target_: module.function, ...its keys}, called as function(step, max_steps,
     **keys) with the 0-based step; returns the fraction of optim.lr (it owns warmup). No state: resumes are exact."""

@@ -38,7 +38,7 @@ from launcher.worker.profiling import MemorySnapshots, StepProfiler
 from launcher.worker.resume import CHECKPOINT_DIR_FIX, check_shared_directory, restart_count, resume
 from launcher.worker.schedules import schedule_lr
 from launcher.worker.speed import Speed, Window
-from launcher.worker.step import all_reduce, evaluate, gather_rows, train_step
+from launcher.worker.step import all_reduce, gather_rows, train_step, validation
 from launcher.worker.stragglers import StepClock, Stragglers
 from strategies import RunContext, Strategy
 
@@ -315,8 +315,7 @@ class Trainer:
         if self.nonfinite == "skip":
             metrics["skipped_steps"] = self.guard.skipped
         if evaluated:
-            val = evaluate(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
-            metrics["val_loss"] = val
+            metrics |= validation(self.strategy, self.val_source, self.ctx, self.trainer.eval_batches, self.rule)
         for name in metrics:
             declared(name)  # a figure nobody declared is refused, not logged with a meaning nobody chose
         self.loggers.log(metrics, step)

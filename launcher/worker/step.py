@@ -39,6 +39,15 @@ def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
     return rows.view(-1, len(values)).tolist()
 
 
+def validation(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rule: LabelRule) -> dict[str, float]:
+    """The validation loss (`evaluate`) of the model, and of its EMA weights where the run keeps them."""
+    figures = {"val_loss": evaluate(strategy, source, ctx, batches, rule)}
+    with strategy.averaged() as ema:
+        if ema:
+            figures["val_ema_loss"] = evaluate(strategy, source, ctx, batches, rule)
+    return figures
+
+
 def evaluate(strategy: Strategy, source: Any, ctx: RunContext, batches: int, rule: LabelRule) -> float:
     """The loss over `batches` fixed global batches of the validation split (`source.evaluation`: the same samples at
     every evaluation and world size), by the training step's rule (`launcher.models.loss`): Σ token losses / Σ targets

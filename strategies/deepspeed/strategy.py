@@ -6,6 +6,7 @@ The DeepSpeed config comes from `config.build_ds_config`; what reaches into ZeRO
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -17,12 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.base import ModelFactory, OptimizerFactory, RunContext, call_model, set_lr, step_figures
+from strategies.base import ModelFactory, OptimizerFactory, RunContext, averaged, call_model, set_lr, step_figures
 from strategies.comm import CommCounter
 from strategies.declarations import WIRE_BYTES, Collective, Conformance, Layout, Placement, Requirements, Transients
 from strategies.deepspeed import zero
 from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config
 from strategies.deepspeed.ops import async_io_problem
+from strategies.ema import EMA
 from strategies.moe import SameModulesCheck, block_classes, check_moe_blocks, moe_blocks, use_every_parameter
 from strategies.no_grad import without_decay
 
@@ -146,6 +148,21 @@ class DeepSpeed:
                 f"strategy.offload_params={self.offload_params} needs strategy.stage=3 (got {self.stage}): "
                 "only ZeRO-3 partitions parameters"
             )
+        if ctx.ema is not None and self.offload_params == "nvme":
+            raise ValueError(
+                "trainer.ema under strategy.offload_params=nvme: the EMA averages each rank's partition in host "
+                "memory, which NVMe-offloaded parameters are not in; use strategy.offload_params=cpu or unset "
+                "trainer.ema.decay"
+            )
+        if (
+            ctx.ema is not None
+            and self.stage == 3
+            and self.ds_config.get("zero_optimization", {}).get("stage3_param_persistence_threshold", 0)
+        ):
+            raise ValueError(
+                "trainer.ema under ZeRO-3 with a stage3_param_persistence_threshold: parameters kept whole are not "
+                "averaged as their partitions; remove it from strategy.ds_config or unset trainer.ema.decay"
+            )
         if self.offload_optimizer == "nvme" and self.stage < 3:
             raise ValueError(
                 f"strategy.offload_optimizer=nvme needs strategy.stage=3 (got {self.stage}): ZeRO-1/2 keep "
@@ -267,6 +284,7 @@ class DeepSpeed:
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False
         )
+        self.ema = EMA(zero.ema_live(self.engine, self.stage), ctx.ema) if ctx.ema else None
 
     def _optimizer(self, model: nn.Module, build_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
         optimizer = build_optimizer(model)
@@ -326,6 +344,8 @@ class DeepSpeed:
         with zero.counting_collectives(self._counter, gathers_only=True):  # ZeRO-1/2 gather the updated parameters
             self.engine.step()
         norm = self.engine.get_global_grad_norm()
+        if self.ema is not None and norm is not None and math.isfinite(float(norm)):  # the step was applied
+            self.ema.update()
         held = zero.state_bytes(self.engine, self.stage, grads)
         # DeepSpeed's dynamic loss scaler (precision=fp16), as DDP and FSDP report theirs: halved on each overflow.
         scale = float(self.engine.optimizer.loss_scale) if self.ctx.precision == "fp16" else None
@@ -342,17 +362,27 @@ class DeepSpeed:
 
     def state_dict(self) -> dict[str, Any]:
         """Full fp32 weights and optimizer state, keyed like torch's full state dict: strategy-neutral."""
-        return zero.export_state(self.engine, self.stage, self.offload_optimizer)
+        return zero.export_state(self.engine, self.stage, self.offload_optimizer, self.ema)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        zero.import_state(self.engine, self.stage, self.offload_optimizer, self.offload_params, state)
+        zero.import_state(self.engine, self.stage, self.offload_optimizer, self.offload_params, state, self.ema)
+
+    @contextmanager
+    def averaged(self) -> Iterator[bool]:
+        # ZeRO-3 keeps parameters it gathered for the step while it expects them again: released first, every
+        # forward inside gathers the partitions that hold the average, and after it those that hold the weights.
+        release = self.engine.empty_partition_cache if self.stage == 3 else lambda: None
+        release()
+        with averaged(self.ema) as swapped:
+            yield swapped
+            release()
 
     def teardown(self) -> None:
         self._accumulating = None  # after a failed micro-step: never flush into ranks that may be gone
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.destroy()
-        self.engine = None  # type: ignore[assignment]
+        self.engine = self.ema = None  # type: ignore[assignment]
         if self._swap_dir is not None:
             import gc
 

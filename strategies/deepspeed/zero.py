@@ -147,7 +147,7 @@ def _buffer_names(module: torch.nn.Module) -> list[str]:
     return [n for n in module.state_dict(keep_vars=True) if n not in params]
 
 
-def export_state(engine: Any, stage: int, offload_optimizer: str) -> dict[str, Any]:
+def export_state(engine: Any, stage: int, offload_optimizer: str, ema: Any = None) -> dict[str, Any]:
     """Full fp32 weights and optimizer state, keyed like torch's full state dict (collective).
 
     Streamed one parameter at a time: every rank takes part in gathering each parameter, only its owner
@@ -195,7 +195,44 @@ def export_state(engine: Any, stage: int, offload_optimizer: str) -> dict[str, A
             groups.append({k: v for k, v in group.items() if k != "params"})
     for index, group in enumerate(groups):
         group["params"] = [n for n, p in module.named_parameters() if id(p) in members[index]]
-    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+    exported = {"model": model, "optim": {"state": state, "param_groups": groups}}
+    if ema is not None:  # the average's full values, kept by each parameter's owner like its weight
+        weights = {}
+        for n, p in module.named_parameters():
+            if n in ema.average:
+                full = _whole(ema.average[n], p, stage)  # collective under ZeRO-3
+                if owner[id(p)] == rank:
+                    weights[n] = full.cpu()
+        exported["ema"] = {"weights": weights, "steps": ema.steps}
+    return exported
+
+
+def ema_live(engine: Any, stage: int) -> dict[str, torch.Tensor]:
+    """What this rank holds of each trainable parameter, for the EMA to average (`strategies.ema`): the parameter
+    itself (ZeRO-1/2: whole on every rank), or its partition (ZeRO-3: `ds_tensor`, from which each forward gathers)."""
+    return {n: p.ds_tensor if stage == 3 else p for n, p in engine.module.named_parameters() if p.requires_grad}
+
+
+def _whole(part: torch.Tensor, p: torch.Tensor, stage: int) -> torch.Tensor:
+    """The full tensor of which `part` is this rank's ZeRO-3 partition (collective), or `part` itself (ZeRO-1/2)."""
+    import torch.distributed as dist
+
+    if stage != 3:
+        return part
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, part.contiguous())
+    return torch.cat([t.reshape(-1) for t in parts])[: _full_shape(p).numel()].view(_full_shape(p))
+
+
+def _partition(full: torch.Tensor, part: torch.Tensor, stage: int, rank: int) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of `full` (the rank's slice of the flat tensor, zero-padded), or `full` itself."""
+    if stage != 3:
+        return full
+    n = part.numel()
+    chunk = full.reshape(-1)[rank * n : (rank + 1) * n]
+    out = torch.zeros(n, dtype=part.dtype)
+    out[: chunk.numel()] = chunk
+    return out.view_as(part)
 
 
 def _gathered(p: torch.Tensor, stage: int) -> torch.Tensor:
@@ -217,7 +254,9 @@ def _group_members(engine: Any, stage: int) -> list[set[int]]:
     return members
 
 
-def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params: str, state: dict[str, Any]) -> None:
+def import_state(
+    engine: Any, stage: int, offload_optimizer: str, offload_params: str, state: dict[str, Any], ema: Any = None
+) -> None:
     """Restore what `export_state` returned (each rank holding its owned entries), from any strategy and world size:
     the weights of every parameter, the fp32 masters and optimizer state of the trainable ones.
 
@@ -232,6 +271,13 @@ def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params
     rank, params = dist.get_rank(), list(module.named_parameters())
     owner = _owners([p for _, p in params], dist.get_world_size())
     weights, moments = state["model"], state["optim"]["state"]
+
+    def full_of(entries: dict[str, Any], name: str, p: torch.Tensor) -> torch.Tensor:
+        """The full value of `p` in `entries` (weights, the EMA's), broadcast from its owner."""
+        mine = owner[id(p)] == rank
+        buffer = entries[name].to(torch.float32).clone() if mine else torch.empty(_full_shape(p), dtype=torch.float32)
+        dist.broadcast(buffer, src=owner[id(p)])
+        return buffer
 
     def full(name: str, p: torch.Tensor, key: str | None = None) -> torch.Tensor:
         """The full value of `p` (its weight, or its optimizer state `key`), broadcast from its owner."""
@@ -260,6 +306,18 @@ def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params
         safe_set_full_fp32_param(p, full(name, p))  # the exact fp32 master
         for key in keys:
             safe_set_full_optimizer_state(p, full(name, p, key), key)
+    if ema is not None:  # the average's partitions; from a checkpoint without one, the loaded weights
+        averaged = state.get("ema", {}).get("weights")
+        with torch.no_grad():
+            for name, p in params:
+                if name in ema.average:
+                    if averaged is None:
+                        ema.average[name].copy_(ema.live[name])
+                        continue
+                    value = full_of(averaged, name, p)
+                    ema.average[name].copy_(_partition(value, ema.average[name], stage, rank))
+            if "ema" in state:
+                ema.steps.copy_(state["ema"]["steps"])
     steps = [s["step"] for s in moments.values() if "step" in s]
     step = next((s for s in _every_rank([float(steps[0])] if steps else []) if s), None)
     if step:
