@@ -114,6 +114,26 @@ class SGDConfig(ParamGroupsConfig):
 
 
 @dataclass
+class MuonConfig(ParamGroupsConfig):
+    """optim=muon: Muon over the 2-D hidden matrices, AdamW over the rest (embeddings, the output head, norms,
+    biases), each at its own rate; under ddp, fsdp and hsdp (each matrix's update computed whole)."""
+
+    _target_: str = "launcher.worker.muon.MuonAdamW"
+    lr: float = ranged(3e-4, COUNT)
+    """AdamW's peak rate (the schedule's)."""
+    muon_lr: float = ranged(0.02, COUNT)
+    """Muon's peak rate, scaled by the same schedule (torch.optim.Muon's shape adjustment on top)."""
+    momentum: float = ranged(0.95, FRACTION)
+    nesterov: bool = True
+    ns_steps: int = ranged(5, SIZE)
+    """Newton-Schulz iterations per update (in fp32)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = ranged(1e-8, POSITIVE)
+    weight_decay: float = ranged(0.1, COUNT)
+    """Decoupled weight decay of both (the no_decay group's none, as with AdamW)."""
+
+
+@dataclass
 class CustomOptimConfig(ParamGroupsConfig):
     """optim=custom: any optimizer class, optim._target_=torch.optim.Adagrad or one of your own, called with the
     parameters, lr and the keys you add with +optim.KEY=VALUE. lr is the schedule's peak."""
@@ -363,7 +383,12 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "base_text": data_schema.TextDataConfig,
         "base_store": data_schema.StoreDataConfig,
     },
-    "optim": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig, "base_custom": CustomOptimConfig},
+    "optim": {
+        "base_adamw": AdamWConfig,
+        "base_sgd": SGDConfig,
+        "base_muon": MuonConfig,
+        "base_custom": CustomOptimConfig,
+    },
     "logger": {
         "base_wandb": WandbConfig,
         "base_mlflow": MlflowConfig,

@@ -25,7 +25,7 @@ def check_optimizer(frozen: DictConfig, model: Any) -> str:
     from hydra.utils import instantiate
 
     from launcher.worker.optimizers import optimizer_node, rules_for
-    from launcher.worker.param_groups import RULE_KEYS, describe, param_groups, unmatched
+    from launcher.worker.param_groups import HIDDEN, RULE_KEYS, assign, describe, param_groups, unmatched
     from launcher.worker.schedules import check_schedule
 
     try:
@@ -50,7 +50,13 @@ def check_optimizer(frozen: DictConfig, model: Any) -> str:
         takes = set(inspect.signature(optimizer.func).parameters)
     except (TypeError, ValueError):
         takes = None
-    for rule in rules:
+    hidden = [r for r in rules if r.label == HIDDEN]
+    if hidden and not any(p.requires_grad for _, p in assign(model, rules)[rules.index(hidden[0])]):
+        raise ConfigError(
+            f"optim._target_={target} steps the model's 2-D hidden matrices with Muon, and the model has none (every "
+            "trainable parameter is an embedding, the output head, a norm or a bias); use optim=adamw"
+        )
+    for rule in [r for r in rules if not r.builtin]:
         unknown = sorted(k for k in rule.keys if k not in RULE_KEYS and takes is not None and k not in takes)
         if unknown:
             raise ConfigError(

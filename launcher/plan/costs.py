@@ -70,7 +70,7 @@ def optimizer_moments(target: str, momentum: float = 0.0) -> int:
     """fp32 tensors the optimizer keeps per parameter: Adam/AdamW 2 (first and second moment), SGD 1 with
     momentum and 0 without, Adagrad 1 (its sum of squares). Raises UnknownOptimizer for any other."""
     name = target.rsplit(".", 1)[-1]
-    if name in ("Adam", "AdamW"):
+    if name in ("Adam", "AdamW", "MuonAdamW"):  # Muon's matrices keep one (its momentum): at most 2
         return 2
     if name == "SGD":
         return 1 if momentum else 0

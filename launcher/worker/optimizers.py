@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.worker.param_groups import RECIPE_KEYS, Rule, param_groups, rules_of
+from launcher.worker.param_groups import RECIPE_KEYS, Rule, hidden_rule, param_groups, rules_of
 from strategies import RunContext
 
 
@@ -42,6 +42,9 @@ def optimizer_node(optim: DictConfig) -> DictConfig:
 def rules_for(optim: DictConfig, optimizer: Any) -> list[Rule]:
     """optim's grouping rules; without the no-decay rule where the optimizer takes no weight decay."""
     rules = rules_of(optim)
+    if getattr(optimizer, "HIDDEN_MATRICES", None):  # optim=muon: its own group before the default's
+        keys = {optimizer.HIDDEN_MATRICES: True, "lr_scale": float(optim.muon_lr) / float(optim.lr)}
+        rules.insert(next(i for i, r in enumerate(rules) if r.builtin), hidden_rule(keys))
     try:
         takes = "weight_decay" in inspect.signature(optimizer).parameters
     except (TypeError, ValueError):

@@ -33,6 +33,8 @@ RULE_KEYS = ("name", "module", "lr_scale")
 GROUP = "group"
 """The param-group key naming the rule that made it (recorded in checkpoints with the group)."""
 
+HIDDEN = "hidden_matrices"
+"""The built-in group of an optimizer for hidden matrices (optim=muon), and the kind of parameter it takes."""
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
 _NORM_NAME = re.compile(r"Norm(?:[123]d)?$")
 _EMBEDDING_NAME = re.compile(r"Embeddings?$")
@@ -56,7 +58,8 @@ class Rule:
 
     def matches(self, names: list[str], owners: list[nn.Module], kind: str | None) -> bool:
         if self.builtin:
-            return self.label == "decay" or kind is not None
+            return self.label == "decay" or (kind == HIDDEN) == (self.label == HIDDEN) and kind is not None
+        kind = None if kind == HIDDEN else kind
         if self.exempt and kind is None:
             return False
         by_name = self.name is None or any(fnmatch.fnmatchcase(n, self.name) for n in names)
@@ -126,12 +129,33 @@ def named_owners(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, list[st
         yield name, p, names.get(id(p), [name]), owners.get(id(p), [])
 
 
+def hidden_rule(keys: dict[str, Any]) -> Rule:
+    """The built-in rule of an optimizer for hidden matrices (optim=muon): every 2-D parameter that is no embedding,
+    norm or bias, and not the output head (`_head`)."""
+    return Rule(HIDDEN, keys=keys, builtin=True)
+
+
+def _head(module: nn.Module) -> int | None:
+    """The id of the output head's weight: a transformers model's output embeddings, or else the last `nn.Linear`
+    with a row per token of the first embedding's vocabulary."""
+    getter = getattr(module, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is None:
+        vocab = next((m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)), None)
+        linears = [m for m in module.modules() if isinstance(m, nn.Linear) and m.out_features == vocab]
+        head = linears[-1] if linears else None
+    return id(head.weight) if head is not None and isinstance(getattr(head, "weight", None), nn.Parameter) else None
+
+
 def assign(module: nn.Module, rules: list[Rule]) -> list[list[tuple[str, nn.Parameter]]]:
     """The parameters each rule takes (the first that matches wins), in the module's order: frozen ones too, so that
     a rule that matches only frozen parameters is still seen to match."""
     taken: list[list[tuple[str, nn.Parameter]]] = [[] for _ in rules]
+    head = _head(module)
     for name, p, names, owners in named_owners(module):
         kind = kind_of(name.rpartition(".")[2], owners)
+        if kind is None and p.dim() == 2 and id(p) != head:
+            kind = HIDDEN
         index = next(i for i, r in enumerate(rules) if r.matches(names, owners, kind))
         taken[index].append((name, p))
     return taken

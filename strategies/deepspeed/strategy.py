@@ -148,6 +148,11 @@ class DeepSpeed:
                 f"strategy.offload_params={self.offload_params} needs strategy.stage=3 (got {self.stage}): "
                 "only ZeRO-3 partitions parameters"
             )
+        if self.optimizer_target.endswith(".MuonAdamW"):
+            raise ValueError(
+                "optim=muon under ZeRO: DeepSpeed flattens and partitions parameters across ranks, so no rank holds a "
+                "whole matrix for Muon's orthogonalised update; use strategy=ddp, fsdp or hsdp with optim=muon"
+            )
         if ctx.ema is not None and self.offload_params == "nvme":
             raise ValueError(
                 "trainer.ema under strategy.offload_params=nvme: the EMA averages each rank's partition in host "
