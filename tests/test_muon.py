@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import TINY, Run, cli_here, launch_once
 
-MUON_JOB = [*TINY, "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6", "trainer.save_at_end=false",
-            "optim=muon", "optim.muon_lr=0.05", "optim.lr=3e-3"]  # fmt: skip
+MUON_JOB = [*TINY, "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3",
+            "trainer.keep_last=0", "optim=muon", "optim.muon_lr=0.05", "optim.lr=3e-3"]  # fmt: skip
 
 
 @functools.cache
@@ -25,8 +25,19 @@ def test_two_ranks_at_k2_equal_one_process_at_k4(strategy: str, conformance_dir:
     one, two = _run(conformance_dir, "ddp", 1), _run(conformance_dir, strategy, 2)
     assert len(one.losses()) == 6
     assert max(abs(a - b) for a, b in zip(one.losses(), two.losses(), strict=True)) <= 1e-5
-    adamw = launch_once(conformance_dir, *MUON_JOB[:-2], "gpus=1", name="muon-adamw-reference").check()
+    adamw = launch_once(conformance_dir, *MUON_JOB[:-3], "gpus=1", name="muon-adamw-reference").check()
     assert max(abs(a - b) for a, b in zip(one.losses()[1:], adamw.losses()[1:])) > 1e-3  # Muon's own updates
+
+
+def test_a_resume_from_fsdp_at_two_ranks_into_one_process_goes_on_exactly(
+    conformance_dir: Path, tmp_path: Path
+) -> None:
+    """Muon's momentum (FSDP's shards) and AdamW's moments, saved at step 3, resumed by one DDP process."""
+    full = _run(conformance_dir, "fsdp", 2)
+    step3 = full.run_dir / "checkpoints" / "step_00000003"
+    resumed = launch_once(tmp_path, *MUON_JOB, "gpus=1", f"resume={step3}", name="muon-resumed").check()
+    assert len(resumed.losses()) == 3
+    assert max(abs(a - b) for a, b in zip(full.losses()[3:], resumed.losses(), strict=True)) <= 1e-5
 
 
 @pytest.mark.unit
