@@ -191,6 +191,6 @@ def describe(module: nn.Module, rules: list[Rule]) -> str:
     for rule, members in zip(rules, assign(module, rules), strict=True):
         count = sum(p.numel() for _, p in members if p.requires_grad)
         if count:
-            keys = ", ".join(f"{k} {v}" for k, v in rule.keys.items())
+            keys = ", ".join(f"{k} {round(v, 6) if isinstance(v, float) else v}" for k, v in rule.keys.items())
             parts.append(f"{rule.label} {count:,}" + (f" ({keys})" if keys else ""))
     return "optimizer param groups: " + "; ".join(parts) + " parameters"
