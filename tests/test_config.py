@@ -51,7 +51,7 @@ def test_every_option_composes_and_instantiates(group: str, option: str, tmp_pat
     node = OmegaConf.select(cfg, path)
     target = OmegaConf.select(node, "_target_")
     assert target and (option != "custom" or target == CUSTOM[group]), (group, option, target)
-    from launcher.config.schema import RECIPE_KEYS
+    from launcher.config.optim_schema import RECIPE_KEYS
     from launcher.data.builtin import LOADER_KEYS
 
     # The target imports, and takes the option's keys as keywords; the loader's own keys (the collate, which

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config import ConfigError
 from launcher.config.context import outside_moe_blocks
 from launcher.config.identity import sweep_identity
-from launcher.config.schema import RECIPE_KEYS
+from launcher.config.optim_schema import RECIPE_KEYS
 from launcher.parent.optim_checks import check_optimizer
 
 if TYPE_CHECKING:

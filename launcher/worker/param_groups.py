@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from launcher.config.schema import RECIPE_KEYS  # noqa: F401  (re-exported for the worker)
+from launcher.config.optim_schema import RECIPE_KEYS  # noqa: F401  (re-exported for the worker)
 from strategies.base import LR_SCALE
 
 RULE_KEYS = ("name", "module", "lr_scale")

@@ -22,7 +22,7 @@ from strategies.base import ModelFactory, OptimizerFactory, RunContext, averaged
 from strategies.comm import CommCounter
 from strategies.declarations import WIRE_BYTES, Collective, Conformance, Layout, Placement, Requirements, Transients
 from strategies.deepspeed import zero
-from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config
+from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config, check_recipe
 from strategies.deepspeed.ops import async_io_problem
 from strategies.ema import EMA
 from strategies.moe import SameModulesCheck, block_classes, check_moe_blocks, moe_blocks, use_every_parameter
@@ -148,26 +148,7 @@ class DeepSpeed:
                 f"strategy.offload_params={self.offload_params} needs strategy.stage=3 (got {self.stage}): "
                 "only ZeRO-3 partitions parameters"
             )
-        if self.optimizer_target.endswith(".MuonAdamW"):
-            raise ValueError(
-                "optim=muon under ZeRO: DeepSpeed flattens and partitions parameters across ranks, so no rank holds a "
-                "whole matrix for Muon's orthogonalised update; use strategy=ddp, fsdp or hsdp with optim=muon"
-            )
-        if ctx.ema is not None and self.offload_params == "nvme":
-            raise ValueError(
-                "trainer.ema under strategy.offload_params=nvme: the EMA averages each rank's partition in host "
-                "memory, which NVMe-offloaded parameters are not in; use strategy.offload_params=cpu or unset "
-                "trainer.ema.decay"
-            )
-        if (
-            ctx.ema is not None
-            and self.stage == 3
-            and self.ds_config.get("zero_optimization", {}).get("stage3_param_persistence_threshold", 0)
-        ):
-            raise ValueError(
-                "trainer.ema under ZeRO-3 with a stage3_param_persistence_threshold: parameters kept whole are not "
-                "averaged as their partitions; remove it from strategy.ds_config or unset trainer.ema.decay"
-            )
+        check_recipe(ctx, self.stage, self.offload_params, self.ds_config, self.optimizer_target)
         if self.offload_optimizer == "nvme" and self.stage < 3:
             raise ValueError(
                 f"strategy.offload_optimizer=nvme needs strategy.stage=3 (got {self.stage}): ZeRO-1/2 keep "
@@ -286,9 +267,11 @@ class DeepSpeed:
             # the model. The whole model is in host memory meanwhile, once per rank.
             deepspeed.zero.Init(module=model, config_dict_or_path=config)
         optimizer = self._optimizer(model, build_optimizer)
+        groups = list(optimizer.param_groups)  # DeepSpeed replaces their parameters with its partitions
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False
         )
+        zero.regroup_adagrad(self.engine, self.stage, [{k: v for k, v in g.items() if k != "params"} for g in groups])
         self.ema = EMA(zero.ema_live(self.engine, self.stage), ctx.ema) if ctx.ema else None
 
     def _optimizer(self, model: nn.Module, build_optimizer: OptimizerFactory) -> torch.optim.Optimizer:

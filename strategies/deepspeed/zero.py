@@ -230,9 +230,7 @@ def _partition(full: torch.Tensor, part: torch.Tensor, stage: int, rank: int) ->
         return full
     n = part.numel()
     chunk = full.reshape(-1)[rank * n : (rank + 1) * n]
-    out = torch.zeros(n, dtype=part.dtype)
-    out[: chunk.numel()] = chunk
-    return out.view_as(part)
+    return torch.nn.functional.pad(chunk, (0, n - chunk.numel())).to(part.dtype).view_as(part)
 
 
 def _gathered(p: torch.Tensor, stage: int) -> torch.Tensor:
@@ -367,6 +365,22 @@ def create_optimizer_state(engine: Any, stage: int, offload_optimizer: str) -> N
         # DeepSpeed links each parameter to its slice of the optimizer state after its first
         # step; the state exists now, so link it now (ZeRO-3 looks slices up on each access).
         zero._lazy_init_hp_params_optimizer_state()
+
+
+def regroup_adagrad(engine: Any, stage: int, groups: list[dict[str, Any]]) -> None:
+    """DeepSpeed 0.19 rebuilds a client Adagrad over its fp32 partitions in one param group, losing the client's (it
+    fails at the first reduction): rebuilt with each partition in its own group, and the parameters linked again."""
+    zero = engine.optimizer
+    if not isinstance(zero.optimizer, torch.optim.Adagrad) or len(groups) < 2:
+        return
+    if stage == 3:
+        members = [[p for i, p in enumerate(zero.fp32_partitioned_groups_flat) if zero.sub_group_to_group_id[i] == g]
+                   for g in range(len(groups))]  # fmt: skip
+    else:
+        members = [[p] for p in zero.single_partition_of_fp32_groups]
+    zero.optimizer = torch.optim.Adagrad([{**g, "params": ps} for g, ps in zip(groups, members, strict=True)])
+    if stage < 3:
+        zero._link_all_hp_params()
 
 
 def _set_step(optimizer: torch.optim.Optimizer, step: int) -> None:
