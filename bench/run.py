@@ -9,6 +9,7 @@ first steps, with lazy initialisation, left out), model-state bytes per rank, pe
 communication per optimizer step: measured (ring bytes this rank sent in the gradient-sync collectives
 the strategy counted) next to the planner's formula, and MFU where the device's peak is known (or
 `--peak-tflops`). Then the launcher-vs-plain-torchrun overhead, from bench/overhead.py's own runs.
+`--recipe [STRATEGY ...]` instead: the step time of EMA weights and of Muon against AdamW (ddp and fsdp by default).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def strategies() -> list[str]:
     return sorted(p.stem for p in (ROOT / "conf" / "strategy").glob("*.yaml") if p.stem != "auto")
 
 
-def run_strategy(name: str, steps: int, extra: list[str], out: Path) -> dict[str, Any]:
-    run_dir = out / name
+def run_strategy(name: str, steps: int, extra: list[str], out: Path, label: str | None = None) -> dict[str, Any]:
+    run_dir = out / (label or name)
     overrides = [
         f"strategy={name}",
         *JOB,
@@ -99,6 +100,27 @@ def run_strategy(name: str, steps: int, extra: list[str], out: Path) -> dict[str
     if row["comm_sent_bytes"] is not None and row["comm_bytes_formula"]:
         row["measured_over_formula"] = row["comm_sent_bytes"] / row["comm_bytes_formula"]
     return row
+
+
+RECIPES = {"AdamW": [], "AdamW + EMA": ["trainer.ema.decay=0.999"], "Muon + AdamW": ["optim=muon"]}
+"""The optimizer recipe's costs (`--recipe`): each against plain AdamW, same strategy, same job."""
+
+
+def recipe(strategies: list[str], steps: int, extra: list[str], out: Path) -> str:
+    """Step time of EMA and of Muon against AdamW, per strategy: a table."""
+    lines = ["| strategy | recipe | step time (s) | against AdamW |", "|---|---|---|---|"]
+    for name in strategies:
+        base = None
+        for what, overrides in RECIPES.items():
+            label = f"{name}-{what.replace(' ', '').replace('+', '-')}"
+            row = run_strategy(name, steps, [*extra, *overrides], out, label)
+            print(f"{label}: {row.get('error', 'ok')}", file=sys.stderr, flush=True)
+            if "error" in row:
+                lines.append(f"| {name} | {what} | failed: {row['error'].replace('|', '/')} | |")
+                continue
+            base = row["step_time_s"] if base is None else base
+            lines.append(f"| {name} | {what} | {row['step_time_s']:.4f} | {row['step_time_s'] / base:.2f}x |")
+    return "\n".join(lines)
 
 
 def overhead(steps: int, out: Path) -> dict[str, dict[str, float]]:
@@ -146,10 +168,15 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None, help="strategy names (default: all but auto)")
     p.add_argument("--overhead-steps", type=int, default=20, help="0 skips the launch-vs-torchrun runs")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--recipe", nargs="*", default=None, help="strategies: only EMA's and Muon's step time vs AdamW's")
     a = p.parse_args()
     extra = [f"device={a.device}", f"gpus={a.gpus}"] + (
         [f"trainer.peak_tflops={a.peak_tflops}"] if a.peak_tflops else []
     )
+    if a.recipe is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(recipe(a.recipe or ["ddp", "fsdp"], a.steps, extra, Path(tmp)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for name in a.only or strategies():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -14,10 +14,15 @@ from torch import nn
 
 from strategies.comm import CommCounter
 from strategies.declarations import Collective, Conformance, Layout, Requirements
+from strategies.ema import EMA, EMASettings
 
 ModelFactory = Callable[..., nn.Module]
 """`build_model()` builds the model for real; `build_model(meta=True)` on the meta device (no memory, no values)."""
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+"""`build_optimizer(module)`: the optimizer over the module's trainable parameters, in param groups decided by each
+parameter's name (as in checkpoints: the unwrapped module's) and the types of the modules holding it."""
+LR_SCALE = "lr_scale"
+"""A param group's factor of the schedule's learning rate (1 where a group has none)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class RunContext:
     no_grad: tuple[str, ...] = ()
     """Trainable parameters that got no gradient in the launcher's forward and backward of a first micro-batch (on the
     meta device), by name; none of a mixture-of-experts block's (`strategies.no_grad`)."""
+    ema: EMASettings | None = None
+    """trainer.ema: keep the EMA weights (`strategies.ema`), held as the parameters are; None: none."""
 
     @property
     def device_type(self) -> str:
@@ -115,6 +122,10 @@ class Strategy(Protocol):
         """Per-rank figures of the last optimizer step, for the logs. Every strategy reports:
         `model_state_bytes`: parameters + gradients + optimizer state this rank holds on its device;
         `comm_calls`, `comm_bytes`: gradient-synchronisation collectives issued, and their payload."""
+
+    def averaged(self) -> AbstractContextManager[bool]:
+        """Context in which the model holds its EMA weights (True), where the run keeps them (RunContext.ema); False
+        and nothing changes where it does not. The model's own weights are back after it."""
 
     def teardown(self) -> None:
         """Release the model and optimizer so the process group can be destroyed cleanly."""
@@ -270,8 +281,9 @@ def model_state_bytes(
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's learning rate, times each group's `LR_SCALE`."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get(LR_SCALE, 1.0)
 
 
 def optimizer_step(
@@ -281,6 +293,7 @@ def optimizer_step(
     grad_clip: float,
     lr: float,
     offloaded_to_host: Callable[[torch.Tensor], bool] | None = None,
+    ema: EMA | None = None,
 ) -> tuple[float, int, int]:
     """The optimizer step of the torch strategies (DDP, FSDP): set the learning rate, unscale, clip to the global
     norm, step, update the loss scaler, zero the gradients. A non-finite global norm is not committed: the optimizer
@@ -300,6 +313,8 @@ def optimizer_step(
     if math.isfinite(norm) or scaler.is_enabled():
         scaler.step(optimizer)
         scaler.update()
+    if ema is not None and math.isfinite(norm):  # the step was applied
+        ema.update()
     held = model_state_bytes(model.parameters(), optimizer)
     offloaded = model_state_bytes(model.parameters(), optimizer, offloaded_to_host) if offloaded_to_host else 0
     optimizer.zero_grad(set_to_none=True)
@@ -325,8 +340,26 @@ def step_figures(
     return figures | counter.take()
 
 
-def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model and optimizer state keyed by parameter names, whatever the wrapper (DDP, FSDP2): the checkpoint shape."""
+@contextmanager
+def averaged(ema: EMA | None) -> Iterator[bool]:
+    """A strategy's `averaged` over its EMA (or none)."""
+    if ema is None:
+        yield False
+        return
+    with ema.swapped():
+        yield True
+
+
+def ema_of(module: nn.Module, settings: EMASettings | None) -> EMA | None:
+    """The EMA of a module's trainable parameters (by their checkpoint names), held as the parameters are."""
+    if settings is None:
+        return None
+    return EMA({n: p for n, p in module.named_parameters() if p.requires_grad}, settings)
+
+
+def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA | None = None) -> dict[str, Any]:
+    """Model and optimizer state keyed by parameter names, whatever the wrapper (DDP, FSDP2): the checkpoint shape;
+    with the EMA, its average under `ema` (the same names, held as the parameters are)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     fresh = not optimizer.state
@@ -336,13 +369,19 @@ def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
         # counts as a step (AdamW's bias correction would then be one step ahead). Asked before training (the room a
         # checkpoint needs), the optimizer is left as fresh as it was; what was returned still describes the state.
         optimizer.state.clear()
-    return {"model": model_state, "optim": optim_state}
+    return {"model": model_state, "optim": optim_state} | ({"ema": ema.state()} if ema is not None else {})
 
 
-def load_torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_torch_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], ema: EMA | None = None
+) -> None:
     """`state` is this strategy's template filled from a checkpoint (every model entry is there, or the load failed):
-    not strict, so that a parameter the checkpoint has no optimizer state for (it never got a gradient) gets none."""
+    not strict, so that a parameter the checkpoint has no optimizer state for (it never got a gradient) gets none.
+    From a checkpoint without EMA weights (`launcher.checkpoint.loading` drops the entry) the average starts at the
+    loaded weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     options = StateDictOptions(strict=False)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    if ema is not None:
+        ema.load(state["ema"] if "ema" in state else {"weights": dict(ema.live), "steps": ema.steps})

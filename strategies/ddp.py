@@ -16,8 +16,10 @@ from strategies.base import (
     OptimizerFactory,
     RunContext,
     autocast_dtype,
+    averaged,
     call_model,
     compile_units,
+    ema_of,
     load_torch_state_dict,
     optimizer_step,
     scaler_scale,
@@ -163,7 +165,8 @@ class DDP:
         # modules whose parameters are all synchronised apart (`absent`) may be skipped by any rank.
         apart = [m for m in module.modules() if _params_within(m, self._absent.params)]
         self._same_modules = SameModulesCheck(module, [module] if self.find_unused_parameters else blocks + apart)
-        self.optimizer = build_optimizer(self.model.parameters())
+        self.optimizer = build_optimizer(module)  # the unwrapped module: the checkpoint's names
+        self.ema = ema_of(module, ctx.ema)
         self.dtype = autocast_dtype(ctx.precision)
         # fp16 needs loss scaling; bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler(ctx.device_type, enabled=ctx.precision == "fp16")
@@ -198,7 +201,7 @@ class DDP:
 
     def step(self, lr: float) -> float:
         self._absent.reduce(self.ctx.world_size)
-        norm, held, _ = optimizer_step(self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr)
+        norm, held, _ = optimizer_step(self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr, ema=self.ema)
         self._last_step = step_figures(self._counter, held, loss_scale=scaler_scale(self.scaler))
         return norm
 
@@ -206,16 +209,19 @@ class DDP:
         self.model.train(mode)
 
     def state_dict(self) -> dict[str, Any]:
-        return torch_state_dict(self.model, self.optimizer)
+        return torch_state_dict(self.model, self.optimizer, self.ema)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_torch_state_dict(self.model, self.optimizer, state)
+        load_torch_state_dict(self.model, self.optimizer, state, self.ema)
+
+    def averaged(self) -> AbstractContextManager[bool]:
+        return averaged(self.ema)
 
     def metrics(self) -> dict[str, float]:
         return dict(self._last_step)
 
     def teardown(self) -> None:
-        self.model = self.optimizer = self.scaler = None  # type: ignore[assignment]
+        self.model = self.optimizer = self.scaler = self.ema = None  # type: ignore[assignment]
 
 
 def _params_within(module: nn.Module, params: list[nn.Parameter]) -> bool:

@@ -24,8 +24,10 @@ from strategies.base import (
     OptimizerFactory,
     RunContext,
     autocast_dtype,
+    averaged,
     call_model,
     compile_units,
+    ema_of,
     load_torch_state_dict,
     optimizer_step,
     scaler_scale,
@@ -292,7 +294,8 @@ class FSDP:
                 if replicate > 1:
                     module.set_all_reduce_hook(_counting_all_reduce(self._counter, replicate))
         self.model = model
-        self.optimizer = build_optimizer(model.parameters())
+        self.optimizer = build_optimizer(model)
+        self.ema = ema_of(model, ctx.ema)  # DTensors like the parameters: each rank averages its shard
         # fp16 needs loss scaling; the sharded scaler agrees on inf/NaN across ranks, since each sees only its shard.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -325,7 +328,7 @@ class FSDP:
         # gradients and optimizer state of those parameters: reported apart from what stays on the device.
         on_host = self._offloaded_params()
         norm, held, offloaded = optimizer_step(
-            self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr, lambda p: id(p) in on_host
+            self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr, lambda p: id(p) in on_host, self.ema
         )
         self._last_step = step_figures(self._counter, held - offloaded, offloaded, scaler_scale(self.scaler))
         return norm
@@ -347,17 +350,20 @@ class FSDP:
             self._counter.take()  # the all-gathers of an evaluation are not the next training step's
 
     def state_dict(self) -> dict[str, Any]:
-        return torch_state_dict(self.model, self.optimizer)
+        return torch_state_dict(self.model, self.optimizer, self.ema)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_torch_state_dict(self.model, self.optimizer, state)
+        load_torch_state_dict(self.model, self.optimizer, state, self.ema)
+
+    def averaged(self) -> AbstractContextManager[bool]:
+        return averaged(self.ema)
 
     def metrics(self) -> dict[str, float]:
         return dict(self._last_step)
 
     def teardown(self) -> None:
         # The sharded parameters hold the device mesh, which holds the process group.
-        self.model = self.optimizer = self.scaler = None  # type: ignore[assignment]
+        self.model = self.optimizer = self.scaler = self.ema = None  # type: ignore[assignment]
 
 
 def _fill_from_rank0(model: nn.Module, whole: nn.Module | None) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -123,20 +122,20 @@ class AbsentGradients:
 # ------------------------------------------------------------------ DeepSpeed
 
 
-def without_decay(module: nn.Module, names: Sequence[str]) -> list[Any]:
-    """The module's parameters as param groups: all of them, and those `names` names in a group of their own without
-    weight decay (a parameter with a zero gradient and zero moments then stays as it is); plain parameters when none
-    is named."""
-    named = set(names)
-    params = list(module.named_parameters())
-    if not any(n in named for n, _ in params):
-        return [p for _, p in params]
-    return [
-        {"params": [p for n, p in params if n not in named]},
-        {"params": [p for n, p in params if n in named], "weight_decay": 0.0, NO_GRAD_GROUP: True},
-    ]
+def without_decay(optimizer: torch.optim.Optimizer, module: nn.Module, names: Sequence[str]) -> None:
+    """Move the parameters `names` names out of each param group that decays them, into a group of their own beside it
+    with weight decay 0 (a parameter with a zero gradient and zero moments then stays as it is), marked with the index
+    of the group it came from; none is moved out of a group it would leave empty. Before the optimizer's first step."""
+    named = {id(p) for n, p in module.named_parameters() if n in set(names)}
+    for index, group in enumerate(list(optimizer.param_groups)):
+        moved = [p for p in group["params"] if id(p) in named]
+        if not moved or len(moved) == len(group["params"]) or not group.get("weight_decay"):
+            continue
+        group["params"] = [p for p in group["params"] if id(p) not in named]
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        optimizer.add_param_group({**hyper, "params": moved, "weight_decay": 0.0, NO_GRAD_GROUP: index})
 
 
 NO_GRAD_GROUP = "launch_no_gradient"
-"""Marks the param group `without_decay` adds: a checkpoint lists its parameters in the group before it, as the
-optimizer of every other strategy holds them."""
+"""Marks a param group `without_decay` adds, with the index of the group its parameters came from: a checkpoint lists
+them in that group, as the optimizer of every other strategy holds them."""

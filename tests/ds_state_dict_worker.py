@@ -20,6 +20,7 @@ from torch import nn
 
 from launcher.config.context import preset_strategy
 from launcher.models.gpt import GPT
+from launcher.worker.optimizers import build_optimizer
 from strategies import RunContext
 
 KW = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=16)
@@ -44,7 +45,7 @@ def main(preset: str) -> None:
         micro_size=2,
     )
     torch.manual_seed(0)
-    strategy.setup(ctx, lambda: GPT(**KW), functools.partial(torch.optim.AdamW, **ADAMW))
+    strategy.setup(ctx, lambda: GPT(**KW), functools.partial(build_optimizer, torch.optim.AdamW, **ADAMW))
     for idx, targets in batches:
         for k in range(K):
             rows = slice((rank * K + k) * 2, (rank * K + k + 1) * 2)
@@ -65,7 +66,7 @@ def main(preset: str) -> None:
     # one more step on both: the same weights and moments afterwards.
     fresh = preset_strategy(preset, optimizer="torch.optim.AdamW")
     torch.manual_seed(1)  # other initial weights: the load must replace them
-    fresh.setup(ctx, lambda: GPT(**KW), functools.partial(torch.optim.AdamW, **ADAMW))
+    fresh.setup(ctx, lambda: GPT(**KW), functools.partial(build_optimizer, torch.optim.AdamW, **ADAMW))
     template = fresh.state_dict()
     for name, t in template["model"].items():
         t.copy_(state["model"][name])
@@ -100,7 +101,7 @@ def main(preset: str) -> None:
     if rank == 0:
         torch.manual_seed(0)
         model = GPT(**KW)
-        optim = torch.optim.AdamW(model.parameters(), **ADAMW)
+        optim = build_optimizer(torch.optim.AdamW, model, **ADAMW)  # the same param groups
         for idx, targets in batches:
             for m in range(world * K):  # the same micro-batches, accumulated
                 (model(idx[m * 2 : (m + 1) * 2], targets[m * 2 : (m + 1) * 2])["loss"] / (world * K)).backward()

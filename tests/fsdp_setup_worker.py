@@ -42,7 +42,7 @@ def main(overrides: list[str]) -> None:
 
     torch.manual_seed(0)
     with memory.measure(True):
-        strategy.setup(ctx, build_model, lambda params: torch.optim.AdamW(params, lr=1e-3))
+        strategy.setup(ctx, build_model, lambda module: torch.optim.AdamW(module.parameters(), lr=1e-3))
     peaks = [None] * world
     dist.all_gather_object(peaks, memory.peak)
     if rank == 0:

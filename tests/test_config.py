@@ -53,13 +53,15 @@ def test_every_option_composes_and_instantiates(group: str, option: str, tmp_pat
     node = OmegaConf.select(cfg, path)
     target = OmegaConf.select(node, "_target_")
     assert target and (option != "custom" or target == CUSTOM[group]), (group, option, target)
+    from launcher.config.optim_schema import RECIPE_KEYS
     from launcher.data.builtin import LOADER_KEYS
 
     # The target imports, and takes the option's keys as keywords; the loader's own keys (the collate, which
-    # launcher.data.collate builds) never reach a data target.
+    # launcher.data.collate builds) never reach a data target, nor the param-group rules an optimizer.
     built = instantiate(node, _partial_=True, _recursive_=group != "data")
     assert built.func is get_object(target), (built.func, target)
-    taken = {k: v for k, v in built.keywords.items() if group != "data" or k not in LOADER_KEYS}
+    own = {"data": LOADER_KEYS, "optim": RECIPE_KEYS}.get(group, ())
+    taken = {k: v for k, v in built.keywords.items() if k not in own}
     inspect.signature(built.func).bind_partial(*built.args, **taken)  # TypeError for a key the target does not take
     if group == "strategy":
         make_strategy(freeze(cfg).strategy)  # constructors take plain values and import nothing heavy

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SUBCOMMANDS = ("plan", "prepare", "convert", "export")
 OWN_KEYS = {"prepare": ("out", "data.shard_index", "data.num_shards", "block_size"),
-            "convert": ("out", "merge"), "export": ("image", "name", "namespace")}  # fmt: skip
+            "convert": ("out", "merge", "ema"), "export": ("image", "name", "namespace")}  # fmt: skip
 
 
 def commands() -> list[tuple[str, list[str], bool]]:
@@ -114,9 +114,9 @@ def test_every_command_composes_and_validates(where: str, args: list[str], refus
                 check_keys(frozen)
                 if frozen.model._target_ == "launcher.models.gpt.GPT":  # the optimizer over the model's parameters
                     from launcher.models.meta import build_on_meta
-                    from launcher.parent.model_checks import check_optimizer as _check_optimizer
+                    from launcher.parent.optim_checks import check_optimizer
 
-                    _check_optimizer(frozen, build_on_meta(frozen.model))
+                    check_optimizer(frozen, build_on_meta(frozen.model))
     except ConfigError as e:
         problem = str(e)
     finally:

@@ -122,7 +122,7 @@ strategy = preset_strategy("fsdp", activation_checkpointing=sys.argv[2] == "true
 def build(meta=False):
     with torch.device("meta" if meta else "cpu"):
         return GPT(2, 4, 64, 256, 32)
-strategy.setup(ctx, build, lambda params: torch.optim.SGD(params, lr=0.1))
+strategy.setup(ctx, build, lambda module: torch.optim.SGD(module.parameters(), lr=0.1))
 calls = []
 for module in strategy.model.modules():
     if isinstance(module, Attention):

@@ -240,11 +240,12 @@ def test_ddps_error_names_the_parameters_that_got_no_gradient_and_guesses_no_exp
     import functools
 
     from launcher.config.context import preset_strategy
+    from launcher.worker.optimizers import build_optimizer
     from strategies import RunContext
 
     ctx = RunContext("cpu", 0, 0, 1, "fp32", 0.0, 1, 1)
     ddp = preset_strategy("ddp")
-    ddp.setup(ctx, lambda meta=False: _Unused(), functools.partial(torch.optim.AdamW))
+    ddp.setup(ctx, lambda meta=False: _Unused(), functools.partial(build_optimizer, torch.optim.AdamW))
     ddp.backward(ddp.forward((torch.ones(1, 2),)))
     with pytest.raises(RuntimeError) as raised:
         ddp.forward((torch.ones(1, 2),))
@@ -260,11 +261,14 @@ def test_ddp_synchronises_parameters_named_before_start_only_in_steps_that_use_t
     import functools
 
     from launcher.config.context import preset_strategy
+    from launcher.worker.optimizers import build_optimizer
     from strategies import RunContext
 
     ctx = RunContext("cpu", 0, 0, 1, "fp32", 0.0, 1, 1, no_grad=("spare.weight", "spare.bias"))
     ddp = preset_strategy("ddp")
-    ddp.setup(ctx, lambda meta=False: _Unused(), functools.partial(torch.optim.AdamW, weight_decay=0.1))
+    ddp.setup(
+        ctx, lambda meta=False: _Unused(), functools.partial(build_optimizer, torch.optim.AdamW, weight_decay=0.1)
+    )
     spare = ddp.model.module.spare.weight.detach().clone()
     for _ in range(2):  # no "Expected to have finished reduction" at the second forward
         ddp.backward(ddp.forward((torch.ones(1, 2),)))

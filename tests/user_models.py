@@ -88,3 +88,19 @@ class OldStrategy:
     def load_state_dict(self, state: dict) -> None: ...
     def metrics(self) -> dict: ...
     def teardown(self) -> None: ...
+
+
+def step_halving(step: int, max_steps: int, every: int = 4) -> float:
+    """A learning-rate schedule of a user's own (trainer.schedule=custom): optim.lr, halved every `every` steps."""
+    return 0.5 ** (step // every)
+
+
+class NoMatrices(torch.nn.Module):
+    """A model with no 2-D hidden matrix (an embedding and a norm only): nothing for Muon to step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.norm = torch.nn.Embedding(256, 8), torch.nn.LayerNorm(8)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.embedding(idx)).mean()

@@ -32,6 +32,7 @@ METRICS = {
     for m in (
         Metric("loss", "", "sum", "runner", "the loss of the whole global batch (each rank's part, summed)"),
         Metric("val_loss", "", "sum", "evaluation", "the validation loss: Σ token losses / Σ targets over all ranks"),
+        Metric("val_ema_loss", "", "sum", "evaluation", "the same, of the EMA weights (trainer.ema.decay)"),
         Metric("lr", "", "same", "runner", "the step's learning rate"),
         Metric("grad_norm", "", "same", "strategy", "the global gradient norm, before clipping"),
         Metric("accumulation", "", "same", "runner", "micro-steps per optimizer step"),

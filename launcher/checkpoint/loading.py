@@ -44,6 +44,8 @@ def load(checkpoint: Location, manifest: dict[str, Any], strategy: Any, rank: in
 def read_into(state: dict[str, Any], checkpoint: Location) -> None:
     """Fill `state` (a strategy's state dict: model, optim) in place from a checkpoint of any layout (collective)."""
     stored = set(read_metadata(checkpoint).state_dict_metadata)
+    if "ema" in state and not any(key.startswith("ema.") for key in stored):
+        del state["ema"]  # saved without trainer.ema: the average starts from the loaded weights (the strategy's load)
     # Optimizers name their hyperparameters differently (torch's AdamW has `maximize`, DeepSpeed's
     # CPU Adam `bias_correction`): those the checkpoint lacks keep this run's values.
     groups = state.get("optim", {}).get("param_groups", [])

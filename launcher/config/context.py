@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from launcher.base.errors import ConfigError
 from strategies import RunContext, Strategy
 from strategies.declarations import Requirements
+from strategies.ema import EMASettings
 
 
 def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int, micro: int | None = None) -> RunContext:
@@ -38,7 +39,16 @@ def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int, mi
         compile=bool(cfg.trainer.compile),
         local_world_size=int(derived.gpus),
         no_grad=tuple(str(name) for name in derived.get("no_grad") or ()),
+        ema=ema_settings(cfg.trainer),
     )
+
+
+def ema_settings(trainer: DictConfig) -> EMASettings | None:
+    """trainer.ema as the strategy's plain values; None where trainer.ema.decay is unset."""
+    ema = trainer.get("ema") or {}
+    if ema.get("decay") is None:
+        return None
+    return EMASettings(float(ema.decay), int(ema.get("every", 1)), int(ema.get("start", 0)))
 
 
 def make_strategy(strategy: DictConfig) -> Strategy:

@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from launcher.base.errors import ConfigError
+from launcher.config.optim_schema import RECIPE_KEYS
 
 OPEN_AT_THE_TOP = ("hydra",)
 """Top-level keys that are not the launcher's: Hydra's own node, composed beside the run's config."""
@@ -90,7 +91,7 @@ PASSED_BY_THE_LAUNCHER = {
     "strategy": (),
     "model": (),
     "data": ("split", "role", "workers", "collate", "val"),  # the loader's keys (LOADER_KEYS), never passed on
-    "optim": ("params",),
+    "optim": ("params", *RECIPE_KEYS),  # the launcher's own: groups, no_decay, muon_lr ...
     "logger": ("run_config", "run_dir"),
 }
 

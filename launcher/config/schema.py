@@ -19,6 +19,7 @@ from omegaconf import MISSING, OmegaConf
 from launcher.config import data_schema, mix_schema
 from launcher.config.data_schema import PySourceDataConfig, SyntheticDataConfig, TokensDataConfig
 from launcher.config.groups import choices
+from launcher.config.optim_schema import AdamWConfig, CustomOptimConfig, MuonConfig, SGDConfig
 from launcher.config.ranges import (
     COUNT,
     FRACTION,
@@ -27,7 +28,6 @@ from launcher.config.ranges import (
     PORT,
     POSITIVE,
     SIZE,
-    UNIT,
     ZERO_STAGE,
     launch_only,
     ranged,
@@ -77,32 +77,6 @@ class GPTConfig:
     vocab_size: int = ranged(256, SIZE)
     block_size: int = ranged(128, SIZE)
     dropout: float = ranged(0.0, FRACTION)
-
-
-@dataclass
-class AdamWConfig:
-    _target_: str = "torch.optim.AdamW"
-    lr: float = ranged(1e-3, COUNT)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = ranged(1e-8, POSITIVE)
-    weight_decay: float = ranged(0.1, COUNT)
-
-
-@dataclass
-class SGDConfig:
-    _target_: str = "torch.optim.SGD"
-    lr: float = ranged(0.1, COUNT)
-    momentum: float = ranged(0.9, UNIT)
-    weight_decay: float = ranged(0.0, COUNT)
-
-
-@dataclass
-class CustomOptimConfig:
-    """optim=custom: any optimizer class, optim._target_=torch.optim.Adagrad or one of your own, called with the
-    parameters, lr and the keys you add with +optim.KEY=VALUE. lr is the schedule's peak."""
-
-    _target_: str = MISSING
-    lr: float = ranged(1e-3, COUNT)
 
 
 class GradCompression(Enum):
@@ -353,7 +327,12 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "base_store": data_schema.StoreDataConfig,
         "base_mix": mix_schema.MixDataConfig,
     },
-    "optim": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig, "base_custom": CustomOptimConfig},
+    "optim": {
+        "base_adamw": AdamWConfig,
+        "base_sgd": SGDConfig,
+        "base_muon": MuonConfig,
+        "base_custom": CustomOptimConfig,
+    },
     "logger": {
         "base_wandb": WandbConfig,
         "base_mlflow": MlflowConfig,

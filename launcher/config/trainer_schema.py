@@ -3,11 +3,11 @@ config."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from launcher.config.ranges import COUNT, POSITIVE, SIZE, UNIT, launch_only, ranged
+from launcher.config.ranges import COUNT, OPEN_UNIT, POSITIVE, SIZE, UNIT, launch_only, ranged
 
 
 class NonFinite(Enum):
@@ -21,6 +21,31 @@ class Schedule(Enum):
     cosine = "cosine"
     linear = "linear"
     constant = "constant"
+    wsd = "wsd"
+    """Warmup, stable at optim.lr, then decay over trainer.decay_steps (or trainer.decay_fraction) at the end."""
+    inverse_sqrt = "inverse_sqrt"
+    """Warmup, then optim.lr x sqrt(warmup_steps / step)."""
+    custom = "custom"
+    """trainer.schedule_fn: a function of (step, max_steps) by _target_, returning the fraction of optim.lr."""
+
+
+class DecayShape(Enum):
+    linear = "linear"
+    sqrt = "sqrt"
+    """1 - sqrt(progress): stays high longer, then falls fast."""
+    cosine = "cosine"
+
+
+@dataclass
+class EMAConfig:
+    decay: float | None = ranged(None, OPEN_UNIT)
+    """Keep an fp32 exponential moving average of the trainable parameters (held as the strategy holds them), with
+    this decay per update; validated too (val_ema_loss), saved and resumed; `launch convert CKPT ema=true` exports it.
+    Unset: none."""
+    every: int = ranged(1, SIZE)
+    """Update the average every N optimizer steps."""
+    start: int = ranged(0, COUNT)
+    """Up to this optimizer step the average is the weights themselves; it averages after it."""
 
 
 class Direction(Enum):
@@ -77,7 +102,18 @@ class TrainerConfig:
     warmup_steps: int = ranged(20, COUNT)
     """Linear warmup from 0 to optim.lr over this many steps."""
     min_lr_ratio: float = ranged(0.1, UNIT)
-    """Final learning rate as a fraction of optim.lr (cosine and linear schedules)."""
+    """Final learning rate as a fraction of optim.lr (cosine, linear and wsd schedules)."""
+    decay_steps: int | None = ranged(None, SIZE)
+    """trainer.schedule=wsd: the last steps, over which the rate decays; unset: trainer.decay_fraction of max_steps."""
+    decay_fraction: float = ranged(0.2, UNIT)
+    """trainer.schedule=wsd without trainer.decay_steps: the fraction of trainer.max_steps the decay takes."""
+    decay_shape: DecayShape = DecayShape.linear
+    """trainer.schedule=wsd: how the rate falls in the decay (linear, sqrt: 1 - sqrt(progress), cosine)."""
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    """EMA weights: trainer.ema.decay=0.999 turns them on."""
+    schedule_fn: Any = None
+    """trainer.schedule=custom: {_target_: module.function, ...its keys}, called as function(step, max_steps,
+    **keys) with the 0-based step; returns the fraction of optim.lr (it owns warmup). No state: resumes are exact."""
     max_restarts: int = ranged(0, COUNT, identity=False)
     """Times the elastic agent restarts the worker group after a failure."""
     fork_workers: bool = launch_only(True)

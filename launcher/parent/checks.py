@@ -19,7 +19,8 @@ from launcher.config.context import outside_moe_blocks
 from launcher.config.identity import sweep_identity
 from launcher.parent.data_checks import check_datasets, check_vocabulary, prepare_data
 from launcher.parent.eval_checks import check_evaluation
-from launcher.parent.model_checks import check_forward, check_optimizer
+from launcher.parent.model_checks import check_forward
+from launcher.parent.optim_checks import check_optimizer
 
 if TYPE_CHECKING:
     from launcher.base.storage import Location
@@ -75,7 +76,7 @@ def check_built(frozen: DictConfig, model: Any) -> list[str] | None:
     samples, a forward and backward of one micro-batch on the meta device, the logger's settings, the vocabulary.
     Nothing here allocates a model's memory. Returns the trainable parameters that got no gradient in that backward
     (none of a mixture-of-experts block's: every strategy gives those one), or None when it could not run."""
-    check_optimizer(frozen, model)
+    print(check_optimizer(frozen, model), flush=True)  # its param groups, named with their sizes
     prepare_data(frozen)
     sample = check_datasets(frozen)
     no_grad = check_forward(frozen, model, sample) if sample is not None else None

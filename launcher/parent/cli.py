@@ -268,15 +268,21 @@ def export(args: Sequence[str]) -> None:
 
 
 def convert(args: Sequence[str]) -> None:
-    """launch convert CHECKPOINT out=FILE.safetensors | out=DIR [merge=true] [model overrides]: consolidated model
-    weights."""
+    """launch convert CHECKPOINT out=FILE.safetensors | out=DIR [merge=true] [ema=true] [model overrides]:
+    consolidated model weights (ema=true: the EMA weights)."""
     paths = [a for a in args if "=" not in a]
     outs = [a.split("=", 1)[1] for a in args if a.startswith("out=")]
     merges = [a.split("=", 1)[1] for a in args if a.startswith("merge=")]
-    overrides = [a for a in args if "=" in a and not a.startswith(("out=", "merge="))]
-    usage = "usage: launch convert CHECKPOINT out=FILE.safetensors, or out=DIR [merge=true] [the run's model overrides]"
-    if len(paths) != 1 or len(outs) != 1 or len(merges) > 1 or any(a.startswith("-") for a in args):
+    emas = [a.split("=", 1)[1] for a in args if a.startswith("ema=")]
+    overrides = [a for a in args if "=" in a and not a.startswith(("out=", "merge=", "ema="))]
+    usage = (
+        "usage: launch convert CHECKPOINT out=FILE.safetensors, or out=DIR [merge=true] [ema=true] [the run's model "
+        "overrides]"
+    )
+    if len(paths) != 1 or len(outs) != 1 or len(merges) > 1 or len(emas) > 1 or any(a.startswith("-") for a in args):
         fail(usage)
+    if emas and emas[0] not in ("true", "false"):
+        fail(f"ema={emas[0]} is not a boolean; use ema=true (the EMA weights) or ema=false")
     if merges and merges[0] not in ("true", "false"):
         fail(f"merge={merges[0]} is not a boolean; use merge=true (a PEFT model's adapters merged) or merge=false")
     merge = merges == ["true"]
@@ -302,7 +308,7 @@ def convert(args: Sequence[str]) -> None:
                 if error:
                     fail(error)
                 model = freeze(composed).model
-        written = write(paths[0], out, model, merge)  # a local path or a URL
+        written = write(paths[0], out, model, merge, emas == ["true"])  # a local path or a URL
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         fail(str(e).splitlines()[0])
     print(f"launch: wrote {written}")

@@ -40,27 +40,37 @@ def find_checkpoint(path: Location) -> Location:
     return found
 
 
-def weights(checkpoint: Location) -> dict[str, Any]:
-    """The model's full tensors, whatever layout saved them, read in this process."""
+def weights(checkpoint: Location, ema: bool = False) -> dict[str, Any]:
+    """The model's full tensors, whatever layout saved them, read in this process; with `ema`, the EMA weights in
+    place of the trainable parameters' (frozen ones and buffers as the model holds them)."""
     import torch
 
     try:
         entries = read_metadata(checkpoint).state_dict_metadata
     except UntrustedDataError as e:
         raise CheckpointError(str(e)) from e
+    prefix = "ema.weights." if ema else "model."
+    averaged = {
+        k.removeprefix(prefix): torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in entries.items()
+        if k.startswith(prefix) and hasattr(v, "size")
+    }
+    if ema and not averaged:
+        raise CheckpointError(f"checkpoint {checkpoint} holds no EMA weights (its run had no trainer.ema.decay); "
+                              "convert it without ema=true")  # fmt: skip
     template = {
         k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
         for k, v in entries.items()
-        if k.startswith("model.") and hasattr(v, "size")
+        if k.startswith("model.") and hasattr(v, "size") and (not ema or k.removeprefix("model.") not in averaged)
     }
     try:
-        dcp_load({"model": template}, checkpoint, no_dist=True)
+        dcp_load({"model": template} | ({"ema": {"weights": averaged}} if ema else {}), checkpoint, no_dist=True)
     except BaseException as e:  # DCP's CheckpointException is a BaseException: a crafted or damaged file
         if isinstance(e, KeyboardInterrupt):
             raise
         reason = next((line.strip() for line in str(e).splitlines() if "Error" in line), type(e).__name__)
         raise CheckpointError(f"checkpoint {checkpoint} does not load as data ({reason[:200]})") from e
-    return {name: t.contiguous() for name, t in template.items()}
+    return {name: t.contiguous() for name, t in (template | (averaged if ema else {})).items()}
 
 
 def write_file(tensors: dict[str, Any], out: Path, checkpoint: Location) -> None:
@@ -127,14 +137,15 @@ def _count(weights: Any) -> int:
     return sum(t.numel() for t in (weights.values() if isinstance(weights, dict) else weights.parameters()))
 
 
-def convert(path: str | Path, out: Path, model_cfg: DictConfig | None, merge: bool = False) -> str:
-    """Write the checkpoint's weights to `out` (a .safetensors file, or a folder with `model_cfg`'s model); returns
-    what was written, in words. `path`: a local path or a URL (`launcher.base.storage.location`)."""
+def convert(path: str | Path, out: Path, model_cfg: DictConfig | None, merge: bool = False, ema: bool = False) -> str:
+    """Write the checkpoint's weights (with `ema`, its EMA weights) to `out` (a .safetensors file, or a folder with
+    `model_cfg`'s model); returns what was written, in words. `path`: a local path or a URL
+    (`launcher.base.storage.location`)."""
     where = location(path)
     if is_remote(where) and (why := check_url(str(where))):  # credentials, a bucket: one line, not a traceback
         raise CheckpointError(f"{where}: {why}")
     checkpoint = find_checkpoint(where)
-    tensors = weights(checkpoint)
+    tensors = weights(checkpoint, ema)
     if out.suffix == ".safetensors":
         write_file(tensors, out, checkpoint)
         return f"{_count(tensors):,} parameters to {out}"

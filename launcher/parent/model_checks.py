@@ -1,7 +1,6 @@
-"""The parent's checks of the model and its optimizer, on the model built on the meta device: the optimizer over its
-parameters, a forward and backward of the first micro-batch (no memory, no values), the parameters that get no
-gradient, the sequence length against its positions. Each failure is a ConfigError (one line); `launcher.parent.checks`
-runs them in order."""
+"""The parent's checks of the model, built on the meta device (its optimizer's are in `optim_checks`): a forward and
+backward of the first micro-batch (no memory, no values), the parameters that get no gradient, the sequence length
+against its positions. Each failure is a ConfigError (one line); `launcher.parent.checks` runs them in order."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from launcher.base.errors import failure
 from launcher.config import ConfigError
@@ -30,26 +29,6 @@ def vocabulary(model: Any) -> int | None:
         if isinstance(size, int) and not isinstance(size, bool):
             return size
     return None
-
-
-def check_optimizer(frozen: DictConfig, model: Any) -> None:
-    from hydra.utils import instantiate
-
-    def build(node: DictConfig) -> None:
-        instantiate(node, _partial_=True, _convert_="all")(model.parameters())
-
-    try:
-        build(frozen.optim)
-    except Exception as e:  # torch's optimizers check their hyperparameters in the constructor
-        target = frozen.optim._target_
-        for key in [str(k) for k in frozen.optim if not str(k).startswith("_")]:
-            try:  # the key whose value it refuses: without it (the optimizer's default), it builds
-                build(OmegaConf.masked_copy(frozen.optim, [k for k in frozen.optim if k != key]))
-            except Exception:
-                continue
-            value = OmegaConf.to_container(frozen.optim)[key]  # type: ignore[index]
-            raise failure("optim", e, f"fix optim.{key}={value}, which {target} refuses") from e
-        raise failure("optim", e, f"fix the optim.* values that {target} refuses") from e
 
 
 def _positions(model: Any) -> tuple[int | None, str]:

@@ -18,7 +18,7 @@ from strategies.declarations import WIRE_BYTES, Collective, Layout, Mesh, Transi
 
 GB = 1e9
 MIXED_PRECISIONS = ("bf16", "fp16")
-KINDS = ("weights", "master", "grads", "moments")
+KINDS = ("weights", "master", "grads", "moments", "ema")
 """Kinds of model state, in the order they are printed and stacked."""
 PLACES = ("device", "cpu", "nvme")
 """Where a kind can live (Placement.where); "cpu" is host memory."""
@@ -38,14 +38,16 @@ class BytesPerParam:
     """fp32 gradients: 4."""
     moments: int
     """Optimizer state: 4 per fp32 moment."""
+    ema: int = 0
+    """The EMA weights (trainer.ema.decay): 4, in fp32, held as the parameters are."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.master + self.grads + self.moments
+        return self.weights + self.master + self.grads + self.moments + self.ema
 
 
 def bytes_per_param(
-    precision: str, moments: int, master_weights: bool = False, low_precision_weights: bool = True
+    precision: str, moments: int, master_weights: bool = False, low_precision_weights: bool = True, ema: bool = False
 ) -> BytesPerParam:
     """The mixed-precision rule (bf16/fp16) of a strategy that stores its weights in the compute dtype (DeepSpeed;
     the lesson's rule): 16-bit weights, fp32 master weights, fp32 gradients and fp32 moments — with Adam
@@ -59,6 +61,7 @@ def bytes_per_param(
         master=4 if mixed or master_weights else 0,
         grads=4,
         moments=4 * moments,
+        ema=4 if ema else 0,
     )
 
 
@@ -70,7 +73,7 @@ def optimizer_moments(target: str, momentum: float = 0.0) -> int:
     """fp32 tensors the optimizer keeps per parameter: Adam/AdamW 2 (first and second moment), SGD 1 with
     momentum and 0 without, Adagrad 1 (its sum of squares). Raises UnknownOptimizer for any other."""
     name = target.rsplit(".", 1)[-1]
-    if name in ("Adam", "AdamW"):
+    if name in ("Adam", "AdamW", "MuonAdamW"):  # Muon's matrices keep one (its momentum): at most 2
         return 2
     if name == "SGD":
         return 1 if momentum else 0
@@ -98,6 +101,7 @@ def per_rank_bytes(
         "master": layout.optimizer,
         "grads": layout.grads,
         "moments": layout.optimizer,
+        "ema": layout.params,  # the average is held where and as the parameters are
     }
     held = {place: dict.fromkeys(KINDS, 0.0) for place in PLACES}
     for kind, placement in placements.items():

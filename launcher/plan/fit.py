@@ -151,6 +151,8 @@ class Plan:
     link_gbps: float
     internode_gbps: float
     strategies: list[StrategyPlan]
+    ema: bool = False
+    """trainer.ema.decay is set: the EMA weights are model state too."""
 
     @property
     def gbps(self) -> float:
@@ -165,7 +167,9 @@ class Plan:
             _, shards = layout.mesh.shape(world, gpus)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        bpp = bytes_per_param(self.precision, self.moments, layout.master_weights, layout.low_precision_weights)
+        bpp = bytes_per_param(
+            self.precision, self.moments, layout.master_weights, layout.low_precision_weights, self.ema
+        )
         accumulation = self.global_size // ((micro or self.micro) * world) or 1
         params, unit = self.model.params, self.model.largest_unit or self.model.params
         within, across = strategy_comm(strategy, params, self.precision, accumulation, world, gpus)
@@ -352,6 +356,7 @@ def make_plan(cfg: DictConfig, derived: Derived, size: ModelSize, strategies: di
         link_gbps=cfg.plan.link_gbps,
         internode_gbps=cfg.plan.internode_gbps,
         strategies=[],
+        ema=OmegaConf.select(cfg, "trainer.ema.decay", default=None) is not None,
     )
     return replace(plan, strategies=[plan.for_strategy(name, s) for name, s in strategies.items()])
 

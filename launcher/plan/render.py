@@ -117,7 +117,8 @@ def _header(plan: Plan) -> list[str]:
     def rule(b: BytesPerParam) -> str:
         weights = f"weights {b.weights} ({plan.precision if b.weights == 2 else 'fp32'})"
         master = f" + master {b.master} (fp32)" if b.master else ""
-        return f"{weights}{master} + grads {b.grads} (fp32) + moments {b.moments} ({moments}) = {b.total}"
+        ema = f" + ema {b.ema} (fp32)" if b.ema else ""
+        return f"{weights}{master} + grads {b.grads} (fp32) + moments {b.moments} ({moments}){ema} = {b.total}"
 
     optimizer = plan.optimizer.rsplit(".", 1)[-1]
     bpp = "; ".join(f"{rule(b)}: {', '.join(names)}" for b, names in rules.items())
@@ -205,6 +206,7 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
             "master": sp.layout.optimizer.where,
             "grads": sp.layout.grads.where,
             "moments": sp.layout.optimizer.where,
+            "ema": sp.layout.params.where,
         }
         kinds = [amount(sp.held[where[k]][k]) + ("" if where[k] == "device" else f" {WHERE[where[k]]}") for k in KINDS]
         shards = "G" if sp.shards == plan.derived.world_size else str(sp.shards)
@@ -231,7 +233,7 @@ def strategy_rows(plan: Plan, blocked: Collection[str] = (), compact: bool = Fal
         groups = [
             ("", 1),
             ("layout", 3),
-            (f"model state by kind, {unit}", 4),
+            (f"model state by kind, {unit}", len(KINDS)),
             (f"state by place, {unit}", 3),
             (f"peak per device, {unit}", 3),
             ("comm per step", 2 + across),

@@ -75,6 +75,12 @@ class Evaluation:
                 part_loss, _ = validate(strategy, alone, self.ctx, self.batches, rule, {})
                 if part_loss == part_loss:  # NaN: its split holds no full global batch
                     figures[f"val_loss/{part}" if prefix == "val/" else f"{prefix}loss/{part}"] = part_loss
+        with strategy.averaged() as ema:  # trainer.ema: each set's loss on the moving average of the weights too
+            if ema:
+                for name, source in self.sets.items():
+                    prefix = self.names(name)
+                    loss, _ = validate(strategy, source, self.ctx, self.batches, rule, {})
+                    figures["val_ema_loss" if prefix == "val/" else f"{prefix}ema_loss"] = loss
         return figures
 
     def once(self, strategy: Strategy, rule: LabelRule, step: int, run_dir: Path) -> bool:

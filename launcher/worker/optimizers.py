@@ -1,61 +1,76 @@
-"""The configured optimizer, built over the trainable parameters (fused where it can be), and its learning-rate
-schedule."""
+"""The configured optimizer, built over the trainable parameters in param groups (fused where it can be); its
+learning-rate schedule is `launcher.worker.schedules`."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-import math
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from launcher.worker.param_groups import RECIPE_KEYS, Rule, hidden_rule, param_groups, rules_of
 from strategies import RunContext
 
 
-def lr_at(step: int, base: float, warmup: int, max_steps: int, schedule: str, min_ratio: float) -> float:
-    """Learning rate for 0-based optimizer step `step`: linear warmup, then the chosen decay."""
-    if step < warmup:
-        return base * (step + 1) / warmup
-    if schedule == "constant":
-        return base
-    progress = (step - warmup) / max(1, max_steps - warmup - 1)
-    progress = min(1.0, progress)
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
-    return base * (min_ratio + (1 - min_ratio) * shape)
-
-
 def optimizer_factory(cfg: DictConfig, ctx: RunContext) -> functools.partial[Any]:
-    """The configured optimizer as a partial over parameters (strategies may read its keywords), built by
-    `build_optimizer`.
+    """The configured optimizer as a partial over a module (strategies may read its keywords), built by
+    `build_optimizer` in the param groups of optim's rules (`launcher.worker.param_groups`).
 
     The fused kernel where the optimizer has one (torch's Adam, AdamW, SGD, Adagrad), the user did not choose, and
     the parameters take it: one pass over each parameter, in place, on CUDA and on the CPU alike. The per-tensor loop
     it replaces allocates temporaries as large as the tensor it steps, which for DeepSpeed's flat partitions is the
     whole partition.
     """
-    partial = instantiate(cfg.optim, _partial_=True, _convert_="all")
+    partial = instantiate(optimizer_node(cfg.optim), _partial_=True, _convert_="all")
+    rules = rules_for(cfg.optim, partial.func)
     if partial.args:  # positional hyperparameters: called as configured
-        return partial
+        return functools.partial(build_optimizer, partial, rules=rules)
     fusable = "fused" in inspect.signature(partial.func).parameters and "fused" not in partial.keywords
     # Not under fp16's loss scaler on the CPU: the fused CPU kernels reject the scaler's found-inf tensor's shape.
     fuse = fusable and (ctx.device_type == "cuda" or (ctx.device_type == "cpu" and ctx.precision != "fp16"))
-    return functools.partial(build_optimizer, partial.func, fuse=fuse, **partial.keywords)
+    return functools.partial(build_optimizer, partial.func, rules=rules, fuse=fuse, **partial.keywords)
+
+
+def optimizer_node(optim: DictConfig) -> DictConfig:
+    """The optim node less the keys the launcher reads itself (`RECIPE_KEYS`): what the optimizer is called with."""
+    return OmegaConf.masked_copy(optim, [k for k in optim if k not in RECIPE_KEYS])
+
+
+def rules_for(optim: DictConfig, optimizer: Any) -> list[Rule]:
+    """optim's grouping rules; without the no-decay rule where the optimizer takes no weight decay."""
+    rules = rules_of(optim)
+    if getattr(optimizer, "HIDDEN_MATRICES", None):  # optim=muon: its own group before the default's
+        keys = {optimizer.HIDDEN_MATRICES: True, "lr_scale": float(optim.muon_lr) / float(optim.lr)}
+        rules.insert(next(i for i, r in enumerate(rules) if r.builtin), hidden_rule(keys))
+    try:
+        takes = "weight_decay" in inspect.signature(optimizer).parameters
+    except (TypeError, ValueError):
+        takes = True
+    return rules if takes else [r for r in rules if r.label != "no_decay"]
 
 
 def build_optimizer(
-    optimizer: type[torch.optim.Optimizer], params: Any, fuse: bool = False, **kwargs: Any
+    optimizer: type[torch.optim.Optimizer],
+    params: Any,
+    rules: list[Rule] | None = None,
+    fuse: bool = False,
+    **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """`optimizer(params, **kwargs)` over the trainable parameters only, as DeepSpeed's ZeRO optimizers hold them: a
     frozen parameter has no optimizer state in any strategy, and a checkpoint's param groups load under every one.
+    `params` is a module (its parameters in the param groups of `rules`, `launcher.worker.param_groups`), or
+    parameters or param groups as torch takes them.
 
     With `fuse`, the fused kernel, unless a parameter is a DTensor (FSDP's shards) and DTensor has no sharding rule
     for the optimizer's fused kernel (torch 2.13: Adam's and AdamW's only; SGD's and Adagrad's fail in the first
     step). Decided from the parameters themselves, whichever strategy built them."""
     from torch.distributed.tensor import DTensor
 
+    if isinstance(params, torch.nn.Module):
+        params = param_groups(params, rules or rules_of({}), kwargs.get("lr"))
     groups = [
         {**item, "params": [p for p in item["params"] if p.requires_grad]} if isinstance(item, dict) else item
         for item in params

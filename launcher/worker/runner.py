@@ -34,9 +34,10 @@ from launcher.worker.guard import Guard
 from launcher.worker.lifecycle import GAVE_UP, Phase, StopRequest
 from launcher.worker.logs import Loggers, Progress
 from launcher.worker.memory import StepMemory, rss_bytes
-from launcher.worker.optimizers import lr_at, optimizer_factory
+from launcher.worker.optimizers import optimizer_factory
 from launcher.worker.profiling import MemorySnapshots, StepProfiler
 from launcher.worker.resume import check_shared_folders, restart_count, resume
+from launcher.worker.schedules import schedule_lr
 from launcher.worker.source_loss import SourceLosses
 from launcher.worker.speed import Speed, Window
 from launcher.worker.step import all_reduce, gather_rows, train_step
@@ -275,8 +276,7 @@ class Trainer:
         return every > 0 and (step % every == 0 or step == self.max_steps)
 
     def lr(self, step: int) -> float:
-        t = self.trainer
-        return lr_at(step - 1, self.cfg.optim.lr, t.warmup_steps, self.max_steps, str(t.schedule), t.min_lr_ratio)
+        return schedule_lr(self.trainer, self.cfg.optim.lr, step - 1, self.max_steps)
 
     def data(self) -> StepData | None:
         """This rank's micro-batches of the next step; None when the stream ran out on any rank, which every rank
@@ -311,7 +311,7 @@ class Trainer:
         if self.nonfinite == "skip":
             metrics["skipped_steps"] = self.guard.skipped
         metrics |= self.source_losses.figures(self.device, self.position.stream)  # data=mix: per source
-        if evaluated:  # data=mix: each source's validation loss too (`Evaluation.run`)
+        if evaluated:  # data=mix: each source's too; EMA: its weights' (`Evaluation.run`)
             metrics |= self.evaluation.run(self.strategy, self.rule)  # type: ignore[union-attr]
         for name in metrics:
             declared(name)  # a figure nobody declared is refused, not logged with a meaning nobody chose

@@ -154,3 +154,28 @@ def build_ds_config(
                 f"derives from {source}; remove it from strategy.ds_config"
             )
     return _merge(derived, extra)
+
+
+def check_recipe(ctx: RunContext, stage: int, offload_params: str, ds_config: dict[str, Any], optimizer: str) -> None:
+    """Raise ValueError (one line) for the optimizer recipe's parts ZeRO cannot run: Muon (no rank holds a whole
+    matrix), EMA weights where the partitions are not in memory or some parameters are kept whole."""
+    if optimizer.endswith(".MuonAdamW"):
+        raise ValueError(
+            "optim=muon under ZeRO: DeepSpeed flattens and partitions parameters across ranks, so no rank holds a "
+            "whole matrix for Muon's orthogonalised update; use strategy=ddp, fsdp or hsdp with optim=muon"
+        )
+    if ctx.ema is not None and offload_params == "nvme":
+        raise ValueError(
+            "trainer.ema under strategy.offload_params=nvme: the EMA averages each rank's partition in host "
+            "memory, which NVMe-offloaded parameters are not in; use strategy.offload_params=cpu or unset "
+            "trainer.ema.decay"
+        )
+    if (
+        ctx.ema is not None
+        and stage == 3
+        and ds_config.get("zero_optimization", {}).get("stage3_param_persistence_threshold", 0)
+    ):
+        raise ValueError(
+            "trainer.ema under ZeRO-3 with a stage3_param_persistence_threshold: parameters kept whole are not "
+            "averaged as their partitions; remove it from strategy.ds_config or unset trainer.ema.decay"
+        )

@@ -6,7 +6,7 @@ The DeepSpeed config comes from `config.build_ds_config`; what reaches into ZeRO
 
 from __future__ import annotations
 
-import functools
+import math
 import os
 import shutil
 import tempfile
@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.base import ModelFactory, OptimizerFactory, RunContext, call_model, set_lr, step_figures
+from strategies.base import ModelFactory, OptimizerFactory, RunContext, averaged, call_model, set_lr, step_figures
 from strategies.comm import CommCounter
 from strategies.declarations import WIRE_BYTES, Collective, Conformance, Layout, Placement, Requirements, Transients
 from strategies.deepspeed import zero
-from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config
+from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config, check_recipe
 from strategies.deepspeed.ops import async_io_problem
+from strategies.ema import EMA
 from strategies.moe import SameModulesCheck, block_classes, check_moe_blocks, moe_blocks, use_every_parameter
 from strategies.no_grad import without_decay
 
@@ -147,6 +148,7 @@ class DeepSpeed:
                 f"strategy.offload_params={self.offload_params} needs strategy.stage=3 (got {self.stage}): "
                 "only ZeRO-3 partitions parameters"
             )
+        check_recipe(ctx, self.stage, self.offload_params, self.ds_config, self.optimizer_target)
         if self.offload_optimizer == "nvme" and self.stage < 3:
             raise ValueError(
                 f"strategy.offload_optimizer=nvme needs strategy.stage=3 (got {self.stage}): ZeRO-1/2 keep "
@@ -265,22 +267,27 @@ class DeepSpeed:
             # the model. The whole model is in host memory meanwhile, once per rank.
             deepspeed.zero.Init(module=model, config_dict_or_path=config)
         optimizer = self._optimizer(model, build_optimizer)
+        groups = list(optimizer.param_groups)  # DeepSpeed replaces their parameters with its partitions
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False
         )
+        zero.regroup_adagrad(self.engine, self.stage, [{k: v for k, v in g.items() if k != "params"} for g in groups])
+        self.ema = EMA(zero.ema_live(self.engine, self.stage), ctx.ema) if ctx.ema else None
 
     def _optimizer(self, model: nn.Module, build_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        optimizer = build_optimizer(model)
+        if self.offload_optimizer != "none":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            # The offloaded step runs on the host in DeepSpeed's C++ Adam, with optim's values, in the same groups.
+            own = set(optimizer.defaults) - {"lr", "betas", "eps", "weight_decay"}  # torch's keys CPU Adam lacks
+            groups = [{k: v for k, v in g.items() if k not in own} for g in optimizer.param_groups]
+            keywords = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
+            optimizer = DeepSpeedCPUAdam(groups, adamw_mode=ADAM_OPTIMIZERS[self.optimizer_target], **keywords)
         # Parameters that got no gradient on the launcher's first micro-batch get a zero one in DeepSpeed's flat
         # buffers: without weight decay, zero moments leave them as they are (`strategies.no_grad`).
-        params = without_decay(model, self.ctx.no_grad)
-        if self.offload_optimizer == "none":
-            return build_optimizer(params)
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        # The offloaded step runs on the host in DeepSpeed's C++ Adam, with optim's values.
-        assert isinstance(build_optimizer, functools.partial), "optim must be a partial (hydra _partial_)"
-        keywords = {k: v for k, v in build_optimizer.keywords.items() if k in ("lr", "betas", "eps", "weight_decay")}
-        return DeepSpeedCPUAdam(params, adamw_mode=ADAM_OPTIMIZERS[self.optimizer_target], **keywords)
+        without_decay(optimizer, model, self.ctx.no_grad)
+        return optimizer
 
     def forward(self, batch: Any) -> torch.Tensor:
         with self._same_modules.watch():
@@ -325,6 +332,8 @@ class DeepSpeed:
         with zero.counting_collectives(self._counter, gathers_only=True):  # ZeRO-1/2 gather the updated parameters
             self.engine.step()
         norm = self.engine.get_global_grad_norm()
+        if self.ema is not None and norm is not None and math.isfinite(float(norm)):  # the step was applied
+            self.ema.update()
         held = zero.state_bytes(self.engine, self.stage, grads)
         # DeepSpeed's dynamic loss scaler (precision=fp16), as DDP and FSDP report theirs: halved on each overflow.
         scale = float(self.engine.optimizer.loss_scale) if self.ctx.precision == "fp16" else None
@@ -341,17 +350,27 @@ class DeepSpeed:
 
     def state_dict(self) -> dict[str, Any]:
         """Full fp32 weights and optimizer state, keyed like torch's full state dict: strategy-neutral."""
-        return zero.export_state(self.engine, self.stage, self.offload_optimizer)
+        return zero.export_state(self.engine, self.stage, self.offload_optimizer, self.ema)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        zero.import_state(self.engine, self.stage, self.offload_optimizer, self.offload_params, state)
+        zero.import_state(self.engine, self.stage, self.offload_optimizer, self.offload_params, state, self.ema)
+
+    @contextmanager
+    def averaged(self) -> Iterator[bool]:
+        # ZeRO-3 keeps parameters it gathered for the step while it expects them again: released first, every
+        # forward inside gathers the partitions that hold the average, and after it those that hold the weights.
+        release = self.engine.empty_partition_cache if self.stage == 3 else lambda: None
+        release()
+        with averaged(self.ema) as swapped:
+            yield swapped
+            release()
 
     def teardown(self) -> None:
         self._accumulating = None  # after a failed micro-step: never flush into ranks that may be gone
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.destroy()
-        self.engine = None  # type: ignore[assignment]
+        self.engine = self.ema = None  # type: ignore[assignment]
         if self._swap_dir is not None:
             import gc
 

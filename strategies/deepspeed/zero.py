@@ -147,7 +147,7 @@ def _buffer_names(module: torch.nn.Module) -> list[str]:
     return [n for n in module.state_dict(keep_vars=True) if n not in params]
 
 
-def export_state(engine: Any, stage: int, offload_optimizer: str) -> dict[str, Any]:
+def export_state(engine: Any, stage: int, offload_optimizer: str, ema: Any = None) -> dict[str, Any]:
     """Full fp32 weights and optimizer state, keyed like torch's full state dict (collective).
 
     Streamed one parameter at a time: every rank takes part in gathering each parameter, only its owner
@@ -186,14 +186,51 @@ def export_state(engine: Any, stage: int, offload_optimizer: str) -> dict[str, A
         buffers = dict(module.named_buffers())
         model |= {n: buffers[n].detach().cpu() for n in _buffer_names(module)}
     groups: list[dict[str, Any]] = []
-    for group, ids in zip(inner.param_groups, _group_members(engine, stage)):
-        names = [n for n, p in module.named_parameters() if id(p) in ids]
-        if group.get(NO_GRAD_GROUP) and groups:  # the strategy's own group: listed where every other strategy has them
-            groups[-1]["params"] += names
-            continue
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": names})
-    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+    members: dict[int, set[int]] = {}
+    for index, (group, ids) in enumerate(zip(inner.param_groups, _group_members(engine, stage))):
+        # The strategy's own groups (`without_decay`): listed in the group they came from, as every other strategy has
+        # them.
+        members.setdefault(group.get(NO_GRAD_GROUP, index), set()).update(ids)
+        if NO_GRAD_GROUP not in group:
+            groups.append({k: v for k, v in group.items() if k != "params"})
+    for index, group in enumerate(groups):
+        group["params"] = [n for n, p in module.named_parameters() if id(p) in members[index]]
+    exported = {"model": model, "optim": {"state": state, "param_groups": groups}}
+    if ema is not None:  # the average's full values, kept by each parameter's owner like its weight
+        weights = {}
+        for n, p in module.named_parameters():
+            if n in ema.average:
+                full = _whole(ema.average[n], p, stage)  # collective under ZeRO-3
+                if owner[id(p)] == rank:
+                    weights[n] = full.cpu()
+        exported["ema"] = {"weights": weights, "steps": ema.steps}
+    return exported
+
+
+def ema_live(engine: Any, stage: int) -> dict[str, torch.Tensor]:
+    """What this rank holds of each trainable parameter, for the EMA to average (`strategies.ema`): the parameter
+    itself (ZeRO-1/2: whole on every rank), or its partition (ZeRO-3: `ds_tensor`, from which each forward gathers)."""
+    return {n: p.ds_tensor if stage == 3 else p for n, p in engine.module.named_parameters() if p.requires_grad}
+
+
+def _whole(part: torch.Tensor, p: torch.Tensor, stage: int) -> torch.Tensor:
+    """The full tensor of which `part` is this rank's ZeRO-3 partition (collective), or `part` itself (ZeRO-1/2)."""
+    import torch.distributed as dist
+
+    if stage != 3:
+        return part
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, part.contiguous())
+    return torch.cat([t.reshape(-1) for t in parts])[: _full_shape(p).numel()].view(_full_shape(p))
+
+
+def _partition(full: torch.Tensor, part: torch.Tensor, stage: int, rank: int) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of `full` (the rank's slice of the flat tensor, zero-padded), or `full` itself."""
+    if stage != 3:
+        return full
+    n = part.numel()
+    chunk = full.reshape(-1)[rank * n : (rank + 1) * n]
+    return torch.nn.functional.pad(chunk, (0, n - chunk.numel())).to(part.dtype).view_as(part)
 
 
 def _gathered(p: torch.Tensor, stage: int) -> torch.Tensor:
@@ -215,7 +252,9 @@ def _group_members(engine: Any, stage: int) -> list[set[int]]:
     return members
 
 
-def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params: str, state: dict[str, Any]) -> None:
+def import_state(
+    engine: Any, stage: int, offload_optimizer: str, offload_params: str, state: dict[str, Any], ema: Any = None
+) -> None:
     """Restore what `export_state` returned (each rank holding its owned entries), from any strategy and world size:
     the weights of every parameter, the fp32 masters and optimizer state of the trainable ones.
 
@@ -230,6 +269,13 @@ def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params
     rank, params = dist.get_rank(), list(module.named_parameters())
     owner = _owners([p for _, p in params], dist.get_world_size())
     weights, moments = state["model"], state["optim"]["state"]
+
+    def full_of(entries: dict[str, Any], name: str, p: torch.Tensor) -> torch.Tensor:
+        """The full value of `p` in `entries` (weights, the EMA's), broadcast from its owner."""
+        mine = owner[id(p)] == rank
+        buffer = entries[name].to(torch.float32).clone() if mine else torch.empty(_full_shape(p), dtype=torch.float32)
+        dist.broadcast(buffer, src=owner[id(p)])
+        return buffer
 
     def full(name: str, p: torch.Tensor, key: str | None = None) -> torch.Tensor:
         """The full value of `p` (its weight, or its optimizer state `key`), broadcast from its owner."""
@@ -258,6 +304,18 @@ def import_state(engine: Any, stage: int, offload_optimizer: str, offload_params
         safe_set_full_fp32_param(p, full(name, p))  # the exact fp32 master
         for key in keys:
             safe_set_full_optimizer_state(p, full(name, p, key), key)
+    if ema is not None:  # the average's partitions; from a checkpoint without one, the loaded weights
+        averaged = state.get("ema", {}).get("weights")
+        with torch.no_grad():
+            for name, p in params:
+                if name in ema.average:
+                    if averaged is None:
+                        ema.average[name].copy_(ema.live[name])
+                        continue
+                    value = full_of(averaged, name, p)
+                    ema.average[name].copy_(_partition(value, ema.average[name], stage, rank))
+            if "ema" in state:
+                ema.steps.copy_(state["ema"]["steps"])
     steps = [s["step"] for s in moments.values() if "step" in s]
     step = next((s for s in _every_rank([float(steps[0])] if steps else []) if s), None)
     if step:
@@ -307,6 +365,22 @@ def create_optimizer_state(engine: Any, stage: int, offload_optimizer: str) -> N
         # DeepSpeed links each parameter to its slice of the optimizer state after its first
         # step; the state exists now, so link it now (ZeRO-3 looks slices up on each access).
         zero._lazy_init_hp_params_optimizer_state()
+
+
+def regroup_adagrad(engine: Any, stage: int, groups: list[dict[str, Any]]) -> None:
+    """DeepSpeed 0.19 rebuilds a client Adagrad over its fp32 partitions in one param group, losing the client's (it
+    fails at the first reduction): rebuilt with each partition in its own group, and the parameters linked again."""
+    zero = engine.optimizer
+    if not isinstance(zero.optimizer, torch.optim.Adagrad) or len(groups) < 2:
+        return
+    if stage == 3:
+        members = [[p for i, p in enumerate(zero.fp32_partitioned_groups_flat) if zero.sub_group_to_group_id[i] == g]
+                   for g in range(len(groups))]  # fmt: skip
+    else:
+        members = [[p] for p in zero.single_partition_of_fp32_groups]
+    zero.optimizer = torch.optim.Adagrad([{**g, "params": ps} for g, ps in zip(groups, members, strict=True)])
+    if stage < 3:
+        zero._link_all_hp_params()
 
 
 def _set_step(optimizer: torch.optim.Optimizer, step: int) -> None:

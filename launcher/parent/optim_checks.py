@@ -1,0 +1,77 @@
+"""The optimizer's checks before start, over the model built on the meta device: optim's rules for param groups, and
+the optimizer built over those groups as the workers will build it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.base.errors import failure
+from launcher.config import ConfigError
+
+
+def check_optimizer(frozen: DictConfig, model: Any) -> str:
+    """Refuse in one line a schedule whose phases do not fit, a grouping rule that names no parameter or matches
+    none, a group key the optimizer does not take, and values the optimizer refuses; return the start line naming
+    each group and its parameters."""
+    import inspect
+
+    from hydra.utils import instantiate
+
+    from launcher.worker.optimizers import optimizer_node, rules_for
+    from launcher.worker.param_groups import HIDDEN, RULE_KEYS, assign, describe, param_groups, unmatched
+    from launcher.worker.schedules import check_schedule
+
+    try:
+        check_schedule(frozen.trainer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    target = frozen.optim._target_
+    try:
+        optimizer = instantiate(optimizer_node(frozen.optim), _partial_=True, _convert_="all")
+        rules = rules_for(frozen.optim, optimizer.func)
+    except ValueError as e:
+        raise ConfigError(f"optim.groups: {e}") from e
+    except Exception as e:
+        raise failure("optim", e, f"fix optim._target_={target}: it does not import") from e
+    for label in unmatched(model, rules):
+        rule = next(r for r in rules if r.rule == label)
+        raise ConfigError(
+            f"{label} (name={rule.name}, module={rule.module}) matches no trainable parameter (an earlier rule may "
+            "take them: the first that matches wins); fix its name pattern or module type, or remove it"
+        )
+    try:
+        takes = set(inspect.signature(optimizer.func).parameters)
+    except (TypeError, ValueError):
+        takes = None
+    hidden = [r for r in rules if r.label == HIDDEN]
+    if hidden and not any(p.requires_grad for _, p in assign(model, rules)[rules.index(hidden[0])]):
+        raise ConfigError(
+            f"optim._target_={target} steps the model's 2-D hidden matrices with Muon, and the model has none (every "
+            "trainable parameter is an embedding, the output head, a norm or a bias); use optim=adamw"
+        )
+    for rule in [r for r in rules if not r.builtin]:
+        unknown = sorted(k for k in rule.keys if k not in RULE_KEYS and takes is not None and k not in takes)
+        if unknown:
+            raise ConfigError(
+                f"{rule.rule or rule.label}.{unknown[0]}: {target} takes no such key; give a group only keys it takes "
+                f"({', '.join(sorted(takes - {'params'}))}) or lr_scale"
+            )
+
+    def build(node: DictConfig) -> None:
+        built = instantiate(optimizer_node(node), _partial_=True, _convert_="all")
+        built(param_groups(model, rules, node.get("lr")))
+
+    try:
+        build(frozen.optim)
+    except Exception as e:  # torch's optimizers check their hyperparameters in the constructor
+        for key in [str(k) for k in frozen.optim if not str(k).startswith("_")]:
+            try:  # the key whose value it refuses: without it (the optimizer's default), it builds
+                build(OmegaConf.masked_copy(frozen.optim, [k for k in frozen.optim if k != key]))
+            except Exception:
+                continue
+            value = OmegaConf.to_container(frozen.optim)[key]  # type: ignore[index]
+            raise failure("optim", e, f"fix optim.{key}={value}, which {target} refuses") from e
+        raise failure("optim", e, f"fix the optim.* values that {target} refuses") from e
+    return f"launch: {describe(model, rules)}"

@@ -1,0 +1,123 @@
+"""optim=muon: Muon over the 2-D hidden matrices, AdamW over every other parameter (embeddings, the output head,
+norms, biases), in one optimizer whose param groups say which update each takes (`MUON`).
+
+Muon's update of a matrix is the orthogonalised momentum of its whole gradient (Newton-Schulz), which no shard can
+compute from its own rows. Under FSDP/HSDP (DTensor parameters) each rank gathers the matrix's momentum, computes the
+orthogonalisation of the whole matrix (the same input on every rank, so the same result), and applies the rows it
+holds: the update of one process, at any world size. Under DDP each rank holds the whole matrix already. The
+iteration runs in fp32, so that layouts that sum gradients in another order agree to fp32's rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+MUON = "muon"
+"""The param-group key marking Muon's groups (the hidden matrices)."""
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""Keller Jordan's quintic Newton-Schulz coefficients, as torch.optim.Muon has them."""
+
+
+def orthogonalised(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """The Newton-Schulz orthogonalisation torch.optim.Muon computes (`_zeropower_via_newtonschulz`), in fp32."""
+    a, b, c = NS_COEFFICIENTS
+    x = matrix.to(torch.float32)
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole matrix of a DTensor (every rank gathers it), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _mine(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of `whole` that `like` holds: its DTensor shard (sliced here, no communication), or all of it."""
+    if not hasattr(like, "device_mesh"):
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for the groups marked `MUON` (2-D matrices: momentum, Nesterov, whole-matrix orthogonalisation, the
+    shape's learning-rate adjustment of torch.optim.Muon), AdamW (decoupled weight decay, bias correction) for the
+    others. `lr` is AdamW's; Muon's groups take `muon_lr` (scaled with the schedule like every group's lr)."""
+
+    HIDDEN_MATRICES = MUON
+    """The param-group key `launcher.worker.optimizers` marks the hidden matrices' group with."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        muon_lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+    ) -> None:
+        for name, value in (("lr", lr), ("muon_lr", muon_lr), ("weight_decay", weight_decay), ("eps", eps)):
+            if value < 0:
+                raise ValueError(f"Invalid {name}: {value}")
+        if not 0.0 <= momentum < 1.0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"Invalid momentum or betas: {momentum}, {betas}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                        nesterov=nesterov, ns_steps=ns_steps, muon_lr=muon_lr)  # fmt: skip
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group.get(MUON):
+                bad = [tuple(p.shape) for p in group["params"] if p.dim() != 2]
+                if bad:
+                    raise ValueError(f"Muon takes 2-D matrices only; its group holds parameters of shape {bad[0]}")
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                (self._muon if group.get(MUON) else self._adamw)(p, group)
+        return loss
+
+    def _muon(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buffer = state["momentum_buffer"]
+        buffer.lerp_(p.grad, 1 - group["momentum"])  # as torch.optim.Muon
+        update = p.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+        rows, cols = p.shape
+        lr = group["lr"] * math.sqrt(max(1.0, rows / cols))  # torch.optim.Muon's "original" adjustment
+        ortho = _mine(orthogonalised(_whole(update), group["ns_steps"]), p)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(ortho.to(p.dtype), alpha=-lr)
+
+    def _adamw(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
+        (beta1, beta2), t = group["betas"], float(state["step"])
+        state["exp_avg"].lerp_(p.grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        denominator = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(group["eps"])
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / (1 - beta1**t))
