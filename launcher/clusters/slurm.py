@@ -1,15 +1,18 @@
 """A SLURM allocation: one launcher per node (submitted through Hydra's submitit launcher, or run by srun), the
-nodes, node rank and first host read from SLURM's variables, a requeue on SLURM's time-limit warning."""
+nodes, node rank and first node read from SLURM's variables, the first node reached at the address SLURM records for
+it, a requeue on SLURM's time-limit warning."""
 
 from __future__ import annotations
 
 import hashlib
 import re
+import shutil
+import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from launcher.base.machine import ephemeral_port_floor
-from launcher.clusters import Job
+from launcher.clusters import Job, unresolved
 from launcher.config import ConfigError, Derived
 
 
@@ -30,7 +33,8 @@ class Slurm:
         if tasks and tasks.split("(")[0] != "1":
             raise ConfigError(
                 f"SLURM runs {tasks} tasks per node, but each node needs exactly one launcher (it starts the "
-                f"gpus={derived.gpus} workers itself); set hydra.launcher.tasks_per_node=1"
+                f"gpus={derived.gpus} workers itself); submit with --ntasks-per-node=1 (through submitit: "
+                "hydra.launcher.tasks_per_node=1)"
             )
         gpus_on_node = env.get("SLURM_GPUS_ON_NODE")
         if derived.device == "cuda" and gpus_on_node and int(gpus_on_node) < derived.gpus:
@@ -47,7 +51,16 @@ class Slurm:
         # another user who knows the job id from meeting it.
         run_id = "-".join(filter(None, ["slurm", job, env.get("SLURM_RESTART_COUNT", "0"), rdzv.secret]))
         node_rank = int(env.get("SLURM_NODEID", "0"))
-        return Job(self.name, nodes=nodes, node_rank=node_rank, endpoint=f"{hosts[0]}:{port}", run_id=run_id)
+        if rdzv.endpoint:  # the user's: SLURM's first node is not asked
+            return Job(self.name, nodes=nodes, node_rank=node_rank, run_id=run_id)
+        address = node_address(hosts[0], env)
+        endpoint = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        if why := unresolved(endpoint):
+            raise ConfigError(
+                f"this SLURM job's first node {hosts[0]} is where its nodes meet, but {why}: give its address with "
+                f"rdzv.endpoint=ADDRESS:{port}, or record it in SLURM (NodeAddr= in slurm.conf)"
+            )
+        return Job(self.name, nodes=nodes, node_rank=node_rank, endpoint=endpoint, run_id=run_id)
 
     def submission(self, argv: Sequence[str]) -> list[str]:
         return submitit_overrides(argv)
@@ -77,6 +90,22 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
+def node_address(node: str, env: Mapping[str, str]) -> str:
+    """The address SLURM records for `node` (its NodeAddr, from `scontrol show node`): a node's name need not resolve
+    as a host (nodes named apart from their hostnames, several nodes on one machine). The name itself where scontrol
+    is not on `env`'s PATH or says nothing of it."""
+    scontrol = shutil.which("scontrol", path=env.get("PATH", ""))
+    if scontrol is None:
+        return node
+    try:
+        said = subprocess.run([scontrol, "show", "node", node], env=dict(env), capture_output=True, text=True,
+                              timeout=30).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return node
+    found = re.search(r"\bNodeAddr=(\S+)", said)
+    return found.group(1) if found else node
+
+
 def slurm_port(job_id: str, secret: str | None) -> int:
     """A port for a SLURM job's rendezvous, from its id and secret, below the kernel's ephemeral range (where
     the system hands out ports by itself) and above the well-known ones."""
@@ -85,8 +114,8 @@ def slurm_port(job_id: str, secret: str | None) -> int:
     return low + digest % (ephemeral_port_floor() - low)
 
 
-# One elastic agent per node starts the node's workers, so a submitit job has one task per node
-# and asks SLURM for `gpus` GPUs per node: its shape follows `nodes` and `gpus`, set in one place.
+# One elastic agent per node starts the node's workers, so a submitit job has one task per node and asks SLURM for
+# `gpus` GPUs per node (none with device=cpu): its shape follows `nodes` and `gpus`, set in one place.
 SUBMITIT_SHAPE = {"nodes": "nodes", "gpus_per_node": "gpus", "tasks_per_node": None}
 
 
@@ -100,6 +129,8 @@ def submitit_overrides(argv: Sequence[str]) -> list[str]:
     extra = []
     for key, source in SUBMITIT_SHAPE.items():
         want = "1" if source is None else given.get(source, f"${{{source}}}")
+        if key == "gpus_per_node" and given.get("device") == "cpu":
+            want = "null"  # gpus= counts CPU workers there: a node without GPUs would be refused them
         have = given.get(f"hydra.launcher.{key}")
         if have is None:
             extra.append(f"hydra.launcher.{key}={want}")
