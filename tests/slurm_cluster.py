@@ -68,7 +68,7 @@ def slurm_conf(folder: Path, ports: list[int], cred_expire: int = 5) -> str:
             "ReturnToService=2",
             "MpiDefault=none",
             "SchedulerParameters=sched_interval=1",
-            "KillWait=10",
+            "KillWait=30",  # the job's save on SIGTERM, on a busy machine
             f"StateSaveLocation={folder / 'state'}",
             f"SlurmdSpoolDir={folder / 'spool'}/%n",
             f"SlurmctldPidFile={folder / 'slurmctld.pid'}",

@@ -123,12 +123,15 @@ def _wait_for_step(cluster: Cluster, run_dir: Path, step: int, timeout: float = 
     raise AssertionError(f"the job never reached step {step}")
 
 
-def _slow_job(cluster: Cluster, tmp_path: Path, run_dir: Path, *overrides: str) -> str:
-    """A job of two nodes, running slowly (until tmp_path/slow is removed), once it has logged step 2."""
+def _slow_job(cluster: Cluster, tmp_path: Path, run_dir: Path, *overrides: str, nodes: int = 2) -> str:
+    """A job running slowly (until tmp_path/slow is removed), once it has logged step 2: `srun launch` on two nodes,
+    or `exec launch` in the batch script of one."""
     slow = tmp_path / "slow"
     slow.touch()
-    command = " ".join([LAUNCH, *LONGER, *_slow(slow), *TWO_NODES, *overrides, f"hydra.run.dir={run_dir}"])
-    job = _sbatch(cluster, tmp_path, f"#SBATCH --nodes=2 --ntasks-per-node=1 --requeue\nsrun {command}", wait=False)
+    shape = TWO_NODES if nodes == 2 else ["gpus=1"]
+    command = " ".join([LAUNCH, *LONGER, *_slow(slow), *shape, *overrides, f"hydra.run.dir={run_dir}"])
+    start = f"srun {command}" if nodes > 1 else f"exec {command}"
+    job = _sbatch(cluster, tmp_path, f"#SBATCH --nodes={nodes} --ntasks-per-node=1 --requeue\n{start}", wait=False)
     _wait_for_step(cluster, run_dir, 2)
     return job
 
@@ -140,10 +143,13 @@ def _left_alone(cluster: Cluster, run_dir: Path) -> None:
 
 
 def _stopped_at(output: str, run_dir: Path) -> int:
-    """The step both nodes' ranks saved at on SIGTERM, said by node 0's launcher."""
-    assert "launch: stopped by SIGTERM: checkpoint" in output, output
-    step = max(_losses(run_dir))
-    assert (run_dir / "checkpoints" / f"step_{step:08d}").is_dir(), output
+    """The step both nodes' ranks saved at on SIGTERM, as the launchers said it."""
+    import re
+
+    said = set(re.findall(r"launch: stopped by SIGTERM: checkpoint (\S+); continue", output))
+    assert len(said) == 1, output
+    step = int(said.pop().rpartition("step_")[2])
+    assert (run_dir / "checkpoints" / f"step_{step:08d}").is_dir() and step < STEPS, output
     return step
 
 
@@ -165,12 +171,15 @@ def test_a_requeued_job_saves_and_resumes_by_itself(slurm: Cluster, conformance_
     assert sorted(losses) == sorted(reference) and max(abs(reference[s] - losses[s]) for s in losses) <= 1e-6
 
 
-def test_scancel_term_full_saves_and_leaves_nothing(slurm: Cluster, conformance_dir: Path, tmp_path: Path) -> None:
-    """`scancel --signal=TERM --full`: the batch script and both nodes' steps get SIGTERM; the job saves and ends,
-    with no process of it left on either node."""
+@pytest.mark.parametrize("full", [False, True], ids=["steps", "full"])
+def test_scancel_term_saves_and_leaves_nothing(slurm: Cluster, tmp_path: Path, full: bool) -> None:
+    """`scancel --signal=TERM`: the launchers and workers of the job's steps (`srun launch` on both nodes) get
+    SIGTERM, save and end, with no process of the job left on either node. `--full` signals the batch script too:
+    there srun turns its own SIGTERM into SIGKILL of its tasks (SLURM's srun does), so `--full` is for a batch
+    script that runs `launch` itself (`exec launch ...`, one node), which saves alike."""
     run_dir = tmp_path / "run"
-    job = _slow_job(slurm, tmp_path, run_dir)
-    slurm.run("scancel", "--signal=TERM", "--full", job)
+    job = _slow_job(slurm, tmp_path, run_dir, nodes=1 if full else 2)
+    slurm.run("scancel", "--signal=TERM", *(["--full"] if full else []), job)
     _left_alone(slurm, run_dir)
     _stopped_at((tmp_path / f"slurm-{job}.out").read_text(), run_dir)
 
