@@ -233,7 +233,8 @@ def test_a_node_that_never_arrives_ends_the_job_with_a_clear_error(tmp_path: Pat
 
 def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path) -> None:
     """The script Hydra's submitit_slurm launcher submits, made by the plugin and submitit from our config: an
-    `sbatch` on PATH keeps a copy of what it is given and refuses it (there is no cluster here)."""
+    `sbatch` on PATH keeps a copy of what it is given (`sbatch --test-only` of it, before any submission) and refuses
+    it (there is no cluster here; tests/test_slurm.py submits to a real one)."""
     bin_dir, script = tmp_path / "bin", tmp_path / "submitted.sh"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(
@@ -243,7 +244,7 @@ def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path) -> None:
     for tool in ("sbatch", "srun"):
         (bin_dir / tool).chmod(0o755)
     env = clean_env(tmp_path) | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SBATCH_COPY": str(script)}
-    argv = ["-m", "hydra/launcher=submitit_slurm", *TINY, "nodes=2", "gpus=8", "batch.global_size=64",
+    argv = ["-m", "hydra/launcher=submitit_slurm", *TINY, "device=auto", "nodes=2", "gpus=8", "batch.global_size=64",
             "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
     proc = subprocess.run([LAUNCH, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert script.exists(), proc.stderr

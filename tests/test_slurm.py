@@ -58,7 +58,7 @@ def _exact(run_dir: Path, conformance_dir: Path) -> None:
     assert max(abs(a - b) for a, b in zip(one, two, strict=True)) <= 1e-6, (one, two)
 
 
-def _sbatch(cluster: Cluster, tmp_path: Path, script: str, *options: str, wait: bool = True) -> str:
+def _sbatch(cluster: Cluster, tmp_path: Path, script: str, *options: str, wait: bool = True, ok: bool = True) -> str:
     """Submit `script` (its #SBATCH lines, then its commands) from tmp_path; the job's id. With `wait`, sbatch
     returns once the job has ended, non-zero where it failed."""
     path = tmp_path / "job.sh"
@@ -67,7 +67,7 @@ def _sbatch(cluster: Cluster, tmp_path: Path, script: str, *options: str, wait: 
     proc = subprocess.run(argv, cwd=tmp_path, env=_env(cluster, tmp_path), capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     output = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
-    assert proc.returncode == 0, (proc.stdout, proc.stderr, output)
+    assert (proc.returncode == 0) == ok, (proc.stdout, proc.stderr, output)
     return proc.stdout.strip().split(";")[0]
 
 
@@ -203,3 +203,41 @@ def test_scancel_then_a_resubmission_with_resume_continues(
     reference, losses = _reference(conformance_dir), _losses(again)
     assert min(losses) == stopped + 1 and max(losses) == STEPS
     assert max(abs(reference[s] - losses[s]) for s in losses) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "shape,said",
+    [
+        (
+            ["nodes=3", "gpus=1", "device=cpu", "batch.global_size=48"],
+            "Requested node configuration is not available",
+        ),  # pending forever
+        (
+            ["nodes=2", "gpus=8", "device=auto", "batch.global_size=64"],
+            "Invalid generic resource (gres) specification",
+        ),  # nodes without GPUs
+    ],
+    ids=["more-nodes-than-the-partition", "gpus-on-nodes-without"],
+)
+def test_an_allocation_slurm_cannot_give_is_one_line_at_submission(
+    slurm: Cluster, tmp_path: Path, shape: list[str], said: str
+) -> None:
+    sweep = tmp_path / "sweep"
+    argv = [LAUNCH, "-m", "hydra/launcher=submitit_slurm", *JOB, *shape, f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(argv, cwd=tmp_path, env=_env(slurm, tmp_path), capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr)
+    assert lines[0].startswith("launch: error: SLURM cannot give this job its allocation (nodes=") and said in lines[0]
+    assert not slurm.jobs() and not (sweep / ".submitit").exists()  # nothing submitted
+
+
+def test_more_tasks_per_node_than_one_launcher_is_one_line_at_start(slurm: Cluster, tmp_path: Path) -> None:
+    """`--ntasks-per-node=2` with gpus=2: two launchers per node would each start two workers. Every task says the
+    same line and the job ends at once."""
+    command = " ".join([LAUNCH, *JOB, "nodes=2", "gpus=2", f"hydra.run.dir={tmp_path / 'run'}"])
+    job = _sbatch(slurm, tmp_path, f"#SBATCH --nodes=2 --ntasks-per-node=2\nsrun {command}", ok=False)
+    output = (tmp_path / f"slurm-{job}.out").read_text()
+    said = [line for line in output.splitlines() if line.startswith("launch: error:")]
+    assert len(said) == 4 and len(set(said)) == 1, output
+    assert "SLURM runs 2(x2) tasks per node, but each node needs exactly one launcher" in said[0], said
+    assert "--ntasks-per-node=1" in said[0] and not (tmp_path / "run").exists()

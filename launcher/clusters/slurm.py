@@ -116,6 +116,8 @@ def slurm_port(job_id: str, secret: str | None) -> int:
 
 # One elastic agent per node starts the node's workers, so a submitit job has one task per node and asks SLURM for
 # `gpus` GPUs per node (none with device=cpu): its shape follows `nodes` and `gpus`, set in one place.
+SUBMITIT_SLURM = "hydra_plugins.launch_submitit.slurm.SlurmLauncher"
+"""Hydra's submitit_slurm launcher that checks the allocation with `sbatch --test-only` before it submits."""
 SUBMITIT_SHAPE = {"nodes": "nodes", "gpus_per_node": "gpus", "tasks_per_node": None}
 
 
@@ -139,6 +141,8 @@ def submitit_overrides(argv: Sequence[str]) -> list[str]:
                 "1: one launcher per node starts the workers" if source is None else f"{want}, or set {source}= instead"
             )
             raise ValueError(f"hydra.launcher.{key}={have} contradicts the run's shape; use hydra.launcher.{key}={fix}")
+    if launcher[-1] == "submitit_slurm" and "hydra.launcher._target_" not in given:  # the allocation checked first
+        extra.append(f"hydra.launcher._target_={SUBMITIT_SLURM}")
     if "rdzv.secret" not in given:  # made here, at submission: the nodes' rendezvous id and port derive from it
         import secrets
 
