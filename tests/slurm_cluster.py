@@ -190,3 +190,19 @@ def _stepds(folder: Path) -> Iterator[int]:
                 yield int(proc.name)
         except OSError:
             continue
+
+
+if __name__ == "__main__":  # a cluster to try jobs on by hand: python tests/slurm_cluster.py FOLDER (as root)
+    import sys
+
+    if why := missing():
+        sys.exit(why)
+    cluster = Cluster(Path(sys.argv[1]).absolute()).start()
+    print(f"nodes n1 and n2 idle in partition debug; in another shell: export SLURM_CONF={cluster.conf}", flush=True)
+    print("Ctrl-C cancels every job and stops the daemons", flush=True)
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()

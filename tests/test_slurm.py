@@ -241,3 +241,21 @@ def test_more_tasks_per_node_than_one_launcher_is_one_line_at_start(slurm: Clust
     assert len(said) == 4 and len(set(said)) == 1, output
     assert "SLURM runs 2(x2) tasks per node, but each node needs exactly one launcher" in said[0], said
     assert "--ntasks-per-node=1" in said[0] and not (tmp_path / "run").exists()
+
+
+def test_a_sweep_of_two_jobs_through_submitit_slurm(slurm: Cluster, conformance_dir: Path, tmp_path: Path) -> None:
+    """Two jobs of two nodes each (a SLURM job array), micro-batches of 2 and 4 for one global batch: both log one
+    process's losses, and the sweep's report lists both as done."""
+    sweep = tmp_path / "sweep"
+    argv = [LAUNCH, "-m", "hydra/launcher=submitit_slurm", *JOB, *TWO_NODES, "batch.micro_size=2,4",
+            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=tmp_path, env=_env(slurm, tmp_path), capture_output=True, text=True, timeout=900)
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*.out"))
+    assert proc.returncode == 0, (proc.stdout, proc.stderr, logs)
+    for n, accumulation in enumerate((4, 2)):
+        assert json.loads((sweep / str(n) / "outcome.json").read_text())["code"] == 0
+        assert f"x accumulation {accumulation} x world 2 = global 16" in logs, logs
+        _exact(sweep / str(n), conformance_dir)
+    table = (sweep / "summary.md").read_text().splitlines()
+    assert len(table) == 4 and table[2].startswith("| 0: batch.micro_size=2 | ddp | ok | "), table
+    assert table[3].startswith("| 1: batch.micro_size=4 | ddp | ok | "), table
