@@ -171,9 +171,9 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     daemon.kill()
                     daemon.wait()
-        for pid in _stepds(self.folder):  # a step of a job the controller forgot: its process group
+        for pid in _stepds(self.folder):  # a step of a job the controller forgot
             try:
-                os.killpg(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 

@@ -353,3 +353,13 @@ def test_rendezvous_events_are_named_without_reading_the_stack(monkeypatch: pyte
             return self._record()
 
     assert Handler().next_rendezvous() == "next_rendezvous"
+
+
+@pytest.mark.unit
+def test_the_real_slurm_tests_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where SLURM's commands are missing, tests/test_slurm.py skips with one line naming the packages to install."""
+    from slurm_cluster import missing
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    said = missing()
+    assert said is not None and "sbatch" in said and "apt-get install --no-install-recommends slurm-wlm" in said, said

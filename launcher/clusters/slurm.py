@@ -114,10 +114,10 @@ def slurm_port(job_id: str, secret: str | None) -> int:
     return low + digest % (ephemeral_port_floor() - low)
 
 
-# One elastic agent per node starts the node's workers, so a submitit job has one task per node and asks SLURM for
-# `gpus` GPUs per node (none with device=cpu): its shape follows `nodes` and `gpus`, set in one place.
 SUBMITIT_SLURM = "hydra_plugins.launch_submitit.slurm.SlurmLauncher"
 """Hydra's submitit_slurm launcher that checks the allocation with `sbatch --test-only` before it submits."""
+# One elastic agent per node starts the node's workers, so a submitit job has one task per node and asks SLURM for
+# `gpus` GPUs per node (none with device=cpu): its shape follows `nodes` and `gpus`, set in one place.
 SUBMITIT_SHAPE = {"nodes": "nodes", "gpus_per_node": "gpus", "tasks_per_node": None}
 
 
