@@ -259,3 +259,32 @@ def test_a_sweep_of_two_jobs_through_submitit_slurm(slurm: Cluster, conformance_
     table = (sweep / "summary.md").read_text().splitlines()
     assert len(table) == 4 and table[2].startswith("| 0: batch.micro_size=2 | ddp | ok | "), table
     assert table[3].startswith("| 1: batch.micro_size=4 | ddp | ok | "), table
+
+
+def test_a_requeued_submitit_job_resumes_by_itself(slurm: Cluster, conformance_dir: Path, tmp_path: Path) -> None:
+    """`scontrol requeue` of a job submitted through submitit_slurm: the submission waits on, and the job's second
+    attempt resumes from the first one's checkpoint, with an uninterrupted run's losses."""
+    import time
+
+    sweep, slow = tmp_path / "sweep", tmp_path / "slow"
+    slow.touch()
+    argv = [LAUNCH, "-m", "hydra/launcher=submitit_slurm", *LONGER, *_slow(slow), *TWO_NODES,
+            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(slurm, tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        while not (sweep / "0" / "metrics.jsonl").exists() or max(_losses(sweep / "0"), default=0) < 2:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        (job,) = slurm.jobs()
+        slurm.run("scontrol", "requeue", job)
+        slow.unlink()
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    logs = "".join(p.read_text() for p in sorted(sweep.glob(".submitit/*/*_log.*")))  # both attempts', both tasks'
+    assert proc.returncode == 0, (out, err, logs)
+    assert "launch: stopped by SIGTERM: checkpoint" in logs and "launch: SLURM requeues job" in logs, logs
+    assert "resuming from" in logs and json.loads((sweep / "0" / "outcome.json").read_text())["code"] == 0, logs
+    reference, losses = _reference(conformance_dir), _losses(sweep / "0")
+    assert sorted(losses) == sorted(reference) and max(abs(reference[s] - losses[s]) for s in losses) <= 1e-6

@@ -5,9 +5,11 @@ it, a requeue on SLURM's time-limit warning."""
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -67,9 +69,16 @@ class Slurm:
 
     def stopped(self, signum: int, previous: Callable[..., Any] | None) -> None:
         """submitit's own handler of SLURM's warning signal requeues the job: handed the signal once the checkpoint
-        is written, so the next attempt resumes from it."""
+        is written, so the next attempt resumes from it. A job SLURM requeued itself (preemption, `scontrol
+        requeue`) ends this attempt of a submitit task without a result: submitit's would be the job's, and the
+        submission would stop waiting for the attempt that finishes it."""
         if callable(previous):
             previous(signum, None)
+        env = os.environ
+        if env.get("SUBMITIT_EXECUTOR") == "slurm" and requeued(env):
+            print(f"launch: SLURM requeues job {env['SLURM_JOB_ID']}: its next attempt resumes from this checkpoint",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            raise SystemExit(128 + signum)  # not an Exception: neither Hydra's job nor submitit records it
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -104,6 +113,21 @@ def node_address(node: str, env: Mapping[str, str]) -> str:
         return node
     found = re.search(r"\bNodeAddr=(\S+)", said)
     return found.group(1) if found else node
+
+
+def requeued(env: Mapping[str, str]) -> bool:
+    """Whether SLURM starts this job again once this attempt ends: its controller counts more restarts than this
+    attempt's SLURM_RESTART_COUNT (a requeue was ordered; a cancel leaves the count as it is)."""
+    scontrol = shutil.which("scontrol", path=env.get("PATH", ""))
+    if scontrol is None or "SLURM_JOB_ID" not in env:
+        return False
+    try:
+        said = subprocess.run([scontrol, "show", "job", env["SLURM_JOB_ID"]], env=dict(env), capture_output=True,
+                              text=True, timeout=30).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    found = re.search(r"\bRestarts=(\d+)", said)
+    return found is not None and int(found.group(1)) > int(env.get("SLURM_RESTART_COUNT") or 0)
 
 
 def slurm_port(job_id: str, secret: str | None) -> int:
