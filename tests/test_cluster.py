@@ -72,7 +72,7 @@ SLURM = {
     "SLURM_JOB_ID": "4242",
     "SLURM_NNODES": "2",
     "SLURM_NODEID": "1",
-    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_NODELIST": "localhost,gpu08",
     "SLURM_NTASKS_PER_NODE": "1",
     "SLURM_GPUS_ON_NODE": "8",
     "SLURM_RESTART_COUNT": "3",
@@ -85,7 +85,7 @@ def test_rendezvous_inside_a_slurm_allocation() -> None:
     derived = derive(cfg, cuda_devices=8)
     r = rendezvous(cfg, derived, SLURM)
     host, port = r.endpoint.split(":")
-    assert host == "gpu07" and r.run_id == "slurm-4242-3-5ec2e7" and r.backend == "c10d" and r.local_addr is None
+    assert host == "localhost" and r.run_id == "slurm-4242-3-5ec2e7" and r.backend == "c10d" and r.local_addr is None
     assert 10000 <= int(port) < ephemeral_port_floor()  # where the kernel never hands a port out by itself
     assert rendezvous(cfg, derived, SLURM | {"SLURM_RESTART_COUNT": "4"}).run_id != r.run_id  # a requeue meets anew
     # The secret, made at submission, is part of the id and the port: the job id alone does not find them.
@@ -93,6 +93,22 @@ def test_rendezvous_inside_a_slurm_allocation() -> None:
     assert rendezvous(other, derived, SLURM).endpoint != r.endpoint
     static = rendezvous(_compose("nodes=2", "gpus=8", "batch.global_size=64", "rdzv.backend=static"), derived, SLURM)
     assert static.configs["rank"] == 1
+
+
+@pytest.mark.unit
+def test_a_first_node_without_an_address_is_one_line() -> None:
+    """No scontrol on PATH to ask for the node's NodeAddr, and a name that does not resolve: said at once, not after
+    the store's minute of retries."""
+    cfg = _compose("nodes=2", "gpus=8", "batch.global_size=64", "rdzv.secret=5ec2e7")
+    with pytest.raises(
+        ConfigError,
+        match=r"first node gpu07\.invalid is where its nodes meet, but the host "
+        r"gpu07\.invalid of gpu07\.invalid:\d+ has no address here .*rdzv\.endpoint=ADDRESS:\d+",
+    ):
+        rendezvous(cfg, derive(cfg, cuda_devices=8), SLURM | {"SLURM_JOB_NODELIST": "gpu07.invalid,gpu08"})
+    given = _compose("nodes=2", "gpus=8", "batch.global_size=64", "rdzv.endpoint=gpu07.invalid:29500", "rdzv.id=x")
+    with pytest.raises(ConfigError, match=r"rdzv.endpoint=gpu07.invalid:29500: the host gpu07.invalid"):
+        rendezvous(given, derive(given, cuda_devices=8), {})
 
 
 @pytest.mark.unit
@@ -118,7 +134,7 @@ def test_submission_adds_a_rendezvous_secret() -> None:
     "env,message",
     [
         ({"SLURM_NNODES": "4"}, "nodes=2 but this SLURM allocation has 4 node(s); use nodes=4"),
-        ({"SLURM_NTASKS_PER_NODE": "8"}, "set hydra.launcher.tasks_per_node=1"),
+        ({"SLURM_NTASKS_PER_NODE": "8"}, "submit with --ntasks-per-node=1 (through submitit: hydra.launcher.tasks"),
         ({"SLURM_GPUS_ON_NODE": "4"}, "gpus=8 but SLURM gave this node 4 GPU(s)"),
     ],
 )
@@ -217,7 +233,8 @@ def test_a_node_that_never_arrives_ends_the_job_with_a_clear_error(tmp_path: Pat
 
 def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path) -> None:
     """The script Hydra's submitit_slurm launcher submits, made by the plugin and submitit from our config: an
-    `sbatch` on PATH keeps a copy of what it is given and refuses it (there is no cluster here)."""
+    `sbatch` on PATH keeps a copy of what it is given (`sbatch --test-only` of it, before any submission) and refuses
+    it (there is no cluster here; tests/test_slurm.py submits to a real one)."""
     bin_dir, script = tmp_path / "bin", tmp_path / "submitted.sh"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(
@@ -227,7 +244,7 @@ def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path) -> None:
     for tool in ("sbatch", "srun"):
         (bin_dir / tool).chmod(0o755)
     env = clean_env(tmp_path) | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SBATCH_COPY": str(script)}
-    argv = ["-m", "hydra/launcher=submitit_slurm", *TINY, "nodes=2", "gpus=8", "batch.global_size=64",
+    argv = ["-m", "hydra/launcher=submitit_slurm", *TINY, "device=auto", "nodes=2", "gpus=8", "batch.global_size=64",
             "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
     proc = subprocess.run([LAUNCH, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert script.exists(), proc.stderr
@@ -336,3 +353,13 @@ def test_rendezvous_events_are_named_without_reading_the_stack(monkeypatch: pyte
             return self._record()
 
     assert Handler().next_rendezvous() == "next_rendezvous"
+
+
+@pytest.mark.unit
+def test_the_real_slurm_tests_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where SLURM's commands are missing, tests/test_slurm.py skips with one line naming the packages to install."""
+    from slurm_cluster import missing
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    said = missing()
+    assert said is not None and "sbatch" in said and "apt-get install --no-install-recommends slurm-wlm" in said, said

@@ -87,6 +87,19 @@ def submission(argv: Sequence[str]) -> list[str]:
     return [extra for e in environments() for extra in e.submission(argv)]
 
 
+def unresolved(endpoint: str) -> str | None:
+    """Why the host of `endpoint` (HOST:PORT, [V6]:PORT) has no address here (one clause), or None where it has one:
+    said at the start, where torch's store would retry a name that never resolves for a minute."""
+    import socket
+
+    host = endpoint[1 : endpoint.find("]")] if endpoint.startswith("[") else endpoint.rsplit(":", 1)[0]
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"the host {host} of {endpoint} has no address here ({getattr(e, 'strerror', None) or e})"
+    return None
+
+
 def shaped(cfg: Any, env: Mapping[str, str], given: Sequence[str]) -> Any:
     """The frozen config with the keys the environment dictates (`Environment.shape`) set from it; ConfigError naming
     both where the command line (`given`: the job's overrides) said another value."""

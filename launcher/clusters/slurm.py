@@ -1,15 +1,20 @@
 """A SLURM allocation: one launcher per node (submitted through Hydra's submitit launcher, or run by srun), the
-nodes, node rank and first host read from SLURM's variables, a requeue on SLURM's time-limit warning."""
+nodes, node rank and first node read from SLURM's variables, the first node reached at the address SLURM records for
+it, a requeue on SLURM's time-limit warning."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from launcher.base.machine import ephemeral_port_floor
-from launcher.clusters import Job
+from launcher.clusters import Job, unresolved
 from launcher.config import ConfigError, Derived
 
 
@@ -30,7 +35,8 @@ class Slurm:
         if tasks and tasks.split("(")[0] != "1":
             raise ConfigError(
                 f"SLURM runs {tasks} tasks per node, but each node needs exactly one launcher (it starts the "
-                f"gpus={derived.gpus} workers itself); set hydra.launcher.tasks_per_node=1"
+                f"gpus={derived.gpus} workers itself); submit with --ntasks-per-node=1 (through submitit: "
+                "hydra.launcher.tasks_per_node=1)"
             )
         gpus_on_node = env.get("SLURM_GPUS_ON_NODE")
         if derived.device == "cuda" and gpus_on_node and int(gpus_on_node) < derived.gpus:
@@ -47,16 +53,32 @@ class Slurm:
         # another user who knows the job id from meeting it.
         run_id = "-".join(filter(None, ["slurm", job, env.get("SLURM_RESTART_COUNT", "0"), rdzv.secret]))
         node_rank = int(env.get("SLURM_NODEID", "0"))
-        return Job(self.name, nodes=nodes, node_rank=node_rank, endpoint=f"{hosts[0]}:{port}", run_id=run_id)
+        if rdzv.endpoint:  # the user's: SLURM's first node is not asked
+            return Job(self.name, nodes=nodes, node_rank=node_rank, run_id=run_id)
+        address = node_address(hosts[0], env)
+        endpoint = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        if why := unresolved(endpoint):
+            raise ConfigError(
+                f"this SLURM job's first node {hosts[0]} is where its nodes meet, but {why}: give its address with "
+                f"rdzv.endpoint=ADDRESS:{port}, or record it in SLURM (NodeAddr= in slurm.conf)"
+            )
+        return Job(self.name, nodes=nodes, node_rank=node_rank, endpoint=endpoint, run_id=run_id)
 
     def submission(self, argv: Sequence[str]) -> list[str]:
         return submitit_overrides(argv)
 
     def stopped(self, signum: int, previous: Callable[..., Any] | None) -> None:
         """submitit's own handler of SLURM's warning signal requeues the job: handed the signal once the checkpoint
-        is written, so the next attempt resumes from it."""
+        is written, so the next attempt resumes from it. A job SLURM requeued itself (preemption, `scontrol
+        requeue`) ends this attempt of a submitit task without a result: submitit's would be the job's, and the
+        submission would stop waiting for the attempt that finishes it."""
         if callable(previous):
             previous(signum, None)
+        env = os.environ
+        if env.get("SUBMITIT_EXECUTOR") == "slurm" and requeued(env):
+            print(f"launch: SLURM requeues job {env['SLURM_JOB_ID']}: its next attempt resumes from this checkpoint",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            raise SystemExit(128 + signum)  # not an Exception: neither Hydra's job nor submitit records it
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -77,6 +99,37 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
+def node_address(node: str, env: Mapping[str, str]) -> str:
+    """The address SLURM records for `node` (its NodeAddr, from `scontrol show node`): a node's name need not resolve
+    as a host (nodes named apart from their hostnames, several nodes on one machine). The name itself where scontrol
+    is not on `env`'s PATH or says nothing of it."""
+    scontrol = shutil.which("scontrol", path=env.get("PATH", ""))
+    if scontrol is None:
+        return node
+    try:
+        said = subprocess.run([scontrol, "show", "node", node], env=dict(env), capture_output=True, text=True,
+                              timeout=30).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return node
+    found = re.search(r"\bNodeAddr=(\S+)", said)
+    return found.group(1) if found else node
+
+
+def requeued(env: Mapping[str, str]) -> bool:
+    """Whether SLURM starts this job again once this attempt ends: its controller counts more restarts than this
+    attempt's SLURM_RESTART_COUNT (a requeue was ordered; a cancel leaves the count as it is)."""
+    scontrol = shutil.which("scontrol", path=env.get("PATH", ""))
+    if scontrol is None or "SLURM_JOB_ID" not in env:
+        return False
+    try:
+        said = subprocess.run([scontrol, "show", "job", env["SLURM_JOB_ID"]], env=dict(env), capture_output=True,
+                              text=True, timeout=30).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    found = re.search(r"\bRestarts=(\d+)", said)
+    return found is not None and int(found.group(1)) > int(env.get("SLURM_RESTART_COUNT") or 0)
+
+
 def slurm_port(job_id: str, secret: str | None) -> int:
     """A port for a SLURM job's rendezvous, from its id and secret, below the kernel's ephemeral range (where
     the system hands out ports by itself) and above the well-known ones."""
@@ -85,8 +138,10 @@ def slurm_port(job_id: str, secret: str | None) -> int:
     return low + digest % (ephemeral_port_floor() - low)
 
 
-# One elastic agent per node starts the node's workers, so a submitit job has one task per node
-# and asks SLURM for `gpus` GPUs per node: its shape follows `nodes` and `gpus`, set in one place.
+SUBMITIT_SLURM = "hydra_plugins.launch_submitit.slurm.SlurmLauncher"
+"""Hydra's submitit_slurm launcher that checks the allocation with `sbatch --test-only` before it submits."""
+# One elastic agent per node starts the node's workers, so a submitit job has one task per node and asks SLURM for
+# `gpus` GPUs per node (none with device=cpu): its shape follows `nodes` and `gpus`, set in one place.
 SUBMITIT_SHAPE = {"nodes": "nodes", "gpus_per_node": "gpus", "tasks_per_node": None}
 
 
@@ -100,6 +155,8 @@ def submitit_overrides(argv: Sequence[str]) -> list[str]:
     extra = []
     for key, source in SUBMITIT_SHAPE.items():
         want = "1" if source is None else given.get(source, f"${{{source}}}")
+        if key == "gpus_per_node" and given.get("device") == "cpu":
+            want = "null"  # gpus= counts CPU workers there: a node without GPUs would be refused them
         have = given.get(f"hydra.launcher.{key}")
         if have is None:
             extra.append(f"hydra.launcher.{key}={want}")
@@ -108,6 +165,8 @@ def submitit_overrides(argv: Sequence[str]) -> list[str]:
                 "1: one launcher per node starts the workers" if source is None else f"{want}, or set {source}= instead"
             )
             raise ValueError(f"hydra.launcher.{key}={have} contradicts the run's shape; use hydra.launcher.{key}={fix}")
+    if launcher[-1] == "submitit_slurm" and "hydra.launcher._target_" not in given:  # the allocation checked first
+        extra.append(f"hydra.launcher._target_={SUBMITIT_SLURM}")
     if "rdzv.secret" not in given:  # made here, at submission: the nodes' rendezvous id and port derive from it
         import secrets
 

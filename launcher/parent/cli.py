@@ -138,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv += submission(argv)  # a submission to a cluster (hydra/launcher=submitit_slurm): the run's shape
     except ValueError as e:
         fail(str(e))
+    if any(a.startswith("hydra.launcher._target_=hydra_plugins.launch_submitit.") for a in argv):
+        from hydra_plugins.launch_submitit.slurm import SlurmLauncher
+
+        Plugins.instance().register(SlurmLauncher)  # as the sweeper above: Hydra's scan misses it when editable
     sys.argv = [sys.argv[0], *argv]
     _app()
 

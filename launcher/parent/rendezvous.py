@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher.clusters import Job, detect
+from launcher.clusters import Job, detect, unresolved
 from launcher.config import ConfigError, Derived
 
 LOOPBACK = "127.0.0.1"
@@ -45,6 +45,8 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
             f"nodes={derived.nodes} needs rdzv.endpoint=HOST:PORT and rdzv.id=NAME, the same on every node "
             "(or run inside a SLURM allocation or a Kubernetes PyTorchJob)"
         )
+    if derived.nodes > 1 and r.endpoint and (why := unresolved(r.endpoint)):  # torch's store would retry it a minute
+        raise ConfigError(f"rdzv.endpoint={r.endpoint}: {why}; give the first node's address or a name that resolves")
     if derived.min_nodes < derived.nodes:
         if job.cluster != "local":
             raise ConfigError(
