@@ -1,8 +1,10 @@
 """The parent, one per node: the `launch` console script (`cli`) and its subcommands (`convert`; `launch plan` in
 `launcher.plan.commands`, `launch prepare` in `launcher.data.store_build`), the overrides composed once (`overrides`),
-the job checked before any worker starts (`checks`: everything a run will build, without its memory), started
-through torch's elastic agent (`launch`, `agent`, `rendezvous`), its run directory claimed and its run id made
-(`rundir`, `run_id`), a failure told in one line by its cause (`failures`), and a sweep's report (`report`).
+the job checked before any worker starts (`checks`, in order: the data's `data_checks`, the model's `model_checks`, the
+optimizer's `optim_checks`, the evaluation's `eval_checks`; everything a run will build, without its memory), its
+workers started through torch's elastic agent (`launch`, `workers`, `agent`, `rendezvous`), its run directory claimed
+and its run id made (`rundir`, `run_id`), a failure told in one line by its cause (`failures`), a sweep's report
+(`report`), and `launch eval` (`cli`).
 
 May import every other package of the launcher (it is the top); nothing imports it but the console script and the
 Hydra plugins in `hydra_plugins/`.

@@ -1,4 +1,4 @@
-"""The parent side of a run: freeze and check the config, write `resolved.yaml`, start the workers.
+"""The parent side of a run: freeze and check the config, write `resolved.yaml`, start the workers (`workers`).
 
 cli (Hydra app) -> launch.run_job: freeze, derive, build the model on the meta device once, let strategy=auto
 choose, check (strategy, resume), write resolved.yaml -> torch's elastic agent -> the workers (forked from here
@@ -8,23 +8,17 @@ on CPU, `python -m launcher.worker.main` on CUDA), each reading resolved.yaml; w
 from __future__ import annotations
 
 import json
-import logging
 import os
-import shutil
-import signal
-import socket
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.durable import disk_error
-from launcher.base.machine import loopback_interface, memory_available, usable_cpus, visible_cuda_devices
-from launcher.clusters import detect, shaped
+from launcher.base.machine import visible_cuda_devices
+from launcher.clusters import shaped
 from launcher.config import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -38,45 +32,12 @@ from launcher.config import (
 from launcher.config.context import check_protocol, check_strategy
 from launcher.config.identity import identity_hash
 from launcher.config.known import check_keys
-from launcher.parent.agent import agent_logs_to_file, failed_group_grace, preload
 from launcher.parent.checks import check_built, check_resume
-from launcher.parent.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
 from launcher.parent.model_checks import vocabulary
-from launcher.parent.rendezvous import (
-    LOOPBACK,
-    JobFull,
-    Rendezvous,
-    cheap_event_names,
-    reachable,
-    refuse_spare_nodes,
-    rendezvous,
-)
+from launcher.parent.rendezvous import Rendezvous, rendezvous
 from launcher.parent.run_id import claim_run
-from launcher.parent.rundir import Ownership, remove_made
-from launcher.worker.lifecycle import (
-    DUMP_SIGNAL,
-    FAILURE_DIR_ENV,
-    FLIGHT_RECORDER,
-    NODE_ID_ENV,
-    STOP_REPEAT_GRACE,
-    STOP_SIGNALS,
-    flight_recorder_env,
-)
-from strategies.declarations import Requirements
-
-
-@dataclass(frozen=True)
-class Prepared:
-    resolved: Path
-    """`<run dir>/resolved.yaml`, the only thing workers read."""
-    derived: Derived
-    rdzv: Rendezvous
-    ownership: Ownership
-    """This launch's claim on the run directory, held until the workers are done."""
-    restarts: int
-    """The elastic agent's restarts: trainer.max_restarts, and one per halving batch.micro_size=auto has left."""
-    requirements: Requirements
-    """The strategy's: what forked workers are given loaded (`launcher.parent.agent.preload`)."""
+from launcher.parent.rundir import remove_made
+from launcher.parent.workers import Outcome, Prepared, forks_workers, start_workers
 
 
 def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -> Prepared:
@@ -211,16 +172,6 @@ def hydra_job() -> tuple[Path, dict[str, Any]]:
     return Path(hc.runtime.output_dir), job
 
 
-@dataclass(frozen=True)
-class Outcome:
-    code: int
-    """The launcher's exit code: 0 finished, 1 failed, 2 refused before start, 128 + N stopped by signal N."""
-    reason: str = ""
-    """One line: why it did not finish (printed as `launch: error: ...`), empty when it did."""
-    more: tuple[str, ...] = ()
-    """The other failing ranks' lines, printed after the reason."""
-
-
 OUTCOME = "outcome.json"
 """A sweep job's outcome in its folder, for the sweep's report: code, reason, seconds."""
 
@@ -263,160 +214,3 @@ def _run(cfg: DictConfig, run_dir: Path, job: dict[str, Any]) -> Outcome:
         return start_workers(prepared, cfg.trainer, run_dir)
     finally:
         prepared.ownership.release()
-
-
-def _worker_environment(derived: Derived, rdzv: Rendezvous, run_dir: Path) -> None:
-    # One BLAS thread pool per worker would oversubscribe the cores: split them between workers.
-    if derived.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // derived.gpus))
-    # DeepSpeed would guess its accelerator (and warn about it) in every worker; on CPU we know it.
-    if derived.device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # Restarted workers must not read the dead attempt's addresses from a shared store.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if rdzv.local_addr == LOOPBACK:  # one node: the process group's sockets on loopback too, unless the user chose
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
-    # Workers end themselves when this process is gone, from their first instruction (launcher.worker.main).
-    os.environ["LAUNCH_PARENT_PID"] = str(os.getpid())
-    os.environ[NODE_ID_ENV] = f"{socket.gethostname()}:{os.getpid()}:{time.time():.6f}"  # names this node's ranks
-    if derived.device == "cuda":  # NCCL's flight recorder: each rank's last collectives, dumped on a timeout
-        recorder = flight_recorder_env(run_dir, dict(os.environ))
-        if recorder:
-            (run_dir / FLIGHT_RECORDER).mkdir(parents=True, exist_ok=True)
-        os.environ.update(recorder)
-
-
-def _ask_workers(signum: int, _frame: Any) -> None:
-    """SIGUSR1 to the launcher goes on to each of its workers: every rank writes its phase and its Python stacks
-    (`launcher.worker.lifecycle`)."""
-    me = os.getpid()
-    for proc in Path("/proc").iterdir():
-        try:
-            ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
-            if ppid == me and (proc / "comm").read_text().startswith(
-                "launch-rank"
-            ):  # launcher.worker.lifecycle.name_process
-                os.kill(int(proc.name), signum)
-        except (OSError, ValueError, IndexError):  # not a process, or one that ended meanwhile
-            continue
-
-
-def forks_workers(derived: Derived, trainer: DictConfig) -> bool:
-    """CPU workers are forked from this process, which has torch and the run's modules imported already
-    (`trainer.fork_workers`); CUDA ones start afresh: a CUDA driver touched here (`device=auto` asks it) is unusable
-    in a forked child."""
-    return derived.device == "cpu" and bool(trainer.fork_workers)
-
-
-def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Outcome:
-    """Start `gpus` workers on this node through torch's elastic agent and wait for them."""
-    resolved, derived, rdzv = prepared.resolved, prepared.derived, prepared.rdzv
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    _worker_environment(derived, rdzv, run_dir)
-    agent_logs_to_file(run_dir)
-    cheap_event_names()
-    refuse_spare_nodes()
-    forked = forks_workers(derived, trainer)
-    if forked:
-        preload(prepared.requirements, derived.device)
-    quiet = {rank: Std.ALL for rank in range(1, derived.gpus)}  # rank 0 talks to the terminal
-    config = LaunchConfig(
-        min_nodes=derived.min_nodes,  # nodes=MIN:MAX: the group restarts at the new size when a node leaves or joins
-        max_nodes=derived.nodes,
-        nproc_per_node=derived.gpus,
-        run_id=rdzv.run_id,
-        rdzv_backend=rdzv.backend,
-        rdzv_endpoint=rdzv.endpoint,
-        rdzv_configs=rdzv.configs,
-        local_addr=rdzv.local_addr,
-        max_restarts=prepared.restarts,
-        # The agent passes these on to the workers, which finish the step and checkpoint (SIGUSR2: SLURM's warning).
-        signals_to_handle=",".join(s.name for s in STOP_SIGNALS),
-        shutdown_timeout=trainer.stop_timeout,
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
-        start_method="fork" if forked else "spawn",
-    )
-    failed_group_grace(min(trainer.stop_timeout, STOP_REPEAT_GRACE), trainer.stop_timeout, run_dir)
-    previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, DUMP_SIGNAL)}
-    signal.signal(DUMP_SIGNAL, _ask_workers)
-    oom_before, (_, available) = oom_kills(), memory_available()
-    spare = Path(tempfile.mkdtemp(prefix="launch-failures-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    os.environ[FAILURE_DIR_ENV] = str(spare)  # failure reports that cannot be written into the run directory
-    started = time.time()
-
-    def lost() -> str | None:  # another node's rank failed, or the group had joined and another node went away
-        if derived.nodes == 1:
-            return None
-        if cause := peer_failure(run_dir, started - 1):  # the cause, not a node gone because of it
-            return cause
-        store_gone = None if reachable(rdzv.endpoint) else rdzv.endpoint  # its store: on the node that went away?
-        elastic = derived.min_nodes < derived.nodes
-        return lost_node(run_dir, started - 1, derived.world_size, os.environ[NODE_ID_ENV], store_gone, elastic)
-
-    try:
-        if forked:
-            from launcher.worker import main as worker
-
-            elastic_launch(config, worker.forked)(str(resolved))
-        else:
-            elastic_launch(config, sys.executable)("-u", "-m", "launcher.worker.main", str(resolved))
-    except SignalException as e:
-        return _stopped(e.sigval, run_dir, previous, trainer)
-    except JobFull as e:
-        return Outcome(EXIT_FAILED, str(e))
-    except RendezvousError as e:
-        if gone := lost():
-            return Outcome(EXIT_FAILED, gone)
-        if joined_here(run_dir, started - 1, os.environ[NODE_ID_ENV]):
-            return Outcome(
-                EXIT_FAILED,
-                f"rendezvous {rdzv.endpoint} (id {rdzv.run_id}) stopped answering once the job ran "
-                f"({type(e).__name__}): the node that hosts it ended or cannot be reached (each node's lines are in "
-                "<run dir>/logs/agent.log); start launch again on every node to resume from the last checkpoint",
-            )
-        return Outcome(
-            EXIT_FAILED,
-            f"the {derived.nodes} nodes did not all join rendezvous {rdzv.endpoint} (id {rdzv.run_id}) "
-            f"within rdzv.join_timeout={rdzv.configs['join_timeout']} s ({type(e).__name__}); "
-            "start launch on every node with the same rdzv.endpoint and rdzv.id",
-        )
-    except ChildFailedError as e:
-        from launcher.plan.commands import memory_advice
-
-        lines = rank_lines(e, oom_before, lambda: memory_advice(OmegaConf.load(resolved), available), spare, run_dir)
-        causes = [line for line in lines if not secondary(line)]
-        if not causes and (gone := lost()):
-            return Outcome(EXIT_FAILED, gone)  # this node's ranks only lost their peers
-        # The cause, not its echoes: the ranks that stopped because of it are no failures of their own.
-        told = causes or lines[:1]
-        return Outcome(EXIT_FAILED, told[0], tuple(told[1:]))
-    except Exception as e:  # the agent's own store gone (it was on the node that went away)
-        if gone := lost():
-            logging.getLogger("torch.distributed.elastic").warning("the agent failed: %r", e)
-            return Outcome(EXIT_FAILED, gone)
-        raise
-    finally:
-        shutil.rmtree(spare, ignore_errors=True)
-        for sig, handler in previous.items():  # the agent leaves its own handlers behind
-            signal.signal(sig, handler)
-    return Outcome(0)
-
-
-def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, Any], trainer: DictConfig) -> Outcome:
-    """The workers saved and stopped on a signal: say where the checkpoint is and how to go on."""
-    from launcher.base.storage import checkpoints_of
-    from launcher.checkpoint.format import latest
-
-    saved = latest(checkpoints_of(trainer, run_dir))  # <run dir>/checkpoints, or trainer.checkpoint_dir
-    again = saved if trainer.get("checkpoint_dir") else run_dir  # resume=<run dir> takes its newest
-    where = f"checkpoint {saved}; continue with the same command plus resume={again}"
-    print(
-        f"launch: stopped by {sig.name}: {where if saved else 'no checkpoint was saved'}", file=sys.stderr, flush=True
-    )
-    detect(os.environ).stopped(sig, previous.get(sig))  # SLURM: submitit's handler requeues the job
-    return Outcome(128 + sig, f"stopped by {sig.name}")
