@@ -180,7 +180,7 @@ def test_a_collective_timeout_is_known_by_its_type_and_wait() -> None:
     import torch
     import torch.distributed as dist
 
-    from launcher.worker.runner import _collective_timeout
+    from launcher.worker.hangs import collective_timeout as _collective_timeout
 
     try:
         raise TimeoutError("wandb: Network error: timed out")

@@ -7,7 +7,6 @@ ranks.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,23 +14,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from launcher.base.metrics import declared, over_ranks
 from launcher.base.targets import import_targets
 from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
-from launcher.data.builtin import BUILT_IN_DATA, build_dataset, check_token_ids
-from launcher.data.collate import build_collate
-from launcher.data.sources import StepData, source_of
+from launcher.data.sources import StepData
 from launcher.models.loss import LabelRule, batch_tokens
 from launcher.models.meta import build_on_meta
 from launcher.search.trial import TrialReport, record_pruned
 from launcher.worker.adapt import after_out_of_memory, resizing
 from launcher.worker.callbacks import Watch
 from launcher.worker.evaluation import evaluation_of
+from launcher.worker.feed import feed, next_step, training_source
 from launcher.worker.guard import Guard
-from launcher.worker.lifecycle import GAVE_UP, Phase, StopRequest
+from launcher.worker.hangs import stuck_in_collective
+from launcher.worker.lifecycle import Phase, StopRequest
 from launcher.worker.logs import Loggers, Progress
 from launcher.worker.memory import StepMemory, rss_bytes
 from launcher.worker.optimizers import optimizer_factory
@@ -70,37 +69,11 @@ def train(
         raise error from e
     except Exception as e:
         phase.try_flush()  # where this rank was, for the other ranks' messages
-        if _collective_timeout(e, time.time() - phase.state[0], float(cfg.trainer.collective_timeout)):
-            # Say who is stuck and where, not only that a collective gave up.
-            recorder = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") if ctx.device_type == "cuda" else None
-            dumps = (
-                f"; NCCL's flight recorder dumps: {Path(recorder).parent} (torchfrtrace reads them)" if recorder else ""
-            )
-            where, timeout = phase.now, float(cfg.trainer.collective_timeout)
-            absent = phase.gave_up(ctx.world_size, wait=min(15.0, timeout / 4))  # the others give up within seconds
-            stuck = RuntimeError(
-                f"rank {ctx.rank} waited {timeout:g} s in a collective while {where}, {GAVE_UP}; {absent}{dumps}"
-            )
-            stuck.launch_phase = where  # type: ignore[attr-defined]
+        stuck = stuck_in_collective(e, phase, ctx, float(cfg.trainer.collective_timeout))
+        if stuck is not None:  # who is stuck and where, not only that a collective gave up
             raise stuck from e
         e.launch_phase = getattr(e, "launch_phase", None) or phase.now  # type: ignore[attr-defined]
         raise
-
-
-def _collective_timeout(error: BaseException, waited: float, timeout: float) -> bool:
-    """A collective that gave up after trainer.collective_timeout: torch's own error types for it (NCCL's
-    DistBackendError, the store's DistNetworkError and DistStoreError), or gloo's, a plain RuntimeError, raised from
-    torch's code (a collective, or the backward that runs DDP's); and this rank waited that long in its phase. Never
-    an error of a library that merely says "timed out" (wandb, a dataset's download)."""
-    if waited < timeout:
-        return False
-    if isinstance(error, dist.DistError):
-        return True
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    inner = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
-    return type(error) is RuntimeError and inner.split(".")[0] == "torch"
 
 
 class Trainer:
@@ -198,9 +171,7 @@ class Trainer:
         """The data, the model wrapped by the strategy, the position to resume from, the loggers and the saver."""
         cfg, ctx, trainer, phase = self.cfg, self.ctx, self.trainer, self.phase
         phase("building the data")
-        collate = build_collate(cfg.data.get("collate"))
-        # Random access or a stream (`launcher.data.sources`); a permutation is data: held before the model is built.
-        self.source = source_of(build_dataset(cfg.data, "train"), self.B, cfg.seed, collate, "the train split")
+        self.source = training_source(cfg)  # a permutation is data: held before the model is built
         self.evaluation = evaluation_of(cfg, ctx) if int(trainer.eval_every) > 0 or trainer.eval_only else None
         # What the process holds before the model exists: torch, and the data (host memory, as on a GPU machine).
         self.memory = StepMemory(self.device, ctx.compile)
@@ -229,7 +200,7 @@ class Trainer:
         self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
         self.rule = LabelRule.of(cfg.derived.model, trainer.get("loss"))  # decided in the launcher
         self.source_losses = SourceLosses.of(self.source, self.rule)
-        self.steps = self._feed()
+        self.steps = feed(cfg, ctx, self.source, self.position, self.max_steps, self.K, self.device)
         self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
                                      trainer.profile_stacks)  # fmt: skip
         self.saves = saver(cfg, ctx, self.run_dir, self.strategy, self.position.step)
@@ -240,21 +211,6 @@ class Trainer:
         self.nonfinite = str(trainer.get("nonfinite", "stop"))
         self.guard = Guard(self.strategy, self.nonfinite, int(trainer.get("max_skipped", 10)), ctx.precision == "fp16",
                            ctx.rank, ctx.world_size)  # fmt: skip
-
-    def _feed(self) -> Any:
-        """This rank's micro-batches from the resumed position on, K per step; token ids checked against the
-        vocabulary as they are read, unless the launcher checked the built-in data's before start."""
-        cfg, ctx, K, first = self.cfg, self.ctx, self.K, self.position.step + 1
-        vocab = OmegaConf.select(cfg, "derived.vocab_size", default=None)
-        check = None
-        if vocab is not None and not str(cfg.data._target_).startswith(BUILT_IN_DATA):
-
-            def check(batch: Any, n: int) -> None:
-                check_token_ids(batch, vocab, first + n // K)
-
-        steps = self.max_steps - self.position.step
-        workers = int(cfg.data.get("workers", 0))
-        return self.source.feed(self.position, steps, ctx.rank, ctx.world_size, K, workers, self.device, check)
 
     # ------------------------------------------------------------------ the phases of a step
 
@@ -279,12 +235,8 @@ class Trainer:
         return schedule_lr(self.trainer, self.cfg.optim.lr, step - 1, self.max_steps)
 
     def data(self) -> StepData | None:
-        """This rank's micro-batches of the next step; None when the stream ran out on any rank, which every rank
-        learns in one all-reduce before any forward (a source that never ends needs none)."""
-        got = next(self.steps, None)
-        if self.source.ends and all_reduce([float(got is None)], dist.ReduceOp.MAX, self.device)[0]:
-            return None
-        return got
+        """This rank's micro-batches of the next step; None when the stream ran out on any rank (`next_step`)."""
+        return next_step(self.steps, self.source, self.device)
 
     def step(self, step: int, data: StepData, measured: bool, logged: bool) -> tuple[torch.Tensor, float]:
         """Forward/backward, gradient sync and optimizer step; this rank's part of the loss, and the gradient norm.
