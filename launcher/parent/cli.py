@@ -120,10 +120,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] == ["prepare"]:
         return prepare(argv[1:])
     if argv[:1] == ["eval"]:  # the training run's overrides, with the checkpoint resumed and evaluated once
-        checkpoints = [a for a in argv[1:] if "=" not in a]
-        if len(checkpoints) != 1 or any(a.startswith("-") for a in argv[1:]):
-            fail("usage: launch eval CHECKPOINT [the run's overrides] (a checkpoint folder, a run directory or a URL)")
-        argv = [*(a for a in argv[1:] if "=" in a), f"resume={checkpoints[0]}", "trainer.eval_only=true"]
+        from launcher.base.errors import ConfigError
+        from launcher.parent.eval_checks import eval_overrides
+
+        try:
+            argv = eval_overrides(argv[1:])
+        except ConfigError as e:
+            fail(str(e))
     overrides = _single_run(argv)
     if overrides is not None:
         raise SystemExit(run_once(overrides))
