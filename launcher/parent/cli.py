@@ -209,12 +209,13 @@ def plan(overrides: list[str]) -> int:
     from hydra import initialize_config_module
 
     from launcher.config import ConfigError
+    from launcher.parent.optim_checks import measure
     from launcher.parent.overrides import CONFIG_MODULE, check_overrides
     from launcher.plan.commands import plan_command  # imports torch (never deepspeed or wandb)
 
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return plan_command(overrides)
+            return plan_command(overrides, measure)  # with the matrices optim=muon gathers
     except ConfigError as e:
         # Overrides that do not compose get the launcher's usual one-line report (checked only now: it composes too).
         fail(check_overrides(overrides) or str(e))

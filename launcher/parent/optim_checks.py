@@ -3,12 +3,16 @@ the optimizer built over those groups as the workers will build it."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.errors import failure
 from launcher.config import ConfigError
+
+if TYPE_CHECKING:
+    from launcher.models.meta import ModelSize
 
 
 def check_optimizer(frozen: DictConfig, model: Any) -> str:
@@ -75,3 +79,21 @@ def check_optimizer(frozen: DictConfig, model: Any) -> str:
             raise failure("optim", e, f"fix optim.{key}={value}, which {target} refuses") from e
         raise failure("optim", e, f"fix the optim.* values that {target} refuses") from e
     return f"launch: {describe(model, rules)}"
+
+
+def measure(frozen: DictConfig, model: Any) -> ModelSize:
+    """The model's sizes (`launcher.models.meta.measure`), with the elements its optimizer updates whole: the
+    trainable parameters of optim=muon's hidden matrices (the group `rules_for` puts first), none for others."""
+    from launcher.base.targets import locate
+    from launcher.models.meta import measure as sizes
+    from launcher.worker.optimizers import rules_for
+    from launcher.worker.param_groups import HIDDEN, assign
+
+    size = sizes(model)
+    try:
+        rules = rules_for(frozen.optim, locate(str(frozen.optim._target_)))
+    except Exception:  # an optimizer that does not import, a bad rule: `check_optimizer` says which (launch plan: none)
+        return size
+    hidden = [i for i, r in enumerate(rules) if r.label == HIDDEN]
+    taken = assign(model, rules)[hidden[0]] if hidden else []
+    return replace(size, gathered=sum(p.numel() for _, p in taken if p.requires_grad))
