@@ -295,6 +295,8 @@ class FSDP:
                     module.set_all_reduce_hook(_counting_all_reduce(self._counter, replicate))
         self.model = model
         self.optimizer = build_optimizer(model)
+        if hasattr(self.optimizer, "on_gather"):  # one that gathers whole parameters to update them (optim=muon)
+            self.optimizer.on_gather = lambda whole: self._counter.record(whole, "all_gather", sync=False)
         self.ema = ema_of(model, ctx.ema)  # DTensors like the parameters: each rank averages its shard
         # fp16 needs loss scaling; the sharded scaler agrees on inf/NaN across ranks, since each sees only its shard.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, Run, cli_here, launch_once
+from conftest import TINY, Run, cli_here, launch_here, launch_once
 
 EMA_JOB = [
     *(o for o in TINY if not o.startswith("trainer.eval_every")),
@@ -83,6 +83,38 @@ def test_convert_with_ema_writes_the_average(conformance_dir: Path, tmp_path: Pa
         assert sorted(written) == sorted(saved["model"])
         assert all(torch.equal(written[k], expected[k]) for k in expected)
     assert any(not torch.equal(saved["ema"]["weights"][k], saved["model"][k]) for k in saved["ema"]["weights"])
+
+
+def test_launch_eval_with_ema_gives_the_run_s_average_at_one_process(conformance_dir: Path) -> None:
+    """`launch eval CKPT ema=true` of FSDP's checkpoint at 2 ranks, at one process under DDP: the EMA weights'
+    validation loss is the one the run logged at that step, within 1e-6, and not the weights' own."""
+    import json
+
+    full = _run(conformance_dir, "fsdp", 2)
+    checkpoint = full.run_dir / "checkpoints" / "step_00000006"
+    proc = launch_once(conformance_dir, "eval", str(checkpoint), "ema=true", *EMA_JOB, "strategy=ddp", "gpus=1",
+                       name="eval-ema-of-fsdp")  # fmt: skip
+    proc.check()
+    evaluated = json.loads((conformance_dir / "eval-ema-of-fsdp" / "eval.json").read_text())
+    assert evaluated["step"] == 6 and sorted(evaluated["figures"]) == ["val_ema_loss"], evaluated
+    assert evaluated["figures"]["val_ema_loss"] == pytest.approx(_val(full, "val_ema_loss")[6], abs=1e-6)
+    assert abs(evaluated["figures"]["val_ema_loss"] - _val(full, "val_loss")[6]) > 1e-4
+
+
+def test_launch_eval_with_ema_of_a_checkpoint_without_an_average_is_one_line(
+    conformance_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint saved without trainer.ema: ema=true refused before any worker starts, naming the checkpoint;
+    and ema=true without the run's trainer.ema.decay, too."""
+    no_decay = [o for o in EMA_JOB if "ema" not in o]
+    plain = launch_once(conformance_dir, *no_decay, "strategy=ddp", "gpus=1",
+                        "trainer.max_steps=3", name="ema-none")  # fmt: skip
+    checkpoint = plain.check().run_dir / "checkpoints" / "step_00000003"
+    line = launch_here(tmp_path, "eval", str(checkpoint), "ema=true", *EMA_JOB).refused()
+    assert "holds no EMA weights" in line and str(checkpoint) in line, line
+    averaged = _run(conformance_dir, "fsdp", 2).run_dir / "checkpoints" / "step_00000003"
+    line = launch_here(tmp_path, "eval", str(averaged), "ema=true", *no_decay).refused()
+    assert "trainer.ema.decay" in line, line
 
 
 REFUSED = [

@@ -40,6 +40,48 @@ def test_a_resume_from_fsdp_at_two_ranks_into_one_process_goes_on_exactly(
     assert max(abs(a - b) for a, b in zip(full.losses()[3:], resumed.losses(), strict=True)) <= 1e-5
 
 
+def test_the_planner_and_the_counter_know_the_matrices_muon_gathers(conformance_dir: Path) -> None:
+    """Under FSDP at 2 ranks each hidden matrix's update is gathered whole once per step, in fp32: the bytes a rank
+    sends are AdamW's under FSDP plus (G-1)/G x 4 bytes x the matrices' elements (every 2-D parameter but the
+    embeddings, the head tied to one), in the planner's figure and in the counter's, which agree."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    run = _run(conformance_dir, "fsdp", 2)
+    adamw = launch_once(conformance_dir, *MUON_JOB[:-3], "strategy=fsdp", "gpus=2", name="muon-adamw-fsdp").check()
+    model = instantiate(OmegaConf.load(run.run_dir / "resolved.yaml").model)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    hidden = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings)
+    extra = (2 - 1) / 2 * 4 * hidden
+    muon, plain = run.metrics[-1], adamw.metrics[-1]
+    assert muon["comm_bytes_formula"] == pytest.approx(plain["comm_bytes_formula"] + extra, rel=1e-12), (muon, plain)
+    assert muon["comm_sent_bytes"] == pytest.approx(plain["comm_sent_bytes"] + extra, rel=1e-12), (muon, plain)
+    assert muon["comm_sent_bytes"] == pytest.approx(muon["comm_bytes_formula"], rel=0.02)  # FSDP's unit padding
+    assert muon["comm_bytes"] == plain["comm_bytes"]  # the gathers move parameters: no gradient sync more
+
+
+@pytest.mark.unit
+def test_launch_plan_adds_muon_s_gathers_where_the_parameters_are_sharded(tmp_path: Path) -> None:
+    """`launch plan optim=muon`: FSDP's and HSDP's bytes per step are AdamW's plus (G-1)/G x 4 bytes x the hidden
+    matrices' elements (every 2-D parameter but the embeddings, the head tied to one); DDP's the same."""
+    import json
+
+    from launcher.models.gpt import GPT
+
+    def plan(optim: str) -> dict:
+        proc = cli_here(tmp_path, "plan", *TINY, "gpus=2", f"optim={optim}", "plan.format=json")
+        assert proc.returncode == 0, proc.stderr
+        return {sp["name"]: sp["comm_bytes"] for sp in json.loads(proc.stdout)["strategies"]}
+
+    muon, adamw = plan("muon"), plan("adamw")
+    model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)  # TINY's
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    hidden = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings)
+    assert muon["ddp"] == adamw["ddp"]
+    for name in ("fsdp", "hsdp"):
+        assert muon[name] == pytest.approx(adamw[name] + 0.5 * 4 * hidden, rel=1e-12), (name, muon, adamw)
+
+
 @pytest.mark.unit
 def test_the_hidden_matrices_take_muon_and_the_rest_adamw() -> None:
     """A transformers Llama: every projection is Muon's, at optim.muon_lr; the embeddings, norms and the untied output

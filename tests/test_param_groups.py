@@ -124,6 +124,10 @@ REFUSED = [
     ("optim.groups=[{lr_scale: 0.5}]", "optim.groups: optim.groups[0]={'lr_scale': 0.5} names no parameters"),
     ("optim.groups=[{name: '*', lr_scale: -1}]", "optim.groups[0].lr_scale=-1 is not a number >= 0"),
     ("optim.groups=[{name: '*', momentum: 0.9}]", "optim.groups[0].momentum: torch.optim.AdamW takes no such key"),
+    ("optim.groups=[{name: 'blocks.*', _target_: torch.optim.NoSuchOptimizer}]",
+     "optim.groups[0]._target_=torch.optim.NoSuchOptimizer does not import"),
+    ("optim.groups=[{name: 'blocks.*', _target_: torch.optim.SGD, betas: [0.9, 0.9]}]",
+     "optim.groups[0].betas: torch.optim.SGD takes no such key"),
 ]  # fmt: skip
 
 

@@ -92,6 +92,9 @@ class TrainerConfig:
     `every_rank = True` (`launcher.worker.callbacks`)."""
     eval_only: bool = launch_only(False)
     """Set by `launch eval CHECKPOINT`: the checkpoint evaluated once, no step trained; eval.json in the run dir."""
+    eval_ema: bool = launch_only(False)
+    """Set by `launch eval CHECKPOINT ema=true`: the evaluation on the checkpoint's EMA weights (the run's
+    trainer.ema), its figures named as the run logs them (val_ema_loss, val/ema/<metric>)."""
     loss: Any = None
     """Where the loss is in the model's output: a key, an attribute or a position (nanoGPT's `(logits, loss)`: 1);
     unset: a scalar, `loss`, (loss_sum, num_tokens), or a tuple's only scalar tensor (said once)."""

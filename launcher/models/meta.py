@@ -34,6 +34,9 @@ class ModelSize:
     label_shift: int | None = None
     """How it counts its batch's `labels` (`launcher.models.loss.LabelRule`): 1 shifted, 0 as they stand, None
     unknown."""
+    gathered: int = 0
+    """Elements of the matrices its optimizer updates whole (optim=muon's hidden matrices), which a per-parameter
+    sharding gathers once per step (`launcher.plan.optim_comm`); counted by the launcher, 0 for other optimizers."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

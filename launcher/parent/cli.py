@@ -120,10 +120,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] == ["prepare"]:
         return prepare(argv[1:])
     if argv[:1] == ["eval"]:  # the training run's overrides, with the checkpoint resumed and evaluated once
-        checkpoints = [a for a in argv[1:] if "=" not in a]
-        if len(checkpoints) != 1 or any(a.startswith("-") for a in argv[1:]):
-            fail("usage: launch eval CHECKPOINT [the run's overrides] (a checkpoint folder, a run directory or a URL)")
-        argv = [*(a for a in argv[1:] if "=" in a), f"resume={checkpoints[0]}", "trainer.eval_only=true"]
+        from launcher.base.errors import ConfigError
+        from launcher.parent.eval_checks import eval_overrides
+
+        try:
+            argv = eval_overrides(argv[1:])
+        except ConfigError as e:
+            fail(str(e))
     overrides = _single_run(argv)
     if overrides is not None:
         raise SystemExit(run_once(overrides))
@@ -206,12 +209,13 @@ def plan(overrides: list[str]) -> int:
     from hydra import initialize_config_module
 
     from launcher.config import ConfigError
+    from launcher.parent.optim_checks import measure
     from launcher.parent.overrides import CONFIG_MODULE, check_overrides
     from launcher.plan.commands import plan_command  # imports torch (never deepspeed or wandb)
 
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return plan_command(overrides)
+            return plan_command(overrides, measure)  # with the matrices optim=muon gathers
     except ConfigError as e:
         # Overrides that do not compose get the launcher's usual one-line report (checked only now: it composes too).
         fail(check_overrides(overrides) or str(e))

@@ -1,6 +1,7 @@
 """The evaluation's checks before start: every metric trainer.metrics names imports and builds (the worker builds
 them the same way, `launcher.worker.eval_metrics`), no metric takes the loss's name, and trainer.early_stop watches a
-figure the run logs."""
+figure the run logs; and `launch eval`'s command line (ema=true: a checkpoint that holds EMA weights, the run's
+trainer.ema.decay given)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from launcher.base.errors import ConfigError
 
 def check_evaluation(frozen: Any) -> None:
     """One line (ConfigError) for the first bad value."""
+    if frozen.trainer.get("eval_ema") and frozen.trainer.ema.get("decay") is None:
+        raise ConfigError(
+            "launch eval ema=true evaluates the EMA weights the run kept: give the run's trainer.ema.decay "
+            "with its other overrides"
+        )
     metrics = frozen.trainer.get("metrics") or {}
     if "loss" in metrics:
         raise ConfigError("trainer.metrics.loss: `loss` is the validation loss's name (val/<set>/loss); rename it")
@@ -27,4 +33,41 @@ def check_evaluation(frozen: Any) -> None:
     if watched not in logged and not any(watched.startswith(f"{name}/") for name in logged):
         raise ConfigError(
             f"trainer.early_stop.metric={watched} is no figure this run logs; it logs: {', '.join(sorted(logged))}"
+        )
+
+
+def eval_overrides(args: list[str]) -> list[str]:
+    """`launch eval CHECKPOINT [ema=true] [the run's overrides]` as a run's overrides: the checkpoint resumed and
+    evaluated once (ema=true: on its EMA weights, which it must hold). ConfigError: a bad command line, in one line."""
+    checkpoints = [a for a in args if "=" not in a]
+    emas = [a.split("=", 1)[1] for a in args if a.startswith("ema=")]
+    if len(checkpoints) != 1 or len(emas) > 1 or any(a.startswith("-") for a in args):
+        raise ConfigError(
+            "usage: launch eval CHECKPOINT [ema=true] [the run's overrides] "
+            "(a checkpoint folder, a run directory or a URL)"
+        )
+    if emas and emas[0] not in ("true", "false"):
+        raise ConfigError(f"ema={emas[0]} is not a boolean; use ema=true (the EMA weights) or ema=false")
+    ema = emas == ["true"]
+    if ema:
+        _check_holds_ema(checkpoints[0])
+    overrides = [a for a in args if "=" in a and not a.startswith("ema=")]
+    return [*overrides, f"resume={checkpoints[0]}", "trainer.eval_only=true", *(["trainer.eval_ema=true"] * ema)]
+
+
+def _check_holds_ema(path: str) -> None:
+    """A checkpoint saved without trainer.ema holds no average: refused, not its weights evaluated under its name."""
+    from launcher.base.storage import location
+    from launcher.checkpoint.untrusted import read_metadata
+    from launcher.parent.convert import find_checkpoint
+
+    try:
+        checkpoint = find_checkpoint(location(path))
+        stored = read_metadata(checkpoint).state_dict_metadata
+    except Exception:  # not a checkpoint that reads here: the resume's own check says why, in one line
+        return
+    if not any(key.startswith("ema.") for key in stored):
+        raise ConfigError(
+            f"ema=true: checkpoint {checkpoint} holds no EMA weights (its run had no trainer.ema.decay); "
+            "evaluate it without ema=true"
         )

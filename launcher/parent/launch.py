@@ -47,7 +47,8 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     `job` carries what Hydra knows of this job (its config-group choices, its overrides, its place in a sweep);
     it is recorded in the frozen config and names the job's wandb group and run.
     """
-    from launcher.models.meta import build_on_meta, measure
+    from launcher.models.meta import build_on_meta
+    from launcher.parent.optim_checks import measure
     from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak
     from launcher.worker.adapt import oom_restarts, read_adapted
 
@@ -77,7 +78,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         frozen, derived = choose_micro(frozen, derived, model, read_adapted(run_dir, valid))
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
-    size = measure(model)
+    size = measure(frozen, model)  # with what its optimizer gathers whole
     resolved["derived"] = {
         **derived.as_dict(),
         "model": size.as_dict(),

@@ -3,12 +3,16 @@ the optimizer built over those groups as the workers will build it."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.errors import failure
 from launcher.config import ConfigError
+
+if TYPE_CHECKING:
+    from launcher.models.meta import ModelSize
 
 
 def check_optimizer(frozen: DictConfig, model: Any) -> str:
@@ -19,6 +23,7 @@ def check_optimizer(frozen: DictConfig, model: Any) -> str:
 
     from hydra.utils import instantiate
 
+    from launcher.worker.grouped import TARGET, Grouped
     from launcher.worker.optimizers import optimizer_node, rules_for
     from launcher.worker.param_groups import HIDDEN, RULE_KEYS, assign, describe, param_groups, unmatched
     from launcher.worker.schedules import check_schedule
@@ -52,16 +57,21 @@ def check_optimizer(frozen: DictConfig, model: Any) -> str:
             "trainable parameter is an embedding, the output head, a norm or a bias); use optim=adamw"
         )
     for rule in [r for r in rules if not r.builtin]:
-        unknown = sorted(k for k in rule.keys if k not in RULE_KEYS and takes is not None and k not in takes)
+        own, its = _group_optimizer(frozen, rule, target, takes)
+        unknown = sorted(k for k in rule.keys if k not in (*RULE_KEYS, TARGET) and its is not None and k not in its)
         if unknown:
             raise ConfigError(
-                f"{rule.rule or rule.label}.{unknown[0]}: {target} takes no such key; give a group only keys it takes "
-                f"({', '.join(sorted(takes - {'params'}))}) or lr_scale"
+                f"{rule.rule or rule.label}.{unknown[0]}: {own} takes no such key; give a group only keys it takes "
+                f"({', '.join(sorted(its - {'params'}))}) or lr_scale"
             )
 
     def build(node: DictConfig) -> None:
         built = instantiate(optimizer_node(node), _partial_=True, _convert_="all")
-        built(param_groups(model, rules, node.get("lr")))
+        groups = param_groups(model, rules, node.get("lr"))
+        if any(g.get(TARGET) for g in groups):  # as the workers build it: one optimizer per group's class
+            Grouped(groups, built.func, **built.keywords)
+        else:
+            built(groups)
 
     try:
         build(frozen.optim)
@@ -75,3 +85,47 @@ def check_optimizer(frozen: DictConfig, model: Any) -> str:
             raise failure("optim", e, f"fix optim.{key}={value}, which {target} refuses") from e
         raise failure("optim", e, f"fix the optim.* values that {target} refuses") from e
     return f"launch: {describe(model, rules)}"
+
+
+def _group_optimizer(frozen: DictConfig, rule: Any, target: str, takes: set[str] | None) -> tuple[str, set[str] | None]:
+    """The optimizer that steps a rule's group, and the keys it takes: the `_target_` the rule names (one line if it
+    does not import, or under DeepSpeed, which steps one optimizer of its own), else optim's."""
+    import inspect
+
+    from launcher.base.targets import locate
+
+    own = rule.keys.get("_target_")
+    if own is None:
+        return target, takes
+    label = rule.rule or rule.label
+    if "deepspeed" in str(frozen.strategy.get("_target_", "")):
+        raise ConfigError(
+            f"{label}._target_={own}: ZeRO steps one optimizer over its flat partitions, not one per group; use "
+            "strategy=ddp, fsdp or hsdp, or remove the group's _target_"
+        )
+    try:
+        optimizer = locate(str(own))
+    except Exception as e:
+        raise ConfigError(f"{label}._target_={own} does not import ({type(e).__name__}); fix the class path") from e
+    try:
+        return str(own), set(inspect.signature(optimizer).parameters)
+    except (TypeError, ValueError):
+        return str(own), None
+
+
+def measure(frozen: DictConfig, model: Any) -> ModelSize:
+    """The model's sizes (`launcher.models.meta.measure`), with the elements its optimizer updates whole: the
+    trainable parameters of optim=muon's hidden matrices (the group `rules_for` puts first), none for others."""
+    from launcher.base.targets import locate
+    from launcher.models.meta import measure as sizes
+    from launcher.worker.optimizers import rules_for
+    from launcher.worker.param_groups import HIDDEN, assign
+
+    size = sizes(model)
+    try:
+        rules = rules_for(frozen.optim, locate(str(frozen.optim._target_)))
+    except Exception:  # an optimizer that does not import, a bad rule: `check_optimizer` says which (launch plan: none)
+        return size
+    hidden = [i for i, r in enumerate(rules) if r.label == HIDDEN]
+    taken = assign(model, rules)[hidden[0]] if hidden else []
+    return replace(size, gathered=sum(p.numel() for _, p in taken if p.requires_grad))

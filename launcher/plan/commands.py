@@ -11,9 +11,9 @@ import contextlib
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, read_write
 
@@ -23,6 +23,9 @@ from launcher.plan.costs import UnknownOptimizer
 from launcher.plan.fit import make_plan
 from launcher.plan.render import as_dict, chart, describe_pick, render, strategy_rows
 from strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from launcher.models.meta import ModelSize
 
 AUTO = "auto"
 AUTO_TARGET = "launcher.plan.commands.Auto"
@@ -101,8 +104,9 @@ def _candidates(frozen: DictConfig) -> dict[str, DictConfig]:
     return {name: c for name, c in configs.items() if not make_strategy(c.strategy).conformance().lossy}
 
 
-def plan_command(overrides: Sequence[str]) -> int:
-    """`launch plan [overrides]`, inside an initialised Hydra (cli.py). Starts nothing, writes no run directory."""
+def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any], ModelSize] | None = None) -> int:
+    """`launch plan [overrides]`, inside an initialised Hydra (cli.py). Starts nothing, writes no run directory.
+    `measured`: the model's sizes with what its optimizer gathers (the launcher's), else the model's alone."""
     from launcher.base.machine import visible_cuda_devices
     from launcher.config.known import check_keys
     from launcher.models.meta import build_on_meta, measure
@@ -127,7 +131,7 @@ def plan_command(overrides: Sequence[str]) -> int:
         )
         derived = derive(frozen, devices)
     model = build_on_meta(frozen.model)
-    size = measure(model)
+    size = measured(frozen, model) if measured is not None else measure(model)
     if derived.micro_auto:  # batch.micro_size=auto: the run's strategy's own pick; several presets: one sample each
         with read_write(frozen):
             frozen.batch.micro_size = 1

@@ -177,10 +177,20 @@ def comm_bytes(collectives: Iterable[Collective], world_size: int, mesh: Mesh, g
 
 
 def strategy_comm(
-    strategy: Any, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None = None
+    strategy: Any,
+    params: float,
+    precision: str,
+    accumulation: int,
+    world_size: int,
+    gpus: int | None = None,
+    gathered: float = 0,
 ) -> tuple[float, float]:
-    """`comm_split` of what `strategy` declares for this run."""
-    found = strategy.collectives(params, precision, accumulation, world_size, gpus)
+    """`comm_split` of what `strategy` declares for this run, with what its optimizer gathers (`gathered` elements
+    updated whole: `launcher.plan.optim_comm`)."""
+    from launcher.plan.optim_comm import optimizer_collectives
+
+    found = [*strategy.collectives(params, precision, accumulation, world_size, gpus)]
+    found += optimizer_collectives(gathered, strategy.layout())
     return comm_split(found, world_size, strategy.layout().mesh, gpus)
 
 

@@ -172,7 +172,7 @@ class Plan:
         )
         accumulation = self.global_size // ((micro or self.micro) * world) or 1
         params, unit = self.model.params, self.model.largest_unit or self.model.params
-        within, across = strategy_comm(strategy, params, self.precision, accumulation, world, gpus)
+        within, across = strategy_comm(strategy, params, self.precision, accumulation, world, gpus, self.model.gathered)
         return StrategyPlan(
             name=name,
             strategy=strategy,

@@ -63,36 +63,52 @@ class Evaluation:
                         ) from e
         strategy.train(True)
 
-    def run(self, strategy: Strategy, rule: LabelRule) -> dict[str, float]:
-        """One pass over every set: each one's loss and metrics, as logged figures."""
+    def run(self, strategy: Strategy, rule: LabelRule, averaged: bool = False) -> dict[str, float]:
+        """One pass over every set: each one's loss and metrics, as logged figures, then each one's loss on the EMA
+        weights where the run keeps them; `averaged`: the model holds its EMA weights, and the pass's figures are
+        named as theirs (val_ema_loss, val/ema/<metric>)."""
         figures: dict[str, float] = {}
         for name, source in self.sets.items():
             loss, values = validate(strategy, source, self.ctx, self.batches, rule, self.metrics[name])
             prefix = self.names(name)
-            figures["val_loss" if prefix == "val/" else f"{prefix}loss"] = loss
-            figures |= {f"{prefix}{k}": v for k, v in values.items()}
+            figures[loss_name(prefix, averaged)] = loss
+            figures |= {f"{prefix}{'ema/' if averaged else ''}{k}": v for k, v in values.items()}
             for part, alone in (source.alone() if hasattr(source, "alone") else {}).items():  # data=mix's sources
                 part_loss, _ = validate(strategy, alone, self.ctx, self.batches, rule, {})
                 if part_loss == part_loss:  # NaN: its split holds no full global batch
-                    figures[f"val_loss/{part}" if prefix == "val/" else f"{prefix}loss/{part}"] = part_loss
+                    figures[f"{loss_name(prefix, averaged)}/{part}"] = part_loss
+        if averaged:
+            return figures
         with strategy.averaged() as ema:  # trainer.ema: each set's loss on the moving average of the weights too
             if ema:
                 for name, source in self.sets.items():
-                    prefix = self.names(name)
                     loss, _ = validate(strategy, source, self.ctx, self.batches, rule, {})
-                    figures["val_ema_loss" if prefix == "val/" else f"{prefix}ema_loss"] = loss
+                    figures[loss_name(self.names(name), True)] = loss
         return figures
 
-    def once(self, strategy: Strategy, rule: LabelRule, step: int, run_dir: Path) -> bool:
-        """`launch eval`: the resumed checkpoint's figures, on every rank alike; rank 0 prints one table and writes
-        `<run dir>/eval.json` (the checkpoint's step and its figures)."""
-        figures = self.run(strategy, rule)
+    def once(self, strategy: Strategy, rule: LabelRule, step: int, run_dir: Path, ema: bool = False) -> bool:
+        """`launch eval`: the resumed checkpoint's figures (`ema`: those of its EMA weights alone), on every rank
+        alike; rank 0 prints one table and writes `<run dir>/eval.json` (the checkpoint's step and its figures)."""
+        if ema:
+            with strategy.averaged() as held:
+                if not held:
+                    raise Refused(
+                        "launch eval ema=true: this run keeps no EMA weights; give the run's trainer.ema.decay"
+                    )
+                figures = self.run(strategy, rule, averaged=True)
+        else:
+            figures = self.run(strategy, rule)
         if self.ctx.rank == 0:
             write_durably(run_dir / "eval.json", json.dumps({"step": step, "figures": figures}, indent=2))
             width = max(len(name) for name in figures)
             rows = [f"{'figure':<{width}}  value", *(f"{n:<{width}}  {v:.8g}" for n, v in figures.items())]
             print("\n".join([f"launch: evaluation of step {step}", *rows, f"launch: wrote {run_dir / 'eval.json'}"]))
         return True
+
+
+def loss_name(prefix: str, ema: bool) -> str:
+    """The name of a set's validation loss (`prefix`: `Evaluation.names`'s), of the weights or of their average."""
+    return ("val_ema_loss" if ema else "val_loss") if prefix == "val/" else f"{prefix}{'ema_' if ema else ''}loss"
 
 
 def validate(

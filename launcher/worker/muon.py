@@ -11,6 +11,7 @@ iteration runs in fp32, so that layouts that sum gradients in another order agre
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,6 +77,8 @@ class MuonAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_steps=ns_steps, muon_lr=muon_lr)  # fmt: skip
         super().__init__(params, defaults)
+        self.on_gather: Callable[[torch.Tensor], None] | None = None
+        """Told of each whole matrix gathered from its shards (a strategy's communication counter)."""
         for group in self.param_groups:
             if group.get(MUON):
                 bad = [tuple(p.shape) for p in group["params"] if p.dim() != 2]
@@ -104,7 +107,10 @@ class MuonAdamW(torch.optim.Optimizer):
         update = p.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
         rows, cols = p.shape
         lr = group["lr"] * math.sqrt(max(1.0, rows / cols))  # torch.optim.Muon's "original" adjustment
-        ortho = _mine(orthogonalised(_whole(update), group["ns_steps"]), p)
+        whole = _whole(update)
+        if whole is not update and self.on_gather is not None:
+            self.on_gather(whole)
+        ortho = _mine(orthogonalised(whole, group["ns_steps"]), p)
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(ortho.to(p.dtype), alpha=-lr)
 

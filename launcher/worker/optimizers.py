@@ -11,6 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.worker.grouped import TARGET, Grouped
 from launcher.worker.param_groups import RECIPE_KEYS, Rule, hidden_rule, param_groups, rules_of
 from strategies import RunContext
 
@@ -79,6 +80,8 @@ def build_optimizer(
     flat = [p for item in groups for p in (item["params"] if isinstance(item, dict) else [item])]
     if fuse and (not any(isinstance(p, DTensor) for p in flat) or _dtensor_fuses(optimizer)):
         kwargs["fused"] = True
+    if any(isinstance(g, dict) and g.get(TARGET) for g in groups):  # a rule of optim.groups naming its optimizer
+        return Grouped(groups, optimizer, **kwargs)
     return optimizer(groups, **kwargs)
 
 

@@ -124,7 +124,8 @@ class Trainer:
         if self.evaluation is not None:  # each metric on the first batch of each set: one that fails ends it now
             self.evaluation.check(self.strategy)
         if self.trainer.eval_only:  # launch eval: the checkpoint's figures, no step
-            self.evaluation.once(self.strategy, self.rule, self.position.step, self.run_dir)  # type: ignore[union-attr]
+            at, ema = self.position.step, bool(self.trainer.eval_ema)
+            self.evaluation.once(self.strategy, self.rule, at, self.run_dir, ema)  # type: ignore[union-attr]
             return self.finish() or True
         self.watch.call("on_train_start", self.position.step, {})
         while self.position.step < self.max_steps:

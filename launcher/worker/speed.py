@@ -35,7 +35,8 @@ class Speed:
         if peak is None and ctx.device_type == "cuda":
             peak = peak_tflops(torch.cuda.get_device_name(ctx.device))
         gpus = ctx.local_world_size
-        formula = sum(strategy_comm(strategy, params, ctx.precision, ctx.accumulation, ctx.world_size, gpus))
+        gathered = int(cfg.derived.model.get("gathered", 0))  # optim=muon's whole matrices (`ModelSize.gathered`)
+        formula = sum(strategy_comm(strategy, params, ctx.precision, ctx.accumulation, ctx.world_size, gpus, gathered))
         planned = OmegaConf.select(cfg, "derived.plan_peak_bytes", default=None)
         return cls(flops_per_token(params, *shape), peak * 1e12 if peak else None, formula, planned)
 
