@@ -64,7 +64,7 @@ def test_the_gradient_norm_is_one_process_s(strategy: str, one_process: Run, sui
     """The logged pre-clip norm is the whole gradient's, whoever holds which shard (DeepSpeed's own, never NaN)."""
     ref, run = ([m["grad_norm"] for m in r.metrics] for r in (one_process, suite))
     declared = DECLARED[strategy].conformance()  # a lossy one (a compressed all-reduce): 10 x its loss tolerance
-    rel = 10 * declared.tolerance if declared.lossy else 1e-5
+    rel = 10 * declared.tolerance if declared.lossy else max(1e-5, declared.tolerance)
     assert run == pytest.approx(ref, rel=rel) and all(math.isfinite(g) for g in run), (ref, run)
 
 
@@ -76,9 +76,11 @@ def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str, suite:
     accumulating = suite.metrics  # K = 2
     single = shared_run(tmp, *selecting(tmp, strategy), "gpus=2", "batch.global_size=8").metrics  # K = 1
     assert accumulating[-1]["accumulation"] == 2 and single[-1]["accumulation"] == 1
-    for key in ("comm_calls", "comm_bytes"):
-        assert accumulating[-1][key] > 0
-        assert accumulating[-1][key] == single[-1][key], (key, accumulating[-1], single[-1])
+    # The same bytes, in no more calls: a second sync would add both. (DeepSpeed's own path, taken at K = 1, may split
+    # the reduction into more calls: one bucket flush per parameter group.)
+    assert accumulating[-1]["comm_bytes"] > 0
+    assert accumulating[-1]["comm_bytes"] == single[-1]["comm_bytes"], (accumulating[-1], single[-1])
+    assert 0 < accumulating[-1]["comm_calls"] <= single[-1]["comm_calls"], (accumulating[-1], single[-1])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -81,10 +81,11 @@ def text_settings(**given: object) -> dict[str, object]:
     import dataclasses
 
     from launcher.config.data_schema import TextDataConfig
+    from launcher.data.builtin import LOADER_KEYS
 
     plain = {
         f.name: f.default
         for f in dataclasses.fields(TextDataConfig)
-        if f.name not in ("_target_", "workers", "collate")
+        if f.name != "_target_" and f.name not in LOADER_KEYS
     }
     return plain | {"vocab_size": None, "format": "tuple"} | given  # the tokenizer's vocabulary; the enum's name

@@ -103,11 +103,6 @@ def check_schedule(trainer: Any) -> None:
                 f"trainer.schedule=wsd: trainer.warmup_steps={warmup} + {given} exceed trainer.max_steps={max_steps}; "
                 "shorten the warmup or the decay, or raise trainer.max_steps"
             )
-    elif schedule in ("cosine", "linear") and warmup > max_steps:
-        raise ValueError(
-            f"trainer.warmup_steps={warmup} exceeds trainer.max_steps={max_steps}: the {schedule} decay never starts; "
-            "lower trainer.warmup_steps or raise trainer.max_steps"
-        )
     if schedule != "custom":
         return
     try:
