@@ -124,7 +124,7 @@ BAD = {
                                                                           "[none, bf16, fp16]"),  # fmt: skip
     "a strategy written to an older protocol": (["strategy._target_=user_models.OldStrategy"],
                                                 "strategy user_models.OldStrategy lacks collectives(), requirements(), "
-                                                "conformance() of the Strategy protocol"),  # fmt: skip
+                                                "conformance(), averaged() of the Strategy protocol"),  # fmt: skip
 }  # fmt: skip
 
 

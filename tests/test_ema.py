@@ -66,6 +66,7 @@ def test_a_resume_from_fsdp_at_two_ranks_into_zero2_at_one_keeps_the_average(
     assert _val(resumed, "val_ema_loss")[6] == pytest.approx(_val(full, "val_ema_loss")[6], abs=1e-5)
 
 
+@pytest.mark.long  # 15-30 s: launch eval ema=true reads the same average back
 def test_convert_with_ema_writes_the_average(conformance_dir: Path, tmp_path: Path) -> None:
     """`launch convert CKPT ema=true`: the EMA weights (the checkpoint's `ema.weights.*`) for every trainable
     parameter, which differ from the model's; without ema=true, the model's own."""
@@ -85,6 +86,7 @@ def test_convert_with_ema_writes_the_average(conformance_dir: Path, tmp_path: Pa
     assert any(not torch.equal(saved["ema"]["weights"][k], saved["model"][k]) for k in saved["ema"]["weights"])
 
 
+@pytest.mark.long  # 20-40 s: launch eval's own test (zero3) covers the evaluation path
 def test_launch_eval_with_ema_gives_the_run_s_average_at_one_process(conformance_dir: Path) -> None:
     """`launch eval CKPT ema=true` of FSDP's checkpoint at 2 ranks, at one process under DDP: the EMA weights'
     validation loss is the one the run logged at that step, within 1e-6, and not the weights' own."""

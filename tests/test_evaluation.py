@@ -163,6 +163,7 @@ def test_launch_eval_of_a_zero3_checkpoint_at_one_process_gives_the_run_s_figure
     assert not (evaluated / "metrics.jsonl").read_text().strip()  # no step trained, none logged
 
 
+@pytest.mark.long  # 15-30 s: the accuracy test covers the reduction; this one covers padded targets
 def test_perplexity_of_padded_samples_is_the_exponential_of_the_validation_loss(conformance_dir: Path) -> None:
     """Padded samples (data.packing=false): the ranks hold different numbers of targets, and torchmetrics'
     Perplexity, fed the built-in GPT's logits and targets (found), is exp(Σ token losses / Σ targets) over both."""
@@ -198,6 +199,7 @@ def test_an_optuna_search_maximises_a_metric_by_name(tmp_path: Path) -> None:
     assert study.best_value == max(t.value for t in study.trials)
 
 
+@pytest.mark.long  # 20-40 s: a T5 under zero3; the accuracy test covers the exact reduction of a metric's states
 def test_a_transformers_seq2seq_model_logs_bleu_exactly_at_two_ranks(conformance_dir: Path) -> None:
     """T5 at its initial weights (lr 0) on padded rows of 2 to 16 tokens: the smoothed BLEU of its predictions over
     the validation batch, at 2 ranks, is that of one plain forward over the same 8 samples here."""

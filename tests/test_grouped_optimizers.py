@@ -21,6 +21,7 @@ def _run(tmp: Path, strategy: str, gpus: int) -> Run:
     return launch_once(tmp, *GROUPED_JOB, f"strategy={strategy}", f"gpus={gpus}", name=f"grouped-{strategy}-{gpus}")
 
 
+@pytest.mark.long  # 20-40 s: Muon+AdamW's parity tests run the same one-optimizer-per-group path
 def test_two_optimizers_over_groups_at_two_ranks_equal_one_process(conformance_dir: Path) -> None:
     """FSDP at 2 ranks x 2 micro-steps equals one DDP process x 4 within 1e-5; the start line names each group's
     optimizer; the losses are not AdamW's alone (SGD steps the blocks)."""
@@ -32,6 +33,7 @@ def test_two_optimizers_over_groups_at_two_ranks_equal_one_process(conformance_d
     assert max(abs(a - b) for a, b in zip(one.losses()[1:], adamw.losses()[1:])) > 1e-3
 
 
+@pytest.mark.long  # 20-40 s: the Muon and EMA resumes cover the grouped state's checkpoint
 def test_a_resume_from_fsdp_at_two_ranks_into_one_process_goes_on_exactly(
     conformance_dir: Path, tmp_path: Path
 ) -> None:

@@ -84,7 +84,6 @@ REFUSED = [
      "trainer.schedule=wsd: trainer.warmup_steps=10 + trainer.decay_steps=25 exceed trainer.max_steps=30"),
     (["trainer.schedule=wsd", "trainer.max_steps=10", "trainer.warmup_steps=9", "trainer.decay_fraction=0.5"],
      "trainer.warmup_steps=9 + trainer.decay_fraction=0.5 (5 steps) exceed trainer.max_steps=10"),
-    (["trainer.max_steps=10", "trainer.warmup_steps=20"], "trainer.warmup_steps=20 exceeds trainer.max_steps=10"),
     (["trainer.schedule=custom"], "trainer.schedule=custom needs trainer.schedule_fn={_target_: "),
     (["trainer.schedule=custom", "trainer.schedule_fn={_target_: user_models.nowhere}"],
      "trainer.schedule_fn._target_=user_models.nowhere: "),

@@ -292,6 +292,7 @@ def test_a_stream_that_ends_stops_the_mixture_or_leaves_it_alike_at_any_world_si
         )
 
 
+@pytest.mark.long  # 15-30 s: the in-process stop and drop tests cover the rule
 def test_a_mixture_whose_stream_ends_ends_the_run_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
     """data=mix on 2 ranks, its stream of 40 samples ending in step 6 under on_end=stop: the run ends after step 5
     on every rank (exit 0), saying so, with step 5's checkpoint; the built-in GPT's loss per source adds up to the

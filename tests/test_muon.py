@@ -29,6 +29,7 @@ def test_two_ranks_at_k2_equal_one_process_at_k4(strategy: str, conformance_dir:
     assert max(abs(a - b) for a, b in zip(one.losses()[1:], adamw.losses()[1:])) > 1e-3  # Muon's own updates
 
 
+@pytest.mark.long  # 20-40 s: the EMA and param-group resumes cover a grouped optimizer's state
 def test_a_resume_from_fsdp_at_two_ranks_into_one_process_goes_on_exactly(
     conformance_dir: Path, tmp_path: Path
 ) -> None:
