@@ -334,13 +334,13 @@ def _every_rank(values: list[Any]) -> list[list[Any]]:
 def create_optimizer_state(engine: Any, stage: int, offload_optimizer: str) -> None:
     """Create the optimizer's state before its first step (zero moments at step 0: a fresh start).
 
-    DeepSpeed, like torch, creates it lazily; a checkpoint template and a load need it now. One
-    zero-gradient step at learning rate 0 creates it and changes no weight.
+    DeepSpeed, like torch, creates it lazily; a checkpoint template and a load need it now. A zero-gradient step of
+    each partition's group alone, at learning rate 0 and no weight decay (Adam's adds it to the gradient), changes no
+    weight or moment; a step of all groups would step the others' partitions too, which under offload hold gradients.
     """
     zero = engine.optimizer
     inner = zero.optimizer
-    # Each fp32 master partition and the index of its param group (ZeRO-3 puts a sub-group's
-    # partition into its group only while stepping it).
+    # Each fp32 master partition and its group's index (ZeRO-3 puts a sub-group's partition in its group to step it).
     if stage == 3:
         masters = [(p, zero.sub_group_to_group_id[i]) for i, p in enumerate(zero.fp32_partitioned_groups_flat)]
     else:
@@ -354,10 +354,10 @@ def create_optimizer_state(engine: Any, stage: int, offload_optimizer: str) -> N
         if paged:
             zero._optimizer_states_and_gradient_swap_in(i)
         group = inner.param_groups[index]
-        params, lr, grad = group["params"], group["lr"], p.grad  # with offload, .grad is DeepSpeed's host buffer
-        group["params"], group["lr"], p.grad = [p], 0.0, torch.zeros_like(p)
+        alone = {**group, "params": [p], "lr": 0.0} | ({"weight_decay": 0.0} if "weight_decay" in group else {})
+        groups, grad, p.grad, inner.param_groups = inner.param_groups, p.grad, torch.zeros_like(p), [alone]
         inner.step()
-        group["params"], group["lr"], p.grad = params, lr, grad
+        inner.param_groups, p.grad = groups, grad
         if paged:
             zero._optimizer_states_and_gradient_swap_out(i)
     _set_step(inner, 0)
