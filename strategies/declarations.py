@@ -138,8 +138,8 @@ class Conformance:
     """What the conformance suite expects of a strategy (`Strategy.conformance`), on CPU in fp32 with AdamW."""
 
     tolerance: float = 1e-6
-    """The largest loss difference from one process: 1e-6 with torch's optimizer; more where the strategy steps
-    with kernels of its own (DeepSpeed's CPU Adam) or compresses what it sends."""
+    """The largest loss difference from one process: 1e-6 with torch's optimizer or DeepSpeed's CPU Adam (offload);
+    more where the strategy compresses what it sends."""
     ranks: int = 2
     """The suite's world size for it."""
     overrides: tuple[str, ...] = ()

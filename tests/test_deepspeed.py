@@ -330,6 +330,58 @@ def test_state_dict_is_the_full_torch_state_and_loads(tmp_path: Path, preset: st
     assert sum(result["shares"]) == pytest.approx(1.0) and max(result["shares"]) <= 0.6, result
 
 
+TEMPLATE = """
+import functools, json, sys
+import torch, torch.distributed as dist
+from launcher.config import schema
+from launcher.config.context import preset_strategy
+from launcher.models.gpt import GPT
+from launcher.worker.optimizers import build_optimizer
+from strategies import RunContext
+schema.register()
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+ctx = RunContext(device="cpu", rank=0, local_rank=0, world_size=1, precision="fp32", grad_clip=1.0, accumulation=1,
+                 micro_size=2)
+for stage, optimizer in ((2, torch.optim.AdamW), (1, torch.optim.Adam)):
+    strategy = preset_strategy("zero2_offload", stage=stage, optimizer=f"torch.optim.{optimizer.__name__}")
+    torch.manual_seed(0)
+    build = functools.partial(build_optimizer, optimizer, lr=1e-3, weight_decay=0.1)
+    strategy.setup(ctx, lambda: GPT(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=8), build)
+    zero = strategy.engine.optimizer
+    before = [p.clone() for p in zero.single_partition_of_fp32_groups]
+    strategy.state_dict()  # a checkpoint's template, as the room check before the first save takes it
+    after = zero.single_partition_of_fp32_groups
+    moments = [t for s in zero.optimizer.state.values() for k, t in s.items() if k.startswith("exp_avg")]
+    print(json.dumps({"groups": [g["weight_decay"] for g in zero.optimizer.param_groups], "moments": len(moments),
+                      "moved": max((a - b).abs().max().item() for a, b in zip(after, before, strict=True)),
+                      "moment": max(t.abs().max().item() for t in moments)}), flush=True)
+    strategy.teardown()
+from launcher.worker.lifecycle import exit_now
+exit_now(0)
+"""
+
+
+def test_a_template_before_the_first_step_moves_no_weight_and_no_moment(tmp_path: Path) -> None:
+    """ZeRO-1/2 with the optimizer offloaded: the optimizer state a checkpoint's template needs before the first step
+    (the room check before the first save takes one) is made by a step of zero gradients at learning rate 0 that
+    leaves every fp32 master as it was, in the group without weight decay and in the one with it (which a step of
+    every group at its own learning rate decayed), and every moment zero (Adam adds weight decay to the gradient)."""
+    import json
+
+    one_rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    env = clean_env(tmp_path) | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"} | one_rank
+    proc = subprocess.run(
+        [sys.executable, "-c", TEMPLATE, str(tmp_path / "pg")],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2, proc.stdout
+    for result in results:  # ZeRO-2 with AdamW, ZeRO-1 with Adam
+        assert result["groups"] == [0.0, 0.1] and result["moments"] == 4, result
+        assert result["moved"] == 0.0 and result["moment"] == 0.0, result
+
+
 @pytest.mark.unit
 def test_an_op_check_keeps_what_the_compiler_prints_off_the_terminal(capfd: pytest.CaptureFixture[str]) -> None:
     """Without libaio, DeepSpeed's check of its async I/O op runs the compiler, which logs its command lines and

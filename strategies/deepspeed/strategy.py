@@ -125,12 +125,8 @@ class DeepSpeed:
         )
 
     def conformance(self) -> Conformance:
-        # DeepSpeed's CPU Adam kernel steps the offloaded optimizer: the same update, rounded differently.
-        # ZeRO-1/2 offload with parameter groups of different weight decays (the default): 8.8e-6 after one step on the
-        # tiny GPT, DeepSpeed's (exact with one weight decay, or none); said at start (`check`).
-        offload = 1e-4 if self.stage < 3 else 1e-5
-        return Conformance(tolerance=offload if self.offload_optimizer != "none" else 1e-6,
-                           comm_slack=0.06 if self.stage >= 3 else 0.02)  # fmt: skip
+        # Torch's tolerance, offloaded too: DeepSpeed's CPU Adam kernel rounds the same update differently, within it.
+        return Conformance(comm_slack=0.06 if self.stage >= 3 else 0.02)
 
     def check(self, ctx: RunContext, model: nn.Module) -> str | None:
         if ctx.compile:
@@ -182,21 +178,14 @@ class DeepSpeed:
         build_ds_config(ctx, self.stage, self.offload_optimizer, self.offload_params, self.nvme_path, self.ds_config)
         if "nvme" in (self.offload_optimizer, self.offload_params):
             self._check_nvme(ctx, sum(p.numel() for p in model.parameters()))
-        notes = []
-        if self.offload_optimizer != "none" and self.stage < 3:
-            notes.append(
-                f"ZeRO-{self.stage} with its optimizer offloaded steps parameter groups of different weight decays "
-                "(the default: none on biases, norms and embeddings) up to about 1e-5 off one process (DeepSpeed's "
-                "CPU offload); strategy=zero3_offload, or one weight decay (optim.no_decay=false), follow it to 1e-6"
-            )
-        if ctx.no_grad:
-            notes.append(
-                f"ZeRO-{self.stage} gives every parameter a gradient, zero where it got none: these are stepped in a "
-                "group without weight decay, so while they get none they stay as they are; one that gets a gradient in "
-                "some steps and none in others moves in the others too (its optimizer moments are no longer zero) and "
-                "is never decayed, unlike under ddp and fsdp"
-            )
-        return "; ".join(notes) or None
+        if not ctx.no_grad:
+            return None
+        return (
+            f"ZeRO-{self.stage} gives every parameter a gradient, zero where it got none: these are stepped in a group "
+            "without weight decay, so while they get none they stay as they are; one that gets a gradient in some "
+            "steps and none in others moves in the others too (its optimizer moments are no longer zero) and is never "
+            "decayed, unlike under ddp and fsdp"
+        )
 
     def _check_nvme(self, ctx: RunContext, params: int) -> None:
         path = self.nvme_path
