@@ -26,13 +26,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = str(Path(sys.executable).parent / "launch")
 WINDOW = 5
+TINY_JOB = ["model=gpt_tiny", "data=synthetic", "trainer.eval_every=0", "trainer.progress=false", "logger=none"]
+"""The job the benches time: the tiny GPT on random tokens, no evaluation, no logger but metrics.jsonl."""
 
 
 def launch_rows(overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
     """`launch` with `overrides` on 2 CPU ranks, random tokens, no evaluation and no logger but metrics.jsonl, in
     `run_dir`: the rows of its metrics.jsonl."""
-    job = ["model=gpt_tiny", "data=synthetic", "gpus=2", "device=cpu", "trainer.eval_every=0", "trainer.progress=false"]
-    argv = [LAUNCH, *job, *overrides, "logger=none", f"hydra.run.dir={run_dir}"]
+    argv = [LAUNCH, *TINY_JOB, "gpus=2", "device=cpu", *overrides, f"hydra.run.dir={run_dir}"]
     subprocess.run(argv, check=True, capture_output=True, cwd=run_dir.parent)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
