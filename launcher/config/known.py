@@ -136,14 +136,16 @@ def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] =
 
 
 def _schema_of(target: str, group: str) -> type | None:
-    """The schema of the built-in option whose `_target_` is `target` (a built-in data source or logger takes
-    `**keys` and reads them as its schema names them: `launcher.base.settings`), or None."""
-    from launcher.config.schema import SCHEMAS
+    """The schema of the built-in option whose `_target_` is `target`, as the group's stored schemas hold it (a
+    built-in data source or logger takes `**keys` and reads them as its schema names them:
+    `launcher.base.settings`), or None."""
+    from hydra.core.config_store import ConfigStore
 
-    for schema in SCHEMAS.get(group, {}).values():
-        default = next((f.default for f in dataclasses.fields(schema) if f.name == "_target_"), None)
-        if default == target:
-            return schema
+    for entry in ConfigStore.instance().repo.get(group, {}).values():
+        node = getattr(entry, "node", None)
+        schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if dataclasses.is_dataclass(schema) and node.get("_target_") == target:
+            return schema  # type: ignore[return-value]
     return None
 
 

@@ -1,7 +1,7 @@
 """data=text: your text files and your tokenizer, tokenized once, in the launcher, into a cache the workers map
 (the defaults of `Text` and `prepare` are the schema's, launcher/config/data_schema.py: `TextDataConfig`).
 
-`prepare` (called by the launcher before any worker starts, `launcher.parent.data_checks`) reads the files with
+`prepare` (called by the launcher before any worker starts, `launcher.data.checks`) reads the files with
 Hugging Face `datasets` (jsonl/json, parquet, txt, arrow, or a folder saved with `save_to_disk`), tokenizes every
 document with `datasets.map` in `data.tokenize_workers` processes, appends the EOS token to each, chooses the
 validation documents (a seeded fraction of whole documents, or `data.val_files`), and writes each split's token ids

@@ -1,7 +1,8 @@
 """The parent's checks of a frozen config, before any worker starts, in the order they run: each failure is a
-ConfigError (one line). Each concern's checks live beside it: the data's in `data_checks` (and a mixture's in
-`launcher.data.mix_check`), the model's and the optimizer's in `model_checks`, the evaluation's in `eval_checks`, the
-keys' in `launcher.config.known`, a strategy's in its own `check`; the resume's and the loggers' are here.
+ConfigError (one line). Each concern's checks live beside it: the data's in `launcher.data.checks` (and a mixture's
+in `launcher.data.mix_check`), the model's in `launcher.models.checks`, the optimizer's in `optim_checks`, the
+evaluation's in `eval_checks`, the keys' in `launcher.config.known`, a strategy's in its own `check`; the resume's and
+the loggers' are here.
 
 They take the model already built on the meta device (`launcher.models.meta`), so nothing here builds it again.
 """
@@ -17,9 +18,9 @@ from launcher.base.errors import failure
 from launcher.config import ConfigError
 from launcher.config.context import outside_moe_blocks
 from launcher.config.identity import sweep_identity
-from launcher.parent.data_checks import check_datasets, check_vocabulary, prepare_data
+from launcher.data.checks import check_datasets, check_vocabulary, prepare_data
+from launcher.models.checks import check_forward, vocabulary
 from launcher.parent.eval_checks import check_evaluation
-from launcher.parent.model_checks import check_forward
 from launcher.parent.optim_checks import check_optimizer
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def check_built(frozen: DictConfig, model: Any) -> list[str] | None:
     no_grad = check_forward(frozen, model, sample) if sample is not None else None
     _check_logger(frozen)
     check_evaluation(frozen)  # the metrics build, the early stop's figure is logged
-    check_vocabulary(frozen, model)
+    check_vocabulary(frozen, vocabulary(model))
     return None if no_grad is None else outside_moe_blocks(model, no_grad, frozen.strategy.get("moe_blocks"))
 
 
