@@ -148,3 +148,13 @@ def _meta_artefact(e: BaseException) -> str | None:
     if in_meta_kernel and ("dtype" in message or " type" in message):
         return "a meta kernel stricter about dtypes than the real one"
     return None
+
+
+def outside_moe_blocks(model: Any, names: list[str], explicit: Any) -> list[str]:
+    """`names` (parameters without a gradient) but those inside a mixture-of-experts block (`strategy.moe_blocks`, or
+    the blocks found): every strategy gives those one."""
+    from strategies.moe import moe_blocks
+
+    blocks = {id(m) for m in moe_blocks(model, None if explicit is None else [str(c) for c in explicit])}
+    inside = [path for path, m in model.named_modules() if id(m) in blocks]
+    return [n for n in names if not any(n.startswith(f"{path}.") for path in inside)]

@@ -151,6 +151,29 @@ def finish_failed() -> None:
     thread.join(FINISH_GRACE)
 
 
+def check_loggers(frozen: Any) -> None:
+    """Before any worker starts, in the launcher: each logger's own `check` of its settings, where it has one (the
+    built-in ones do: their package installed, their values, their server or folder reachable), without starting a
+    run. ConfigError (one line)."""
+    from omegaconf import OmegaConf
+
+    from launcher.base.errors import ConfigError, failure
+    from launcher.base.targets import locate
+    from launcher.config import target_nodes
+
+    for path, node in target_nodes(frozen, "logger"):
+        check = getattr(locate(str(node._target_)), "check", None)
+        if not callable(check):
+            continue
+        settings = {k: v for k, v in OmegaConf.to_container(node).items() if not str(k).startswith("_")}
+        try:
+            check(**settings)
+        except (ConnectionError, ImportError) as e:  # its package, its service: the message says what to do
+            raise ConfigError(str(e)) from e
+        except (TypeError, ValueError) as e:
+            raise failure("logger", e, f"fix the {path}.* values") from e
+
+
 def finish(logger: Any, status: str) -> None:
     """`logger.finish(status)` where its finish takes a status, else `logger.finish()` (a logger of the plain
     contract)."""
