@@ -28,6 +28,8 @@ def test_settings_are_read_only() -> None:
     assert (data.path, data.streaming) == ("json", False)
     with pytest.raises(AttributeError):
         data.path = "csv"  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="split was not given"):
+        data.split  # noqa: B018
 
 
 BUILT_IN = [(group, schema) for group in ("data", "logger") for schema in SCHEMAS[group].values()]
