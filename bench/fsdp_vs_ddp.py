@@ -15,14 +15,14 @@ strategies alternate within one invocation, so drifting machine load hits both a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-LAUNCH = str(Path(sys.executable).parent / "launch")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import launch_rows  # noqa: E402  (bench/ is scripts, not a package)
+
 MODELS = {  # name -> (n_layer, n_embd, n_head)
     "gpt_tiny (4 x 128)": (4, 128, 4),
     "gpt 12 x 512": (12, 512, 8),
@@ -47,33 +47,10 @@ def parameters(n_layer: int, n_embd: int, n_head: int) -> int:
 
 def run(overrides: list[str], shape: tuple[int, int, int], steps: int, out: Path) -> tuple[list[float], float]:
     n_layer, n_embd, n_head = shape
+    model = [f"model.n_layer={n_layer}", f"model.n_embd={n_embd}", f"model.n_head={n_head}"]
+    batch = ["data.seq_len=64", "batch.global_size=8", "batch.micro_size=2"]
     run_dir = out / f"run-{len(list(out.iterdir()))}"
-    subprocess.run(
-        [
-            LAUNCH,
-            *overrides,
-            "model=gpt_tiny",
-            f"model.n_layer={n_layer}",
-            f"model.n_embd={n_embd}",
-            f"model.n_head={n_head}",
-            "data=synthetic",
-            "data.seq_len=64",
-            "gpus=2",
-            "device=cpu",
-            "batch.global_size=8",
-            "batch.micro_size=2",
-            f"trainer.max_steps={steps}",
-            "trainer.log_every=1",
-            "trainer.eval_every=0",
-            "trainer.progress=false",
-            "logger=none",
-            f"hydra.run.dir={run_dir}",
-        ],
-        check=True,
-        capture_output=True,
-        cwd=out,
-    )
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = launch_rows([*overrides, *model, *batch, f"trainer.max_steps={steps}", "trainer.log_every=1"], run_dir)
     return [r["step_time_s"] for r in rows[1:]], rows[-1]["model_state_bytes"]
 
 

@@ -21,39 +21,29 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = str(Path(sys.executable).parent / "launch")
 WINDOW = 5
+TINY_JOB = ["model=gpt_tiny", "data=synthetic", "trainer.eval_every=0", "trainer.progress=false", "logger=none"]
+"""The job the benches time: the tiny GPT on random tokens, no evaluation, no logger but metrics.jsonl."""
+
+
+def launch_rows(overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
+    """`launch` with `overrides` on 2 CPU ranks, random tokens, no evaluation and no logger but metrics.jsonl, in
+    `run_dir`: the rows of its metrics.jsonl."""
+    argv = [LAUNCH, *TINY_JOB, "gpus=2", "device=cpu", *overrides, f"hydra.run.dir={run_dir}"]
+    subprocess.run(argv, check=True, capture_output=True, cwd=run_dir.parent)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def run_launch(steps: int, out: Path, log_every: int = WINDOW) -> tuple[float, list[float], dict[str, float]]:
     """Start to the end of the first optimizer step, the windows' step times, and the start-up's parts (`startup`)."""
     run_dir = out / f"launch-{time.monotonic_ns()}"
     started = time.time()
-    subprocess.run(
-        [
-            LAUNCH,
-            "strategy=ddp",
-            "model=gpt_tiny",
-            "data=synthetic",
-            "data.seq_len=128",
-            "gpus=2",
-            "device=cpu",
-            "batch.global_size=32",
-            "batch.micro_size=4",
-            f"trainer.max_steps={steps}",
-            f"trainer.log_every={log_every}",
-            "trainer.eval_every=0",
-            "trainer.progress=false",
-            "logger=none",
-            f"hydra.run.dir={run_dir}",
-        ],
-        check=True,
-        capture_output=True,
-        cwd=out,
-    )
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = launch_rows(["strategy=ddp", "data.seq_len=128", "batch.global_size=32", "batch.micro_size=4",
+                        f"trainer.max_steps={steps}", f"trainer.log_every={log_every}"], run_dir)  # fmt: skip
     # The runner always logs step 1; the next row covers steps 2-5, then windows of 5 (or one row per step).
     windows = [r["step_time_s"] for r in rows[2 if log_every == WINDOW else WINDOW + 1 :]]
     return rows[0]["time"] - started, windows, startup(run_dir, started, rows[0])

@@ -24,20 +24,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from overhead import compare, report  # noqa: E402  (bench/ is scripts, not a package)
+from overhead import TINY_JOB, compare, report  # noqa: E402  (bench/ is scripts, not a package)
 
 LAUNCH = str(Path(sys.executable).parent / "launch")
-JOB = [
-    "model=gpt_tiny",
-    "data=synthetic",
-    "data.seq_len=64",
-    "batch.global_size=16",
-    "batch.micro_size=2",
-    "trainer.eval_every=0",
-    "trainer.warmup_steps=2",
-    "trainer.progress=false",
-    "logger=none",
-]
+JOB = [*TINY_JOB, "data.seq_len=64", "batch.global_size=16", "batch.micro_size=2", "trainer.warmup_steps=2"]
 COLUMNS = (
     "strategy",
     "world size",

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
 from torchmetrics import Metric
+from user_models import Images
 
 
 @dataclass
@@ -37,24 +37,9 @@ class NanoClassifier(nn.Module):
         return logits, loss
 
 
-class Images(Dataset):
-    """Seeded random images whose label is the channel with the largest mean (learnable, fixed per split)."""
-
-    def __init__(self, split: str, count: int, channels: int) -> None:
-        generator = torch.Generator().manual_seed(0 if split == "train" else 1)
-        self.images = torch.randn(count, channels, 6, 6, generator=generator)
-        self.labels = self.images.mean(dim=(2, 3)).argmax(dim=1)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.images[i], self.labels[i]
-
-
 def images(split: str, count: int = 64, val_count: int = 13, channels: int = 3) -> Images:
-    """`count` training images, and an odd number of validation images (`val_count`)."""
-    return Images(split, count if split == "train" else val_count, channels)
+    """`count` training images of 6 x 6, and an odd number of validation images (`val_count`)."""
+    return Images(split, count if split == "train" else val_count, 6, channels)
 
 
 def correct(output: tuple[torch.Tensor, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]) -> tuple:

@@ -4,11 +4,12 @@ s3fs's own tests use it), with the environment a run finds its credentials and e
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from launcher.base.environ import environ
 
 BUCKET = "launch-ckpt"
 SECRET = "s3cret-never-written-9f3a"
@@ -47,16 +48,10 @@ def s3_server() -> Iterator[S3]:
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_EC2_METADATA_DISABLED": "true",
     }
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
     try:
-        s3 = S3(env)
-        s3.fs().makedirs(BUCKET, exist_ok=True)  # moto keeps its buckets per process, across its servers
-        yield s3
+        with environ(env):
+            s3 = S3(env)
+            s3.fs().makedirs(BUCKET, exist_ok=True)  # moto keeps its buckets per process, across its servers
+            yield s3
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         server.stop()

@@ -4,11 +4,10 @@ refused in one line that shows the command to run instead."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
-from launcher.clusters import Job
-from launcher.config import ConfigError, Derived
+from launcher.clusters.local import Local
+from launcher.config import ConfigError
 
 PER_PROCESS = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")
 """Variables an elastic agent gives each worker process, and no node-level job gives a node."""
@@ -16,7 +15,9 @@ NODE_LEVEL = ("PET_NNODES", "SLURM_JOB_ID", "JOBSET_NAME")
 """A job around the process that sets RANK per node (a PyTorchJob pod's RANK is its node's)."""
 
 
-class Torchrun:
+class Torchrun(Local):
+    """Refused in `shape`; the rest is `Local`'s (a submission names no torchrun, and a launch stops before a job)."""
+
     name = "torchrun"
 
     def detected(self, env: Mapping[str, str]) -> bool:
@@ -35,12 +36,3 @@ class Torchrun:
             f"this process was started by torchrun or another elastic agent ({given}): launch starts its own workers "
             f"and replaces torchrun; run it once per node instead of torchrun: {command} ...your overrides"
         )
-
-    def job(self, rdzv: Any, derived: Derived, env: Mapping[str, str]) -> Job:
-        return Job(self.name)
-
-    def submission(self, argv: Sequence[str]) -> list[str]:
-        return []
-
-    def stopped(self, signum: int, previous: Callable[..., Any] | None) -> None:
-        pass

@@ -132,9 +132,9 @@ PROTOCOL = tuple(name for name, value in vars(Strategy).items() if callable(valu
 """The methods of `strategies.base.Strategy`."""
 
 
-def check_protocol(frozen: DictConfig) -> None:
+def check_protocol(frozen: DictConfig) -> Strategy:
     """The strategy implements the whole protocol (not one of the user's written to an older one), before anything
-    reads it: the planner, its own checks."""
+    reads it: the planner, its own checks. Returns it, made once for the planner."""
     strategy = make_strategy(frozen.strategy)
     missing = [name for name in PROTOCOL if not callable(getattr(strategy, name, None))]
     if missing:
@@ -142,6 +142,7 @@ def check_protocol(frozen: DictConfig) -> None:
             f"strategy {frozen.strategy._target_} lacks {', '.join(f'{m}()' for m in missing)} of the Strategy "
             "protocol (strategies/base.py): add them, e.g. collectives() returning the collectives of one step"
         )
+    return strategy
 
 
 def check_strategy(frozen: DictConfig, model: Any) -> Requirements:
@@ -154,14 +155,6 @@ def check_strategy(frozen: DictConfig, model: Any) -> Requirements:
     if frozen.derived.get("no_grad"):
         print(no_grad_line(frozen, model, clause if isinstance(clause, str) else None), flush=True)
     return strategy.requirements()
-
-
-def outside_moe_blocks(model: Any, names: list[str], explicit: Any) -> list[str]:
-    from strategies.moe import moe_blocks
-
-    blocks = {id(m) for m in moe_blocks(model, None if explicit is None else [str(c) for c in explicit])}
-    inside = [path for path, m in model.named_modules() if id(m) in blocks]
-    return [n for n in names if not any(n.startswith(f"{path}.") for path in inside)]
 
 
 def no_grad_line(frozen: DictConfig, model: Any, clause: str | None) -> str:

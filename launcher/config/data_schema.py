@@ -27,21 +27,42 @@ class DataFormat(Enum):
     """{"input_ids", "labels"}, labels unshifted: a Hugging Face causal LM shifts them itself."""
 
 
+# The fields every data option declares alike, each written once with its meaning (`launcher.config.reference`).
+
+
+def data_format() -> Any:
+    return field(
+        default=DataFormat.tuple,
+        metadata={"doc": "tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."},
+    )
+
+
+def loader_workers() -> Any:
+    return ranged(0, COUNT, identity=False, doc="DataLoader worker processes reading ahead of the loop (0: read in "
+                  "the loop); the same order either way.")  # fmt: skip
+
+
+def micro_batch_collate() -> Any:
+    return field(default_factory=CollateConfig, metadata={"doc": "The collate of a rank's micro-batch "
+                                                                 "(launcher/data/collate.py)."})  # fmt: skip
+
+
+def validation_sets() -> Any:
+    return launch_only(factory=dict, doc="Several validation sets, each under its name (logged as val/<name>/loss, "
+                       "val/<name>/<metric>): a data node of any source (`_target_` and its keys), or keys merged over "
+                       "this one (`+data.val.short.seq_len=64`); unset: the validation split of this data alone "
+                       "(val_loss, val/<metric>).")  # fmt: skip
+
+
 @dataclass
 class PySourceDataConfig:
     _target_: str = "launcher.data.builtin.PySource"
     seq_len: int = ranged(128, SIZE)
     val_fraction: float = ranged(0.05, FRACTION)
-    format: DataFormat = DataFormat.tuple
-    """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
-    workers: int = ranged(0, COUNT, identity=False)
-    """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
-    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
-    """The collate of a rank's micro-batch (launcher/data/collate.py)."""
-    val: dict[str, Any] = launch_only(factory=dict)
-    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
-    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
-    validation split of this data alone (val_loss, val/<metric>)."""
+    format: DataFormat = data_format()
+    workers: int = loader_workers()
+    collate: CollateConfig = micro_batch_collate()
+    val: dict[str, Any] = validation_sets()
     packing: bool = True
     """true: files end to end in full windows; false: one sample per file chunk, the last one padded (-100 targets)."""
 
@@ -52,16 +73,10 @@ class SyntheticDataConfig:
     seq_len: int = ranged(128, SIZE)
     vocab_size: int = ranged(256, SIZE)
     num_samples: int = ranged(16384, SIZE)
-    format: DataFormat = DataFormat.tuple
-    """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
-    workers: int = ranged(0, COUNT, identity=False)
-    """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
-    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
-    """The collate of a rank's micro-batch (launcher/data/collate.py)."""
-    val: dict[str, Any] = launch_only(factory=dict)
-    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
-    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
-    validation split of this data alone (val_loss, val/<metric>)."""
+    format: DataFormat = data_format()
+    workers: int = loader_workers()
+    collate: CollateConfig = micro_batch_collate()
+    val: dict[str, Any] = validation_sets()
 
 
 @dataclass
@@ -71,16 +86,10 @@ class TokensDataConfig:
     dtype: str = "uint16"
     seq_len: int = ranged(1024, SIZE)
     val_fraction: float = ranged(0.01, FRACTION)
-    format: DataFormat = DataFormat.tuple
-    """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
-    workers: int = ranged(0, COUNT, identity=False)
-    """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
-    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
-    """The collate of a rank's micro-batch (launcher/data/collate.py)."""
-    val: dict[str, Any] = launch_only(factory=dict)
-    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
-    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
-    validation split of this data alone (val_loss, val/<metric>)."""
+    format: DataFormat = data_format()
+    workers: int = loader_workers()
+    collate: CollateConfig = micro_batch_collate()
+    val: dict[str, Any] = validation_sets()
 
 
 @dataclass
@@ -111,16 +120,10 @@ class TextDataConfig:
     packing: bool = True
     """true: documents end to end, an EOS after each, in full windows; false: one sample per document chunk, the last
     one padded (-100 targets)."""
-    format: DataFormat = DataFormat.tuple
-    """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
-    workers: int = ranged(0, COUNT, identity=False)
-    """DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way."""
-    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
-    """The collate of a rank's micro-batch (launcher/data/collate.py)."""
-    val: dict[str, Any] = launch_only(factory=dict)
-    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
-    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
-    validation split of this data alone (val_loss, val/<metric>)."""
+    format: DataFormat = data_format()
+    workers: int = loader_workers()
+    collate: CollateConfig = micro_batch_collate()
+    val: dict[str, Any] = validation_sets()
     tokenize_workers: int = ranged(0, COUNT, identity=False)
     """Processes datasets.map tokenizes in (0: this one, with the tokenizer's own threads)."""
     cache_dir: str | None = launch_only(None)
@@ -133,12 +136,8 @@ class CustomDataConfig:
     +data.KEY=VALUE; +data.workers=N: DataLoader processes), and its collate."""
 
     _target_: str = MISSING
-    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
-    """The collate of a rank's micro-batch (launcher/data/collate.py)."""
-    val: dict[str, Any] = launch_only(factory=dict)
-    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
-    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
-    validation split of this data alone (val_loss, val/<metric>)."""
+    collate: CollateConfig = micro_batch_collate()
+    val: dict[str, Any] = validation_sets()
 
 
 @dataclass
@@ -171,12 +170,8 @@ class HFDataConfig:
     workers: int = ranged(0, COUNT, identity=False)
     """DataLoader worker processes reading ahead of the loop (0: read in the loop; a stream: at most one reader); the
     same order either way."""
-    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
-    """The collate of a rank's micro-batch (launcher/data/collate.py)."""
-    val: dict[str, Any] = launch_only(factory=dict)
-    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
-    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
-    validation split of this data alone (val_loss, val/<metric>)."""
+    collate: CollateConfig = micro_batch_collate()
+    val: dict[str, Any] = validation_sets()
     cache_dir: str | None = launch_only(None)
     """Where tokenized rows are kept; unset: ~/.cache/launch/hf (XDG_CACHE_HOME)."""
 
@@ -192,8 +187,7 @@ class StoreDataConfig:
     packing: bool = True
     """true: each shard's documents end to end, an EOS after each, in full windows; false: one sample per document
     chunk, the last one padded (-100 targets)."""
-    format: DataFormat = DataFormat.tuple
-    """tuple: (inputs, targets); hf: {input_ids, labels} for a Hugging Face causal LM as it is."""
+    format: DataFormat = data_format()
     vocab_size: int = "${launch_store_vocab:${data.url}}"  # type: ignore[assignment]
     """The ids the model must embed: the store's tokenizer's unless set higher; the built-in GPT's follows it."""
     tokenizer: str | None = None
@@ -203,12 +197,8 @@ class StoreDataConfig:
     themselves (more: a finer shuffle, more blocks read at a time)."""
     workers: int = ranged(2, COUNT, identity=False)
     """DataLoader processes per rank reading ahead of the loop (their fetches run while the step trains)."""
-    collate: CollateConfig = field(default_factory=lambda: CollateConfig())
-    """The collate of a rank's micro-batch (launcher/data/collate.py)."""
-    val: dict[str, Any] = launch_only(factory=dict)
-    """Several validation sets, each under its name (logged as val/<name>/loss, val/<name>/<metric>): a data node of
-    any source (`_target_` and its keys), or keys merged over this one (`+data.val.short.seq_len=64`); unset: the
-    validation split of this data alone (val_loss, val/<metric>)."""
+    collate: CollateConfig = micro_batch_collate()
+    val: dict[str, Any] = validation_sets()
     cache_dir: str | None = launch_only(None)
     """Where a remote store's blocks are cached on each node; unset: ~/.cache/launch/store."""
     cache_limit: Any = launch_only("10GB")

@@ -6,7 +6,7 @@ Each node's schema is read from the composed config itself (its dataclass), so a
 declared, with no list of keys kept here. Open, as before:
 - a node with a `_target_` (a group's option, data's collate, a pruner) takes what its target takes: `check_keys`
   holds a group's targets to their signatures once the config is frozen (a model or optimizer of your own,
-  `+model.KEY=VALUE`);
+  `+model.KEY=VALUE`), and a built-in one that takes `**keys` (a data source, a logger) to its schema's fields;
 - a node typed `dict` or `Any` (a DeepSpeed config, the loggers by name): its keys are its own;
 - Hydra's node (`hydra.*`), which is Hydra's to check.
 """
@@ -122,12 +122,31 @@ def _check_node_keys(node: Any, path: str, group: str, passed: tuple[str, ...] =
         parameters = inspect.signature(locate(target)).parameters.values()
     except (ImportError, TypeError, ValueError):  # not importable (derive says so) or no signature to read
         return
+    names = {
+        p.name for p in parameters if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    }
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return
-    names = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+        schema = _schema_of(target, group)  # a built-in target reads its keys from its node: its schema's fields
+        if schema is None:
+            return  # a target of your own that takes any key
+        names |= {f.name for f in dataclasses.fields(schema) if not f.name.startswith("_")}
     unknown = sorted(k for k in given if k not in names and k not in passed)
     if unknown:
         raise ConfigError(_not_taken(path, group, target, unknown, sorted(names - set(passed))))
+
+
+def _schema_of(target: str, group: str) -> type | None:
+    """The schema of the built-in option whose `_target_` is `target`, as the group's stored schemas hold it (a
+    built-in data source or logger takes `**keys` and reads them as its schema names them:
+    `launcher.base.settings`), or None."""
+    from hydra.core.config_store import ConfigStore
+
+    for entry in ConfigStore.instance().repo.get(group, {}).values():
+        node = getattr(entry, "node", None)
+        schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if dataclasses.is_dataclass(schema) and node.get("_target_") == target:
+            return schema  # type: ignore[return-value]
+    return None
 
 
 def _not_taken(path: str, group: str, target: str, unknown: list[str], takes: list[str]) -> str:

@@ -52,16 +52,17 @@ MICRO = Range(low=1, rule="a positive integer, or auto", words=("auto",), intege
 NODES = Range(low=1, rule="a positive integer, or MIN:MAX (an elastic job)", pattern=r"\d+:\d+", integer=True)
 
 
-def ranged(default: Any, valid: Range, identity: bool = True) -> Any:
-    """A field with its valid range; None (an unset optional) is always valid. `identity=False`: see `launch_only`."""
-    return field(default=default, metadata={"range": valid, "identity": identity})
+def ranged(default: Any, valid: Range, identity: bool = True, doc: str = "") -> Any:
+    """A field with its valid range; None (an unset optional) is always valid. `identity=False`: see `launch_only`.
+    `doc`: the meaning of a field that several schemas declare alike, written once (else its docstring says it)."""
+    return field(default=default, metadata={"range": valid, "identity": identity, "doc": doc})
 
 
-def launch_only(default: Any = None, factory: Any = None, valid: Range | None = None) -> Any:
+def launch_only(default: Any = None, factory: Any = None, valid: Range | None = None, doc: str = "") -> Any:
     """A field that changes how a run is launched, watched or kept (its length, logs, checkpoints, timeouts, world
     size), not what it computes from step to step: not part of its identity (`untracked`), so the same run resumes
     with another value. Every other field counts."""
-    metadata = {"range": valid, "identity": False}
+    metadata = {"range": valid, "identity": False, "doc": doc}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -18,8 +18,9 @@ from omegaconf import MISSING
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """A dataclass's field docstrings: the string literal right under each annotated field (and the class's own
-    docstring under the key "")."""
+    """A dataclass's field docstrings: the string literal right under each annotated field, else the `doc` its
+    declaration carries (a field several schemas share, `launcher.config.ranges`), and the class's own docstring under
+    the key ""."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {"": " ".join((ast.get_docstring(tree.body[0]) or "").split())}  # type: ignore[arg-type]
@@ -31,6 +32,9 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(after.value.value, str)
             ):
                 docs[node.target.id] = " ".join(after.value.value.split())
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.metadata.get("doc") and f.name not in docs:
+            docs[f.name] = " ".join(f.metadata["doc"].split())
     return docs
 
 

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from launcher.base.settings import Settings
+
 FORMATS = ("tuple", "hf")
 
 
@@ -108,7 +110,7 @@ def cache_dir() -> Path:
     return Path(base) / "launch"
 
 
-def PySource(split: str, *, seq_len: int, val_fraction: float, format: str, packing: bool) -> Dataset:
+def PySource(split: str, **keys: Any) -> Dataset:
     """Byte-level tokens of the running Python's standard-library .py files.
 
     Files are assigned to train or validation by a hash of their relative path, so the split is
@@ -116,18 +118,21 @@ def PySource(split: str, *, seq_len: int, val_fraction: float, format: str, pack
     packing=True: the files end to end, cut into windows of seq_len tokens (every sample full).
     packing=False: one sample per chunk of a document (a block of a file between blank lines: a function, a class),
     each document split at seq_len and its last chunk padded, so samples hold different numbers of real tokens (the
-    padded targets are -100). A whole file is rarely shorter than a chunk; a block often is.
+    padded targets are -100). A whole file is rarely shorter than a chunk; a block often is. `keys`: data=pysource's
+    (launcher/config/data_schema.py: `PySourceDataConfig`, their one place).
     """
+    data = Settings(**keys)
     root = Path(sysconfig.get_paths()["stdlib"])
-    tag = f"{sys.version_info[0]}.{sys.version_info[1]}-{zlib.crc32(str(root).encode()):08x}-{val_fraction:g}-v2"
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    tag = f"{version}-{zlib.crc32(str(root).encode()):08x}-{data.val_fraction:g}-v2"
     path = cache_dir() / f"pysource-{tag}-{split}.bin"
     spans = path.with_suffix(".spans.npy")
     if not (path.exists() and spans.exists()):
-        _build_pysource(root, val_fraction, path.parent, tag)
+        _build_pysource(root, data.val_fraction, path.parent, tag)
     tokens = _memmap(path, np.uint8)
-    if packing:
-        return TokenWindows(tokens, seq_len, format, source=path)
-    return DocumentChunks(tokens, np.load(spans), seq_len, format, source=path)
+    if data.packing:
+        return TokenWindows(tokens, data.seq_len, data.format, source=path)
+    return DocumentChunks(tokens, np.load(spans), data.seq_len, data.format, source=path)
 
 
 def _build_pysource(root: Path, val_fraction: float, out: Path, tag: str) -> None:
@@ -201,33 +206,37 @@ class DocumentChunks(Dataset):
         return chunk[:-1], targets
 
 
-def Synthetic(split: str, *, seq_len: int, vocab_size: int, num_samples: int, format: str) -> TokenWindows:
-    """Uniform random tokens from a fixed seed per split."""
-    n = num_samples if split == "train" else max(1, num_samples // 10)
+def Synthetic(split: str, **keys: Any) -> TokenWindows:
+    """Uniform random tokens from a fixed seed per split. `keys`: data=synthetic's (`SyntheticDataConfig`)."""
+    data = Settings(**keys)
+    n = data.num_samples if split == "train" else max(1, data.num_samples // 10)
     rng = np.random.default_rng(0 if split == "train" else 1)
-    dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
-    return TokenWindows(rng.integers(0, vocab_size, size=n * seq_len + 1, dtype=dtype), seq_len, format)
+    dtype = np.uint16 if data.vocab_size <= 2**16 else np.uint32
+    tokens = rng.integers(0, data.vocab_size, size=n * data.seq_len + 1, dtype=dtype)
+    return TokenWindows(tokens, data.seq_len, data.format)
 
 
-def Tokens(split: str, *, path: str, dtype: str, seq_len: int, val_fraction: float, format: str) -> TokenWindows:
-    """A flat file of token ids, memory-mapped; the last `val_fraction` of it is the validation split."""
-    if dtype not in ("uint16", "uint32"):
-        raise ValueError(f"data.dtype={dtype} is not supported; use uint16 or uint32")
-    file, item = os.path.expanduser(path), np.dtype(dtype).itemsize
+def Tokens(split: str, **keys: Any) -> TokenWindows:
+    """A flat file of token ids, memory-mapped; the last `val_fraction` of it is the validation split. `keys`:
+    data=tokens's (`TokensDataConfig`)."""
+    data = Settings(**keys)
+    if data.dtype not in ("uint16", "uint32"):
+        raise ValueError(f"data.dtype={data.dtype} is not supported; use uint16 or uint32")
+    file, item = os.path.expanduser(data.path), np.dtype(data.dtype).itemsize
     size = os.path.getsize(file)
     if size % item:
         raise ValueError(
-            f"data.path={path} holds {size} bytes, not a whole number of {dtype} tokens ({item} bytes each); "
-            "check data.dtype"
+            f"data.path={data.path} holds {size} bytes, not a whole number of {data.dtype} tokens ({item} bytes "
+            "each); check data.dtype"
         )
-    tokens = _split(_memmap(Path(file), np.dtype(dtype)), split, val_fraction)
-    if len(tokens) < seq_len + 1:
+    tokens = _split(_memmap(Path(file), np.dtype(data.dtype)), split, data.val_fraction)
+    if len(tokens) < data.seq_len + 1:
         raise ValueError(
-            f"data.path={path}: its {split} split holds {len(tokens)} tokens, which cannot make one sample of "
-            f"data.seq_len={seq_len} (+1 for the targets); lower data.seq_len or give a longer file"
+            f"data.path={data.path}: its {split} split holds {len(tokens)} tokens, which cannot make one sample of "
+            f"data.seq_len={data.seq_len} (+1 for the targets); lower data.seq_len or give a longer file"
             + (", or raise data.val_fraction" if split == "val" else "")
         )
-    return TokenWindows(tokens, seq_len, format, source=Path(file))
+    return TokenWindows(tokens, data.seq_len, data.format, source=Path(file))
 
 
 class GlobalBatches:

@@ -26,107 +26,69 @@ from pathlib import Path
 from typing import Any
 
 from launcher.base.errors import ConfigError
+from launcher.base.settings import Settings
 from launcher.data.builtin import cache_dir as launch_cache
 
 
-def HF(
-    role: str,
-    *,
-    path: str,
-    name: str | None,
-    split: str,
-    val_split: str | None,
-    val_fraction: float,
-    split_seed: int,
-    data_files: Any,
-    streaming: bool,
-    tokenizer: str | None,
-    text_field: str,
-    max_length: int | None,
-    columns: list[str] | None,
-    cache_dir: str | None,
-) -> Any:
+def HF(role: str, **keys: Any) -> Any:
     """The `role` ("train" or "val") of the dataset: a `datasets.Dataset`, or a `datasets.IterableDataset` when
-    streaming. (A data option with a `split` key of its own is called with the launcher's `role=`.)"""
-    keys = _Keys(path, name, split, val_split, val_fraction, split_seed, data_files, streaming, tokenizer, text_field,
-                 max_length, columns, cache_dir)  # fmt: skip
-    if streaming:
-        return keys.stream(role)
-    if tokenizer is None:
-        return keys.select(keys.rows(role))
+    streaming. `keys`: data=hf's (`HFDataConfig`). (A data option with a `split` key of its own is called with the
+    launcher's `role=`.)"""
+    reader = _Reader(keys)
+    data = reader.data
+    if data.streaming:
+        return reader.stream(role)
+    if data.tokenizer is None:
+        return reader.select(reader.rows(role))
     import datasets
 
-    folder = keys.cached()
+    folder = reader.cached()
     if folder is None:
         raise RuntimeError(
-            f"no tokenized cache of data.path={path} at {keys.folder()}: the launcher makes it before the workers "
-            "start; the dataset or the tokenizer changed since, launch again"
+            f"no tokenized cache of data.path={data.path} at {reader.folder()}: the launcher makes it before the "
+            "workers start; the dataset or the tokenizer changed since, launch again"
         )
     return datasets.load_from_disk(str(folder / role))
 
 
-def prepare(
-    *,
-    path: str,
-    name: str | None,
-    split: str,
-    val_split: str | None,
-    val_fraction: float,
-    split_seed: int,
-    data_files: Any,
-    streaming: bool,
-    tokenizer: str | None,
-    text_field: str,
-    max_length: int | None,
-    columns: list[str] | None,
-    cache_dir: str | None,
-    **_: Any,
-) -> None:
+def prepare(**keys: Any) -> None:
     """In the launcher, before any worker starts: the dataset loaded once (datasets caches its arrow files), its
     splits and fields checked (ConfigError naming the ones it has), and a map-style dataset tokenized once into the
-    cache, found there the next time (one line says which)."""
-    keys = _Keys(path, name, split, val_split, val_fraction, split_seed, data_files, streaming, tokenizer, text_field,
-                 max_length, columns, cache_dir)  # fmt: skip
-    if streaming:
-        first = next(iter(keys.load(split, True)), None)
+    cache, found there the next time (one line says which). `keys`: data=hf's (`HFDataConfig`)."""
+    reader = _Reader(keys)
+    data = reader.data
+    if data.streaming:
+        first = next(iter(reader.load(data.split, True)), None)
         if first is not None:
-            keys.check_fields(list(first), split)
+            reader.check_fields(list(first), data.split)
         return
-    rows = keys.rows("train")
-    keys.check_fields(rows.column_names, split)
-    if tokenizer is None:
-        keys.rows("val") if val_split else None  # its split checked here, not in the workers
+    rows = reader.rows("train")
+    reader.check_fields(rows.column_names, data.split)
+    if data.tokenizer is None:
+        reader.rows("val") if data.val_split else None  # its split checked here, not in the workers
         return
-    if keys.cached() is not None:
-        print(f"launch: data: found the tokenized rows of data.path={path} in the cache {keys.folder()}", flush=True)
+    if reader.cached() is not None:
+        print(
+            f"launch: data: found the tokenized rows of data.path={data.path} in the cache {reader.folder()}",
+            flush=True,
+        )
         return
-    keys.tokenize_into_cache()
+    reader.tokenize_into_cache()
 
 
 HF.prepare = prepare  # type: ignore[attr-defined]  # what the launcher runs once before the workers start
 
 
-class _Keys:
-    """One data=hf configuration, and what it reads."""
+class _Reader:
+    """One data=hf configuration (`data`: its settings), and what it reads."""
 
-    def __init__(
-        self, path: str, name: str | None, split: str, val_split: str | None, val_fraction: float, split_seed: int,
-        data_files: Any, streaming: bool, tokenizer: str | None, text_field: str, max_length: int | None,
-        columns: list[str] | None, cache_dir: str | None,
-    ) -> None:  # fmt: skip
+    def __init__(self, keys: dict[str, Any]) -> None:
         from omegaconf import OmegaConf
 
+        data_files, columns = keys.get("data_files"), keys.get("columns")
         if OmegaConf.is_config(data_files):  # as Hydra hands it to the target: datasets wants plain values
             data_files = OmegaConf.to_container(data_files)
-        self.path, self.name, self.split, self.val_split = path, name, split, val_split
-        self.val_fraction, self.split_seed, self.data_files, self.streaming = (
-            val_fraction,
-            split_seed,
-            data_files,
-            streaming,
-        )
-        self.tokenizer, self.text_field, self.max_length = tokenizer, text_field, max_length
-        self.columns, self.cache_dir = list(columns) if columns else None, cache_dir
+        self.data = Settings(**keys | {"data_files": data_files, "columns": list(columns) if columns else None})
 
     def load(self, split: str, streaming: bool) -> Any:
         """`load_dataset` of one split; ConfigError (one line) for a path, configuration or split it does not find.
@@ -139,13 +101,15 @@ class _Keys:
             datasets.disable_progress_bars()
         try:
             return datasets.load_dataset(
-                self.path, self.name, split=split, data_files=self.data_files, streaming=streaming
+                self.data.path, self.data.name, split=split, data_files=self.data.data_files, streaming=streaming
             )
         except ValueError as e:
             if "Unknown split" not in str(e):
                 raise _failed(self, e) from e
-            key = "data.split" if split == self.split else "data.val_split"
-            raise ConfigError(f"{key}={split} is not a split of data.path={self.path}: it has {self._splits()}") from e
+            key = "data.split" if split == self.data.split else "data.val_split"
+            raise ConfigError(
+                f"{key}={split} is not a split of data.path={self.data.path}: it has {self._splits()}"
+            ) from e
         except Exception as e:
             raise _failed(self, e) from e
 
@@ -153,46 +117,50 @@ class _Keys:
         import datasets
 
         try:
-            return ", ".join(datasets.get_dataset_split_names(self.path, self.name, data_files=self.data_files))
+            return ", ".join(
+                datasets.get_dataset_split_names(self.data.path, self.data.name, data_files=self.data.data_files)
+            )
         except Exception:
             return "other splits"
 
     def rows(self, role: str) -> Any:
         """The map-style rows of `role`: its split, or its part of the training split."""
-        if self.val_split:
-            return self.load(self.val_split if role == "val" else self.split, False)
-        parts = self.load(self.split, False).train_test_split(test_size=self.val_fraction, seed=self.split_seed)
+        if self.data.val_split:
+            return self.load(self.data.val_split if role == "val" else self.data.split, False)
+        parts = self.load(self.data.split, False).train_test_split(
+            test_size=self.data.val_fraction, seed=self.data.split_seed
+        )
         return parts["test" if role == "val" else "train"]
 
     def stream(self, role: str) -> Any:
         """The stream of `role` (a stream has no length to carve a fraction from: validation is its own split)."""
-        if role == "val" and not self.val_split:
+        if role == "val" and not self.data.val_split:
             raise ConfigError(
-                f"data.streaming=true: data.path={self.path} has no validation split to draw from a stream; name one "
-                "(data.val_split=...) or set trainer.eval_every=0"
+                f"data.streaming=true: data.path={self.data.path} has no validation split to draw from a stream; name "
+                "one (data.val_split=...) or set trainer.eval_every=0"
             )
-        rows = self.load(self.val_split if role == "val" else self.split, True)
-        if self.tokenizer is not None:
+        rows = self.load(self.data.val_split if role == "val" else self.data.split, True)
+        if self.data.tokenizer is not None:
             from launcher.data.tokenizer import load_tokenizer
 
-            rows = rows.map(_Encode(load_tokenizer(self.tokenizer), self.text_field, self.max_length), batched=True,
-                            remove_columns=[self.text_field])  # fmt: skip
+            encode = _Encode(load_tokenizer(self.data.tokenizer), self.data.text_field, self.data.max_length)
+            rows = rows.map(encode, batched=True, remove_columns=[self.data.text_field])
         return self.select(rows)
 
     def select(self, rows: Any) -> Any:
-        return rows.select_columns(self.columns) if self.columns else rows
+        return rows.select_columns(self.data.columns) if self.data.columns else rows
 
     def check_fields(self, fields: list[str], split: str) -> None:
         """data.text_field (with a tokenizer) and data.columns name fields the rows have."""
-        wanted = ([self.text_field] if self.tokenizer else []) + [
-            c for c in self.columns or [] if not self.tokenizer or c not in ("input_ids", "attention_mask")
+        wanted = ([self.data.text_field] if self.data.tokenizer else []) + [
+            c for c in self.data.columns or [] if not self.data.tokenizer or c not in ("input_ids", "attention_mask")
         ]
         missing = [f for f in wanted if f not in fields]
         if missing:
-            key = "data.text_field" if missing[0] == self.text_field and self.tokenizer else "data.columns"
+            key = "data.text_field" if missing[0] == self.data.text_field and self.data.tokenizer else "data.columns"
             raise ConfigError(
-                f"{key}: the rows of data.path={self.path} (split {split}) have no field {missing[0]!r}; they have "
-                f"{', '.join(fields)}"
+                f"{key}: the rows of data.path={self.data.path} (split {split}) have no field {missing[0]!r}; they "
+                f"have {', '.join(fields)}"
             )
 
     def key(self) -> dict[str, Any]:
@@ -202,18 +170,18 @@ class _Keys:
         base = self.rows("train")
         return {
             "format": 1,
-            "rows": [base._fingerprint, self.load(self.val_split, False)._fingerprint] if self.val_split else
+            "rows": [base._fingerprint, self.load(self.data.val_split, False)._fingerprint] if self.data.val_split else
             [base._fingerprint],
-            "split": [self.split, self.val_split, self.val_fraction, self.split_seed],
-            "tokenizer": tokenizer_hash(Path(os.path.expanduser(str(self.tokenizer)))),
-            "text_field": self.text_field,
-            "max_length": self.max_length,
-            "columns": self.columns,
+            "split": [self.data.split, self.data.val_split, self.data.val_fraction, self.data.split_seed],
+            "tokenizer": tokenizer_hash(Path(os.path.expanduser(str(self.data.tokenizer)))),
+            "text_field": self.data.text_field,
+            "max_length": self.data.max_length,
+            "columns": self.data.columns,
         }  # fmt: skip
 
     def folder(self, key: dict[str, Any] | None = None) -> Path:
         digest = hashlib.sha256(json.dumps(key or self.key(), sort_keys=True).encode()).hexdigest()[:24]
-        root = Path(os.path.expanduser(self.cache_dir)) if self.cache_dir else launch_cache() / "hf"
+        root = Path(os.path.expanduser(self.data.cache_dir)) if self.data.cache_dir else launch_cache() / "hf"
         return root / digest
 
     def cached(self) -> Path | None:
@@ -236,12 +204,12 @@ class _Keys:
 
         key = self.key()
         folder, started = self.folder(key), time.monotonic()
-        encode = _Encode(load_tokenizer(str(self.tokenizer)), self.text_field, self.max_length)
+        encode = _Encode(load_tokenizer(str(self.data.tokenizer)), self.data.text_field, self.data.max_length)
         partial = partial_folder(folder)
         try:
             counts = {}
             for role in ("train", "val"):
-                rows = self.rows(role).map(encode, batched=True, remove_columns=[self.text_field])
+                rows = self.rows(role).map(encode, batched=True, remove_columns=[self.data.text_field])
                 self.select(rows).save_to_disk(str(partial / role))
                 counts[role] = len(rows)
             write_durably(partial / "manifest.json", json.dumps({"key": key, "rows": counts}))
@@ -253,7 +221,7 @@ class _Keys:
             raise
         print(
             f"launch: data: tokenized {counts['train']:,} train and {counts['val']:,} validation rows of "
-            f"data.path={self.path} in {time.monotonic() - started:.1f} s into the cache {folder}",
+            f"data.path={self.data.path} in {time.monotonic() - started:.1f} s into the cache {folder}",
             flush=True,
         )
 
@@ -270,10 +238,10 @@ class _Encode:
         return dict(self.tok(texts, return_token_type_ids=False, **truncate))
 
 
-def _failed(keys: _Keys, e: BaseException) -> ConfigError:
+def _failed(reader: _Reader, e: BaseException) -> ConfigError:
     message = " ".join(str(e).split())[:300] or type(e).__name__
-    where = f"data.path={keys.path}" + (f" data.name={keys.name}" if keys.name else "")
-    files = f" data.data_files={keys.data_files}" if keys.data_files else ""
+    where = f"data.path={reader.data.path}" + (f" data.name={reader.data.name}" if reader.data.name else "")
+    files = f" data.data_files={reader.data.data_files}" if reader.data.data_files else ""
     return ConfigError(
         f"{where}{files} does not load ({type(e).__name__}: {message}); give a local folder or files (e.g. "
         "data.path=json data.data_files=train.jsonl), or a snapshot folder of the local Hub cache"

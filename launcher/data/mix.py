@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from launcher.base.device import to_device
 from launcher.data.builtin import GlobalBatches, build_dataset, rank_micro_batches
-from launcher.data.collate import Collate, to_device
+from launcher.data.collate import Collate
 from launcher.data.mix_weights import SOURCE_KEYS, MixError, Weights, allocate, check_sources
 from launcher.data.sources import StepData, Stream, _json_state, is_stream, resumes_by_state
 

@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from launcher.base.device import to_device
 from launcher.data.builtin import GlobalBatches, rank_micro_batches
-from launcher.data.collate import Collate, to_device
+from launcher.data.collate import Collate
 
 
 @dataclass

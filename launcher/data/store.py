@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import Dataset
 
 from launcher.base.errors import ConfigError
+from launcher.base.settings import Settings
 from launcher.base.storage import masked
 from launcher.data.builtin import FORMATS, cache_dir
 
@@ -215,39 +216,35 @@ def fetched(where: Any, start: int, size: int, digest: str, what: str) -> bytes:
 class Store(Dataset):
     """One split of a token store, by index: packed windows or padded document chunks, read block by block."""
 
-    def __init__(
-        self,
-        split: str,
-        *,
-        url: str,
-        seq_len: int,
-        packing: bool,
-        format: str,
-        vocab_size: int | None,
-        tokenizer: str | None,
-        cache_dir: str | None,
-        cache_limit: Any,
-        shuffle_blocks: int,
-    ) -> None:
-        if format not in FORMATS:
-            raise ValueError(f"data.format={format} is not one of {', '.join(FORMATS)}")
-        manifest = read_manifest(str(url))
-        if tokenizer is not None:
-            _check_tokenizer(manifest, tokenizer, url)
-        self.url, self.split, self.seq_len, self.packing, self.format = str(url), split, seq_len, packing, format
-        self.shuffle_blocks = shuffle_blocks
+    def __init__(self, split: str, **keys: Any) -> None:
+        """`keys`: data=store's (launcher/config/data_schema.py: `StoreDataConfig`, their one place)."""
+        data = Settings(**keys)
+        if data.format not in FORMATS:
+            raise ValueError(f"data.format={data.format} is not one of {', '.join(FORMATS)}")
+        url = str(data.url)
+        manifest = read_manifest(url)
+        if data.tokenizer is not None:
+            _check_tokenizer(manifest, data.tokenizer, url)
+        self.url, self.split, self.seq_len, self.packing, self.format = (
+            url,
+            split,
+            data.seq_len,
+            data.packing,
+            data.format,
+        )
+        self.shuffle_blocks = data.shuffle_blocks
         self.dtype, self.block_bytes = np.dtype(manifest["dtype"]), int(manifest["block_bytes"])
         self.shards = [s for s in manifest["shards"] if s["splits"][split]["tokens"] > 0]
         self.location = open_location(self.url)
         self.remote = not isinstance(self.location, Path)
-        limit = parse_bytes(cache_limit, "data.cache_limit")
+        limit = parse_bytes(data.cache_limit, "data.cache_limit")
         if self.remote and limit < 2 * self.block_bytes:
             raise ConfigError(
-                f"data.cache_limit={cache_limit} holds fewer than two of the store's blocks of {self.block_bytes:,} "
-                f"bytes; raise it (each rank reads a few blocks at a time), e.g. data.cache_limit="
+                f"data.cache_limit={data.cache_limit} holds fewer than two of the store's blocks of "
+                f"{self.block_bytes:,} bytes; raise it (each rank reads a few blocks at a time), e.g. data.cache_limit="
                 f"{max(1, 64 * self.block_bytes // 10**6)}MB"
             )
-        root = Path(os.path.expanduser(cache_dir)) if cache_dir else cache_dir_default()
+        root = Path(os.path.expanduser(data.cache_dir)) if data.cache_dir else cache_dir_default()
         self.cache = BlockCache(root / manifest["key"][:24], limit, self.location) if self.remote else None
         self.verified: set[tuple[str, int]] = set()
         self._counts()

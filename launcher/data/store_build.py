@@ -45,8 +45,7 @@ def prepare_store(data: Any, out: str, part: tuple[int, int] | None, block_bytes
             "data.val_files: launch prepare draws data.val_fraction of each file's documents as validation; unset "
             "data.val_files"
         )
-    corpus = Corpus.of(data.files, None, data.tokenizer, data.text_field, data.val_fraction, data.split_seed,
-                       data.eos_token, data.txt_sample_by)  # fmt: skip
+    corpus = Corpus.of(data)  # data.val_files unset: a fraction of each file's documents
     where = open_location(out)
     tok = load_tokenizer(data.tokenizer)
     eos = eos_id(tok, data.tokenizer, data.eos_token)

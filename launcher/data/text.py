@@ -1,7 +1,7 @@
 """data=text: your text files and your tokenizer, tokenized once, in the launcher, into a cache the workers map
 (the defaults of `Text` and `prepare` are the schema's, launcher/config/data_schema.py: `TextDataConfig`).
 
-`prepare` (called by the launcher before any worker starts, `launcher.parent.data_checks`) reads the files with
+`prepare` (called by the launcher before any worker starts, `launcher.data.checks`) reads the files with
 Hugging Face `datasets` (jsonl/json, parquet, txt, arrow, or a folder saved with `save_to_disk`), tokenizes every
 document with `datasets.map` in `data.tokenize_workers` processes, appends the EOS token to each, chooses the
 validation documents (a seeded fraction of whole documents, or `data.val_files`), and writes each split's token ids
@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 
 from launcher.base.durable import fsync_dir, write_durably
 from launcher.base.errors import ConfigError
+from launcher.base.settings import Settings
 from launcher.base.storage import is_url
 from launcher.data.builtin import DocumentChunks, TokenWindows, _memmap, cache_dir, largest_id
 from launcher.data.tokenizer import eos_id, load_tokenizer, tokenizer_hash
@@ -44,88 +45,61 @@ SAVED = ("state.json", "dataset_dict.json")
 """A folder holding one of these was written by `save_to_disk`: read with `datasets.load_from_disk`."""
 
 
-def Text(
-    split: str,
-    *,
-    files: Any,
-    tokenizer: str,
-    text_field: str,
-    val_files: Any,
-    val_fraction: float,
-    split_seed: int,
-    eos_token: str | None,
-    txt_sample_by: str,
-    vocab_size: int | None,
-    seq_len: int,
-    packing: bool,
-    format: str,
-    tokenize_workers: int,
-    cache_dir: str | None,
-) -> Dataset:
-    """The `split` of the tokenized corpus, memory-mapped from the cache `prepare` built; never tokenizes.
+def Text(split: str, **keys: Any) -> Dataset:
+    """The `split` of the tokenized corpus, memory-mapped from the cache `prepare` built; never tokenizes. `keys`:
+    data=text's (`TextDataConfig`).
 
     packing=True: documents end to end (an EOS after each), cut into windows of seq_len + 1 tokens. packing=False:
     one sample per chunk of a document, its last chunk padded (targets -100), as `data=pysource data.packing=false`.
     """
-    corpus = Corpus.of(files, val_files, tokenizer, text_field, val_fraction, split_seed, eos_token, txt_sample_by)
+    data = Settings(**keys)
+    corpus = Corpus.of(data)
     key = corpus.key()
-    folder = corpus.folder(cache_dir, key)
+    folder = corpus.folder(data.cache_dir, key)
     manifest = complete(folder, key)
     if manifest is None:
         raise RuntimeError(
-            f"no complete token cache for data.files={files} at {folder}: the launcher builds it before the workers "
-            "start; a file or the tokenizer changed since, launch again"
+            f"no complete token cache for data.files={data.files} at {folder}: the launcher builds it before the "
+            "workers start; a file or the tokenizer changed since, launch again"
         )
     dtype = np.dtype(manifest["dtype"])
     tokens, source = _memmap(folder / f"{split}.bin", dtype), folder / f"{split}.bin"
-    if packing:
-        return TokenWindows(tokens, seq_len, format, source=source)
-    return DocumentChunks(tokens, np.load(folder / f"{split}.spans.npy"), seq_len, format, source=source)
+    if data.packing:
+        return TokenWindows(tokens, data.seq_len, data.format, source=source)
+    spans = np.load(folder / f"{split}.spans.npy")
+    return DocumentChunks(tokens, spans, data.seq_len, data.format, source=source)
 
 
-def prepare(
-    *,
-    files: Any,
-    tokenizer: str,
-    text_field: str,
-    val_files: Any,
-    val_fraction: float,
-    split_seed: int,
-    eos_token: str | None,
-    txt_sample_by: str,
-    vocab_size: int | None,
-    tokenize_workers: int,
-    cache_dir: str | None,
-    **_: Any,
-) -> Path:
+def prepare(**keys: Any) -> Path:
     """In the launcher, before any worker starts: the cache folder of this corpus, found or built (one line says
     which). ConfigError (one line) for files that match nothing or lack the text field, a tokenizer that does not
-    load or has no EOS token, and a data.vocab_size below the tokenizer's."""
-    corpus = Corpus.of(files, val_files, tokenizer, text_field, val_fraction, split_seed, eos_token, txt_sample_by)
+    load or has no EOS token, and a data.vocab_size below the tokenizer's. `keys`: data=text's (`TextDataConfig`)."""
+    data = Settings(**keys)
+    corpus = Corpus.of(data)
     key = corpus.key()
-    folder = corpus.folder(cache_dir, key)
+    folder = corpus.folder(data.cache_dir, key)
     manifest = complete(folder, key)
     if manifest is not None:
-        _check_vocab_size(vocab_size, manifest["vocab_size"], tokenizer)
+        _check_vocab_size(data.vocab_size, manifest["vocab_size"], data.tokenizer)
         print(f"launch: data: found the tokens of {_summary(manifest)} in the cache {folder}", flush=True)
         return folder
     from launcher.data.text_build import build, check_field
 
     for path in (*corpus.train, *corpus.val):
-        check_field(path, reader(path), text_field)
-    tok = load_tokenizer(tokenizer)
-    _check_vocab_size(vocab_size, len(tok), tokenizer)
+        check_field(path, reader(path), data.text_field)
+    tok = load_tokenizer(data.tokenizer)
+    _check_vocab_size(data.vocab_size, len(tok), data.tokenizer)
 
-    eos, partial = eos_id(tok, tokenizer, eos_token), partial_folder(folder)
+    eos, partial = eos_id(tok, data.tokenizer, data.eos_token), partial_folder(folder)
     try:
-        manifest = build(corpus, partial, tok, eos, tokenize_workers)
+        manifest = build(corpus, partial, tok, eos, data.tokenize_workers)
         publish(partial, folder, manifest)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     print(
         f"launch: data: tokenized {_summary(manifest)} at {manifest['tokens_per_second']:,.0f} tokens/s "
-        f"({tokenize_workers} worker process(es)) into the cache {folder}",
+        f"({data.tokenize_workers} worker process(es)) into the cache {folder}",
         flush=True,
     )
     return folder
@@ -162,23 +136,21 @@ class Corpus:
     settings: dict[str, Any]
 
     @classmethod
-    def of(
-        cls, files: Any, val_files: Any, tokenizer: str, text_field: str, val_fraction: float, split_seed: int,
-        eos_token: str | None, txt_sample_by: str,
-    ) -> Corpus:  # fmt: skip
-        path = Path(os.path.expanduser(str(tokenizer)))
+    def of(cls, data: Any) -> Corpus:
+        """The corpus data=text's settings name (`data.files`, `data.tokenizer`...: a config node or `Settings`)."""
+        path = Path(os.path.expanduser(str(data.tokenizer)))
         if not path.exists():
             raise ConfigError(
-                f"data.tokenizer={tokenizer} does not exist; point it at a local tokenizer folder (what "
+                f"data.tokenizer={data.tokenizer} does not exist; point it at a local tokenizer folder (what "
                 "AutoTokenizer.from_pretrained loads, e.g. a model's folder copied from the Hub) or a tokenizer.json"
             )
-        if txt_sample_by not in ("document", "paragraph", "line"):
-            raise ConfigError(f"data.txt_sample_by={txt_sample_by} is not one of document, paragraph, line")
-        val = expand(val_files, "data.val_files") if val_files else ()
-        settings = {"text_field": text_field, "eos_token": eos_token, "txt_sample_by": txt_sample_by}
+        if data.txt_sample_by not in ("document", "paragraph", "line"):
+            raise ConfigError(f"data.txt_sample_by={data.txt_sample_by} is not one of document, paragraph, line")
+        val = expand(data.val_files, "data.val_files") if data.val_files else ()
+        settings = {"text_field": data.text_field, "eos_token": data.eos_token, "txt_sample_by": data.txt_sample_by}
         if not val:
-            settings |= {"val_fraction": val_fraction, "split_seed": split_seed}
-        return cls(expand(files, "data.files"), val, path.resolve(), settings)
+            settings |= {"val_fraction": data.val_fraction, "split_seed": data.split_seed}
+        return cls(expand(data.files, "data.files"), val, path.resolve(), settings)
 
     def key(self) -> dict[str, Any]:
         """Everything the token ids depend on; the cache folder is named by its hash."""

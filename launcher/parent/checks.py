@@ -1,7 +1,8 @@
 """The parent's checks of a frozen config, before any worker starts, in the order they run: each failure is a
-ConfigError (one line). Each concern's checks live beside it: the data's in `data_checks` (and a mixture's in
-`launcher.data.mix_check`), the model's and the optimizer's in `model_checks`, the evaluation's in `eval_checks`, the
-keys' in `launcher.config.known`, a strategy's in its own `check`; the resume's and the loggers' are here.
+ConfigError (one line). Each concern's checks live beside it: the data's in `launcher.data.checks` (and a mixture's
+in `launcher.data.mix_check`), the model's in `launcher.models.checks`, the optimizer's in `optim_checks`, the
+evaluation's in `eval_checks`, the loggers' in `launcher.worker.logs`, the keys' in `launcher.config.known`, a
+strategy's in its own `check`; the resume's is here.
 
 They take the model already built on the meta device (`launcher.models.meta`), so nothing here builds it again.
 """
@@ -11,16 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from launcher.base.errors import failure
 from launcher.config import ConfigError
-from launcher.config.context import outside_moe_blocks
 from launcher.config.identity import sweep_identity
-from launcher.parent.data_checks import check_datasets, check_vocabulary, prepare_data
+from launcher.data.checks import check_datasets, check_vocabulary, prepare_data
+from launcher.models.checks import check_forward, outside_moe_blocks
 from launcher.parent.eval_checks import check_evaluation
-from launcher.parent.model_checks import check_forward
 from launcher.parent.optim_checks import check_optimizer
+from launcher.worker.logs import check_loggers
 
 if TYPE_CHECKING:
     from launcher.base.storage import Location
@@ -70,36 +70,18 @@ def _check_steps_left(checkpoint: Location, max_steps: int) -> None:
         )
 
 
-def check_built(frozen: DictConfig, model: Any) -> list[str] | None:
+def check_built(frozen: DictConfig, model: Any, vocab: int | None) -> list[str] | None:
     """Build in the parent what the workers will build, and refuse in one line what fails: the optimizer over the
-    model's (meta) parameters, the data's own preparation (data=text tokenizes here), both datasets and their first
-    samples, a forward and backward of one micro-batch on the meta device, the logger's settings, the vocabulary.
+    model's (meta) parameters, the loggers' settings, the evaluation's metrics, the data's own preparation (data=text
+    tokenizes here), both datasets and their first samples, a forward and backward of one micro-batch on the meta
+    device, the token ids against the model's vocabulary (`vocab` ids: `launcher.models.checks.vocabulary`).
     Nothing here allocates a model's memory. Returns the trainable parameters that got no gradient in that backward
     (none of a mixture-of-experts block's: every strategy gives those one), or None when it could not run."""
     print(check_optimizer(frozen, model), flush=True)  # its param groups, named with their sizes
+    check_loggers(frozen)  # the cheap ones first: data=text may tokenize for minutes
+    check_evaluation(frozen)  # the metrics build, the early stop's figure is logged
     prepare_data(frozen)
     sample = check_datasets(frozen)
     no_grad = check_forward(frozen, model, sample) if sample is not None else None
-    _check_logger(frozen)
-    check_evaluation(frozen)  # the metrics build, the early stop's figure is logged
-    check_vocabulary(frozen, model)
+    check_vocabulary(frozen, vocab)
     return None if no_grad is None else outside_moe_blocks(model, no_grad, frozen.strategy.get("moe_blocks"))
-
-
-def _check_logger(frozen: DictConfig) -> None:
-    """Each logger's own `check` of its settings, when it has one (the built-in ones do: their package installed,
-    their values, their server or folder reachable), without starting a run."""
-    from launcher.base.targets import locate
-    from launcher.config import target_nodes
-
-    for path, node in target_nodes(frozen, "logger"):
-        check = getattr(locate(str(node._target_)), "check", None)
-        if not callable(check):
-            continue
-        settings = {k: v for k, v in OmegaConf.to_container(node).items() if not str(k).startswith("_")}
-        try:
-            check(**settings)
-        except (ConnectionError, ImportError) as e:  # its package, its service: the message says what to do
-            raise ConfigError(str(e)) from e
-        except (TypeError, ValueError) as e:
-            raise failure("logger", e, f"fix the {path}.* values") from e

@@ -32,8 +32,8 @@ from launcher.config import (
 from launcher.config.context import check_protocol, check_strategy
 from launcher.config.identity import identity_hash
 from launcher.config.known import check_keys
+from launcher.models.checks import vocabulary
 from launcher.parent.checks import check_built, check_resume
-from launcher.parent.model_checks import vocabulary
 from launcher.parent.rendezvous import Rendezvous, rendezvous
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
@@ -48,6 +48,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     it is recorded in the frozen config and names the job's wandb group and run.
     """
     from launcher.models.meta import build_on_meta
+    from launcher.models.meta import measure as model_size
     from launcher.parent.optim_checks import measure
     from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak
     from launcher.worker.adapt import oom_restarts, read_adapted
@@ -65,25 +66,27 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         torch.set_num_threads(1)
     check_keys(frozen)
     model = build_on_meta(frozen.model)  # once: every check below reads this one
-    no_grad = check_built(frozen, model)
+    vocab = vocabulary(model)
+    no_grad = check_built(frozen, model, vocab)
+    sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None  # the planner's, measured once
     if is_auto(frozen):  # strategy=auto: the planner's pick replaces it before anything else reads the config
-        name, frozen = choose(frozen, derived, model)
+        name, frozen = choose(frozen, derived, model, sizes)
         if job and "choices" in job:
             job = {**job, "choices": {**job["choices"], "strategy": name}}  # record what runs, for reports and names
-    check_protocol(frozen)  # before the planner reads the strategy (a user's, written to an older protocol)
+    strategy = check_protocol(frozen)  # before the planner reads it (a user's, written to an older protocol)
     read_adapted(run_dir)  # the run directory's record is data: a damaged one is refused, whatever the micro-batch
     if derived.micro_auto:  # batch.micro_size=auto: the largest that fits, or what an out-of-memory error left
         worlds = world_sizes(f"{derived.min_nodes}:{derived.nodes}", derived.gpus)
         valid = valid_micro_sizes(int(frozen.batch.global_size), worlds)
-        frozen, derived = choose_micro(frozen, derived, model, read_adapted(run_dir, valid))
+        frozen, derived = choose_micro(frozen, derived, sizes, strategy, read_adapted(run_dir, valid))
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(frozen, model)  # with what its optimizer gathers whole
     resolved["derived"] = {
         **derived.as_dict(),
         "model": size.as_dict(),
-        "plan_peak_bytes": planned_peak(frozen, derived, size),
-        "vocab_size": vocabulary(model),  # the workers check user data's token ids against it
+        "plan_peak_bytes": planned_peak(frozen, derived, size, strategy),
+        "vocab_size": vocab,  # the workers check user data's token ids against it
         "no_grad": no_grad,  # parameters without a gradient from the first micro-batch: the strategies' RunContext
         "cluster": rdzv.job.cluster,
         "shared_run_dir": rdzv.job.shared_run_dir,  # the nodes' ranks check that they see one run directory
@@ -110,6 +113,7 @@ def check_job(cfg: DictConfig) -> None:
     import io
 
     from launcher.models.meta import build_on_meta
+    from launcher.models.meta import measure as model_size
     from launcher.plan.commands import choose, choose_micro, is_auto
 
     with contextlib.redirect_stdout(io.StringIO()):  # strategy=auto's table is for the job itself to print
@@ -119,12 +123,13 @@ def check_job(cfg: DictConfig) -> None:
             frozen.batch.micro_size = 1
         check_keys(frozen)
         model = build_on_meta(frozen.model)
-        check_built(frozen, model)
+        check_built(frozen, model, vocabulary(model))
+        sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None
         if is_auto(frozen):
-            _, frozen = choose(frozen, derived, model)
-        check_protocol(frozen)
+            _, frozen = choose(frozen, derived, model, sizes)
+        strategy = check_protocol(frozen)
         if derived.micro_auto:
-            frozen, derived = choose_micro(frozen, derived, model, None)
+            frozen, derived = choose_micro(frozen, derived, sizes, strategy, None)
         check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), model)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from launcher.base.environ import restore
 from launcher.config import SEVERAL, one_line, schema
 
 CONFIG_MODULE = "launcher.conf"
@@ -170,11 +171,7 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
                 return f"sweep job {n + 1} of {len(jobs)} ({where}): {problem}; nothing of the sweep has run"
     finally:
         HydraConfig.instance().cfg = hydra_before
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore(saved)
     return None
 
 

@@ -137,7 +137,7 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
             frozen.batch.micro_size = 1
         if chosen is not None and not is_auto(frozen):
             with contextlib.redirect_stdout(sys.stderr):  # stdout is the plan (JSON with plan.format=json)
-                frozen, derived = choose_micro(frozen, derived, model, None)
+                frozen, derived = choose_micro(frozen, derived, measure(model), make_strategy(frozen.strategy), None)
         else:
             print(
                 "launch plan: note: planned at batch.micro_size=1 (auto picks each strategy's own at launch; name "
@@ -167,14 +167,13 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
     return 0
 
 
-def choose(frozen: DictConfig, derived: Derived, model: Any) -> tuple[str, DictConfig]:
+def choose(frozen: DictConfig, derived: Derived, model: Any, size: ModelSize) -> tuple[str, DictConfig]:
     """strategy=auto, inside the Hydra app: the name and frozen config of the strategy with the least communication
     whose per-rank memory fits the device and whose own checks pass. Prints why (one line per candidate);
-    raises ConfigError (exit 2) saying what would fit when nothing does. `model` is built on the meta device."""
-    from launcher.models.meta import measure
-
+    raises ConfigError (exit 2) saying what would fit when nothing does. `model` is built on the meta device, `size`
+    its sizes (`launcher.models.meta.measure`)."""
     configs = _candidates(frozen)
-    plan = make_plan(frozen, derived, measure(model), _strategies(configs))
+    plan = make_plan(frozen, derived, size, _strategies(configs))
     blocked: dict[str, str] = {}
     while (pick := plan.pick(blocked)) is not None:  # the best that fits, unless its own checks refuse it here
         candidate = OmegaConf.merge(configs[pick.name], {"derived": derived.as_dict()})
@@ -221,12 +220,12 @@ def memory_advice(resolved: DictConfig, available: float) -> str:
     )
 
 
-def planned_peak(frozen: DictConfig, derived: Derived, size: Any) -> float | None:
-    """The plan's peak per rank for the run's own strategy (logged as plan_peak_bytes beside the measured peak):
-    on the device, and with device=cpu also what it offloads to host memory (the same memory there). None for an
-    optimizer of the user's whose state the planner cannot size: the run goes on, without the planned figure."""
+def planned_peak(frozen: DictConfig, derived: Derived, size: Any, strategy: Strategy) -> float | None:
+    """The plan's peak per rank for the run's own strategy, `strategy` (logged as plan_peak_bytes beside the measured
+    peak): on the device, and with device=cpu also what it offloads to host memory (the same memory there). None for
+    an optimizer of the user's whose state the planner cannot size: the run goes on, without the planned figure."""
     try:
-        plan = make_plan(frozen, derived, size, {"run": make_strategy(frozen.strategy)})
+        plan = make_plan(frozen, derived, size, {"run": strategy})
     except UnknownOptimizer:
         print(f"launch: no plan_peak_bytes: the planner cannot size the state of {frozen.optim._target_}", flush=True)
         return None
@@ -234,20 +233,22 @@ def planned_peak(frozen: DictConfig, derived: Derived, size: Any) -> float | Non
     return plan.peak(sp)
 
 
-def choose_micro(frozen: DictConfig, derived: Derived, model: Any, adapted: int | None) -> tuple[DictConfig, Derived]:
+def choose_micro(
+    frozen: DictConfig, derived: Derived, size: ModelSize, strategy: Strategy, adapted: int | None
+) -> tuple[DictConfig, Derived]:
     """batch.micro_size=auto: the largest micro-batch that divides the global batch over every world size the job
     may run at and whose planned peak fits the device with plan.headroom there; at most `adapted`, the size an
     out-of-memory error already brought this run down to (`launcher.worker.adapt`). The frozen config with it, derived
-    again; one line says the choice. `model` is built on the meta device."""
+    again; one line says the choice. `size`: the model's sizes (`launcher.models.meta.measure`); `strategy`: the
+    run's, made (`launcher.config.context.check_protocol`)."""
     from launcher.config import valid_micro_sizes, world_sizes
-    from launcher.models.meta import measure
     from launcher.plan.render import _size
 
     worlds = world_sizes(f"{derived.min_nodes}:{derived.nodes}", derived.gpus)
     valid = [m for m in valid_micro_sizes(int(frozen.batch.global_size), worlds) if adapted is None or m <= adapted]
     with read_write(frozen):
         frozen.batch.micro_size = 1  # planned as one sample; activations scale linearly with the micro-batch
-    plan = make_plan(frozen, derived, measure(model), {"run": make_strategy(frozen.strategy)})
+    plan = make_plan(frozen, derived, size, {"run": strategy})
     (run,) = plan.strategies
 
     def peak(micro: int) -> float:

@@ -48,10 +48,7 @@ class Grouped(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for part in self.parts:
+        loss = self.parts[0].step(closure)  # the closure evaluated once, by the first part (torch's contract)
+        for part in self.parts[1:]:
             part.step()
         return loss

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.base.settings import Settings
+
 
 class NullLogger:
     def __init__(self, **_: Any) -> None:
@@ -149,6 +151,29 @@ def finish_failed() -> None:
     thread.join(FINISH_GRACE)
 
 
+def check_loggers(frozen: Any) -> None:
+    """Before any worker starts, in the launcher: each logger's own `check` of its settings, where it has one (the
+    built-in ones do: their package installed, their values, their server or folder reachable), without starting a
+    run. ConfigError (one line)."""
+    from omegaconf import OmegaConf
+
+    from launcher.base.errors import ConfigError, failure
+    from launcher.base.targets import locate
+    from launcher.config import target_nodes
+
+    for path, node in target_nodes(frozen, "logger"):
+        check = getattr(locate(str(node._target_)), "check", None)
+        if not callable(check):
+            continue
+        settings = {k: v for k, v in OmegaConf.to_container(node).items() if not str(k).startswith("_")}
+        try:
+            check(**settings)
+        except (ConnectionError, ImportError) as e:  # its package, its service: the message says what to do
+            raise ConfigError(str(e)) from e
+        except (TypeError, ValueError) as e:
+            raise failure("logger", e, f"fix the {path}.* values") from e
+
+
 def finish(logger: Any, status: str) -> None:
     """`logger.finish(status)` where its finish takes a status, else `logger.finish()` (a logger of the plain
     contract)."""
@@ -173,52 +198,38 @@ class WandbLogger:
     """Weights & Biases. Without an API key (and no explicit mode) it logs offline, never blocking on the network."""
 
     @staticmethod
-    def check(
-        *,
-        project: str,
-        entity: str | None,
-        group: str | None,
-        name: str | None,
-        mode: str | None,
-        tags: list[str] | None,
-    ) -> None:
-        """The settings wandb would refuse once a run starts, checked without importing wandb: ValueError (one line)."""
-        if mode is not None and mode not in WANDB_MODES:
-            raise ValueError(f"logger.wandb.mode={mode} is not one of {', '.join(WANDB_MODES)} (or unset)")
-        for key, value in (("project", project), ("entity", entity)):
+    def check(**keys: Any) -> None:
+        """The settings wandb would refuse once a run starts, checked without importing wandb: ValueError (one line).
+        `keys`: logger.wandb's (launcher/config/schema.py: `WandbConfig`, their one place)."""
+        wandb = Settings(**keys)
+        if wandb.mode is not None and wandb.mode not in WANDB_MODES:
+            raise ValueError(f"logger.wandb.mode={wandb.mode} is not one of {', '.join(WANDB_MODES)} (or unset)")
+        for key in ("project", "entity"):
+            value = getattr(wandb, key)
             if value is not None and (not str(value) or WANDB_FORBIDDEN & set(str(value)) or len(str(value)) > 128):
                 raise ValueError(
                     f"logger.wandb.{key}={value!r} is not a valid wandb {key} name (1-128 characters, none of /\\#?%:)"
                 )
-        for tag in tags or []:
+        for tag in wandb.tags or []:
             if not 0 < len(str(tag)) <= 64:
                 raise ValueError(f"logger.wandb.tags holds {tag!r}: wandb tags are 1 to 64 characters")
-        if _wandb_mode(mode) == "online":
+        if _wandb_mode(wandb.mode) == "online":
             _reach_wandb()
 
-    def __init__(
-        self,
-        run_config: dict[str, Any],
-        run_dir: str,
-        *,  # the settings' defaults are the schema's (launcher/config/schema.py: WandbConfig), written there alone
-        project: str,
-        entity: str | None,
-        group: str | None,
-        name: str | None,
-        mode: str | None,
-        tags: list[str] | None,
-    ) -> None:
+    def __init__(self, run_config: dict[str, Any], run_dir: str, **keys: Any) -> None:
+        """`keys`: logger.wandb's (launcher/config/schema.py: `WandbConfig`)."""
         import wandb  # heavy: only rank 0 of a run that asked for wandb pays for it
 
-        mode = _wandb_mode(mode)
+        settings = Settings(**keys)
+        mode = _wandb_mode(settings.mode)
         job = run_config.get("job") or {}
         run_id, continues = job.get("run_id"), job.get("continues")  # `launcher.parent.run_id`: one wandb run per job
         self.run = wandb.init(
-            project=project,
-            entity=entity,
-            group=group,
-            name=name or Path(run_dir).name,
-            tags=list(tags or []),
+            project=settings.project,
+            entity=settings.entity,
+            group=settings.group,
+            name=settings.name or Path(run_dir).name,
+            tags=list(settings.tags or []),
             notes=f"continues wandb run {continues}" if continues else None,  # and job.continues in its config
             mode=mode,
             dir=run_dir,

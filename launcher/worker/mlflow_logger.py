@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from launcher.base.settings import Settings
 from launcher.worker import mlflow_store as store
 from launcher.worker.logs import can_make, installed, last_logged_step
 
@@ -57,17 +58,13 @@ class MlflowLogger:
     """One MLflow run per job (see the module's docstring)."""
 
     @staticmethod
-    def check(
-        *,
-        tracking_uri: str | None,
-        experiment: str,
-        group: str | None,
-        name: str | None,
-        tags: dict[str, str] | None,
-    ) -> None:
+    def check(**keys: Any) -> None:
         """What MLflow would refuse once the run starts, checked before: its package, the settings, a tracking server
         that answers within `mlflow_store.CHECK_TIMEOUT` seconds, a SQLite store's folder. ImportError, ValueError or
-        ConnectionError (one line, credentials hidden)."""
+        ConnectionError (one line, credentials hidden). `keys`: logger.mlflow's (launcher/config/schema.py:
+        `MlflowConfig`, their one place)."""
+        mlflow = Settings(**keys)
+        tracking_uri, experiment = mlflow.tracking_uri, mlflow.experiment
         if not installed("mlflow"):
             raise ImportError(f"logger=mlflow needs the mlflow package, which is not installed: {EXTRA}")
         if tracking_uri and (urlsplit(tracking_uri).username or urlsplit(tracking_uri).password):
@@ -77,7 +74,7 @@ class MlflowLogger:
             )
         if not str(experiment).strip():
             raise ValueError("logger.mlflow.experiment is empty: name the experiment the run goes into")
-        for key, value in (tags or {}).items():
+        for key, value in (mlflow.tags or {}).items():
             if NAME.search(str(key)) or not 0 < len(str(key)) <= 250 or len(str(value)) > 8000:
                 raise ValueError(
                     f"logger.mlflow.tags holds {str(key)!r}: MLflow tag names are 1-250 letters, digits and / _ . - : "
@@ -96,20 +93,13 @@ class MlflowLogger:
             return  # a local database: made by the run, not here (a new store's migrations take seconds)
         store.reach(uri, str(experiment))
 
-    def __init__(
-        self,
-        run_config: dict[str, Any],
-        run_dir: str,
-        *,  # the settings' defaults are the schema's (launcher/config/schema.py: MlflowConfig), written there alone
-        tracking_uri: str | None,
-        experiment: str,
-        group: str | None,
-        name: str | None,
-        tags: dict[str, str] | None,
-    ) -> None:
+    def __init__(self, run_config: dict[str, Any], run_dir: str, **keys: Any) -> None:
+        """`keys`: logger.mlflow's (launcher/config/schema.py: `MlflowConfig`)."""
         from mlflow.tracking import MlflowClient  # heavy: only rank 0 of a run that asked for MLflow pays for it
 
         store.quiet()
+        settings = Settings(**keys)
+        tracking_uri, experiment = settings.tracking_uri, settings.experiment
         job = run_config.get("job") or {}
         sweep_dir = job.get("sweep_dir")
         self.run_dir = Path(run_dir)
@@ -120,8 +110,8 @@ class MlflowLogger:
         with store.lock(sweep_dir):
             self.client = MlflowClient(self.uri)
             experiment_id = store.experiment(self.client, str(experiment), self.uri)
-            parent = store.parent_run(self.client, experiment_id, group, sweep_dir) if group else None
-        self.run_id, continued = self._open(experiment_id, job, name, dict(tags or {}), parent)
+            parent = store.parent_run(self.client, experiment_id, settings.group, sweep_dir) if settings.group else None
+        self.run_id, continued = self._open(experiment_id, job, settings.name, dict(settings.tags or {}), parent)
         # One step axis: the steps an earlier attempt logged (past the checkpoint this one resumed from) are not
         # logged again; MLflow would keep both.
         self.logged = self._logged_before() if continued else 0

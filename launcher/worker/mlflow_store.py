@@ -72,17 +72,10 @@ def _artifacts_beside(uri: str) -> str | None:
 def _http_for_a_check() -> Iterator[None]:
     """MLflow's HTTP calls, for the launcher's check only: one try, CHECK_TIMEOUT seconds (its defaults: 7 retries
     with back-off and 120 s each, minutes before it says a server is not there)."""
-    settings = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(CHECK_TIMEOUT), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
-    saved = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    try:
+    from launcher.base.environ import environ
+
+    with environ({"MLFLOW_HTTP_REQUEST_TIMEOUT": str(CHECK_TIMEOUT), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def quiet() -> None:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from launcher.base.settings import Settings
 from launcher.worker.logs import can_make, installed, last_logged_step
 
 FOLDER = "tensorboard"
@@ -33,31 +34,29 @@ class TensorBoardLogger:
     """One event folder per job (see the module's docstring)."""
 
     @staticmethod
-    def check(*, log_dir: str | None, group: str | None, name: str | None) -> None:
-        """Its package installed, its folder writable: ImportError or ValueError (one line)."""
+    def check(**keys: Any) -> None:
+        """Its package installed, its folder writable: ImportError or ValueError (one line). `keys`:
+        logger.tensorboard's (launcher/config/schema.py: `TensorBoardConfig`, their one place)."""
+        tensorboard = Settings(**keys)
         if not installed("tensorboard"):
             raise ImportError(f"logger=tensorboard needs the tensorboard package, which is not installed: {EXTRA}")
-        _folder_name("group", group)
-        _folder_name("name", name)
+        _folder_name("group", tensorboard.group)
+        _folder_name("name", tensorboard.name)
+        log_dir = tensorboard.log_dir
         if log_dir is not None and not can_make(Path(log_dir)):
             raise ValueError(f"logger.tensorboard.log_dir={log_dir} cannot be made or written by this user")
 
-    def __init__(
-        self,
-        run_config: dict[str, Any],
-        run_dir: str,
-        *,  # the settings' defaults are the schema's (launcher/config/schema.py: TensorBoardConfig), only there
-        log_dir: str | None,
-        group: str | None,
-        name: str | None,
-    ) -> None:
+    def __init__(self, run_config: dict[str, Any], run_dir: str, **keys: Any) -> None:
+        """`keys`: logger.tensorboard's (launcher/config/schema.py: `TensorBoardConfig`)."""
         import yaml
 
-        job = run_config.get("job") or {}
-        if log_dir is None:
+        tb, job = Settings(**keys), run_config.get("job") or {}
+        if tb.log_dir is None:
             self.folder = Path(run_dir) / FOLDER
         else:
-            self.folder = Path(log_dir) / (group or "") / (name or str(job.get("run_id") or Path(run_dir).name))
+            self.folder = (
+                Path(tb.log_dir) / (tb.group or "") / (tb.name or str(job.get("run_id") or Path(run_dir).name))
+            )
         self.before = last_logged_step(Path(run_dir) / "metrics.jsonl")  # what earlier attempts logged
         text = yaml.safe_dump(run_config, sort_keys=False)
         self.config = "\n".join(f"    {line}" for line in text.splitlines())  # a code block in TensorBoard's markdown

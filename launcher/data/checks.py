@@ -1,6 +1,7 @@
-"""The parent's checks of the data, before any worker starts: its own preparation (data=text tokenizes here), the
-collate, both splits built and their first samples collated into a batch, the token ids against the model's
-vocabulary. Each failure is a ConfigError (one line); `launcher.parent.checks` runs them in order."""
+"""The checks of the data the launcher makes before any worker starts: its own preparation (data=text tokenizes
+here), the collate, both splits built and their first samples collated into a batch, the token ids against the
+model's vocabulary (which the launcher passes in). Each failure is a ConfigError (one line); `launcher.parent.checks`
+runs them in order."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.base.errors import failure
-from launcher.config import ConfigError
-from launcher.parent.model_checks import vocabulary
+from launcher.base.errors import ConfigError, failure
 
 
 def prepare_data(frozen: DictConfig) -> None:
@@ -150,12 +149,11 @@ def _first_of_map(
         raise failure("data", e, f"fix the dataset (the {split} split's first samples do not read)") from e
 
 
-def check_vocabulary(frozen: DictConfig, model: Any) -> None:
-    """The built-in token data's largest id against the model's vocabulary (user data is checked batch by batch in
-    the workers, `launcher.data.builtin.check_token_ids`)."""
+def check_vocabulary(frozen: DictConfig, vocab: int | None) -> None:
+    """The built-in token data's largest id against the model's vocabulary, `vocab` ids (None: the model says none;
+    user data is checked batch by batch in the workers, `launcher.data.builtin.check_token_ids`)."""
     from launcher.data.builtin import BUILT_IN_DATA, SKIP_CHECK, build_dataset
 
-    vocab = vocabulary(model)
     needed = frozen.data.get("vocab_size") if "tokenizer" in frozen.data else None
     if vocab is not None and needed is not None and vocab < needed:
         raise ConfigError(

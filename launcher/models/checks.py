@@ -1,6 +1,7 @@
-"""The parent's checks of the model, built on the meta device (its optimizer's are in `optim_checks`): a forward and
-backward of the first micro-batch (no memory, no values), the parameters that get no gradient, the sequence length
-against its positions. Each failure is a ConfigError (one line); `launcher.parent.checks` runs them in order."""
+"""The checks of the model, built on the meta device, that the launcher makes before any worker starts (its
+optimizer's are `launcher.parent.optim_checks`): a forward and backward of the first micro-batch (no memory, no
+values), the parameters that get no gradient, the sequence length against its positions, and the vocabulary it
+embeds. Each failure is a ConfigError (one line); `launcher.parent.checks` runs them in order."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher.base.errors import failure
-from launcher.config import ConfigError
+from launcher.base.errors import ConfigError, failure
 
 
 def vocabulary(model: Any) -> int | None:
@@ -46,7 +46,7 @@ def check_forward(frozen: DictConfig, model: Any, batch: Any) -> list[str] | Non
     (`_without_gradient`), or None when the meta device could not run it (said in a line)."""
     import torch
 
-    from launcher.data.collate import to_device
+    from launcher.base.device import to_device
     from launcher.models.loss import batch_tokens, model_loss
     from strategies.base import call_model
 
@@ -148,3 +148,13 @@ def _meta_artefact(e: BaseException) -> str | None:
     if in_meta_kernel and ("dtype" in message or " type" in message):
         return "a meta kernel stricter about dtypes than the real one"
     return None
+
+
+def outside_moe_blocks(model: Any, names: list[str], explicit: Any) -> list[str]:
+    """`names` (parameters without a gradient) but those inside a mixture-of-experts block (`strategy.moe_blocks`, or
+    the blocks found): every strategy gives those one."""
+    from strategies.moe import moe_blocks
+
+    blocks = {id(m) for m in moe_blocks(model, None if explicit is None else [str(c) for c in explicit])}
+    inside = [path for path, m in model.named_modules() if id(m) in blocks]
+    return [n for n in names if not any(n.startswith(f"{path}.") for path in inside)]
