@@ -37,6 +37,7 @@ from launcher.parent.model_checks import vocabulary
 from launcher.parent.rendezvous import Rendezvous, rendezvous
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
+from launcher.parent.tier_checks import check_memory_tier
 from launcher.parent.workers import Outcome, Prepared, forks_workers, start_workers
 
 
@@ -49,7 +50,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     """
     from launcher.models.meta import build_on_meta
     from launcher.parent.optim_checks import measure
-    from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak
+    from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak, planned_state
     from launcher.worker.adapt import oom_restarts, read_adapted
 
     frozen = shaped(freeze(cfg), os.environ, (job or {}).get("overrides", []))  # a cluster's nodes and gpus
@@ -79,6 +80,9 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(frozen, model)  # with what its optimizer gathers whole
+    if frozen.trainer.memory_checkpoint_every:  # its replicas' nodes, and its room in shared memory
+        state = planned_state(frozen, derived, size)
+        check_memory_tier(frozen.trainer, derived.nodes, derived.min_nodes, state, derived.gpus)
     resolved["derived"] = {
         **derived.as_dict(),
         "model": size.as_dict(),
