@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch
+from conftest import LAUNCH, TINY, clean_env, launch, launch_here
 
 from launcher.checkpoint import memory
 
@@ -193,3 +193,73 @@ def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(
     assert rows[-1]["world_size"] == 2 and int(rows[-1]["step"]) == 12
     assert _exact(rows, uninterrupted) <= 1e-6
     assert _left_in_shm(run_dir) == []
+
+
+def _view(steps: dict[int, dict[int, str]], last: list[float] | None = None) -> dict[str, object]:
+    """A node's `held`: {step: {rank: the node that wrote the rank's files}}, each of a world of 4."""
+    return {"steps": {s: {r: {"world_size": 4, "node": n} for r, n in ranks.items()} for s, ranks in steps.items()},
+            "last": last}  # fmt: skip
+
+
+@pytest.mark.unit
+def test_the_newest_step_complete_across_the_nodes_left_is_chosen_each_rank_from_its_own_node_first() -> None:
+    # a ring of 4 one-rank nodes with one replica: node i keeps rank i and rank i-1; node 3 is lost
+    views = {f"n{i}": _view({6: {i: f"n{i}", (i - 1) % 4: f"n{(i - 1) % 4}"}, 7: {i: f"n{i}"}}, [7, 100.0 + i])
+             for i in range(3)}  # fmt: skip
+    step, holders, why = memory.choose(views)
+    assert (step, why) == (6, "") and holders == {"0": "n0", "1": "n1", "2": "n2", "3": "n0"}
+    assert memory.last_trained(views) == (7, 102.0)
+    views.pop("n0")  # two adjacent nodes lost: rank 3's state was on nodes 3 and 0 only
+    assert memory.choose(views) == (None, {}, "step 7 lacks the state of ranks 0, 3 on every node left")
+
+
+@pytest.mark.unit
+def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from launcher.config import ConfigError
+    from launcher.parent.tier_checks import check_memory_tier
+
+    on = [*TINY, "trainer.memory_checkpoint_every=1"]
+    two = ["nodes=2", "gpus=1", "rdzv.endpoint=127.0.0.1:29999", "rdzv.id=x"]
+    assert launch_here(tmp_path, *on, "trainer.memory_replicas=1").refused() == (
+        "launch: error: trainer.memory_replicas=1 on a single-node job: replicas go to other nodes; set "
+        "trainer.memory_replicas=0 (the tier then survives a failed rank, not a lost node)"
+    )
+    assert launch_here(tmp_path, *on, *two, "trainer.memory_replicas=2").refused() == (
+        "launch: error: trainer.memory_replicas=2 needs more than 2 nodes, but nodes=2; set trainer.memory_replicas "
+        "to at most 1"
+    )
+    elastic = ["nodes=2:4", "gpus=1", "rdzv.endpoint=127.0.0.1:29999", "rdzv.id=x", "trainer.max_restarts=1"]
+    assert (
+        "but nodes=2:4 may run on 2; set trainer.memory_replicas to at most 1"
+        in launch_here(
+            tmp_path, *on, *elastic, "trainer.memory_replicas=2", "batch.global_size=12", "batch.micro_size=1"
+        ).refused()
+    )
+    trainer = OmegaConf.create({"memory_checkpoint_every": 1, "memory_replicas": None})
+    with pytest.raises(ConfigError) as e:
+        check_memory_tier(trainer, 2, 2, 2 * 10**15, 2)  # 2 PB a rank: no /dev/shm holds it
+    line = str(e.value)
+    assert line.startswith("the memory tier needs 16000000000.0 MB of shared memory on each node (2 steps x "
+                           "2000000000.0 MB per rank x 2 rank(s) x (1 + 1 replica(s))), but /dev/shm has "), \
+        line  # fmt: skip
+    assert line.endswith("MB free; enlarge /dev/shm, lower trainer.memory_replicas, or set "
+                         "trainer.memory_checkpoint_every=0"), line  # fmt: skip
+
+
+@pytest.mark.unit
+def test_launch_plan_shows_the_host_memory_the_tier_takes_per_node(tmp_path: Path) -> None:
+    from conftest import cli_here
+
+    from launcher.plan.render import _size
+
+    args = ["plan", *TINY, "nodes=2", "gpus=2", "trainer.memory_checkpoint_every=1"]
+    table = cli_here(tmp_path, *args)
+    assert table.returncode == 0, table.stderr
+    (line,) = [line for line in table.stdout.splitlines() if line.startswith("memory tier")]
+    plan = json.loads(cli_here(tmp_path, *args, "plan.format=json").stdout)
+    for row in plan["strategies"]:
+        state = sum(b for kinds in row["state_bytes"].values() for kind, b in kinds.items() if kind != "grads")
+        assert f"{row['name']} {_size(2 * state * 2 * (1 + 1))}" in line, (line, row["name"])
+    assert "(2 steps x state per rank x 2 rank(s) x (1 + 1 replica(s)))" in line, line

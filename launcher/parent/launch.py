@@ -155,11 +155,14 @@ def describe(cfg: DictConfig, derived: Derived, rdzv: Rendezvous, run_dir: Path)
     if derived.min_nodes < derived.nodes:  # elastic: accumulation follows the world size the group starts with
         nodes = f"{derived.min_nodes} to {derived.nodes} nodes (elastic)"
         world = f"world size {derived.min_nodes * derived.gpus} to {derived.world_size}"
-    return (
+    line = (
         f"launch: {nodes} x {derived.gpus} {derived.device} worker(s) = {world}{where}; "
         f"batch: micro {micro}{' (auto)' if derived.micro_auto else ''} x accumulation {derived.accumulation} "
         f"x world {derived.world_size} = global {b.global_size}; run dir {run_dir}"
     )
+    if derived.min_nodes < derived.nodes:  # the one node an elastic job cannot lose
+        line += f"; it outlives any node but the one hosting rdzv.endpoint={rdzv.endpoint} (the rendezvous store)"
+    return line
 
 
 def hydra_job() -> tuple[Path, dict[str, Any]]:
