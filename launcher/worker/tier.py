@@ -191,8 +191,8 @@ class MemoryTier:
         last = memory.last_trained(nodes)
         newest = by_time(checkpoints)
         on_disk = int(read_manifest(newest[0])["step"]) if newest else None
-        if step is not None and on_disk is not None and on_disk >= step:
-            why, step = f"the disk tier holds step {on_disk} already", None
+        if step is not None and on_disk is not None and on_disk >= step:  # a stop or a resize saved it there
+            return None, {}, {"tier": "disk", "why": f"it holds step {on_disk} already", "last": last}
         told = {"tier": "memory" if step is not None else "disk", "why": why, "last": last}
         if step is None:
             print(f"launch: memory tier: {why}; resuming from the disk tier", flush=True)
@@ -228,7 +228,7 @@ class MemoryTier:
         resumed = step - 1
         last, failed = told["last"] or (resumed, None)
         since = f"; {time.time() - failed:.1f} s from the failure to the first step trained again" if failed else ""
-        why = f" ({told['why']})" if told["why"] and told["tier"] == "disk" else ""
+        why = f": {told['why']}" if told["why"] and told["tier"] == "disk" else ""
         print(f"launch: resumed from step {resumed} ({told['tier']} tier{why}): {max(0, last - resumed)} step(s) "
               f"replayed{since}", flush=True)  # fmt: skip
 
