@@ -45,12 +45,13 @@ def marker_name(rank: int) -> str:
     return f"rank{rank}.json"
 
 
-def put(tier: Path, step: int, files: dict[str, bytes], marker: dict[str, Any]) -> None:
-    """A rank's files of `step` into this node's folder, then its marker (atomically): from then on they count."""
+def put(tier: Path, step: int, files: dict[str, Any], marker: dict[str, Any]) -> None:
+    """A rank's files of `step` (bytes, or arrays of them) into this node's folder, then its marker (atomically):
+    from then on they count."""
     folder = step_folder(tier, step)
     folder.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
-        (folder / name).write_bytes(data)
+        (folder / name).write_bytes(memoryview(data))
     partial = folder / f".{marker_name(marker['rank'])}.partial"
     partial.write_text(json.dumps(marker))
     os.replace(partial, folder / marker_name(marker["rank"]))

@@ -15,6 +15,7 @@ reshards. None complete: the disk tier, said in one line.
 from __future__ import annotations
 
 import datetime
+import functools
 import io
 import json
 import os
@@ -122,35 +123,49 @@ class MemoryTier:
         step, folder = position.step, memory.step_folder(self.folder, position.step)
         folder.mkdir(parents=True, exist_ok=True)
         sums: dict[str, str] = {}
-        dcp.save(staged, storage_writer=hashing_writer(folder, sums), process_group=self._dcp)
+        dcp.save(staged, storage_writer=hashing_writer(folder, sums), planner=_planner()(enable_plan_caching=True),
+                 process_group=self._dcp)  # fmt: skip
         if self.ctx.local_rank == 0:  # every rank is past the previous step's replicas (DCP's collective)
             memory.clear(self.folder, {step} | ({self._previous} if self._previous is not None else set()))
         self._previous = step
         sums[rng_name(self.rank)] = xxh3(rng)
-        files = {name: (folder / name).read_bytes() for name in sums if name != rng_name(self.rank)}
-        files[rng_name(self.rank)] = rng
+        (folder / rng_name(self.rank)).write_bytes(rng)
+        files = {name: _read(folder / name) for name in sums}  # read once, sent as they are
+        sizes = {name: int(t.numel()) for name, t in files.items()}
         marker = {"rank": self.rank, "step": step, "world_size": self.world, "node": str(self.folder),
-                  "time": time.time(), "files": {n: len(b) for n, b in files.items()}, "sums": sums}  # fmt: skip
+                  "time": time.time(), "files": sizes, "sums": sums}  # fmt: skip
         if self.rank == 0:
             stream = {"stream": position.stream} if position.stream is not None else {}
             marker |= {"samples": position.samples, **stream, "manifest": self.manifest}
-        memory.put(self.folder, step, {rng_name(self.rank): rng}, marker)
-        payload = _pack(marker, files)
+        memory.put(self.folder, step, {}, marker)
         for k in range(1, self.replicas + 1):
-            got = self._exchange(payload, (self.rank + k * self.per_node) % self.world,
-                                 (self.rank - k * self.per_node) % self.world)  # fmt: skip
-            theirs, their_files = _unpack(got)
+            theirs, their_files = self._exchange(marker, files, (self.rank + k * self.per_node) % self.world,
+                                                 (self.rank - k * self.per_node) % self.world)  # fmt: skip
             memory.put(self.folder, step, their_files, theirs)
 
-    def _exchange(self, payload: bytes, to: int, source: int) -> bytes:
-        """`payload` to rank `to`, and rank `source`'s, over the tier's own group."""
-        size, theirs = torch.tensor([len(payload)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        for req in (dist.isend(size, to, group=self._send), dist.irecv(theirs, source, group=self._send)):
+    def _exchange(
+        self, marker: dict[str, Any], files: dict[str, torch.Tensor], to: int, source: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's marker and files to rank `to`, and rank `source`'s from it, over the tier's own group: the
+        markers' lengths, the markers, then every file at once (a marker names its files and their sizes)."""
+        group = self._send
+
+        def both(mine: torch.Tensor, theirs: torch.Tensor) -> None:
+            for req in (dist.isend(mine, to, group=group), dist.irecv(theirs, source, group=group)):
+                req.wait()
+
+        header = torch.frombuffer(bytearray(json.dumps(marker).encode()), dtype=torch.uint8)
+        length = torch.zeros(1, dtype=torch.int64)
+        both(torch.tensor([header.numel()], dtype=torch.int64), length)
+        got = torch.empty(int(length), dtype=torch.uint8)
+        both(header, got)
+        theirs = json.loads(got.numpy().tobytes())
+        received = {name: torch.empty(size, dtype=torch.uint8) for name, size in theirs["files"].items()}
+        requests = [dist.isend(t, to, group=group) for t in files.values()]
+        requests += [dist.irecv(t, source, group=group) for t in received.values()]
+        for req in requests:
             req.wait()
-        mine, got = torch.frombuffer(bytearray(payload), dtype=torch.uint8), torch.empty(int(theirs), dtype=torch.uint8)
-        for req in (dist.isend(mine, to, group=self._send), dist.irecv(got, source, group=self._send)):
-            req.wait()
-        return got.numpy().tobytes()
+        return theirs, {name: t.numpy() for name, t in received.items()}
 
     # ------------------------------------------------------------------ after a restart
 
@@ -233,17 +248,17 @@ class MemoryTier:
               f"replayed{since}", flush=True)  # fmt: skip
 
 
-def _pack(marker: dict[str, Any], files: dict[str, bytes]) -> bytes:
-    """A rank's files of a step and its marker, as one message: its header's length, the header, the bytes."""
-    header = json.dumps({"marker": marker, "order": list(files)}).encode()
-    return len(header).to_bytes(8, "little") + header + b"".join(files.values())
+@functools.cache
+def _planner() -> Any:
+    """DCP's planner with its plans cached between the tier's steps (the same state each step), under a name of its
+    own (DCP keys its cache by the planner's class)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    return type("TierPlanner", (DefaultSavePlanner,), {})
 
 
-def _unpack(payload: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
-    length = int.from_bytes(payload[:8], "little")
-    header = json.loads(payload[8 : 8 + length])
-    marker, at, files = header["marker"], 8 + length, {}
-    for name in header["order"]:
-        size = int(marker["files"][name])
-        files[name], at = payload[at : at + size], at + size
-    return marker, files
+def _read(path: Path) -> torch.Tensor:
+    """A file's bytes as a tensor to send, read once."""
+    import numpy as np
+
+    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
