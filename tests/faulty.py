@@ -130,3 +130,24 @@ class AbortedGPT(_Faulty):
 
         threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGABRT)).start()
         dist.recv(torch.zeros(1), src=0)
+
+
+class KilledOnceGPT(SlowGPT):
+    """A forward of `sleep_s` seconds on every rank; rank `bad_rank` SIGKILLed after its forward `at_call`, once: the
+    file `while_there` is removed first, so the restarted group trains on (a worker lost alone, its node alive)."""
+
+    def __init__(self, *args, bad_rank: int = 1, at_call: int = 3, whole_node: bool = False, **kwargs) -> None:
+        super().__init__(*args, slow_rank=None, **kwargs)
+        self.bad, self.at_call, self.calls = int(os.environ.get("RANK", "0")) == bad_rank, at_call, 0
+        self.whole_node = whole_node
+        """The node lost with it: its launcher too (the process group of the launcher's session)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(idx, targets)  # mid-step: after its sleep
+        self.calls += 1 if self.training else 0
+        if self.bad and self.calls == self.at_call and os.path.exists(self.while_there):
+            os.remove(self.while_there)
+            if self.whole_node:
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return loss

@@ -140,6 +140,12 @@ class TrainerConfig:
     """Save checkpoints in the background (DCP's async_save): the state is copied to host memory, the loop goes on
     while it is written, and the checkpoint becomes visible (manifest, `latest`) once every rank's write is over;
     one save in flight at a time, the end of the run and a stop wait for it."""
+    memory_checkpoint_every: int = ranged(0, COUNT, identity=False)
+    """Keep each rank's state of every Nth step in its node's shared memory and memory_replicas other nodes', written
+    in the background; a restart resumes from the newest step complete there (0: off)."""
+    memory_replicas: int | None = ranged(None, COUNT, identity=False)
+    """Other nodes that keep a copy of each node's memory-tier state (the next ones in a ring); unset: 1 on a
+    multi-node job, 0 on one node."""
     compile: bool = launch_only(False)
     """torch.compile each transformer block (the strategy's units), after activation checkpointing, before sharding."""
     peak_tflops: float | None = ranged(None, POSITIVE, identity=False)

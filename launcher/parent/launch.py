@@ -37,6 +37,7 @@ from launcher.parent.checks import check_built, check_resume
 from launcher.parent.rendezvous import Rendezvous, rendezvous
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
+from launcher.parent.tier_checks import check_memory_tier
 from launcher.parent.workers import Outcome, Prepared, forks_workers, start_workers
 
 
@@ -50,7 +51,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     from launcher.models.meta import build_on_meta
     from launcher.models.meta import measure as model_size
     from launcher.parent.optim_checks import measure
-    from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak
+    from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak, planned_state
     from launcher.worker.adapt import oom_restarts, read_adapted
 
     frozen = shaped(freeze(cfg), os.environ, (job or {}).get("overrides", []))  # a cluster's nodes and gpus
@@ -82,6 +83,9 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(frozen, model)  # with what its optimizer gathers whole
+    if frozen.trainer.memory_checkpoint_every:  # its replicas' nodes, and its room in shared memory
+        state = planned_state(frozen, derived, size)
+        check_memory_tier(frozen.trainer, derived.nodes, derived.min_nodes, state, derived.gpus)
     resolved["derived"] = {
         **derived.as_dict(),
         "model": size.as_dict(),
@@ -156,11 +160,14 @@ def describe(cfg: DictConfig, derived: Derived, rdzv: Rendezvous, run_dir: Path)
     if derived.min_nodes < derived.nodes:  # elastic: accumulation follows the world size the group starts with
         nodes = f"{derived.min_nodes} to {derived.nodes} nodes (elastic)"
         world = f"world size {derived.min_nodes * derived.gpus} to {derived.world_size}"
-    return (
+    line = (
         f"launch: {nodes} x {derived.gpus} {derived.device} worker(s) = {world}{where}; "
         f"batch: micro {micro}{' (auto)' if derived.micro_auto else ''} x accumulation {derived.accumulation} "
         f"x world {derived.world_size} = global {b.global_size}; run dir {run_dir}"
     )
+    if derived.min_nodes < derived.nodes:  # the one node an elastic job cannot lose
+        line += f"; it outlives any node but the one hosting rdzv.endpoint={rdzv.endpoint} (the rendezvous store)"
+    return line
 
 
 def hydra_job() -> tuple[Path, dict[str, Any]]:

@@ -26,6 +26,7 @@ from launcher.parent.agent import agent_logs_to_file, failed_group_grace, preloa
 from launcher.parent.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
 from launcher.parent.rendezvous import LOOPBACK, JobFull, Rendezvous, cheap_event_names, reachable, refuse_spare_nodes
 from launcher.parent.rundir import Ownership
+from launcher.parent.tier_checks import memory_tier
 from launcher.worker.lifecycle import (
     DUMP_SIGNAL,
     FAILURE_DIR_ENV,
@@ -115,6 +116,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _worker_environment(derived, rdzv, run_dir)
+    tier = memory_tier(resolved, os.environ[NODE_ID_ENV])  # this node's folder in shared memory, removed at the end
     agent_logs_to_file(run_dir)
     cheap_event_names()
     refuse_spare_nodes()
@@ -199,6 +201,8 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
         raise
     finally:
         shutil.rmtree(spare, ignore_errors=True)
+        if tier is not None:  # the job ended, was stopped or failed for good: its memory tier goes with it
+            shutil.rmtree(tier, ignore_errors=True)
         for sig, handler in previous.items():  # the agent leaves its own handlers behind
             signal.signal(sig, handler)
     return Outcome(0)

@@ -162,6 +162,8 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
         print(json.dumps(as_dict(plan), indent=2))
     else:
         print(render(plan))
+        if int(frozen.trainer.get("memory_checkpoint_every") or 0):
+            print(tier_line(plan, frozen.trainer))
         if frozen.plan.chart:
             print(f"chart: {Path(str(frozen.plan.chart)).resolve()}")
     return 0
@@ -231,6 +233,35 @@ def planned_peak(frozen: DictConfig, derived: Derived, size: Any, strategy: Stra
         return None
     (sp,) = plan.strategies
     return plan.peak(sp)
+
+
+def checkpoint_state(sp: Any) -> float:
+    """A checkpoint's bytes per rank under a strategy's plan: every kind of model state but the gradients, wherever
+    it lives."""
+    return sum(nbytes for kinds in sp.held.values() for kind, nbytes in kinds.items() if kind != "grads")
+
+
+def planned_state(frozen: DictConfig, derived: Derived, size: Any) -> int | None:
+    """`checkpoint_state` for the run's own strategy; None where the planner cannot size its optimizer."""
+    try:
+        (sp,) = make_plan(frozen, derived, size, {"run": make_strategy(frozen.strategy)}).strategies
+    except UnknownOptimizer:
+        return None
+    return int(checkpoint_state(sp))
+
+
+def tier_line(plan: Any, trainer: DictConfig) -> str:
+    """What `launch plan` says of the memory tier: the host memory (shared memory) it takes on each node."""
+    from launcher.checkpoint.memory import tier_bytes
+    from launcher.parent.tier_checks import replicas
+    from launcher.plan.render import _size
+
+    count, gpus = replicas(trainer, plan.derived.nodes), plan.derived.gpus
+    each = ", ".join(f"{sp.name} {_size(tier_bytes(int(checkpoint_state(sp)), count, gpus))}" for sp in plan.strategies)
+    return (
+        f"memory tier (trainer.memory_checkpoint_every={trainer.memory_checkpoint_every}): host memory per node, in "
+        f"/dev/shm (2 steps x state per rank x {gpus} rank(s) x (1 + {count} replica(s))): {each}"
+    )
 
 
 def choose_micro(

@@ -60,7 +60,7 @@ def check_shared_directory(run_dir: Path, ctx: RunContext, fix: str = RUN_DIR_FI
         raise Refused(f"{who} not see {shared} as rank 0 wrote it: {fix}")
 
 
-def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) -> Position:
+def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path, tier: Any = None) -> Position:
     """Continue from this run's own newest checkpoint (an elastic restart, a requeue), else from `resume=`.
 
     Rank 0 verifies each candidate's files against their checksums before any rank reads it (`checkpoint.damage`)
@@ -69,6 +69,8 @@ def resume(cfg: DictConfig, ctx: RunContext, strategy: Strategy, run_dir: Path) 
     by the launcher moments ago) does not fall back.
     """
     folder = checkpoints_of(cfg.trainer, run_dir)  # a local folder or a URL
+    if tier is not None:  # the newest step complete in the nodes' memory, written here as a checkpoint
+        tier.promote(folder)
     paths: list[str] | None = None
     if ctx.rank == 0:
         remove_partial(folder)  # saves that never finished: nobody else writes here (the run's claim)

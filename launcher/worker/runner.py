@@ -41,6 +41,7 @@ from launcher.worker.source_loss import SourceLosses
 from launcher.worker.speed import Speed, Window
 from launcher.worker.step import all_reduce, gather_rows, train_step
 from launcher.worker.stragglers import StepClock, Stragglers
+from launcher.worker.tier import MemoryTier
 from strategies import RunContext, Strategy
 
 
@@ -148,6 +149,7 @@ class Trainer:
             self.profiler.ended(step)
             self.snapshots.after_step(step)
             self.advance(step, data.state)
+            self.tier.after(self.position, self.strategy)  # the memory tier's step, in the background
             if logged or evaluated:
                 self.log(step, loss, grad_norm, evaluated)
             self.progress.update(step, self.metrics if logged else None)
@@ -194,8 +196,9 @@ class Trainer:
         # the same generator state everywhere from here, whatever the strategy, as one process would have.
         torch.manual_seed(cfg.seed + 1)
         self.speed = Speed.of(cfg, ctx, self.strategy)
+        self.tier = MemoryTier(cfg, ctx)  # trainer.memory_checkpoint_every: promoted first on a restart
         with self.memory.counted():  # the state a checkpoint brings is the steps' memory too
-            self.position = resume(cfg, ctx, self.strategy, self.run_dir)
+            self.position = resume(cfg, ctx, self.strategy, self.run_dir, self.tier)
         self.resumed_at = self.position.step
         self.loggers = Loggers.create(cfg, ctx.rank, self.run_dir)
         self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
@@ -341,6 +344,7 @@ class Trainer:
             self.phase(f"writing the checkpoint of step {self.saves.pending.position.step}")
             self.saves.finish()
         self.phase("finishing")
+        self.tier.close()
         self.watch.call("on_train_end", self.position.step, self.metrics)
         self.watch.settle(self.device, self.saves.last)  # a callback that raised since the last agreement ends it
         self.progress.close()

@@ -1,0 +1,265 @@
+"""The memory tier (trainer.memory_checkpoint_every): each step's state in its node's shared memory and a peer's; a
+restart resumes from the newest step complete across the nodes left, exactly, at any world size, in one line; no
+shared memory is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import LAUNCH, TINY, clean_env, launch, launch_here
+
+from launcher.checkpoint import memory
+
+RESUMED = re.compile(r"launch: resumed from step (\d+) \((memory|disk) tier[^)]*\): (\d+) step\(s\) replayed")
+
+
+def _rows(run_dir: Path) -> list[dict[str, float]]:
+    metrics = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def _left_in_shm(run_dir: Path) -> list[str]:
+    run_id = (run_dir / "run_id").read_text().strip()
+    return sorted(p.name for p in memory.SHM.glob(f"{memory.PREFIX}{run_id}-*"))
+
+
+def _exact(rows: list[dict[str, float]], reference: dict[int, float]) -> float:
+    return max(abs(r["loss"] - reference[int(r["step"])]) for r in rows)
+
+
+def test_a_rank_killed_alone_resumes_from_its_own_node_s_memory_exactly(tmp_path: Path) -> None:
+    """Two ranks on one node; rank 1 is SIGKILLed mid-step (its node's launcher alive). The restarted group resumes
+    from the step before, promoted from the node's shared memory: no step replayed, every loss an uninterrupted run's,
+    and the node's folder in /dev/shm gone once the job ends."""
+    (tmp_path / "kill").touch()
+    shape = [*TINY, "gpus=2", "batch.global_size=8", "trainer.max_steps=10", "trainer.save_at_end=false"]
+    faulty = ["model._target_=faulty.KilledOnceGPT", "+model.sleep_s=0.3", f"+model.while_there={tmp_path / 'kill'}",
+              "+model.bad_rank=1", "+model.at_call=6", "trainer.max_restarts=1",
+              "trainer.memory_checkpoint_every=1"]  # fmt: skip
+    run = launch(tmp_path, *shape, *faulty, name="killed")
+    assert run.returncode == 0, run.stderr[-3000:]
+    reference = launch(tmp_path, *shape, name="reference")
+    assert reference.returncode == 0, reference.stderr
+    said = RESUMED.search(run.stdout)
+    assert said and said.group(2) == "memory" and said.group(3) == "0", run.stdout
+    rows, expected = _rows(tmp_path / "killed"), {int(r["step"]): r["loss"] for r in _rows(tmp_path / "reference")}
+    steps = [int(r["step"]) for r in rows]
+    assert steps == list(range(1, 11)) and int(said.group(1)) == 5, steps  # killed in step 6: none replayed
+    assert _exact(rows, expected) <= 1e-6
+    assert _left_in_shm(tmp_path / "killed") == []
+
+
+ELASTIC = [*TINY, "model._target_=faulty.KilledOnceGPT", "batch.global_size=12",
+           "batch.micro_size=1", "trainer.max_steps=8", "trainer.collective_timeout=60"]  # fmt: skip
+"""lcm(3, 4) samples a step: the same global batch at world size 4 (accumulation 3) and 3 (accumulation 4)."""
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _job(tmp_path: Path, name: str, nodes: str, extra: list[str]) -> tuple[list[subprocess.Popen[str]], Path]:
+    """Four one-rank nodes of one elastic job on loopback, each in a session of its own (to be killed whole); the
+    first hosts the rendezvous store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / name
+    argv = [LAUNCH, *ELASTIC, "+model.sleep_s=0.2", f"+model.while_there={tmp_path / 'kill'}", f"nodes={nodes}",
+            "gpus=1", f"rdzv.endpoint=127.0.0.1:{port}",
+            f"rdzv.id={name}", "rdzv.last_call_timeout=5", "trainer.max_restarts=3",
+            "trainer.memory_checkpoint_every=1", f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
+    nodes_ = []
+    for n in range(4):
+        out = open(tmp_path / f"{name}{n}.out", "w")
+        nodes_.append(subprocess.Popen(argv, cwd=tmp_path, env=clean_env(tmp_path), stdout=out,
+                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
+        for _ in range(600 if n == 0 else 0):
+            if _listening(port):
+                break
+            time.sleep(0.1)
+    return nodes_, run_dir
+
+
+def _until(condition, nodes: list[subprocess.Popen[str]], what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(3000):
+        if condition():
+            return
+        assert all(n.poll() is None for n in nodes), f"a node ended before {what}"
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} within 300 s")
+
+
+def _kill(tmp_path: Path, run_dir: Path, nodes: list[subprocess.Popen[str]], ranks: list[int]) -> None:
+    """The nodes that run `ranks` killed whole (launcher and worker), and their shared memory gone with them, as a
+    lost machine's is."""
+    records = [json.loads((run_dir / "logs" / "ranks" / f"rank{r}.json").read_text()) for r in ranks]
+    pids = {int(record["launcher"].split(":")[1]) for record in records}
+    for node in nodes:
+        if node.pid in pids:
+            try:
+                os.killpg(node.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it killed itself
+                pass
+            node.wait()
+    run_id = (run_dir / "run_id").read_text().strip()
+    for pid in pids:
+        for folder in memory.SHM.glob(f"{memory.PREFIX}{run_id}-*-{pid}"):
+            shutil.rmtree(folder)
+
+
+def _output(tmp_path: Path, name: str) -> str:
+    return "".join((tmp_path / f"{name}{n}.out").read_text() for n in range(4))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """One process at the same global batch: every strategy's, every world size's losses (fp32, CPU)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    run = launch(tmp, *ELASTIC, "batch.micro_size=4", "gpus=1", name="one")
+    assert run.returncode == 0, run.stderr
+    return {int(r["step"]): r["loss"] for r in _rows(tmp / "one")}
+
+
+@pytest.mark.scale  # four launchers on loopback, a minute each on 2 cores
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+def test_a_lost_node_costs_no_step_and_the_job_goes_on_exactly_at_3_nodes(
+    tmp_path: Path, strategy: str, uninterrupted: dict[int, float]
+) -> None:
+    """Four one-rank nodes (nodes=3:4); one is SIGKILLed whole mid-run. The three left resume from the step before
+    the failure, promoted from their memory (the lost node's state from its replica), none replayed, and finish at
+    world size 3; every loss is one process's; no shared memory is left."""
+    name = f"tier-{strategy}"
+    (tmp_path / "kill").touch()  # rank 3 kills its node (launcher and worker) mid-step, once: after 2 forwards of 3
+    killer = ["+model.bad_rank=3", "+model.at_call=11", "+model.whole_node=true"]
+    nodes, run_dir = _job(tmp_path, name, "3:4", [f"strategy={strategy}", *killer])
+    try:
+        _until(lambda: not (tmp_path / "kill").exists(), nodes[:1], "the node's loss")
+        _kill(tmp_path, run_dir, nodes, [3])  # its shared memory gone with it, as a lost machine's is
+        codes = [n.wait(timeout=600) for n in nodes if n.returncode is None]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    out = _output(tmp_path, name)
+    assert codes == [0, 0, 0], out[-4000:]
+    said = RESUMED.search(out)
+    assert said and said.group(2) == "memory" and said.group(3) == "0", out[-4000:]
+    rows = _rows(run_dir)
+    steps = [int(r["step"]) for r in rows]
+    assert steps == list(range(1, 9)), steps  # no step trained twice
+    assert {int(r["world_size"]) for r in rows} == {3, 4} and rows[-1]["world_size"] == 3
+    assert _exact(rows, uninterrupted) <= 1e-6
+    assert _left_in_shm(run_dir) == []
+
+
+@pytest.mark.scale  # four launchers on loopback
+@pytest.mark.timeout(900)
+def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(
+    tmp_path: Path, uninterrupted: dict[int, float]
+) -> None:
+    """Ranks 2 and 3 are adjacent in the ring: rank 2's state lived on its node and on rank 3's, both lost. The two
+    nodes left say which rank's state no node holds, resume from the disk tier, and go on exactly."""
+    (tmp_path / "kill").touch()  # slow steps until the test kills
+    nodes, run_dir = _job(tmp_path, "adjacent", "2:4", ["trainer.checkpoint_every=2", "trainer.memory_replicas=1",
+                                                        "+model.bad_rank=9"])  # fmt: skip
+    try:
+        _until(lambda: sum(r["world_size"] == 4 for r in _rows(run_dir)) >= 3, nodes, "three steps at 4 nodes")
+        _kill(tmp_path, run_dir, nodes, [2, 3])
+        (tmp_path / "kill").unlink()
+        codes = [n.wait(timeout=600) for n in nodes if n.returncode is None]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    out = _output(tmp_path, "adjacent")
+    assert codes == [0, 0], out[-4000:]
+    assert re.search(r"launch: memory tier: step \d+ lacks the state of rank 2 on every node left; resuming from "
+                     r"the disk tier", out), out[-4000:]  # fmt: skip
+    said = RESUMED.search(out)
+    assert said and said.group(2) == "disk", out[-4000:]
+    rows = _rows(run_dir)
+    assert rows[-1]["world_size"] == 2 and int(rows[-1]["step"]) == 8
+    assert _exact(rows, uninterrupted) <= 1e-6
+    assert _left_in_shm(run_dir) == []
+
+
+def _view(steps: dict[int, dict[int, str]], last: list[float] | None = None) -> dict[str, object]:
+    """A node's `held`: {step: {rank: the node that wrote the rank's files}}, each of a world of 4."""
+    return {"steps": {s: {r: {"world_size": 4, "node": n} for r, n in ranks.items()} for s, ranks in steps.items()},
+            "last": last}  # fmt: skip
+
+
+@pytest.mark.unit
+def test_the_newest_step_complete_across_the_nodes_left_is_chosen_each_rank_from_its_own_node_first() -> None:
+    # a ring of 4 one-rank nodes with one replica: node i keeps rank i and rank i-1; node 3 is lost
+    views = {f"n{i}": _view({6: {i: f"n{i}", (i - 1) % 4: f"n{(i - 1) % 4}"}, 7: {i: f"n{i}"}}, [7, 100.0 + i])
+             for i in range(3)}  # fmt: skip
+    step, holders, why = memory.choose(views)
+    assert (step, why) == (6, "") and holders == {"0": "n0", "1": "n1", "2": "n2", "3": "n0"}
+    assert memory.last_trained(views) == (7, 102.0)
+    views.pop("n0")  # two adjacent nodes lost: rank 3's state was on nodes 3 and 0 only
+    assert memory.choose(views) == (None, {}, "step 7 lacks the state of ranks 0, 3 on every node left")
+
+
+@pytest.mark.unit
+def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from launcher.config import ConfigError
+    from launcher.parent.tier_checks import check_memory_tier
+
+    on = [*TINY, "trainer.memory_checkpoint_every=1"]
+    two = ["nodes=2", "gpus=1", "rdzv.endpoint=127.0.0.1:29999", "rdzv.id=x"]
+    assert launch_here(tmp_path, *on, "trainer.memory_replicas=1").refused() == (
+        "launch: error: trainer.memory_replicas=1 on a single-node job: replicas go to other nodes; set "
+        "trainer.memory_replicas=0 (the tier then survives a failed rank, not a lost node)"
+    )
+    assert launch_here(tmp_path, *on, *two, "trainer.memory_replicas=2").refused() == (
+        "launch: error: trainer.memory_replicas=2 needs more than 2 nodes, but nodes=2; set trainer.memory_replicas "
+        "to at most 1"
+    )
+    elastic = ["nodes=2:4", "gpus=1", "rdzv.endpoint=127.0.0.1:29999", "rdzv.id=x", "trainer.max_restarts=1"]
+    assert (
+        "but nodes=2:4 may run on 2; set trainer.memory_replicas to at most 1"
+        in launch_here(
+            tmp_path, *on, *elastic, "trainer.memory_replicas=2", "batch.global_size=12", "batch.micro_size=1"
+        ).refused()
+    )
+    trainer = OmegaConf.create({"memory_checkpoint_every": 1, "memory_replicas": None})
+    with pytest.raises(ConfigError) as e:
+        check_memory_tier(trainer, 2, 2, 2 * 10**15, 2)  # 2 PB a rank: no /dev/shm holds it
+    line = str(e.value)
+    assert line.startswith("the memory tier needs 16000000000.0 MB of shared memory on each node (2 steps x "
+                           "2000000000.0 MB per rank x 2 rank(s) x (1 + 1 replica(s))), but /dev/shm has "), \
+        line  # fmt: skip
+    assert line.endswith("MB free; enlarge /dev/shm, lower trainer.memory_replicas, or set "
+                         "trainer.memory_checkpoint_every=0"), line  # fmt: skip
+
+
+@pytest.mark.unit
+def test_launch_plan_shows_the_host_memory_the_tier_takes_per_node(tmp_path: Path) -> None:
+    from conftest import cli_here
+
+    from launcher.plan.render import _size
+
+    args = ["plan", *TINY, "nodes=2", "gpus=2", "trainer.memory_checkpoint_every=1"]
+    table = cli_here(tmp_path, *args)
+    assert table.returncode == 0, table.stderr
+    (line,) = [line for line in table.stdout.splitlines() if line.startswith("memory tier")]
+    plan = json.loads(cli_here(tmp_path, *args, "plan.format=json").stdout)
+    for row in plan["strategies"]:
+        state = sum(b for kinds in row["state_bytes"].values() for kind, b in kinds.items() if kind != "grads")
+        assert f"{row['name']} {_size(2 * state * 2 * (1 + 1))}" in line, (line, row["name"])
+    assert "(2 steps x state per rank x 2 rank(s) x (1 + 1 replica(s)))" in line, line
