@@ -96,6 +96,7 @@ def per_rank_bytes(
     the optimizer steps on.
     """
     _, shards = layout.mesh.shape(world_size, gpus)
+    shards *= layout.mesh.tensor_size  # tensor parallel splits each planned layer again (its norms, a few %, are whole)
     placements = {
         "weights": layout.params,
         "master": layout.optimizer,
@@ -156,9 +157,10 @@ def comm_split(
     and only its all-reduce across the replicas crosses."""
     replicate, shard = mesh.shape(world_size, gpus)
     node = gpus or world_size
-    ranks = {"world": world_size, "shard": shard, "replicate": replicate}
-    crosses = {"world": world_size > node, "shard": world_size > node and node % shard != 0,
-               "replicate": world_size > node}  # fmt: skip
+    tensor = mesh.tensor_size  # the mesh's last dimension: consecutive ranks, in a node unless tp_size > gpus
+    ranks = {"world": world_size, "shard": shard, "replicate": replicate, "tensor": tensor}
+    crosses = {"world": world_size > node, "shard": world_size > node and node % (shard * tensor) != 0,
+               "replicate": world_size > node, "tensor": tensor > node}  # fmt: skip
     within = across = 0.0
     for c in collectives:
         sent = c.times * ring_sent_elements(c.elements, ranks[c.group], c.kind) * WIRE_BYTES[c.dtype]

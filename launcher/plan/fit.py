@@ -170,7 +170,7 @@ class Plan:
         bpp = bytes_per_param(
             self.precision, self.moments, layout.master_weights, layout.low_precision_weights, self.ema
         )
-        accumulation = self.global_size // ((micro or self.micro) * world) or 1
+        accumulation = self.global_size // ((micro or self.micro) * world // layout.mesh.tensor_size) or 1
         params, unit = self.model.params, self.model.largest_unit or self.model.params
         within, across = strategy_comm(strategy, params, self.precision, accumulation, world, gpus, self.model.gathered)
         return StrategyPlan(
