@@ -15,7 +15,7 @@ DTensor's functional collectives; a dispatch mode around the forward and the bac
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,15 +35,22 @@ class TensorParallel:
     """The tensor-parallel dimension of an FSDP2 mesh: `size` ranks per group (1: none), the user's `plan` (None: the
     model's own), and whether a group may span nodes (`across_nodes`)."""
 
-    def __init__(self, size: int, plan: dict[str, str] | None, across_nodes: bool) -> None:
+    def __init__(self, size: int, plan: Mapping[str, str] | None, across_nodes: bool) -> None:
         self.size = int(size)
-        self.plan = None if plan is None else {str(k): str(v) for k, v in plan.items()}
+        self.given = plan
+        mapping = isinstance(plan, Mapping) and plan
+        self.plan = {str(k): str(v) for k, v in plan.items()} if mapping else None  # None: the model's own
         self.across_nodes = across_nodes
         self.counter = CommCounter()
         self.counter.world_size = self.size
 
     def check(self, world_size: int, gpus: int | None, model: nn.Module) -> None:
         """ValueError (one line) for a size or a plan this run cannot use; the plan it will use, said in one line."""
+        if self.given is not None and not isinstance(self.given, Mapping):
+            raise ValueError(
+                f"strategy.tp_plan={self.given} is not a mapping of module-name patterns to styles; e.g. "
+                "strategy.tp_plan={blocks.*.mlp.0: colwise, blocks.*.mlp.2: rowwise}"
+            )
         if self.size < 1:
             raise ValueError(f"strategy.tp_size={self.size} must be 1 (no tensor parallel) or more")
         if self.size == 1:
