@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from strategies.declarations import Collective
+
 STYLES = {
     "colwise": "Linear, Embedding",
     "rowwise": "Linear, Embedding",
@@ -154,3 +156,34 @@ def _check_ties(model: nn.Module, resolved: Mapping[str, str]) -> None:
                 f"tensor parallel splits a tied weight two ways: {told}; give both modules styles that split it alike "
                 "(e.g. embedding_rowwise and colwise_rep), or leave both out"
             )
+
+
+def tp_collectives(
+    model: nn.Module, plan: Mapping[str, str], tokens: int, accumulation: int, dtype: str
+) -> list[Collective]:
+    """The activations' collectives of one optimizer step under a plan, over `tokens` (micro-batch x sequence) per
+    micro-step, in the compute dtype: each rowwise layer all-reduces its output in the forward; each colwise layer
+    all-reduces its input's gradient in the backward (its input is whole on every rank, its gradient a part on
+    each) and, where its output is gathered (`_rep`), all-gathers it in the forward; a rowwise embedding all-reduces
+    its output, a colwise one all-gathers it. What the `tp_comm_*` figures count."""
+    found = []
+    modules = dict(model.named_modules())
+    for name, style in resolve(model, plan).items():
+        module, dim = modules[name], weight_dim(style, modules[name])
+        if dim is None:
+            continue
+        embedding = isinstance(module, nn.Embedding)
+        width_in = module.embedding_dim if embedding else module.in_features
+        width_out = module.embedding_dim if embedding else module.out_features
+        if embedding:
+            kind = "all_reduce" if dim == 0 else "all_gather"
+            found.append(Collective(kind, "tensor", tokens * width_out, dtype, times=accumulation, sync=False))
+        elif dim == 1:  # rowwise: partial sums of its output
+            found.append(Collective("all_reduce", "tensor", tokens * width_out, dtype, times=accumulation, sync=False))
+        else:
+            found.append(Collective("all_reduce", "tensor", tokens * width_in, dtype, times=accumulation, sync=False))
+            if style in ("colwise_rep", "colwise_gather_output"):
+                found.append(
+                    Collective("all_gather", "tensor", tokens * width_out, dtype, times=accumulation, sync=False)
+                )
+    return found
