@@ -77,7 +77,7 @@ def test_every_option_composes_and_instantiates(group: str, option: str, tmp_pat
 def test_model_presets_have_their_advertised_size() -> None:
     import torch
 
-    sizes = {"gpt_124m": 124e6, "gpt_1b": 1.1e9, "gpt_7b": 6.7e9}
+    sizes = {"gpt_124m": 124e6, "gpt_1b": 1.1e9, "gpt_7b": 6.7e9, "gpt_70b": 71e9}
     for name, target in sizes.items():
         node = _compose(f"model={name}", "data.seq_len=1024").model
         with torch.device("meta"):

@@ -333,14 +333,14 @@ def test_the_pick_line_names_the_measure_that_picked(tmp_path: Path, laptop: Non
     assert plan["auto_by"] == "time" and pick["name"] == "hsdp"
     assert all(pick["comm_seconds"] < s["comm_seconds"] for s in fitting if s is not pick)
     assert min(fitting, key=lambda s: s["comm_bytes"])["comm_bytes"] < pick["comm_bytes"]  # not the fewest bytes
-    line = _cli(tmp_path, *README_PLAN).stdout.splitlines()[-1]
+    line = next(ln for ln in _cli(tmp_path, *README_PLAN).stdout.splitlines() if ln.startswith("* = "))
     assert f"hsdp: the least communication time of those that fit, {pick['comm_seconds'] * 1e3:.3g} ms" in line, line
     one = _plan_json(tmp_path, *README_PLAN[1:], "nodes=1")
     tied = [s for s in one["strategies"] if s["name"] in ("zero1", "zero2")]
     assert one["auto"] == "zero1" and one["auto_by"] == "name"
     for key in ("comm_seconds", "comm_bytes", "layout"):
         assert tied[0][key] == tied[1][key], key
-    line = _cli(tmp_path, *README_PLAN, "nodes=1").stdout.splitlines()[-1]
+    line = next(ln for ln in _cli(tmp_path, *README_PLAN, "nodes=1").stdout.splitlines() if ln.startswith("* = "))
     assert "zero1: the least communication time of those that fit" in line, line
     assert "tied with zero2 on time, bytes, offload, sharding, picked by name" in line, line
 

@@ -136,3 +136,22 @@ def test_a_transformers_llama_at_tp2_dp2_logs_one_process_losses(tmp_path: Path)
     print(f"llama TP=2 x DP=2: max loss difference from one process {diff:.2e}")  # shown with pytest -s
     assert diff <= 1e-5, (tp.losses(), one.losses())
     assert tp.metrics[-1]["tp_comm_calls"] > 0
+
+
+@pytest.mark.unit
+def test_plan_shows_tp_1_2_4_8_and_the_activations_traffic(tmp_path: Path) -> None:
+    """gpt_7b on 8 GPUs, bf16, micro-batch 4 x 128 tokens, global 32: at T = 2 the data-parallel ranks are 4 and the
+    accumulation 2. Per micro-step 6 all-reduces per layer (32 layers) and 2 outside (embedding, head's input) of
+    4 x 128 x 4096 values, and the head's all-gather of 4 x 128 x 50304 logits; in a ring of 2 an all-reduce sends
+    its whole buffer once, an all-gather half of it; 2 bytes each."""
+    proc = cli_here(tmp_path, "plan", "model=gpt_7b", "gpus=8", "precision=bf16")
+    assert proc.returncode == 0, proc.stderr
+    rows = {int(line.split()[0]): line.split() for line in proc.stdout.splitlines() if line[:4].strip().isdigit()}
+    assert sorted(rows) == [1, 2, 4, 8] and [rows[t][1:3] for t in (1, 2, 4, 8)] == [
+        ["8", "1"], ["4", "2"], ["2", "4"], ["1", "8"]
+    ]  # fmt: skip
+    tokens, hidden, vocab = 4 * 128, 4096, 50304
+    per_micro = (32 * 6 + 2) * tokens * hidden * 1.0 * 2 + tokens * vocab * 0.5 * 2
+    assert rows[2][-2] == f"{2 * per_micro / 1e9:.2f}" and rows[1][-2] == "0.00"
+    acts = [float(rows[t][4]) for t in (1, 2, 4, 8)]
+    assert acts == sorted(acts, reverse=True)  # the split layers' activations: 1/T

@@ -110,6 +110,7 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
     from launcher.base.machine import visible_cuda_devices
     from launcher.config.known import check_keys
     from launcher.models.meta import build_on_meta, measure
+    from launcher.plan.tensor import tensor_lines
 
     chosen, strategy_keys = _chosen_strategy(overrides)
     frozen = freeze(_compose(overrides))
@@ -162,6 +163,7 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
         print(json.dumps(as_dict(plan), indent=2))
     else:
         print(render(plan))
+        print("\n".join(tensor_lines(plan, model, frozen)))  # T = 1, 2, 4, 8 (none for a model without a plan)
         if frozen.plan.chart:
             print(f"chart: {Path(str(frozen.plan.chart)).resolve()}")
     return 0

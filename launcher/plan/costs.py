@@ -241,7 +241,15 @@ def comm_seconds(nbytes: float, gbps: float) -> float:
 
 
 def activation_bytes(
-    seq: int, micro: int, hidden: int, heads: int, layers: int, vocab: int, elem: int, checkpointing: bool = False
+    seq: int,
+    micro: int,
+    hidden: int,
+    heads: int,
+    layers: int,
+    vocab: int,
+    elem: int,
+    checkpointing: bool = False,
+    tensor: int = 1,
 ) -> float:
     """Activations one rank keeps for backward, for one micro-batch of the built-in GPT.
 
@@ -255,9 +263,11 @@ def activation_bytes(
     (s·b·V at elem) and the fp32 log-probabilities cross-entropy saves (s·b·V·4).
     With activation checkpointing only each block's input is kept (s·b·h per layer), and one block's
     activations live again while it is recomputed in backward.
+    Under tensor parallel over t ranks (no sequence parallel: their section 4.1), what the split matmuls and the
+    attention save is 1/t on each rank, the norms' and dropouts' inputs whole: s·b·h·(10 + 24/t + 5·a·s/(h·t)).
     """
-    s, b, h, a, L, V = seq, micro, hidden, heads, layers, vocab
-    per_layer = s * b * h * (34 + 5 * a * s / h) * elem / 2
+    s, b, h, a, L, V, t = seq, micro, hidden, heads, layers, vocab, tensor
+    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * elem / 2
     outside = 2 * s * b * h * elem + s * b * V * (elem + 4)
     if checkpointing:
         return L * s * b * h * elem + per_layer + outside
