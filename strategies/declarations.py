@@ -139,6 +139,9 @@ class Requirements:
     """DeepSpeed ops it compiles: cpu_adam (optimizer offload), async_io (NVMe, libaio)."""
     nvme_folder: bool = False
     """A folder to swap into (strategy.nvme_path, or LAUNCH_NVME_PATH)."""
+    model_plan: bool = False
+    """It splits layers by the model's tensor-parallel plan (strategy.tp_size > 1), which a model may lack: the sweeps
+    over any model (smoke, strategies) leave it out, saying so."""
     imports: tuple[str, ...] = ()
     """Modules its workers import to run it: a launcher that forks its CPU workers imports them, and loads `ops`,
     once before the fork, rather than once in every rank."""

@@ -169,7 +169,7 @@ class FSDP:
         return found
 
     def requirements(self) -> Requirements:
-        return Requirements()
+        return Requirements(model_plan=self.tp.size > 1)
 
     def conformance(self) -> Conformance:
         replicate, shard = self.mesh.replicate_size, self.mesh.shard_size

@@ -26,8 +26,8 @@ from strategies.comm import CommCounter
 from strategies.tp_plans import check_plan, chosen_plan, resolve
 
 WHY_IN_NODE = (
-    "its all-reduces of activations, several per layer per micro-step, need a node's links (NVLink: hundreds of GB/s), not "
-    "the network's"
+    "its all-reduces of activations, several per layer per micro-step, need a node's links (NVLink: hundreds of "
+    "GB/s), not the network's"
 )
 
 

@@ -172,6 +172,7 @@ def test_the_sweeps_of_every_strategy_list_every_preset_this_machine_runs(sweep:
         cfg = compose("config", overrides=[f"+sweep={sweep}"], return_hydra_config=True)
     swept = str(cfg.hydra.sweeper.params.strategy).split(",")
     expected = set(GROUPS["strategy"]) - {"auto"} - ({"zero_infinity"} if async_io_problem() else set())
+    expected -= {"fsdp_tp"}  # a model may have no tensor-parallel plan: not swept over any model
     assert sorted(swept) == sorted(expected), swept
 
 
