@@ -360,6 +360,7 @@ class FSDP:
         self.model.train(mode)
         if mode:
             self._counter.take()  # the all-gathers of an evaluation are not the next training step's
+            self.tp.figures()  # nor its activations' collectives
 
     def state_dict(self) -> dict[str, Any]:
         return torch_state_dict(self.model, self.optimizer, self.ema)
