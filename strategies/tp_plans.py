@@ -131,7 +131,8 @@ def check_plan(model: nn.Module, explicit: Mapping[str, str] | None, tp_size: in
                 f"{where}: {name} is a {type(modules[name]).__name__}, but style '{style}' splits only {kinds}; "
                 f"name its Linear layers instead, or use 'replicate'"
             )
-    for key, count in heads(model).items():
+    attention = any(("attn" in n or "attention" in n) and v != "replicate" for n, v in resolved.items())
+    for key, count in heads(model).items() if attention else ():  # a plan of MLPs alone splits no heads
         if count % tp_size:
             raise ValueError(
                 f"strategy.tp_size={tp_size} does not divide {key}={count}: each rank must hold whole heads; use a "

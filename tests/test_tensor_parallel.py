@@ -61,6 +61,7 @@ def test_a_users_plan_by_patterns_overrides_the_models() -> None:
     plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
     expected = {f"blocks.{i}.mlp.0": "colwise" for i in (0, 1)} | {f"blocks.{i}.mlp.2": "rowwise" for i in (0, 1)}
     assert check_plan(_gpt(), plan, 2) == expected
+    assert check_plan(_gpt(n_head=1), plan, 2) == expected  # the MLPs alone: no head is split, any count will do
 
 
 @pytest.mark.unit
