@@ -449,7 +449,8 @@ def _by_the_rule(plan: dict) -> str | None:
     def key(s: dict) -> tuple:
         kinds = s["layout"].values()
         depth_sum, sharded = sum(depth[k["where"]] for k in kinds), sum(k["sharded"] for k in kinds)
-        return s["comm_seconds"], s["comm_bytes"], depth_sum, sharded, s["name"]
+        tp = DECLARED[s["name"]].requirements().model_plan  # tensor parallel: only where nothing else fits
+        return tp, s["comm_seconds"], s["comm_bytes"], depth_sum, sharded, s["name"]
 
     fitting = [s for s in plan["strategies"] if s["fits"]]
     return min(fitting, key=key)["name"] if fitting else None

@@ -101,10 +101,7 @@ def _candidates(frozen: DictConfig) -> dict[str, DictConfig]:
     configs = with_presets(frozen, named or presets)
     if named:
         return configs
-    # Left out unless named: what rounds what it sends; tensor parallel, whose activations' traffic the table's comm
-    # column leaves out (its own section shows it) and which not every model has a plan for.
-    kept = {name: make_strategy(c.strategy) for name, c in configs.items()}
-    return {n: configs[n] for n, s in kept.items() if not s.conformance().lossy and not s.requirements().model_plan}
+    return {name: c for name, c in configs.items() if not make_strategy(c.strategy).conformance().lossy}
 
 
 def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any], ModelSize] | None = None) -> int:
@@ -166,7 +163,8 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
         print(json.dumps(as_dict(plan), indent=2))
     else:
         print(render(plan))
-        print("\n".join(tensor_lines(plan, model, frozen)))  # T = 1, 2, 4, 8 (none for a model without a plan)
+        if lines := tensor_lines(plan, model, frozen):  # T = 1, 2, 4, 8 (none for a model without a plan)
+            print("\n".join(lines))
         if frozen.plan.chart:
             print(f"chart: {Path(str(frozen.plan.chart)).resolve()}")
     return 0
