@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # gpt_1b (1.3B parameters) in bf16 on one GPU under DDP, FSDP (both world 1, trainer.compile=true) and ZeRO-3 with
-# CPU offload, through the real `launch`; prints step time, tokens/s, MFU and peak memory per strategy.
+# CPU offload, through the real `launch`; prints step time, tokens/s, MFU and peak memory per strategy. With two GPUs
+# also tensor parallel: fsdp_tp (TP=2 x DP=1) against fsdp on 2.
 # Goal on an H100/H200-class GPU: MFU >= 40% for DDP and FSDP. Under 8 minutes (each run is capped).
 #
 #   bash bench/gpu.sh [--dry-run] [out_dir]
@@ -33,6 +34,8 @@ if (( DRY )); then
     echo "== $s: config composes ($OUT/$s.yaml); plan on the meta device:"
     "$LAUNCH" plan strategy="$s" "${JOB[@]}"
   done
+  echo "== fsdp_tp (tensor parallel 2 x data parallel 1, two GPUs): plan on the meta device:"
+  "$LAUNCH" plan strategy=fsdp_tp "${JOB[@]/gpus=1/gpus=2}"
   exit 0
 fi
 
@@ -43,6 +46,18 @@ for s in "${STRATEGIES[@]}"; do
   timeout 170 "$LAUNCH" strategy="$s" "${JOB[@]}" device=cuda ${EXTRA[$s]} hydra.run.dir="$OUT/$s" \
     > "$OUT/$s.log" 2>&1 || echo "$s: exit $? (see $OUT/$s.log)" >&2
 done
+# Tensor parallel where two GPUs are lent: TP=2 x DP=1 against DP=2 (fsdp on 2), the same global batch; tp_comm_*
+# in metrics.jsonl is the activations' traffic over NVLink (on one GPU the case is skipped, said so).
+if (( $(nvidia-smi -L | wc -l) >= 2 )); then
+  for s in fsdp fsdp_tp; do
+    echo "== $s on 2 GPUs" >&2
+    timeout 170 "$LAUNCH" strategy=$s "${JOB[@]/gpus=1/gpus=2}" device=cuda trainer.max_steps=20 trainer.log_every=10 \
+      hydra.run.dir="$OUT/${s}_2gpu" > "$OUT/${s}_2gpu.log" 2>&1 || echo "${s}_2gpu: exit $? (see its log)" >&2
+    STRATEGIES+=("${s}_2gpu")
+  done
+else
+  echo "tensor parallel: one GPU here, the fsdp_tp case needs two (skipped)" >&2
+fi
 python - "$OUT" "${STRATEGIES[@]}" <<'PY'
 import json, sys
 from pathlib import Path

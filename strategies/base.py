@@ -52,6 +52,18 @@ class RunContext:
     meta device), by name; none of a mixture-of-experts block's (`strategies.no_grad`)."""
     ema: EMASettings | None = None
     """trainer.ema: keep the EMA weights (`strategies.ema`), held as the parameters are; None: none."""
+    tensor_size: int = 1
+    """Consecutive ranks that see the same micro-batches (a tensor-parallel group, `Mesh.tensor_size`)."""
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the data-parallel ranks: which slice of each global batch it reads."""
+        return self.rank // self.tensor_size
+
+    @property
+    def data_world(self) -> int:
+        """The data-parallel ranks: the world size / tensor_size."""
+        return self.world_size // self.tensor_size
 
     @property
     def device_type(self) -> str:

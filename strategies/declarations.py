@@ -28,10 +28,21 @@ class Mesh:
     node (then each node is one shard group and the nodes are replicas)."""
     replicate_size: int | None = 1
     """Shard groups holding replicas of each other; None: the world size / shard_size."""
+    tensor_size: int = 1
+    """The mesh's last dimension, tensor parallel: consecutive ranks splitting each planned layer and seeing the same
+    micro-batches. The data-parallel ranks (replicate x shard) are the world size / tensor_size."""
 
     def shape(self, world_size: int, gpus: int | None = None) -> tuple[int, int]:
-        """(replicate, shard) for `world_size` ranks of `gpus` per node (None: one node); ValueError (one line:
-        the bad value and the fix) when the sizes do not tile the world."""
+        """(replicate, shard) of the data-parallel ranks, for `world_size` ranks of `gpus` per node (None: one node);
+        ValueError (one line: the bad value and the fix) when the sizes do not tile the world."""
+        if world_size % self.tensor_size:
+            sizes = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+            raise ValueError(
+                f"strategy.tp_size={self.tensor_size} does not divide the world size {world_size} (nodes x gpus); "
+                f"use one of {sizes}"
+            )
+        world_size //= self.tensor_size
+        gpus = None if gpus is None else max(1, gpus // self.tensor_size)
         shard, replicate = self.shard_size, self.replicate_size
         divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
         for key, size in (("shard_size", shard), ("replicate_size", replicate)):
@@ -128,6 +139,9 @@ class Requirements:
     """DeepSpeed ops it compiles: cpu_adam (optimizer offload), async_io (NVMe, libaio)."""
     nvme_folder: bool = False
     """A folder to swap into (strategy.nvme_path, or LAUNCH_NVME_PATH)."""
+    model_plan: bool = False
+    """It splits layers by the model's tensor-parallel plan (strategy.tp_size > 1), which a model may lack: the sweeps
+    over any model (smoke, strategies) leave it out, saying so."""
     imports: tuple[str, ...] = ()
     """Modules its workers import to run it: a launcher that forks its CPU workers imports them, and loads `ops`,
     once before the fork, rather than once in every rank."""

@@ -6,7 +6,8 @@ forward and backward, and its gradients reduce-scattered right after its backwar
 
 HSDP is the same class over a 2-D mesh (`strategy.replicate_size` > 1): state is sharded 1/S within each
 shard group of S ranks, the groups are replicas, and after each unit's reduce-scatter FSDP2 all-reduces the
-rank's 1/S gradient shard across the replicate group.
+rank's 1/S gradient shard across the replicate group. `strategy.tp_size` > 1 adds a last, tensor-parallel dimension
+(`strategies.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from strategies.moe import (
     units_inside,
     use_every_parameter,
 )
+from strategies.tensor_parallel import TensorParallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 UNIT_WEIGHT_BUFFERS = 2
@@ -119,8 +121,12 @@ class FSDP:
         shard_size: int | None,
         replicate_size: int | None,
         moe_blocks: list[str] | None,
+        tp_size: int,
+        tp_plan: dict[str, str] | None,
+        tp_across_nodes: bool,
     ) -> None:
-        self.mesh = Mesh(shard_size, replicate_size)
+        self.mesh = Mesh(shard_size, replicate_size, tp_size)
+        self.tp = TensorParallel(tp_size, tp_plan, tp_across_nodes)
         self.shard_units = None if shard_units is None else [str(name) for name in shard_units]
         self.reshard_after_forward = reshard_after_forward
         self.sync_batchnorm = sync_batchnorm
@@ -152,6 +158,7 @@ class FSDP:
         replicate, shard = self.mesh.shape(world_size, gpus)
         weights = "fp32" if autocast_dtype(precision) is None else precision
         syncs = accumulation if self.sync_each_microbatch else 1
+        params /= self.tp.size  # a rank's part of each layer the plan splits (the rest, whole, is a few %)
         gathers = accumulation * (2 if self.reshard_after_forward else 1)
         found = [
             Collective("all_gather", "shard", params, weights, times=gathers, sync=False),
@@ -162,10 +169,12 @@ class FSDP:
         return found
 
     def requirements(self) -> Requirements:
-        return Requirements()
+        return Requirements(model_plan=self.tp.size > 1)
 
     def conformance(self) -> Conformance:
         replicate, shard = self.mesh.replicate_size, self.mesh.shard_size
+        if self.tp.size > 1:  # 2 data-parallel ranks of T; each rank's FSDP share of the parameters is not quite P/T
+            return Conformance(ranks=2 * self.tp.size, comm_slack=0.04)  # the whole ones (norms, biases): 2.5% here
         if replicate is None and shard is None:  # strategy=hsdp: 2 replicas of a 2-rank shard group, the same K = 2
             return Conformance(ranks=4, overrides=("strategy.shard_size=2", "batch.micro_size=2"))
         return Conformance()
@@ -191,6 +200,7 @@ class FSDP:
                     f"(its classes: {', '.join(present)}); e.g. strategy.shard_units=[{guess}]"
                 )
         check_moe_blocks(model, self.moe_blocks)
+        self.tp.check(ctx.world_size, ctx.local_world_size, model)
         check_held(model, "fsdp")  # tensors the model holds outside its parameters and buffers: filled in setup
         blocks = moe_blocks(model, self.moe_blocks)
         split = units_inside(model, blocks, units)
@@ -227,7 +237,6 @@ class FSDP:
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
         from torch.distributed._composable import checkpoint
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             FSDPModule,
@@ -246,6 +255,9 @@ class FSDP:
         model = build_model(meta=True)
         held = held_tensors(model)  # a scheduler's noise schedule, a lookup table: neither parameters nor buffers
         units = unit_modules(model, unit_classes(model, self.shard_units))
+        mesh, tp_mesh = self.tp.meshes(ctx.device_type, replicate, shard)
+        if tp_mesh is not None:  # first (torchtitan's order): checkpointing, compile and FSDP wrap what it split
+            self.tp.apply(model, tp_mesh)
         # Inside a unit, FSDP2 reduce-scatters only the gradients its rank has: an expert a rank skipped must still
         # get one (zero), or the ranks' reduce-scatters differ in size.
         blocks = moe_blocks(model, self.moe_blocks)
@@ -269,10 +281,6 @@ class FSDP:
         )
         # Pinned host memory needs CUDA; without it, pinning fails ("Cannot access accelerator device").
         offload = CPUOffloadPolicy(pin_memory=ctx.device_type == "cuda") if self.offload == "cpu" else OffloadPolicy()
-        if replicate > 1:  # HSDP: dim 0 replicates, dim 1 shards (fully_shard's 2-D mesh)
-            mesh = init_device_mesh(ctx.device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = init_device_mesh(ctx.device_type, (shard,))
         # Innermost first: a unit nested in another must be sharded before its parent claims its parameters.
         for module in [*reversed(units), model]:
             fully_shard(
@@ -305,7 +313,7 @@ class FSDP:
 
     def forward(self, batch: Any) -> torch.Tensor:
         # No autocast: MixedPrecisionPolicy already runs each unit in the parameter dtype.
-        with self._same_modules.watch():
+        with self._same_modules.watch(), self.tp.counted():
             return call_model(self.model, batch)
 
     def sync(self, enabled: bool) -> AbstractContextManager[None]:
@@ -323,7 +331,8 @@ class FSDP:
     def backward(self, loss: torch.Tensor) -> None:
         fix = "name its class in strategy.moe_blocks (the block around the modules its router skips)"
         self._same_modules.compare(torch.device(self.ctx.device), fix)
-        self.scaler.scale(loss).backward()
+        with self.tp.counted():
+            self.scaler.scale(loss).backward()
 
     def step(self, lr: float) -> float:
         # What FSDP itself put in host memory (its parameters' offload flag, from the policy it was given), with the
@@ -332,7 +341,8 @@ class FSDP:
         norm, held, offloaded = optimizer_step(
             self.model, self.optimizer, self.scaler, self.ctx.grad_clip, lr, lambda p: id(p) in on_host, self.ema
         )
-        self._last_step = step_figures(self._counter, held - offloaded, offloaded, scaler_scale(self.scaler))
+        figures = step_figures(self._counter, held - offloaded, offloaded, scaler_scale(self.scaler))
+        self._last_step = figures | self.tp.figures()
         return norm
 
     def _offloaded_params(self) -> set[int]:
@@ -350,6 +360,7 @@ class FSDP:
         self.model.train(mode)
         if mode:
             self._counter.take()  # the all-gathers of an evaluation are not the next training step's
+            self.tp.figures()  # nor its activations' collectives
 
     def state_dict(self) -> dict[str, Any]:
         return torch_state_dict(self.model, self.optimizer, self.ema)

@@ -122,6 +122,22 @@ BAD = {
                                           "strategy.ds_config.train_batch_size=3 conflicts"),  # fmt: skip
     "unknown gradient compression": (["strategy.grad_compression=int8"], "Invalid value 'int8', expected one of "
                                                                           "[none, bf16, fp16]"),  # fmt: skip
+    # tensor parallel (strategies.tensor_parallel, strategies.tp_plans)
+    "tp size not dividing the world": (["strategy=fsdp_tp", "gpus=3"], "strategy.tp_size=2 does not divide the world "
+                                       "size 3 (nodes x gpus); use one of 1, 3"),
+    "tp size not dividing the heads": (["strategy=fsdp_tp", "gpus=4", "model.n_head=1"], "strategy.tp_size=2 does "
+                                       "not divide model.n_head=1"),
+    "tp with ddp": (["strategy=ddp", "strategy.tp_size=2"], "unknown key 'strategy.tp_size' for this strategy; tensor "
+                    "parallel runs under FSDP2 alone (DDP and DeepSpeed keep every layer whole): use strategy=fsdp_tp"),
+    "tp with deepspeed": (["strategy=zero3", "+strategy.tp_size=2"], "does not take strategy.tp_size (it takes: "),
+    "tp plan naming no module": (["strategy=fsdp_tp", "gpus=2", "strategy.tp_plan={{layers.*.fc: colwise}}"],
+                                 "strategy.tp_plan names no module of GPT to split (patterns layers.*.fc)"),
+    "tp plan style unknown": (["strategy=fsdp_tp", "gpus=2", "strategy.tp_plan={{blocks.*.mlp.0: fancy}}"],
+                              "style 'fancy' of 'blocks.*.mlp.0' is not one this launcher runs"),
+    "tp plan on a norm": (["strategy=fsdp_tp", "gpus=2", "strategy.tp_plan={{blocks.*.ln1: colwise}}"],
+                          "blocks.0.ln1 is a LayerNorm, but style 'colwise' splits only Linear, Embedding"),
+    "tp plan not a mapping": (["strategy=fsdp_tp", "gpus=2", "strategy.tp_plan=[a,b]"],
+                              "strategy.tp_plan=['a', 'b'] is not a mapping of module-name patterns to styles"),
     "a strategy written to an older protocol": (["strategy._target_=user_models.OldStrategy"],
                                                 "strategy user_models.OldStrategy lacks collectives(), requirements(), "
                                                 "conformance(), averaged() of the Strategy protocol"),  # fmt: skip

@@ -64,6 +64,11 @@ CROSSINGS = [
     ("ddp", 1, "hsdp", 4),  # one process's checkpoint on a 2 x 2 mesh (fsdp on 2 ranks: from hsdp, below)
     ("ddp", 2, "zero_infinity", 1),
     ("hsdp", 4, "fsdp", 2),  # a 2 x 2 mesh's checkpoint (the suite's run) on a 1-D mesh of 2
+    ("fsdp_tp", 4, "ddp", 1),  # tensor parallel 2 x data parallel 2 (the suite's run) in one process
+    # ... on 4 data-parallel ranks, each layer whole: 4 more ranks, the long tier (the two crossings beside it reshard
+    # the same DTensors at the usual tier's cost)
+    pytest.param("fsdp_tp", 4, "fsdp", 4, marks=pytest.mark.long),
+    ("fsdp_tp", 4, "zero3", 2),  # ... under DeepSpeed
 ]  # torch AdamW <-> DeepSpeed CPU Adam
 
 

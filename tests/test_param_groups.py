@@ -11,7 +11,9 @@ import torch
 from conftest import TINY, Run, cli_here
 from runs import STRATEGIES
 
-GPT_DECAYED = {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
+GPT_DECAYED = {
+    f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.0", "mlp.2")
+}
 """The tiny GPT's 2-D hidden matrices: the only parameters the default decays (its head is tied to the embedding)."""
 
 

@@ -22,7 +22,7 @@ from conftest import TINY, Run, cli_here, launch, launch_here
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from runs import JOB, SHAPES, STRATEGIES
+from runs import DECLARED, JOB, SHAPES, STRATEGIES
 
 from launcher.config import derive, freeze, schema
 from launcher.config.context import make_strategy
@@ -159,7 +159,9 @@ def test_plan_prints_every_strategy_side_by_side(tmp_path: Path) -> None:
         assert re.search(rf"^[* ] {strategy} ", out, re.M), (strategy, out)
     # Each strategy's own rule: torch's autocast keeps fp32 weights (its bf16 copies are transient), DeepSpeed keeps
     # bf16 weights and an fp32 master (the lesson's 18).
-    assert "weights 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 16: ddp, ddp_bf16, fsdp, hsdp;" in out, out
+    assert (
+        "weights 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 16: ddp, ddp_bf16, fsdp, fsdp_tp, hsdp;" in out
+    ), out
     assert "weights 2 (bf16) + master 4 (fp32) + grads 4 (fp32) + moments 8 (2 x fp32) = 18: zero1, zero2," in out
     assert "micro 4 x accumulation 1 x world 8" in out and "activation checkpointing" in out
     assert re.search(r"^  ddp .* no ", out, re.M), out  # 7B under DDP does not fit 80 GB
@@ -187,7 +189,7 @@ def test_plan_json_carries_the_layouts_figures(tmp_path: Path) -> None:
     for s in plan["strategies"]:
         # Mixed precision: 16 bytes per parameter under torch's autocast, 18 under DeepSpeed, whatever the layout;
         # it only moves and divides them.
-        per_param = 16 if s["name"] in ("ddp", "ddp_bf16", "fsdp", "hsdp") else 18
+        per_param = 16 if s["name"] in ("ddp", "ddp_bf16", "fsdp", "fsdp_tp", "hsdp") else 18
         assert sum(s["bytes_per_param"].values()) == per_param, s
         held = sum(
             s["state_bytes"][place][kind] for place in ("device", "host", "nvme") for kind in s["bytes_per_param"]
@@ -331,14 +333,14 @@ def test_the_pick_line_names_the_measure_that_picked(tmp_path: Path, laptop: Non
     assert plan["auto_by"] == "time" and pick["name"] == "hsdp"
     assert all(pick["comm_seconds"] < s["comm_seconds"] for s in fitting if s is not pick)
     assert min(fitting, key=lambda s: s["comm_bytes"])["comm_bytes"] < pick["comm_bytes"]  # not the fewest bytes
-    line = _cli(tmp_path, *README_PLAN).stdout.splitlines()[-1]
+    line = next(ln for ln in _cli(tmp_path, *README_PLAN).stdout.splitlines() if ln.startswith("* = "))
     assert f"hsdp: the least communication time of those that fit, {pick['comm_seconds'] * 1e3:.3g} ms" in line, line
     one = _plan_json(tmp_path, *README_PLAN[1:], "nodes=1")
     tied = [s for s in one["strategies"] if s["name"] in ("zero1", "zero2")]
     assert one["auto"] == "zero1" and one["auto_by"] == "name"
     for key in ("comm_seconds", "comm_bytes", "layout"):
         assert tied[0][key] == tied[1][key], key
-    line = _cli(tmp_path, *README_PLAN, "nodes=1").stdout.splitlines()[-1]
+    line = next(ln for ln in _cli(tmp_path, *README_PLAN, "nodes=1").stdout.splitlines() if ln.startswith("* = "))
     assert "zero1: the least communication time of those that fit" in line, line
     assert "tied with zero2 on time, bytes, offload, sharding, picked by name" in line, line
 
@@ -447,7 +449,8 @@ def _by_the_rule(plan: dict) -> str | None:
     def key(s: dict) -> tuple:
         kinds = s["layout"].values()
         depth_sum, sharded = sum(depth[k["where"]] for k in kinds), sum(k["sharded"] for k in kinds)
-        return s["comm_seconds"], s["comm_bytes"], depth_sum, sharded, s["name"]
+        tp = DECLARED[s["name"]].requirements().model_plan  # tensor parallel: only where nothing else fits
+        return tp, s["comm_seconds"], s["comm_bytes"], depth_sum, sharded, s["name"]
 
     fitting = [s for s in plan["strategies"] if s["fits"]]
     return min(fitting, key=key)["name"] if fitting else None
@@ -562,8 +565,10 @@ def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy:
     measured = run.metrics[-1]
     planned = _planned(conformance_dir, strategy)
     total = planned["device_state_bytes"] + planned["host_state_bytes"] + planned["nvme_state_bytes"]
-    # Within 2%; a figure planned at 0 (all offloaded) within 2% of the strategy's whole state.
-    assert measured["model_state_bytes"] == pytest.approx(planned["device_state_bytes"], rel=0.02, abs=0.02 * total), (
+    # Within 2%; a figure planned at 0 (all offloaded) within 2% of the strategy's whole state. Tensor parallel plans
+    # P/T per rank's FSDP share: the norms, biases and position embedding it keeps whole are 2.5% more at this size.
+    rel = 0.03 if DECLARED[strategy].layout().mesh.tensor_size > 1 else 0.02
+    assert measured["model_state_bytes"] == pytest.approx(planned["device_state_bytes"], rel=rel, abs=0.02 * total), (
         measured,
         planned,
     )

@@ -68,6 +68,9 @@ METRICS = {
         Metric("comm_calls", "", "max", "strategy", "gradient-synchronisation collectives of the last step"),
         Metric("comm_bytes", "bytes", "max", "strategy", "their payload"),
         Metric("comm_sent_bytes", "bytes", "max", "strategy", "the ring bytes a rank sent in the last step"),
+        Metric("tp_comm_calls", "", "max", "strategy", "tensor parallel: activation collectives of the last step"),
+        Metric("tp_comm_bytes", "bytes", "max", "strategy", "their payload"),
+        Metric("tp_comm_sent_bytes", "bytes", "max", "strategy", "the ring bytes a rank sent in them"),
         Metric("loss_scale", "", "max", "strategy", "precision=fp16: the loss scaler's scale after the step"),
         Metric(
             "compute_s_max",

@@ -22,11 +22,11 @@ def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int, mi
     and `micro` (an elastic job's size now, the micro-batch an out-of-memory error left: `launcher.worker.adapt`), with
     the accumulation that keeps the global batch."""
     derived = cfg.derived
-    micro = micro or int(cfg.batch.micro_size)
-    accumulation, rest = divmod(int(cfg.batch.global_size), micro * world_size)
+    micro, tensor = micro or int(cfg.batch.micro_size), int(derived.get("tensor_size", 1))
+    accumulation, rest = divmod(int(cfg.batch.global_size), micro * (world_size // tensor))
     if rest or not accumulation:
-        raise ValueError(f"batch.global_size={cfg.batch.global_size} does not divide over micro-batch {micro} x world "
-                         f"size {world_size}")  # fmt: skip
+        raise ValueError(f"batch.global_size={cfg.batch.global_size} does not divide over micro-batch {micro} x "
+                         f"data-parallel ranks {world_size // tensor}")  # fmt: skip
     return RunContext(
         device=f"cuda:{local_rank}" if derived.device == "cuda" else "cpu",
         rank=rank,
@@ -40,6 +40,7 @@ def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int, mi
         local_world_size=int(derived.gpus),
         no_grad=tuple(str(name) for name in derived.get("no_grad") or ()),
         ema=ema_settings(cfg.trainer),
+        tensor_size=tensor,
     )
 
 

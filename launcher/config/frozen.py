@@ -156,6 +156,9 @@ class Derived:
     micro_auto: bool = False
     """batch.micro_size=auto: the planner chose the micro-batch, and an out-of-memory error halves it
     (`launcher.worker.adapt`)."""
+    tensor_size: int = 1
+    """strategy.tp_size: consecutive ranks that see the same micro-batches; accumulation is global / (micro x world
+    size / tensor_size)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,13 +213,20 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
     world_size = gpus * high
     auto = batch.micro_size == AUTO
     micro = 1 if auto else int(batch.micro_size)  # auto: planned later (`plan.commands.choose_micro`)
-    per_step = micro * world_size
+    tensor = int(OmegaConf.select(cfg, "strategy.tp_size", default=1) or 1)  # a tensor-parallel group: one batch
+    if world_size % tensor:
+        raise ConfigError(
+            f"strategy.tp_size={tensor} does not divide the world size {world_size} (nodes x gpus); use one of "
+            f"{', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)}"
+        )
+    per_step = micro * world_size // tensor
     check_world_sizes(batch.global_size, batch.micro_size, cfg.nodes, gpus)  # an elastic range: every size in it
     if batch.global_size % per_step:
         given = "" if auto else f" batch.micro_size={micro} x"
         raise BatchSizeError(
             per_step,
-            f"batch.global_size={batch.global_size} is not divisible by{given} world size {world_size} "
+            f"batch.global_size={batch.global_size} is not divisible by{given} "
+            f"{'world size' if tensor == 1 else 'data-parallel ranks'} {world_size // tensor} "
             f"(= {per_step}); use batch.global_size="
             f"{_nearest_multiples(batch.global_size, per_step)}, or change batch.micro_size or gpus",
         )
@@ -228,7 +238,7 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
     _check_data(cfg)
     _check_trainer(cfg.trainer)
     _check_targets(cfg)
-    return Derived(device, gpus, high, world_size, batch.global_size // per_step, low, auto)
+    return Derived(device, gpus, high, world_size, batch.global_size // per_step, low, auto, tensor)
 
 
 def node_range(nodes: Any) -> tuple[int, int]:

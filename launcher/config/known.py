@@ -149,12 +149,22 @@ def _schema_of(target: str, group: str) -> type | None:
     return None
 
 
+ELSEWHERE = {
+    f"strategy.{key}": "tensor parallel runs under FSDP2 alone (DDP and DeepSpeed keep every layer whole): use "
+    "strategy=fsdp_tp, or strategy.tp_size=T on strategy=fsdp or hsdp"
+    for key in ("tp_size", "tp_plan", "tp_across_nodes")
+}
+"""Keys of one strategy's that another does not take, with where they belong."""
+
+
 def _not_taken(path: str, group: str, target: str, unknown: list[str], takes: list[str]) -> str:
     """The nearest key the target takes where one key is close to it (misspelt), else how to pass keys of your own
     (several: a built-in option's keys under a target of yours)."""
     keys = ", ".join(f"{path}.{k}" for k in unknown)
     close = difflib.get_close_matches(unknown[0], takes, n=1) if len(unknown) == 1 else []
-    if close:
+    if f"{path}.{unknown[0]}" in ELSEWHERE:
+        fix = ELSEWHERE[f"{path}.{unknown[0]}"]
+    elif close:
         fix = f"did you mean {path}.{close[0]}?"
     elif path == group and group in ("model", "data"):
         fix = f"use {group}=custom {group}._target_={target}, then add its own keys with +{group}.KEY=VALUE"

@@ -140,6 +140,15 @@ class FSDPStrategyConfig:
     moe_blocks: list[str] | None = None
     """Class names of the mixture-of-experts blocks (each gives every parameter a gradient, zero where a rank used no
     expert of it); unset: the modules with a child named `experts`."""
+    tp_size: int = ranged(1, SIZE)
+    """Tensor parallel: ranks of a node that split each planned layer (the mesh's last dimension); they see the same
+    micro-batches, so data parallel is the world size / tp_size. 1: none (strategy=fsdp_tp: 2)."""
+    tp_plan: Any = None
+    """Module-name patterns to styles, e.g. {blocks.*.mlp.0: colwise, blocks.*.mlp.2: rowwise}; unset: the model's own
+    (`_tp_plan`, a transformers config's `base_model_tp_plan`). A mapping (untyped: a typed one takes no new keys)."""
+    tp_across_nodes: bool = False
+    """Let a tensor-parallel group span nodes (tp_size above gpus): its activations' all-reduces then cross the
+    network, several per layer per micro-step, much slower than a node's links."""
 
 
 class ZeroOffload(Enum):

@@ -28,6 +28,8 @@ def runnable_strategies() -> str:
     kept = []
     for name, strategy in preset_strategies(names).items():
         problem = unmet(strategy.requirements(), "cpu")
+        if strategy.requirements().model_plan:  # not every model has a plan: run it by name (strategy=fsdp_tp)
+            problem = "it splits layers by the model's tensor-parallel plan, which not every model has; run it alone"
         if problem:
             print(f"launch: smoke: {name} left out: {problem}", file=sys.stderr, flush=True)
         else:

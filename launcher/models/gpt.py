@@ -19,16 +19,20 @@ class Attention(nn.Module):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}")
-        self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.n_head, self.head_dim = n_head, n_embd // n_head
+        # Three projections, not one fused: tensor parallel splits each by heads (`_tp_plan`).
+        self.q = nn.Linear(n_embd, n_embd)
+        self.k = nn.Linear(n_embd, n_embd)
+        self.v = nn.Linear(n_embd, n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
+        # Heads from the tensors' widths, not n_head: under tensor parallel a rank holds n_head / T of them.
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -49,6 +53,16 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     _no_split_modules = ["Block"]  # its layer-sized units, declared as transformers models declare theirs
+    _tp_plan = {  # its tensor-parallel plan, in transformers' names (`strategies.tp_plans`)
+        "tok_emb": "embedding_rowwise",
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+        "head": "colwise_rep",
+    }
 
     def __init__(
         self,

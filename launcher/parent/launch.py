@@ -156,14 +156,16 @@ def describe(cfg: DictConfig, derived: Derived, rdzv: Rendezvous, run_dir: Path)
     if rdzv.job.cluster != "local":
         where += f", node {rdzv.job.node_rank} of a {rdzv.job.cluster} job"
     nodes, world = f"{derived.nodes} node(s)", f"world size {derived.world_size}"
-    micro = b.global_size // (derived.accumulation * derived.world_size)  # batch.micro_size=auto: the planner's
+    data = derived.world_size // derived.tensor_size  # a tensor-parallel group reads one micro-batch
+    micro = b.global_size // (derived.accumulation * data)  # batch.micro_size=auto: the planner's
     if derived.min_nodes < derived.nodes:  # elastic: accumulation follows the world size the group starts with
         nodes = f"{derived.min_nodes} to {derived.nodes} nodes (elastic)"
         world = f"world size {derived.min_nodes * derived.gpus} to {derived.world_size}"
     line = (
         f"launch: {nodes} x {derived.gpus} {derived.device} worker(s) = {world}{where}; "
         f"batch: micro {micro}{' (auto)' if derived.micro_auto else ''} x accumulation {derived.accumulation} "
-        f"x world {derived.world_size} = global {b.global_size}; run dir {run_dir}"
+        f"x {f'world {data}' if data == derived.world_size else f'data-parallel {data}'} = global {b.global_size}; "
+        f"run dir {run_dir}"
     )
     if derived.min_nodes < derived.nodes:  # the one node an elastic job cannot lose
         line += f"; it outlives any node but the one hosting rdzv.endpoint={rdzv.endpoint} (the rendezvous store)"

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from launcher.base.environ import restore
 from launcher.config import SEVERAL, one_line, schema
+from launcher.config.known import ELSEWHERE
 
 CONFIG_MODULE = "launcher.conf"
 CONFIG_NAME = "config"
@@ -236,6 +237,8 @@ def _unknown_key(e: Exception, overrides: list[str]) -> str | None:
     node = OmegaConf.select(base, parent) if parent else base
     valid = ", ".join(sorted(node.keys())) if isinstance(node, DictConfig) else "?"
     where = parent or "the top level"
+    if key in ELSEWHERE and isinstance(node, DictConfig) and leaf not in node:
+        return f"unknown key '{key}' for this strategy; {ELSEWHERE[key]}"
     if parent in SEVERAL and isinstance(node, DictConfig) and len(node) and leaf not in node:
         value = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")), "...")
         return (

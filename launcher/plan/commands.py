@@ -110,6 +110,7 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
     from launcher.base.machine import visible_cuda_devices
     from launcher.config.known import check_keys
     from launcher.models.meta import build_on_meta, measure
+    from launcher.plan.tensor import tensor_lines
 
     chosen, strategy_keys = _chosen_strategy(overrides)
     frozen = freeze(_compose(overrides))
@@ -164,6 +165,8 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
         print(render(plan))
         if int(frozen.trainer.get("memory_checkpoint_every") or 0):
             print(tier_line(plan, frozen.trainer))
+        if lines := tensor_lines(plan, model, frozen):  # T = 1, 2, 4, 8 (none for a model without a plan)
+            print("\n".join(lines))
         if frozen.plan.chart:
             print(f"chart: {Path(str(frozen.plan.chart)).resolve()}")
     return 0

@@ -96,6 +96,7 @@ def per_rank_bytes(
     the optimizer steps on.
     """
     _, shards = layout.mesh.shape(world_size, gpus)
+    shards *= layout.mesh.tensor_size  # tensor parallel splits each planned layer again (its norms, a few %, are whole)
     placements = {
         "weights": layout.params,
         "master": layout.optimizer,
@@ -156,9 +157,10 @@ def comm_split(
     and only its all-reduce across the replicas crosses."""
     replicate, shard = mesh.shape(world_size, gpus)
     node = gpus or world_size
-    ranks = {"world": world_size, "shard": shard, "replicate": replicate}
-    crosses = {"world": world_size > node, "shard": world_size > node and node % shard != 0,
-               "replicate": world_size > node}  # fmt: skip
+    tensor = mesh.tensor_size  # the mesh's last dimension: consecutive ranks, in a node unless tp_size > gpus
+    ranks = {"world": world_size, "shard": shard, "replicate": replicate, "tensor": tensor}
+    crosses = {"world": world_size > node, "shard": world_size > node and node % (shard * tensor) != 0,
+               "replicate": world_size > node, "tensor": tensor > node}  # fmt: skip
     within = across = 0.0
     for c in collectives:
         sent = c.times * ring_sent_elements(c.elements, ranks[c.group], c.kind) * WIRE_BYTES[c.dtype]
@@ -239,7 +241,15 @@ def comm_seconds(nbytes: float, gbps: float) -> float:
 
 
 def activation_bytes(
-    seq: int, micro: int, hidden: int, heads: int, layers: int, vocab: int, elem: int, checkpointing: bool = False
+    seq: int,
+    micro: int,
+    hidden: int,
+    heads: int,
+    layers: int,
+    vocab: int,
+    elem: int,
+    checkpointing: bool = False,
+    tensor: int = 1,
 ) -> float:
     """Activations one rank keeps for backward, for one micro-batch of the built-in GPT.
 
@@ -253,9 +263,11 @@ def activation_bytes(
     (s·b·V at elem) and the fp32 log-probabilities cross-entropy saves (s·b·V·4).
     With activation checkpointing only each block's input is kept (s·b·h per layer), and one block's
     activations live again while it is recomputed in backward.
+    Under tensor parallel over t ranks (no sequence parallel: their section 4.1), what the split matmuls and the
+    attention save is 1/t on each rank, the norms' and dropouts' inputs whole: s·b·h·(10 + 24/t + 5·a·s/(h·t)).
     """
-    s, b, h, a, L, V = seq, micro, hidden, heads, layers, vocab
-    per_layer = s * b * h * (34 + 5 * a * s / h) * elem / 2
+    s, b, h, a, L, V, t = seq, micro, hidden, heads, layers, vocab, tensor
+    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * elem / 2
     outside = 2 * s * b * h * elem + s * b * V * (elem + 4)
     if checkpointing:
         return L * s * b * h * elem + per_layer + outside

@@ -170,7 +170,7 @@ class Plan:
         bpp = bytes_per_param(
             self.precision, self.moments, layout.master_weights, layout.low_precision_weights, self.ema
         )
-        accumulation = self.global_size // ((micro or self.micro) * world) or 1
+        accumulation = self.global_size // ((micro or self.micro) * world // layout.mesh.tensor_size) or 1
         params, unit = self.model.params, self.model.largest_unit or self.model.params
         within, across = strategy_comm(strategy, params, self.precision, accumulation, world, gpus, self.model.gathered)
         return StrategyPlan(
@@ -204,7 +204,9 @@ class Plan:
     def decided_by(self, pick: StrategyPlan, blocked: Collection[str] = ()) -> tuple[int, StrategyPlan | None]:
         """The index in `RANKING` of the measure that puts `pick` before the next strategy that fits (not `blocked`),
         and that one; 0 when no other fits."""
-        later = [sp for sp in self.ranked() if sp is not pick and sp.name not in blocked and self.fits(sp)]
+        tp = pick.strategy.requirements().model_plan  # tensor parallel comes after every other that fits (`pick`)
+        later = [sp for sp in self.ranked() if sp is not pick and sp.name not in blocked and self.fits(sp)
+                 and sp.strategy.requirements().model_plan <= tp]  # fmt: skip
         if not later:
             return 0, None
         return next(i for i, (_, _, key) in enumerate(RANKING) if key(pick) != key(later[0])), later[0]
@@ -246,8 +248,9 @@ class Plan:
 
     def pick(self, blocked: Collection[str] = ()) -> StrategyPlan | None:
         """strategy=auto's choice: the first in `ranked` order that fits, among those not `blocked` (refused by
-        their checks)."""
-        return next((sp for sp in self.ranked() if self.fits(sp) and sp.name not in blocked), None)
+        their checks); tensor parallel only where nothing else fits (its activations' traffic is not in `comm`)."""
+        fitting = [sp for sp in self.ranked() if self.fits(sp) and sp.name not in blocked]
+        return min(fitting, key=lambda sp: sp.strategy.requirements().model_plan, default=None)  # stable: ranked
 
 
 RANKING: tuple[tuple[str, str, Callable[[StrategyPlan], float | str]], ...] = (

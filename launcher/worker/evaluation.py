@@ -49,7 +49,11 @@ class Evaluation:
         with torch.no_grad():
             for name, source in self.sets.items():
                 batch = next(
-                    iter(source.evaluation(1, self.ctx.rank, self.ctx.world_size, self.ctx.accumulation, self.device))
+                    iter(
+                        source.evaluation(
+                            1, self.ctx.data_rank, self.ctx.data_world, self.ctx.accumulation, self.device
+                        )
+                    )
                 )[0]
                 output = strategy.forward(batch)  # every rank: a sharded model's forward is collective
                 for metric_name, metric in self.metrics[name].items():
@@ -122,7 +126,7 @@ def validate(
     strategy.train(False)
     total, count = 0.0, 0.0
     with torch.no_grad():
-        for micro in source.evaluation(batches, ctx.rank, ctx.world_size, ctx.accumulation, device):
+        for micro in source.evaluation(batches, ctx.data_rank, ctx.data_world, ctx.accumulation, device):
             for batch in micro:
                 output = strategy.forward(batch)
                 loss, tokens = model_loss(output, rule.loss_at)

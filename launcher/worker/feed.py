@@ -41,7 +41,7 @@ def feed(
 
     steps = max_steps - position.step
     workers = int(cfg.data.get("workers", 0))
-    return source.feed(position, steps, ctx.rank, ctx.world_size, K, workers, device, check)
+    return source.feed(position, steps, ctx.data_rank, ctx.data_world, K, workers, device, check)
 
 
 def next_step(steps: Iterator[StepData], source: Any, device: torch.device) -> StepData | None:

@@ -371,7 +371,7 @@ class Trainer:
         reduced, (tokens,), rows = over_ranks(mine, self._gather, [self.window.tokens()], self.clock.times())  # type: ignore[union-attr]
         if self.ctx.rank == 0 and (straggler := self.stragglers.see(rows)):
             print(straggler, flush=True)
-        reduced |= self.window.figures(self.B, tokens)
+        reduced |= self.window.figures(self.B, tokens / self.ctx.tensor_size)  # a tensor-parallel group: one batch
         return {
             "loss": reduced.pop("loss"),
             "lr": lr,

@@ -1,0 +1,207 @@
+"""Tensor parallel under FSDP2: a mesh dimension of its own, inside each node, applied before sharding.
+
+The ranks are a mesh of (data parallel) x T, the T consecutive ranks of a node one tensor-parallel group: they see
+the same micro-batches and each holds 1/T of every layer the plan splits (`strategies.tp_plans`), through torch's
+own `parallelize_module` (ColwiseParallel, RowwiseParallel). Every other parameter is replicated over the group as
+a DTensor too, so that every parameter lives on one mesh (FSDP2 then shards each over the data-parallel dimension,
+and the gradient norm is one reduction). torchtitan's order: tensor parallel, then checkpointing and compile, then
+FSDP.
+
+The activations' collectives (a rowwise layer's all-reduce in the forward, a colwise layer's in the backward) are
+DTensor's functional collectives; a dispatch mode around the forward and the backward counts them
+(`tp_comm_*` figures), beside FSDP's own counter.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from strategies.comm import CommCounter
+from strategies.tp_plans import check_plan, chosen_plan, resolve
+
+WHY_IN_NODE = (
+    "its all-reduces of activations, several per layer per micro-step, need a node's links (NVLink: hundreds of "
+    "GB/s), not the network's"
+)
+
+
+class TensorParallel:
+    """The tensor-parallel dimension of an FSDP2 mesh: `size` ranks per group (1: none), the user's `plan` (None: the
+    model's own), and whether a group may span nodes (`across_nodes`)."""
+
+    def __init__(self, size: int, plan: Mapping[str, str] | None, across_nodes: bool) -> None:
+        self.size = int(size)
+        self.given = plan
+        mapping = isinstance(plan, Mapping) and plan
+        self.plan = {str(k): str(v) for k, v in plan.items()} if mapping else None  # None: the model's own
+        self.across_nodes = across_nodes
+        self.counter = CommCounter()
+        self.counter.world_size = self.size
+
+    def check(self, world_size: int, gpus: int | None, model: nn.Module) -> None:
+        """ValueError (one line) for a size or a plan this run cannot use; the plan it will use, said in one line."""
+        if self.given is not None and not isinstance(self.given, Mapping):
+            raise ValueError(
+                f"strategy.tp_plan={self.given} is not a mapping of module-name patterns to styles; e.g. "
+                "strategy.tp_plan={blocks.*.mlp.0: colwise, blocks.*.mlp.2: rowwise}"
+            )
+        if self.size < 1:
+            raise ValueError(f"strategy.tp_size={self.size} must be 1 (no tensor parallel) or more")
+        if self.size == 1:
+            if self.plan:
+                raise ValueError("strategy.tp_plan is set but strategy.tp_size=1 splits nothing; set strategy.tp_size")
+            return
+        if world_size % self.size:
+            sizes = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+            raise ValueError(
+                f"strategy.tp_size={self.size} does not divide the world size {world_size} (nodes x gpus); use one "
+                f"of {sizes}"
+            )
+        per_node = gpus or world_size
+        if self.size > per_node and not self.across_nodes:
+            raise ValueError(
+                f"strategy.tp_size={self.size} spans nodes of gpus={per_node}: {WHY_IN_NODE}; use strategy.tp_size="
+                f"{max(d for d in range(1, per_node + 1) if per_node % d == 0 and world_size % d == 0)} or less, or "
+                "strategy.tp_across_nodes=true to run it slowly"
+            )
+        resolved = check_plan(model, self.plan, self.size)
+        _, where = chosen_plan(model, self.plan)
+        split = sum(style != "replicate" for style in resolved.values())
+        print(
+            f"launch: tensor parallel over {self.size} ranks: {where} splits {split} modules of {type(model).__name__}"
+            "; the rest is replicated over each group",
+            flush=True,
+        )
+
+    def meshes(self, device_type: str, replicate: int, shard: int) -> tuple[Any, Any]:
+        """(FSDP's mesh, the tensor-parallel mesh or None): one device mesh of (replicate x) shard x T, its last
+        dimension the T consecutive ranks of a node."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims, names = (shard,), ("shard",)
+        if replicate > 1:  # HSDP: dim 0 replicates, dim 1 shards (fully_shard's 2-D mesh)
+            dims, names = (replicate, shard), ("replicate", "shard")
+        if self.size == 1:
+            return init_device_mesh(device_type, dims, mesh_dim_names=names), None
+        mesh = init_device_mesh(device_type, (*dims, self.size), mesh_dim_names=(*names, "tp"))
+        return mesh[names], mesh["tp"]
+
+    def apply(self, model: nn.Module, mesh: Any) -> None:
+        """Split the planned modules over `mesh` (torch's parallelize_module), replicate every other parameter over
+        it, and tie again what was tied."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan, _ = chosen_plan(model, self.plan)
+        resolved = resolve(model, plan)
+        tied: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for pname, p in module.named_parameters(recurse=False):
+                tied.setdefault(id(p), []).append((module, pname))
+        styles = {name: _style(style) for name, style in resolved.items() if style != "replicate"}
+        parallelize_module(model, mesh, styles)
+        for name, module in model.named_modules():
+            if name not in styles and any(True for _ in module.parameters(recurse=False)):
+                _replicate(module, mesh, Replicate())
+        for uses in (u for u in tied.values() if len(u) > 1):  # each module re-registered its own copy: one again
+            first, pname = uses[0]
+            for module, other in uses[1:]:
+                setattr(module, other, getattr(first, pname))
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        """Count the tensor-parallel collectives issued inside (forward, backward) in `counter`."""
+        if self.size == 1:
+            yield
+            return
+        with _Counting(self.counter):
+            yield
+
+    def figures(self) -> dict[str, float]:
+        """The last step's tensor-parallel collectives, as `tp_comm_*` figures; {} without tensor parallel."""
+        if self.size == 1:
+            return {}
+        return {f"tp_{k}": v for k, v in self.counter.take().items()}
+
+
+def _style(name: str) -> Any:
+    """torch's style for a transformers style name (`strategies.tp_plans.STYLES`)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if name in ("colwise", "embedding_colwise"):
+        return ColwiseParallel() if name == "colwise" else ColwiseParallel(output_layouts=Replicate())
+    if name in ("colwise_rep", "colwise_gather_output"):
+        return ColwiseParallel(output_layouts=Replicate())
+    if name in ("rowwise_rep", "rowwise_split_input", "embedding_rowwise"):
+        return RowwiseParallel(input_layouts=Replicate())
+    return RowwiseParallel()
+
+
+def _replicate(module: nn.Module, mesh: Any, replicate: Any) -> None:
+    """The module's own parameters as DTensors replicated over `mesh`; its tensor inputs enter as replicated
+    DTensors and its outputs leave as plain tensors (each rank computes the whole module)."""
+    from torch.distributed.tensor import DTensor, distribute_module, distribute_tensor
+
+    def partition(name: str, mod: nn.Module, device_mesh: Any) -> None:
+        if mod is not module:
+            return
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                whole = nn.Parameter(distribute_tensor(p, device_mesh, [replicate]), requires_grad=p.requires_grad)
+                mod.register_parameter(pname, whole)
+
+    def inputs(mod: nn.Module, args: tuple[Any, ...], device_mesh: Any) -> tuple[Any, ...]:
+        return tuple(
+            DTensor.from_local(a, device_mesh, [replicate], run_check=False)
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            else a
+            for a in args
+        )
+
+    def outputs(mod: nn.Module, out: Any, device_mesh: Any) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    distribute_module(module, mesh, partition, inputs, outputs)
+
+
+COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
+"""DTensor's functional collectives (torch.ops._c10d_functional), by the counter's names."""
+
+
+@functools.cache
+def _counting_mode() -> type:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self, counter: CommCounter) -> None:
+            super().__init__()
+            self.counter = counter
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.namespace == "_c10d_functional":
+                kind = COLLECTIVES.get(func._opname)
+                if kind is not None:
+                    first = args[0]
+                    nbytes = first.numel() * first.element_size()
+                    if kind == "all_gather":  # the whole gathered buffer, as the counter takes it
+                        nbytes *= self.counter.world_size
+                    self.counter.record(nbytes, kind)
+            return func(*args, **(kwargs or {}))
+
+    return Counting
+
+
+def _Counting(counter: CommCounter) -> Any:  # noqa: N802 - a class, built on first use (the dispatch machinery)
+    return _counting_mode()(counter)

@@ -1,0 +1,158 @@
+"""Tensor parallel under FSDP2 (strategy=fsdp_tp): the plans it reads, what it refuses in process, and what the
+conformance suite's TP=2 x DP=2 run shows beyond the suite's own checks (tests/test_strategies.py: parity with one
+process, the gradient norm, FSDP's collectives and state; tests/test_checkpoint.py: its checkpoint resumed in one
+process, at DP=4 and under zero3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, Run, cli_here, launch
+from runs import suite_run
+from torch import nn
+
+from launcher.models.gpt import GPT
+from strategies.tensor_parallel import TensorParallel
+from strategies.tp_plans import check_plan, model_plan, resolve, tp_collectives
+
+SUITE_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 256, "block_size": 32}  # tests/runs.py's JOB
+
+
+def _gpt(**sizes: int) -> GPT:
+    with torch.device("meta"):
+        return GPT(**{**SUITE_GPT, **sizes})
+
+
+def _llama(kv_heads: int = 2) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads)  # fmt: skip
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+@pytest.mark.unit
+def test_the_gpts_plan_splits_attention_mlp_embedding_and_head() -> None:
+    resolved = resolve(_gpt(), model_plan(_gpt()))
+    assert resolved["blocks.1.attn.q"] == "colwise" and resolved["blocks.1.attn.proj"] == "rowwise"
+    assert resolved["blocks.0.mlp.0"] == "colwise" and resolved["blocks.0.mlp.2"] == "rowwise"
+    assert resolved["tok_emb"] == "embedding_rowwise" and resolved["head"] == "colwise_rep"
+    assert len(resolved) == 2 * 6 + 2
+
+
+@pytest.mark.unit
+def test_a_transformers_llama_plan_is_read_from_the_model() -> None:
+    """LlamaForCausalLM declares its plan (config.base_model_tp_plan, lm_head's in _tp_plan): read, nothing written."""
+    llama = _llama()
+    resolved = check_plan(llama, None, 2)
+    assert resolved["model.layers.1.self_attn.k_proj"] == "colwise"
+    assert resolved["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert resolved["lm_head"] == "colwise_gather_output"
+    assert sum(name.startswith("model.layers.") for name in resolved) == 2 * 7
+    with pytest.raises(ValueError, match="strategy.tp_size=4 does not divide num_key_value_heads=2"):
+        check_plan(llama, None, 4)
+
+
+@pytest.mark.unit
+def test_a_users_plan_by_patterns_overrides_the_models() -> None:
+    plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+    expected = {f"blocks.{i}.mlp.0": "colwise" for i in (0, 1)} | {f"blocks.{i}.mlp.2": "rowwise" for i in (0, 1)}
+    assert check_plan(_gpt(), plan, 2) == expected
+    assert check_plan(_gpt(n_head=1), plan, 2) == expected  # the MLPs alone: no head is split, any count will do
+
+
+@pytest.mark.unit
+def test_a_model_without_a_plan_is_one_line() -> None:
+    with pytest.raises(ValueError, match="Sequential declares no tensor-parallel plan .* give one by module names"):
+        check_plan(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), None, 2)
+
+
+@pytest.mark.unit
+def test_a_tied_weight_split_two_ways_is_refused() -> None:
+    """The GPT's embedding is its head: split on the vocabulary by one, on the width by the other, it is refused."""
+    with pytest.raises(ValueError, match="splits a tied weight two ways: tok_emb.weight \\(split on dim 0\\), "
+                                         "head.weight \\(split on dim 1\\)"):  # fmt: skip
+        check_plan(_gpt(), {"tok_emb": "embedding_rowwise", "head": "rowwise"}, 2)
+
+
+@pytest.mark.unit
+def test_a_group_across_nodes_is_refused_unless_the_flag_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="strategy.tp_size=4 spans nodes of gpus=2: .* use strategy.tp_size=2 or "
+                                         "less, or strategy.tp_across_nodes=true"):  # fmt: skip
+        TensorParallel(4, None, False).check(8, 2, _gpt())
+    TensorParallel(4, None, True).check(8, 2, _gpt())
+    assert "tensor parallel over 4 ranks: GPT's own plan splits 14 modules" in capsys.readouterr().out
+
+
+def test_measured_tp_traffic_is_the_planned(conformance_dir: Path) -> None:
+    """The suite's TP=2 x DP=2 run (micro-batch 4 x 32 tokens, K = 2, fp32): its counter of DTensor's collectives
+    against the plan's (`tp_collectives`): per layer 2 forward all-reduces (rowwise outputs) and 4 backward ones (the
+    q, k, v and fc inputs' gradients) of 4 x 32 x 64 values, the embedding's all-reduce, the head's all-gather of the
+    logits and its input's all-reduce; the ring bytes by the planner's formula."""
+    from launcher.plan.costs import comm_split
+    from strategies.declarations import Mesh
+
+    last = suite_run(conformance_dir, "fsdp_tp").metrics[-1]
+    planned = tp_collectives(_gpt(), GPT._tp_plan, 4 * 32, 2, "fp32")
+    assert last["tp_comm_calls"] == sum(c.times for c in planned) == 2 * (2 * 6 + 3)
+    assert last["tp_comm_bytes"] == sum(c.payload_bytes for c in planned)
+    within, across = comm_split(planned, 4, Mesh(tensor_size=2), 4)
+    assert last["tp_comm_sent_bytes"] == pytest.approx(within, rel=1e-12) and across == 0
+
+
+def test_convert_gives_the_whole_model_from_a_tensor_parallel_checkpoint(conformance_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    step = suite_run(conformance_dir, "fsdp_tp").run_dir / "checkpoints" / "step_00000012"
+    out = tmp_path / "model.safetensors"
+    proc = cli_here(tmp_path, "convert", str(step), f"out={out}")
+    assert proc.returncode == 0, proc.stderr
+    model = GPT(**SUITE_GPT)
+    converted = load_file(str(out))
+    model.load_state_dict(converted, strict=True)  # every tensor whole: no rank's part
+    dcp_to_torch_save(str(step), str(tmp_path / "full.pt"))
+    saved = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    assert all(torch.equal(converted[k], saved[k]) for k in saved)
+
+
+LLAMA = ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
+         "+model.config._target_=transformers.LlamaConfig", "+model.config.vocab_size=128",
+         "+model.config.hidden_size=64", "+model.config.intermediate_size=128", "+model.config.num_hidden_layers=2",
+         "+model.config.num_attention_heads=4", "+model.config.num_key_value_heads=2",
+         "data=synthetic", "data.format=hf", "data.vocab_size=128", "batch.global_size=16", "batch.micro_size=2",
+         "trainer.max_steps=6", *(o for o in TINY if not o.startswith(("model", "data")))]  # fmt: skip
+
+
+@pytest.mark.long  # 4 ranks of a Llama and one process, ~60 s on 2 busy cores; the GPT's TP=2 x DP=2 parity is the
+# conformance suite's, and the Llama plan's reading is tested in process above
+def test_a_transformers_llama_at_tp2_dp2_logs_one_process_losses(tmp_path: Path) -> None:
+    tp: Run = launch(tmp_path, *LLAMA, "strategy=fsdp_tp", "gpus=4", name="tp").check()
+    one: Run = launch(tmp_path, *LLAMA, "strategy=ddp", "gpus=1", name="one").check()
+    assert "LlamaForCausalLM's own plan splits 16 modules" in tp.stdout
+    diff = max(abs(a - b) for a, b in zip(tp.losses(), one.losses(), strict=True))
+    print(f"llama TP=2 x DP=2: max loss difference from one process {diff:.2e}")  # shown with pytest -s
+    assert diff <= 1e-5, (tp.losses(), one.losses())
+    assert tp.metrics[-1]["tp_comm_calls"] > 0
+
+
+@pytest.mark.unit
+def test_plan_shows_tp_1_2_4_8_and_the_activations_traffic(tmp_path: Path) -> None:
+    """gpt_7b on 8 GPUs, bf16, micro-batch 4 x 128 tokens, global 32: at T = 2 the data-parallel ranks are 4 and the
+    accumulation 2. Per micro-step 6 all-reduces per layer (32 layers) and 2 outside (embedding, head's input) of
+    4 x 128 x 4096 values, and the head's all-gather of 4 x 128 x 50304 logits; in a ring of 2 an all-reduce sends
+    its whole buffer once, an all-gather half of it; 2 bytes each."""
+    proc = cli_here(tmp_path, "plan", "model=gpt_7b", "gpus=8", "precision=bf16")
+    assert proc.returncode == 0, proc.stderr
+    rows = {int(line.split()[0]): line.split() for line in proc.stdout.splitlines() if line[:4].strip().isdigit()}
+    assert sorted(rows) == [1, 2, 4, 8] and [rows[t][1:3] for t in (1, 2, 4, 8)] == [
+        ["8", "1"], ["4", "2"], ["2", "4"], ["1", "8"]
+    ]  # fmt: skip
+    tokens, hidden, vocab = 4 * 128, 4096, 50304
+    per_micro = (32 * 6 + 2) * tokens * hidden * 1.0 * 2 + tokens * vocab * 0.5 * 2
+    assert rows[2][-2] == f"{2 * per_micro / 1e9:.2f}" and rows[1][-2] == "0.00"
+    acts = [float(rows[t][4]) for t in (1, 2, 4, 8)]
+    assert acts == sorted(acts, reverse=True)  # the split layers' activations: 1/T
