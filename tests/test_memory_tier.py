@@ -239,10 +239,10 @@ def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Pa
     )
     trainer = OmegaConf.create({"memory_checkpoint_every": 1, "memory_replicas": None})
     with pytest.raises(ConfigError) as e:
-        check_memory_tier(trainer, 2, 2, 2 * 10**15, 2)  # 2 PB a rank: no /dev/shm holds it
+        check_memory_tier(trainer, 2, 2, 2 * 10**15)  # 2 PB of state: no /dev/shm holds its half
     line = str(e.value)
-    assert line.startswith("the memory tier needs 16000000000.0 MB of shared memory on each node (2 steps x "
-                           "2000000000.0 MB per rank x 2 rank(s) x (1 + 1 replica(s))), but /dev/shm has "), \
+    assert line.startswith("the memory tier needs 4000000000.0 MB of shared memory on each node (2 steps x "
+                           "2000000000.0 MB of state / 2 node(s) x (1 + 1 replica(s))), but /dev/shm has "), \
         line  # fmt: skip
     assert line.endswith("MB free; enlarge /dev/shm, lower trainer.memory_replicas, or set "
                          "trainer.memory_checkpoint_every=0"), line  # fmt: skip
@@ -259,7 +259,12 @@ def test_launch_plan_shows_the_host_memory_the_tier_takes_per_node(tmp_path: Pat
     assert table.returncode == 0, table.stderr
     (line,) = [line for line in table.stdout.splitlines() if line.startswith("memory tier")]
     plan = json.loads(cli_here(tmp_path, *args, "plan.format=json").stdout)
-    for row in plan["strategies"]:
-        state = sum(b for kinds in row["state_bytes"].values() for kind, b in kinds.items() if kind != "grads")
-        assert f"{row['name']} {_size(2 * state * 2 * (1 + 1))}" in line, (line, row["name"])
-    assert "(2 steps x state per rank x 2 rank(s) x (1 + 1 replica(s)))" in line, line
+    state = {
+        row["name"]: sum(b for kinds in row["state_bytes"].values() for kind, b in kinds.items() if kind != "grads")
+        for row in plan["strategies"]
+    }
+    job = state["ddp"]  # DDP's ranks hold the job's state alike: DCP writes it once, spread over the ranks
+    assert state["fsdp"] * 4 == pytest.approx(job)  # FSDP's 4 ranks hold a quarter each
+    for name in ("ddp", "fsdp"):  # each node: two steps of half the job's state, and a replica of a peer's
+        assert f"{name} {_size(2 * -(-int(job) // 2) * (1 + 1))}" in line, (line, name)
+    assert "(2 steps x the job's state / 2 node(s) x (1 + 1 replica(s)))" in line, line

@@ -143,6 +143,7 @@ def clear(tier: Path, keep: set[int] | None = None) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def tier_bytes(state_bytes: int, replicas: int, ranks_per_node: int) -> int:
-    """Host memory a node's folder takes at its fullest: two steps of each of its ranks' state and their replicas."""
-    return 2 * state_bytes * ranks_per_node * (1 + replicas)
+def tier_bytes(job_bytes: int, replicas: int, nodes: int) -> int:
+    """Host memory a node's folder takes at its fullest: two steps of its share of the job's checkpoint (`job_bytes`,
+    each tensor once, spread over the nodes as DCP spreads the ranks' writes) and of its replicas'."""
+    return 2 * -(-job_bytes // nodes) * (1 + replicas)

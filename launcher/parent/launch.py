@@ -84,8 +84,8 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(frozen, model)  # with what its optimizer gathers whole
     if frozen.trainer.memory_checkpoint_every:  # its replicas' nodes, and its room in shared memory
-        state = planned_state(frozen, derived, size)
-        check_memory_tier(frozen.trainer, derived.nodes, derived.min_nodes, state, derived.gpus)
+        job_bytes = planned_state(frozen, derived, size, strategy)
+        check_memory_tier(frozen.trainer, derived.nodes, derived.min_nodes, job_bytes)
     resolved["derived"] = {
         **derived.as_dict(),
         "model": size.as_dict(),

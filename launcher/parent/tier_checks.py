@@ -30,9 +30,9 @@ def replicas(trainer: DictConfig, nodes: int) -> int:
     return int(wanted) if wanted is not None else (1 if nodes > 1 else 0)
 
 
-def check_memory_tier(trainer: DictConfig, nodes: int, min_nodes: int, state_bytes: int | None, gpus: int) -> None:
-    """The memory tier's settings against the job: replicas it has nodes for (an elastic job: at its fewest), and
-    room in shared memory for two steps of this node's state and its replicas' (`state_bytes` per rank, if known)."""
+def check_memory_tier(trainer: DictConfig, nodes: int, min_nodes: int, job_bytes: int | None) -> None:
+    """The memory tier's settings against the job: replicas it has nodes for, and room in shared memory for two
+    steps of a node's share of the job's state (`job_bytes`, if known) and its replicas', both at its fewest nodes."""
     if not int(trainer.get("memory_checkpoint_every", 0) or 0):
         return
     count = replicas(trainer, nodes)
@@ -47,14 +47,14 @@ def check_memory_tier(trainer: DictConfig, nodes: int, min_nodes: int, state_byt
             f"trainer.memory_replicas={count} needs more than {count} nodes, but {fewest}; set "
             f"trainer.memory_replicas to at most {min_nodes - 1}"
         )
-    if state_bytes is None or not SHM.is_dir():
+    if job_bytes is None or not SHM.is_dir():
         return
     stat = os.statvfs(SHM)
-    free, need = stat.f_bavail * stat.f_frsize, tier_bytes(state_bytes, count, gpus)
+    free, need = stat.f_bavail * stat.f_frsize, tier_bytes(job_bytes, count, min_nodes)
     if need > free:
         raise ConfigError(
             f"the memory tier needs {need / 1e6:.1f} MB of shared memory on each node (2 steps x "
-            f"{state_bytes / 1e6:.1f} MB per rank x {gpus} rank(s) x (1 + {count} replica(s))), but {SHM} has "
+            f"{job_bytes / 1e6:.1f} MB of state / {min_nodes} node(s) x (1 + {count} replica(s))), but {SHM} has "
             f"{free / 1e6:.1f} MB free; enlarge {SHM}, lower trainer.memory_replicas, or set "
             "trainer.memory_checkpoint_every=0"
         )

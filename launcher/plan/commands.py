@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from launcher.config import BatchSizeError, ConfigError, Derived, derive, freeze
 from launcher.config.context import check_strategy, make_strategy, with_presets
-from launcher.plan.costs import UnknownOptimizer
+from launcher.plan.costs import KINDS, UnknownOptimizer
 from launcher.plan.fit import make_plan
 from launcher.plan.render import as_dict, chart, describe_pick, render, strategy_rows
 from strategies.base import Strategy
@@ -238,19 +238,19 @@ def planned_peak(frozen: DictConfig, derived: Derived, size: Any, strategy: Stra
     return plan.peak(sp)
 
 
-def checkpoint_state(sp: Any) -> float:
-    """A checkpoint's bytes per rank under a strategy's plan: every kind of model state but the gradients, wherever
-    it lives."""
-    return sum(nbytes for kinds in sp.held.values() for kind, nbytes in kinds.items() if kind != "grads")
+def job_state(plan: Any, sp: Any) -> int:
+    """A checkpoint's bytes for the whole job under a strategy's plan: every kind of model state but the gradients,
+    once (DCP writes a tensor that ranks hold alike once, and a sharded one in its shards)."""
+    return int(plan.model.params * sum(getattr(sp.bpp, kind) for kind in KINDS if kind != "grads"))
 
 
-def planned_state(frozen: DictConfig, derived: Derived, size: Any) -> int | None:
-    """`checkpoint_state` for the run's own strategy; None where the planner cannot size its optimizer."""
+def planned_state(frozen: DictConfig, derived: Derived, size: Any, strategy: Strategy) -> int | None:
+    """`job_state` for the run's own strategy; None where the planner cannot size its optimizer."""
     try:
-        (sp,) = make_plan(frozen, derived, size, {"run": make_strategy(frozen.strategy)}).strategies
+        plan = make_plan(frozen, derived, size, {"run": strategy})
     except UnknownOptimizer:
         return None
-    return int(checkpoint_state(sp))
+    return job_state(plan, plan.strategies[0])
 
 
 def tier_line(plan: Any, trainer: DictConfig) -> str:
@@ -259,11 +259,11 @@ def tier_line(plan: Any, trainer: DictConfig) -> str:
     from launcher.parent.tier_checks import replicas
     from launcher.plan.render import _size
 
-    count, gpus = replicas(trainer, plan.derived.nodes), plan.derived.gpus
-    each = ", ".join(f"{sp.name} {_size(tier_bytes(int(checkpoint_state(sp)), count, gpus))}" for sp in plan.strategies)
+    count, nodes = replicas(trainer, plan.derived.nodes), plan.derived.min_nodes
+    each = ", ".join(f"{sp.name} {_size(tier_bytes(job_state(plan, sp), count, nodes))}" for sp in plan.strategies)
     return (
         f"memory tier (trainer.memory_checkpoint_every={trainer.memory_checkpoint_every}): host memory per node, in "
-        f"/dev/shm (2 steps x state per rank x {gpus} rank(s) x (1 + {count} replica(s))): {each}"
+        f"/dev/shm (2 steps x the job's state / {nodes} node(s) x (1 + {count} replica(s))): {each}"
     )
 
 
