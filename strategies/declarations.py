@@ -32,7 +32,7 @@ class Mesh:
     """The mesh's last dimension, tensor parallel: consecutive ranks splitting each planned layer and seeing the same
     micro-batches. The data-parallel ranks (replicate x shard) are the world size / tensor_size."""
 
-    def shape(self, world_size: int, gpus: int | None = None) -> tuple[int, int]:
+    def groups(self, world_size: int, gpus: int | None = None) -> tuple[int, int]:
         """(replicate, shard) of the data-parallel ranks, for `world_size` ranks of `gpus` per node (None: one node);
         ValueError (one line: the bad value and the fix) when the sizes do not tile the world."""
         if world_size % self.tensor_size:

@@ -155,7 +155,7 @@ class FSDP:
         forward and, resharded after it, again before its backward; its gradient reduce-scattered (in reduce_dtype)
         once per step, or every micro-step under sync_each_microbatch; on an HSDP mesh the gradient shard (1/S)
         all-reduced across the replicas as often."""
-        replicate, shard = self.mesh.shape(world_size, gpus)
+        replicate, shard = self.mesh.groups(world_size, gpus)
         weights = "fp32" if autocast_dtype(precision) is None else precision
         syncs = accumulation if self.sync_each_microbatch else 1
         params /= self.tp.size  # a rank's part of each layer the plan splits (the rest, whole, is a few %)
@@ -180,7 +180,7 @@ class FSDP:
         return Conformance()
 
     def check(self, ctx: RunContext, model: nn.Module) -> str | None:
-        self.mesh.shape(ctx.world_size, ctx.local_world_size)  # sizes that do not tile the world raise here
+        self.mesh.groups(ctx.world_size, ctx.local_world_size)  # sizes that do not tile the world raise here
         # Values outside offload's and reduce_dtype's choices already fail at composition (typed schema).
         if self.reduce_dtype == "fp16" and ctx.precision != "fp16":
             # Only precision=fp16 runs the loss scaler; unscaled fp16 gradients underflow to 0 or overflow to inf.
@@ -246,7 +246,7 @@ class FSDP:
         )
 
         self.ctx = ctx
-        replicate, shard = self.mesh.shape(ctx.world_size, ctx.local_world_size)
+        replicate, shard = self.mesh.groups(ctx.world_size, ctx.local_world_size)
         self._counter.world_size = shard  # the reduce-scatters' and all-gathers' ring: one shard group
         # No rank holds the whole model on its device: rank 0 builds it in host memory (the same random draws as
         # DDP's, hence the same weights), every rank builds it on the meta device, shards it there, and then

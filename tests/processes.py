@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -77,3 +78,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def until(condition: Callable[[], bool], *nodes: subprocess.Popen[str], what: str) -> None:
+    """Wait (5 minutes at most) for `condition`, while every one of `nodes` runs: one that ends first fails the test."""
+    for _ in range(3000):
+        if condition():
+            return
+        assert all(n.poll() is None for n in nodes), f"a node ended before {what}"
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} within 300 s")

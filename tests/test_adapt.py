@@ -9,12 +9,11 @@ import os
 import signal
 import socket
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import LAUNCH, TINY, clean_env, launch
+from processes import until
 
 ADAPTIVE = [
     *TINY,
@@ -83,15 +82,6 @@ def _node(tmp_path: Path, port: int, name: str, data: list[str]) -> subprocess.P
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
 
 
-def _until(condition: Callable[[], bool], *nodes: subprocess.Popen[str], what: str) -> None:
-    for _ in range(3000):
-        if condition():
-            return
-        assert all(n.poll() is None for n in nodes), f"a node ended before {what}"
-        time.sleep(0.1)
-    raise AssertionError(f"no {what} within 300 s")
-
-
 def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp_path: Path) -> None:
     """Two one-rank nodes train together; one is killed whole mid-run, and the survivor goes on alone at twice the
     accumulation; a third node joining later brings the world back to 2, and a fourth, one too many, is refused in
@@ -116,7 +106,7 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     first = _node(tmp_path, port, "first", data)  # binds the rendezvous store: the node that stays
-    _until(lambda: _listening(port), first, what="the rendezvous store")
+    until(lambda: _listening(port), first, what="the rendezvous store")
     second = _node(tmp_path, port, "second", data)
     metrics = tmp_path / "run" / "metrics.jsonl"
 
@@ -127,14 +117,14 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
             else []
         )
 
-    _until(lambda: sizes()[-4:] == [2] * 4, first, second, what="four steps at world size 2")
+    until(lambda: sizes()[-4:] == [2] * 4, first, second, what="four steps at world size 2")
     os.killpg(second.pid, signal.SIGKILL)
     second.wait()
     killed = len(sizes())
-    _until(lambda: 1 in sizes()[killed:], first, what="a step of the survivor alone")
+    until(lambda: 1 in sizes()[killed:], first, what="a step of the survivor alone")
     alone = killed + sizes()[killed:].index(1)
     third = _node(tmp_path, port, "third", data)
-    _until(lambda: 2 in sizes()[alone:], first, third, what="a step at world size 2 again")
+    until(lambda: 2 in sizes()[alone:], first, third, what="a step at world size 2 again")
     fourth = _node(tmp_path, port, "fourth", data)  # the job has its 2 nodes: refused, the job untouched
     assert fourth.wait(timeout=300) != 0
     said = [line for line in (tmp_path / "fourth.out").read_text().splitlines() if line.startswith("launch: error")]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LAUNCH, TINY, clean_env, launch, launch_here
+from processes import until
 
 from launcher.checkpoint import memory
 
@@ -91,15 +92,6 @@ def _job(tmp_path: Path, name: str, nodes: str, extra: list[str]) -> tuple[list[
     return nodes_, run_dir
 
 
-def _until(condition, nodes: list[subprocess.Popen[str]], what: str) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(3000):
-        if condition():
-            return
-        assert all(n.poll() is None for n in nodes), f"a node ended before {what}"
-        time.sleep(0.1)
-    raise AssertionError(f"no {what} within 300 s")
-
-
 def _kill(tmp_path: Path, run_dir: Path, nodes: list[subprocess.Popen[str]], ranks: list[int]) -> None:
     """The nodes that run `ranks` killed whole (launcher and worker), and their shared memory gone with them, as a
     lost machine's is."""
@@ -145,7 +137,7 @@ def test_a_lost_node_costs_no_step_and_the_job_goes_on_exactly_at_3_nodes(
     killer = ["+model.bad_rank=3", "+model.at_call=11", "+model.whole_node=true"]
     nodes, run_dir = _job(tmp_path, name, "3:4", [f"strategy={strategy}", *killer])
     try:
-        _until(lambda: not (tmp_path / "kill").exists(), nodes[:1], "the node's loss")
+        until(lambda: not (tmp_path / "kill").exists(), *nodes[:1], what="the node's loss")
         _kill(tmp_path, run_dir, nodes, [3])  # its shared memory gone with it, as a lost machine's is
         codes = [n.wait(timeout=600) for n in nodes if n.returncode is None]
     finally:
@@ -175,7 +167,7 @@ def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(
     nodes, run_dir = _job(tmp_path, "adjacent", "2:4", ["trainer.checkpoint_every=2", "trainer.memory_replicas=1",
                                                         "+model.bad_rank=9"])  # fmt: skip
     try:
-        _until(lambda: sum(r["world_size"] == 4 for r in _rows(run_dir)) >= 3, nodes, "three steps at 4 nodes")
+        until(lambda: sum(r["world_size"] == 4 for r in _rows(run_dir)) >= 3, *nodes, what="three steps at 4 nodes")
         _kill(tmp_path, run_dir, nodes, [2, 3])
         (tmp_path / "kill").unlink()
         codes = [n.wait(timeout=600) for n in nodes if n.returncode is None]
@@ -217,8 +209,8 @@ def test_the_newest_step_complete_across_the_nodes_left_is_chosen_each_rank_from
 def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
+    from launcher.checkpoint.memory import check_memory_tier
     from launcher.config import ConfigError
-    from launcher.parent.tier_checks import check_memory_tier
 
     on = [*TINY, "trainer.memory_checkpoint_every=1"]
     two = ["nodes=2", "gpus=1", "rdzv.endpoint=127.0.0.1:29999", "rdzv.id=x"]

@@ -87,7 +87,7 @@ def test_exercise_1_mixed_precision_adam_is_18_bytes_per_parameter() -> None:
 @pytest.mark.unit
 def test_exercise_1_126_gb_under_ddp_and_15_75_gb_sharded_over_8() -> None:
     bpp = bytes_per_param("bf16", 2)
-    ddp = per_rank_bytes(LESSON_PARAMS, bpp, _layout("ddp"), world_size=8)
+    ddp = per_rank_bytes(LESSON_PARAMS, bpp, _layout("ddp"), shards=8)
     assert sum(ddp["device"].values()) == pytest.approx(126 * GB)
     fully_sharded = [
         s
@@ -97,7 +97,7 @@ def test_exercise_1_126_gb_under_ddp_and_15_75_gb_sharded_over_8() -> None:
     assert fully_sharded, "no FSDP / ZeRO-3 preset in conf/strategy"
     for strategy in fully_sharded:  # FSDP and ZeRO-3, as their layouts say
         held = per_rank_bytes(
-            LESSON_PARAMS, bytes_per_param("bf16", 2, _layout(strategy).master_weights), _layout(strategy), world_size=8
+            LESSON_PARAMS, bytes_per_param("bf16", 2, _layout(strategy).master_weights), _layout(strategy), shards=8
         )
         assert sum(held["device"].values()) == pytest.approx(15.75 * GB), strategy
 

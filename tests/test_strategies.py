@@ -143,7 +143,7 @@ def test_model_state_bytes_follow_the_sharding_rule(strategy: str, one_process: 
     full = one_process.metrics[-1]["model_state_bytes"]  # fp32 AdamW: 4 (param) + 4 (grad) + 8 (moments) per parameter
     kinds = {"params": full / 4, "grads": full / 4, "optimizer": full / 2}
     layout = _layout(strategy)
-    _, shards = layout.mesh.shape(ranks(strategy))  # the ranks each sharded kind is split over: 2, or hsdp's 2 of 4
+    _, shards = layout.mesh.groups(ranks(strategy))  # the ranks each sharded kind is split over: 2, or hsdp's 2 of 4
     shards *= layout.mesh.tensor_size  # fsdp_tp: and each layer split over T (all but its norms and biases)
     if layout.master_weights:  # the optimizer's own fp32 copy of the parameters, placed with its state
         kinds["optimizer"] += full / 4

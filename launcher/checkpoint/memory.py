@@ -20,7 +20,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
 from launcher.base.storage import Location, write_file
+from launcher.config import ConfigError
 
 TIER_ENV = "LAUNCH_MEMORY_TIER"
 """This node's folder in shared memory, set by its launcher for its workers."""
@@ -147,3 +150,39 @@ def tier_bytes(job_bytes: int, replicas: int, nodes: int) -> int:
     """Host memory a node's folder takes at its fullest: two steps of its share of the job's checkpoint (`job_bytes`,
     each tensor once, spread over the nodes as DCP spreads the ranks' writes) and of its replicas'."""
     return 2 * -(-job_bytes // nodes) * (1 + replicas)
+
+
+def replicas(trainer: DictConfig, nodes: int) -> int:
+    """trainer.memory_replicas, or its default: 1 on a multi-node job, 0 on one node."""
+    wanted = trainer.get("memory_replicas")
+    return int(wanted) if wanted is not None else (1 if nodes > 1 else 0)
+
+
+def check_memory_tier(trainer: DictConfig, nodes: int, min_nodes: int, job_bytes: int | None) -> None:
+    """The memory tier's settings against the job: replicas it has nodes for, and room in shared memory for two
+    steps of a node's share of the job's state (`job_bytes`, if known) and its replicas', both at its fewest nodes."""
+    if not int(trainer.get("memory_checkpoint_every", 0) or 0):
+        return
+    count = replicas(trainer, nodes)
+    if count and nodes == 1:
+        raise ConfigError(
+            f"trainer.memory_replicas={count} on a single-node job: replicas go to other nodes; set "
+            "trainer.memory_replicas=0 (the tier then survives a failed rank, not a lost node)"
+        )
+    if count >= min_nodes:
+        fewest = f"nodes={min_nodes}:{nodes} may run on {min_nodes}" if min_nodes < nodes else f"nodes={nodes}"
+        raise ConfigError(
+            f"trainer.memory_replicas={count} needs more than {count} nodes, but {fewest}; set "
+            f"trainer.memory_replicas to at most {min_nodes - 1}"
+        )
+    if job_bytes is None or not SHM.is_dir():
+        return
+    stat = os.statvfs(SHM)
+    free, need = stat.f_bavail * stat.f_frsize, tier_bytes(job_bytes, count, min_nodes)
+    if need > free:
+        raise ConfigError(
+            f"the memory tier needs {need / 1e6:.1f} MB of shared memory on each node (2 steps x "
+            f"{job_bytes / 1e6:.1f} MB of state / {min_nodes} node(s) x (1 + {count} replica(s))), but {SHM} has "
+            f"{free / 1e6:.1f} MB free; enlarge {SHM}, lower trainer.memory_replicas, or set "
+            "trainer.memory_checkpoint_every=0"
+        )

@@ -160,6 +160,12 @@ class Derived:
     """strategy.tp_size: consecutive ranks that see the same micro-batches; accumulation is global / (micro x world
     size / tensor_size)."""
 
+    def forks_workers(self, trainer: Any) -> bool:
+        """CPU workers are forked from the launcher, which has torch and the run's modules imported already
+        (`trainer.fork_workers`); CUDA ones start afresh: a CUDA driver touched there (`device=auto` asks it) is
+        unusable in a forked child."""
+        return self.device == "cpu" and bool(trainer.fork_workers)
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.durable import disk_error
 from launcher.base.machine import visible_cuda_devices
+from launcher.checkpoint.memory import check_memory_tier
 from launcher.clusters import shaped
 from launcher.config import (
     EXIT_BAD_INPUT,
@@ -37,8 +38,7 @@ from launcher.parent.checks import check_built, check_resume
 from launcher.parent.rendezvous import Rendezvous, rendezvous
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
-from launcher.parent.tier_checks import check_memory_tier
-from launcher.parent.workers import Outcome, Prepared, forks_workers, start_workers
+from launcher.parent.workers import Outcome, Prepared, start_workers
 
 
 def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -> Prepared:
@@ -59,7 +59,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     derived = derive(frozen, cuda)
     if derived.micro_auto:  # checked and planned (strategy=auto) at one sample; chosen once the strategy is
         frozen.batch.micro_size = 1
-    if forks_workers(derived, frozen.trainer):
+    if derived.forks_workers(frozen.trainer):
         import torch
 
         # Not one OpenMP thread in this process before the fork: GNU OpenMP's pool does not survive it (a forked
@@ -83,13 +83,14 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(frozen, model)  # with what its optimizer gathers whole
+    peak = planned_peak(frozen, derived, size, strategy)
     if frozen.trainer.memory_checkpoint_every:  # its replicas' nodes, and its room in shared memory
         job_bytes = planned_state(frozen, derived, size, strategy)
         check_memory_tier(frozen.trainer, derived.nodes, derived.min_nodes, job_bytes)
     resolved["derived"] = {
         **derived.as_dict(),
         "model": size.as_dict(),
-        "plan_peak_bytes": planned_peak(frozen, derived, size, strategy),
+        "plan_peak_bytes": peak,
         "vocab_size": vocab,  # the workers check user data's token ids against it
         "no_grad": no_grad,  # parameters without a gradient from the first micro-batch: the strategies' RunContext
         "cluster": rdzv.job.cluster,

@@ -100,13 +100,6 @@ def _ask_workers(signum: int, _frame: Any) -> None:
             continue
 
 
-def forks_workers(derived: Derived, trainer: DictConfig) -> bool:
-    """CPU workers are forked from this process, which has torch and the run's modules imported already
-    (`trainer.fork_workers`); CUDA ones start afresh: a CUDA driver touched here (`device=auto` asks it) is unusable
-    in a forked child."""
-    return derived.device == "cpu" and bool(trainer.fork_workers)
-
-
 def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Outcome:
     """Start `gpus` workers on this node through torch's elastic agent and wait for them."""
     resolved, derived, rdzv = prepared.resolved, prepared.derived, prepared.rdzv
@@ -120,7 +113,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     agent_logs_to_file(run_dir)
     cheap_event_names()
     refuse_spare_nodes()
-    forked = forks_workers(derived, trainer)
+    forked = derived.forks_workers(trainer)
     if forked:
         preload(prepared.requirements, derived.device)
     quiet = {rank: Std.ALL for rank in range(1, derived.gpus)}  # rank 0 talks to the terminal

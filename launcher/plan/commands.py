@@ -255,8 +255,7 @@ def planned_state(frozen: DictConfig, derived: Derived, size: Any, strategy: Str
 
 def tier_line(plan: Any, trainer: DictConfig) -> str:
     """What `launch plan` says of the memory tier: the host memory (shared memory) it takes on each node."""
-    from launcher.checkpoint.memory import tier_bytes
-    from launcher.parent.tier_checks import replicas
+    from launcher.checkpoint.memory import replicas, tier_bytes
     from launcher.plan.render import _size
 
     count, nodes = replicas(trainer, plan.derived.nodes), plan.derived.min_nodes

@@ -85,18 +85,13 @@ def optimizer_moments(target: str, momentum: float = 0.0) -> int:
     )
 
 
-def per_rank_bytes(
-    params: int, bpp: BytesPerParam, layout: Layout, world_size: int, gpus: int | None = None
-) -> dict[str, dict[str, float]]:
-    """Bytes of each kind of model state one rank holds, by place: {place: {kind: bytes}}, for `gpus` ranks per node
-    (None: one node).
+def per_rank_bytes(params: int, bpp: BytesPerParam, layout: Layout, shards: int) -> dict[str, dict[str, float]]:
+    """Bytes of each kind of model state one rank holds, by place: {place: {kind: bytes}}.
 
-    A sharded kind costs 1/G of the model on each rank — 1/S on an HSDP mesh, S = its shard group's size
-    (`Mesh.shape`) — a replicated one all of it. The master weights live with the optimizer state: both are what
-    the optimizer steps on.
+    A sharded kind costs 1/`shards` of the model on each rank: 1/G, 1/S on an HSDP mesh (S = its shard group's
+    size, `Mesh.groups`), and each planned layer split again by tensor parallel (its norms, a few %, stay whole); a
+    replicated one all of it. The master weights live with the optimizer state: both are what the optimizer steps on.
     """
-    _, shards = layout.mesh.shape(world_size, gpus)
-    shards *= layout.mesh.tensor_size  # tensor parallel splits each planned layer again (its norms, a few %, are whole)
     placements = {
         "weights": layout.params,
         "master": layout.optimizer,
@@ -155,7 +150,7 @@ def comm_split(
     carries the ring's whole traffic: a ring over every rank crosses, so do shard groups with ranks on several nodes
     (plain FSDP, ZeRO over nodes x gpus ranks), while HSDP's shard groups (shard_size dividing gpus) stay in a node
     and only its all-reduce across the replicas crosses."""
-    replicate, shard = mesh.shape(world_size, gpus)
+    replicate, shard = mesh.groups(world_size, gpus)
     node = gpus or world_size
     tensor = mesh.tensor_size  # the mesh's last dimension: consecutive ranks, in a node unless tp_size > gpus
     ranks = {"world": world_size, "shard": shard, "replicate": replicate, "tensor": tensor}

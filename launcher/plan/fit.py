@@ -164,7 +164,7 @@ class Plan:
         """One strategy's figures; another world size or micro-batch answers `what would fit`."""
         world, gpus, layout = world_size or self.derived.world_size, self.derived.gpus, strategy.layout()
         try:
-            _, shards = layout.mesh.shape(world, gpus)
+            _, shards = layout.mesh.groups(world, gpus)
         except ValueError as e:
             raise ConfigError(str(e)) from e
         bpp = bytes_per_param(
@@ -172,23 +172,21 @@ class Plan:
         )
         accumulation = self.global_size // ((micro or self.micro) * world // layout.mesh.tensor_size) or 1
         params, unit = self.model.params, self.model.largest_unit or self.model.params
+        held = per_rank_bytes(params, bpp, layout, shards * layout.mesh.tensor_size)
+        gathered = gathered_bytes(self.model.largest_layer, bpp.weights, layout.params.sharded)
+        grads_share = 1 / shards if layout.grads.sharded else 0.0
+        transient = transient_bytes(
+            layout.transients, params, unit, self.precision, accumulation, grads_share, grad_bytes=bpp.weights
+        )
         within, across = strategy_comm(strategy, params, self.precision, accumulation, world, gpus, self.model.gathered)
-        return StrategyPlan(
-            name=name,
-            strategy=strategy,
-            layout=layout,
-            bpp=bpp,
-            held=per_rank_bytes(params, bpp, layout, world, gpus),
-            gathered=gathered_bytes(self.model.largest_layer, bpp.weights, layout.params.sharded),
-            transient=transient_bytes(
-                layout.transients,
-                params,
-                unit,
-                self.precision,
-                accumulation,
-                grads_share=1 / shards if layout.grads.sharded else 0.0,
-                grad_bytes=bpp.weights,
-            ),
+        return StrategyPlan(  # the fields in their order: name, strategy, layout, bpp, held, gathered, transient
+            name,
+            strategy,
+            layout,
+            bpp,
+            held,
+            gathered,
+            transient,
             activations=self.activations * (micro or self.micro) / self.micro,  # linear in the micro-batch
             comm_bytes=within + across,
             comm_seconds=split_comm_seconds(within, across, self.link_gbps, self.internode_gbps),
