@@ -82,6 +82,7 @@ def _node(tmp_path: Path, port: int, name: str, data: list[str]) -> subprocess.P
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
 
 
+@pytest.mark.long  # ~60 s: three launchers; the memory tier's nodes=3:4 and the scale tier's elastic 16 resize too
 def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp_path: Path) -> None:
     """Two one-rank nodes train together; one is killed whole mid-run, and the survivor goes on alone at twice the
     accumulation; a third node joining later brings the world back to 2, and a fourth, one too many, is refused in

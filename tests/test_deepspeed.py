@@ -268,7 +268,9 @@ def test_help_does_not_import_deepspeed(no_deepspeed: dict[str, str]) -> None:
     proc = subprocess.run([LAUNCH, "--help"], env=no_deepspeed, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     # the whole help, DeepSpeed's presets among the strategies, from their config files alone
-    assert "strategy: auto, ddp, ddp_bf16, fsdp, hsdp, zero1, zero2, zero2_offload, zero3" in proc.stdout, proc.stdout
+    assert "strategy: auto, ddp, ddp_bf16, fsdp, fsdp_tp, hsdp, zero1, zero2, zero2_offload, zero3" in proc.stdout, (
+        proc.stdout
+    )
     # and a ZeRO preset's composed config
     proc = subprocess.run([LAUNCH, "strategy=zero3", "--cfg", "job"], env=no_deepspeed, capture_output=True, text=True)
     assert proc.returncode == 0 and "_target_: strategies.deepspeed.DeepSpeed" in proc.stdout, proc.stderr

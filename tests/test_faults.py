@@ -258,12 +258,17 @@ def test_a_refused_run_removes_only_the_folders_it_made(tmp_path: Path) -> None:
 def _state_bytes(world_size: int) -> int:
     """What `launcher.checkpoint.space.checkpoint_bytes` counts for the TINY model (2 layers, 64 wide) under AdamW."""
     import torch
+    from omegaconf import OmegaConf
 
     from launcher.checkpoint.space import checkpoint_bytes
+    from launcher.config.optim_schema import AdamWConfig
     from launcher.models.gpt import GPT
+    from launcher.worker.optimizers import rules_for
+    from launcher.worker.param_groups import param_groups
 
     model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
-    optim = torch.optim.AdamW(model.parameters())
+    rules = rules_for(OmegaConf.structured(AdamWConfig), torch.optim.AdamW)  # the launcher's groups: its entries too
+    optim = torch.optim.AdamW(param_groups(model, rules, 1e-3))
     tokens = torch.zeros(1, 32, dtype=torch.long)
     model(tokens, tokens)["loss"].backward()
     optim.step()

@@ -145,6 +145,7 @@ def _run_config(run_file: Path) -> tuple[dict, str]:
     return {item.key: json.loads(item.value_json) for item in runs[0].config.update}, runs[0].notes
 
 
+@pytest.mark.long  # ~30 s: kills and restarts; each logger's one run per job is also tested without them
 def test_one_run_per_job_in_every_logger_across_kills_restarts_and_resumes(logged: Run, tmp_path: Path) -> None:
     """A worker killed twice: once restarted by the agent (trainer.max_restarts=1), which resumes from step 3 after
     step 5 was logged; once more, which ends the launch. `launch ... resume=<the run dir>` (a requeue) goes on from

@@ -60,6 +60,7 @@ def test_a_diffusion_model_whose_noise_schedule_is_a_plain_tensor_matches_one_pr
         assert losses == pytest.approx(one.losses(), abs=EXACT), (strategy, losses, one.losses())
 
 
+@pytest.mark.long  # ~35 s: every strategy; unused parameters are also tested on a cheaper model in this file
 def test_a_vision_language_model_keeps_the_parameters_it_never_uses_under_every_strategy(conformance_dir: Path) -> None:
     """LLaVA reads its CLIP tower's hidden states before the last layer: that layer and `post_layernorm` get no
     gradient. The launcher names them before start; DDP needs no find_unused_parameters, ZeRO steps them without

@@ -160,6 +160,7 @@ def test_a_store_that_cannot_be_read_is_one_line_before_start(case, overrides, e
     assert expected in line, line
 
 
+@pytest.mark.long  # ~30 s: the store's order, resume and S3 reads are each tested at a smaller size in this file
 def test_a_corpus_five_times_the_cache_trains_from_s3_and_resumes_at_another_world_size(corpus, tmp_path: Path) -> None:
     """Built from a bucket of jsonl into a bucket (moto's S3) by two parts run at once (as a SLURM array's tasks
     would), the store is 5x the cache limit. A run on 2 ranks (K=2) reads it through the cache, which never holds

@@ -41,7 +41,7 @@ def hf_sweep(conformance_dir: Path, gpt2_folder: Path) -> tuple[Run, Path]:
 def test_the_smoke_sweep_trains_a_transformers_model_as_it_is_under_every_strategy(hf_sweep) -> None:
     run, sweep = hf_sweep
     assert run.returncode == 0, run.stderr[-3000:]
-    expected = set(STRATEGIES)
+    expected = set(STRATEGIES) - {"fsdp_tp"}  # a model may have no tensor-parallel plan: not swept over any model
     if "zero_infinity" in expected:
         require_async_io()
     assert set(jobs(sweep)) == expected, run.stdout
