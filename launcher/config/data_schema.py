@@ -55,41 +55,40 @@ def validation_sets() -> Any:
 
 
 @dataclass
-class PySourceDataConfig:
-    _target_: str = "launcher.data.builtin.PySource"
-    seq_len: int = ranged(128, SIZE)
-    val_fraction: float = ranged(0.05, FRACTION)
+class _LoaderKeys:
+    """The keys the built-in data options of files and arrays take alike (their fields come first in the config)."""
+
+    _target_: str = MISSING
     format: DataFormat = data_format()
     workers: int = loader_workers()
     collate: CollateConfig = micro_batch_collate()
     val: dict[str, Any] = validation_sets()
+
+
+@dataclass
+class PySourceDataConfig(_LoaderKeys):
+    _target_: str = "launcher.data.builtin.PySource"
+    seq_len: int = ranged(128, SIZE)
+    val_fraction: float = ranged(0.05, FRACTION)
     packing: bool = True
     """true: files end to end in full windows; false: one sample per file chunk, the last one padded (-100 targets)."""
 
 
 @dataclass
-class SyntheticDataConfig:
+class SyntheticDataConfig(_LoaderKeys):
     _target_: str = "launcher.data.builtin.Synthetic"
     seq_len: int = ranged(128, SIZE)
     vocab_size: int = ranged(256, SIZE)
     num_samples: int = ranged(16384, SIZE)
-    format: DataFormat = data_format()
-    workers: int = loader_workers()
-    collate: CollateConfig = micro_batch_collate()
-    val: dict[str, Any] = validation_sets()
 
 
 @dataclass
-class TokensDataConfig:
+class TokensDataConfig(_LoaderKeys):
     _target_: str = "launcher.data.builtin.Tokens"
     path: str = MISSING
     dtype: str = "uint16"
     seq_len: int = ranged(1024, SIZE)
     val_fraction: float = ranged(0.01, FRACTION)
-    format: DataFormat = data_format()
-    workers: int = loader_workers()
-    collate: CollateConfig = micro_batch_collate()
-    val: dict[str, Any] = validation_sets()
 
 
 @dataclass
