@@ -159,3 +159,36 @@ def test_default_run_directories_of_one_second_differ(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr
         dirs.add(next(line for line in proc.stdout.splitlines() if line.strip().startswith("dir: outputs/")))
     assert len(dirs) == 2, dirs
+
+
+class _ByGetattr:
+    """Pickles as `getattr(owner, name)`: how Python 3.11.2 pickles an enum member, and how a crafted file reaches a
+    class's methods."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self) -> tuple[object, tuple[object, str]]:
+        return getattr, (self.owner, self.name)
+
+
+@pytest.mark.unit
+def test_metadata_may_name_an_enum_member_by_getattr_and_nothing_else() -> None:
+    """DCP's metadata holds `_MEM_FORMAT_ENCODING` members; some Python releases pickle them as getattr(enum, name).
+    Those load; a getattr that reaches anything but an allowed enum's member (a path's `unlink`) is refused."""
+    import io
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from launcher.checkpoint.untrusted import _MetadataUnpickler
+
+    def load(obj: object) -> object:
+        return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj, protocol=4))).load()
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    assert load([_ByGetattr(_MEM_FORMAT_ENCODING, member.name)]) == [member]
+    for owner, name in ((pathlib.PosixPath, "unlink"), (_MEM_FORMAT_ENCODING, "__class__")):
+        with pytest.raises(pickle.UnpicklingError, match="only an enum member by name"):
+            load(_ByGetattr(owner, name))

@@ -51,12 +51,27 @@ class _MetadataUnpickler(pickle.Unpickler):
 
         if name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
+        if (module, name) == (
+            "builtins",
+            "getattr",
+        ):  # an enum member by name (how some Python 3.11 releases pickle it)
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent references are not allowed in checkpoint metadata")
+
+
+def _enum_member(cls: Any, name: str) -> Any:
+    """A member of an allowed enum by its name, and nothing else a `getattr` could reach (a class's methods)."""
+    import enum
+
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', cls)!r}, {name!r}) is not allowed in checkpoint "
+                                 "metadata (only an enum member by name)")  # fmt: skip
 
 
 def read_metadata(path: Location) -> Any:
