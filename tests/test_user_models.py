@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LAUNCH, Run, launch_here, launch_once, require_async_io, saved_gpt2
-from runs import CLASSIFIER, STRATEGIES, jobs, metrics, smoke
+from runs import CLASSIFIER, PARITY_TOLERANCE, STRATEGIES, jobs, metrics, smoke
 
 SEED = 1337
 GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 16}
@@ -84,7 +84,8 @@ def test_every_strategy_matches_one_process_on_a_transformers_model(hf_sweep, co
                       name="smoke-gpt2-one-process").check()  # fmt: skip
     for strategy, job in jobs(sweep).items():
         losses = [m["loss"] for m in metrics(job)]
-        assert losses == pytest.approx(one.losses(), abs=1e-5), (strategy, losses, one.losses())
+        tolerance = max(1e-5, PARITY_TOLERANCE[strategy])  # ddp_bf16's autocast: its declared 2e-4
+        assert losses == pytest.approx(one.losses(), abs=tolerance), (strategy, losses, one.losses())
         assert "tokens_per_s" in metrics(job)[-1]
 
 
