@@ -35,6 +35,7 @@ class S3:
 def s3_server() -> Iterator[S3]:
     """moto's S3 server on 127.0.0.1 at a free port, a bucket in it, and this process's environment pointed at it
     (restored at the end)."""
+    import s3fs
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
@@ -48,10 +49,14 @@ def s3_server() -> Iterator[S3]:
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_EC2_METADATA_DISABLED": "true",
     }
+    # fsspec keeps one filesystem per process and arguments, made with the environment of its day: a run in this
+    # process after an earlier server's would reach that server's (closed) port.
+    s3fs.S3FileSystem.clear_instance_cache()
     try:
         with environ(env):
             s3 = S3(env)
             s3.fs().makedirs(BUCKET, exist_ok=True)  # moto keeps its buckets per process, across its servers
             yield s3
     finally:
+        s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
