@@ -178,6 +178,8 @@ def _one_node(conformance_dir: Path) -> list[float]:
     return launch_once(conformance_dir, *JOB, "gpus=2", name="cluster-one-node").check().losses()
 
 
+@pytest.mark.long  # ~25 s: the scale tier rehearses 32 nodes on loopback; the rendezvous inside an
+# allocation is tested in process above
 def test_two_nodes_on_loopback_match_one_node_and_resume_from_their_shared_directory(
     conformance_dir: Path, tmp_path: Path
 ) -> None:

@@ -623,6 +623,7 @@ def test_a_failure_is_told_by_its_cause_and_its_echoes_without_the_collective_li
     assert lines == [refusal.removeprefix("refused: ")], lines
 
 
+@pytest.mark.long  # ~20 s: a fault's cause and its echoes are told apart in process above
 def test_an_object_store_that_goes_away_mid_run_is_told_by_its_cause(tmp_path: Path) -> None:
     """Checkpoints every step into an S3 store (moto's server, in a process of its own), which is killed once a save
     is complete: the job ends with the store's own error as its cause (rank 0's, or each rank's that met it), never

@@ -203,6 +203,7 @@ def _worst(a: list[dict], b: list[dict], steps: range, figure: str = "loss") -> 
     return max(abs(la[s] - lb[s]) for s in steps)
 
 
+@pytest.mark.long  # ~25 s: the mixture's samples at any world size and its resume are tested in process above
 def test_a_three_kind_mixture_on_two_ranks_logs_one_process_and_resumes_on_one_after_a_stop_at_7(parts, tmp_path):
     """The mixture of a datasets.Dataset, a streamed datasets IterableDataset and a token store, into a GPT-2 from a
     config: 2 ranks with K=2 (the mixture read by one process ahead of the loop) log the losses of one process with

@@ -46,6 +46,8 @@ def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[
     return {k: float((a[k].float() - b[k].float()).abs().max()) for k in a if a[k].is_floating_point()}
 
 
+@pytest.mark.long  # ~30 s: a diffusers sweep under fsdp and zero3 and one process; tensors a model holds outside
+# its parameters get rank 0's values in the tests below
 def test_a_diffusion_model_whose_noise_schedule_is_a_plain_tensor_matches_one_process(conformance_dir: Path) -> None:
     """FSDP builds the model on the meta device: the scheduler's `alphas_cumprod` (a tensor attribute) is filled with
     rank 0's values like the parameters, so FSDP and ZeRO-3 (which builds it sharded) add the same noise as one
@@ -85,6 +87,8 @@ def test_a_vision_language_model_keeps_the_parameters_it_never_uses_under_every_
         assert not apart, (strategy, apart)
 
 
+@pytest.mark.long  # ~25 s: a branch-gated model saved and resumed under zero3; resume under zero3 is the
+# conformance suite's
 def test_a_checkpoint_without_optimizer_state_for_unused_parameters_resumes_under_zero3(
     conformance_dir: Path,
 ) -> None:
@@ -103,6 +107,7 @@ def test_a_checkpoint_without_optimizer_state_for_unused_parameters_resumes_unde
         assert not apart, (strategy, apart)
 
 
+@pytest.mark.long  # ~25 s: one more family's sweep; the encoder-decoder path is test_loss_families' seq2seq run
 def test_an_audio_encoder_decoder_matches_one_process_sharded(conformance_dir: Path) -> None:
     """Whisper sharded by FSDP along its own `_no_split_modules` (its encoder and decoder layers)."""
     run, sweep = smoke(conformance_dir, "smoke-whisper", *WHISPER, "strategy=fsdp")
@@ -113,6 +118,7 @@ def test_an_audio_encoder_decoder_matches_one_process_sharded(conformance_dir: P
         assert [m["loss"] for m in metrics(job)] == pytest.approx(one.losses(), abs=EXACT), strategy
 
 
+@pytest.mark.long  # ~20 s: a sweep of every strategy; parameters without a gradient are named in the tests below
 def test_a_branch_used_on_even_steps_changes_only_then_except_under_zero(conformance_dir: Path) -> None:
     """The rule: a parameter that gets no gradient in a step is not changed by it. DDP and FSDP keep it (every final
     weight is one process's); ZeRO gives the branch a zero gradient in odd steps, so its moments move it there: the

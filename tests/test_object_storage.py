@@ -172,6 +172,8 @@ def test_a_kill_mid_save_leaves_a_partial_prefix_and_the_next_pod_resumes_exactl
     assert all(fs.exists(f"{BUCKET}/killed/{p}/manifest.json") for p in left), left  # the partial one is gone
 
 
+@pytest.mark.long  # ~20 s: async saves are test_checkpoint's on disk; the bucket's reads and writes the URL
+# test's
 def test_async_saves_and_an_elastic_restart_go_on_from_the_bucket(reference: Run, s3: S3, tmp_path: Path) -> None:
     """trainer.async_checkpoint=true into the bucket, and a worker SIGKILLed once a checkpoint is visible: the agent
     restarts the group, which resumes from the bucket; every step logs the uninterrupted run's loss."""
@@ -254,6 +256,8 @@ GPT2 = [  # transformers' GPT-2, built from its config: nothing downloaded
 ]
 
 
+@pytest.mark.long  # ~25 s: saves to and converts from the bucket are the URL test's, a transformers model's convert
+# test_user_models'
 def test_a_transformers_model_sharded_by_fsdp_saves_to_the_bucket_and_converts_from_it(s3: S3, tmp_path: Path) -> None:
     """FSDP's DTensor shards of a third-party model, written by every rank into the bucket; `launch convert <url>`
     writes its weights, which the same transformers model built from its config loads whole (strict)."""

@@ -128,6 +128,7 @@ GPT2 = ["model=custom", "model._target_=transformers.GPT2LMHeadModel", "+model.c
 """A transformers GPT-2, built from its config (nothing downloaded), on the same synthetic tokens."""
 
 
+@pytest.mark.long  # ~20 s: a refusal is one line (test_bad_input); the study going on is the stopped-study test's
 def test_a_refused_trial_is_failed_and_the_study_goes_on(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     # Every point once: the global batch of 20 does not divide over micro 4 x 2 ranks, and is refused.

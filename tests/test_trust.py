@@ -120,6 +120,8 @@ def _tensor_entries(checkpoint: Path) -> dict:
 SWEEP = [*JOB, "gpus=1", "batch.global_size=8", "trainer.checkpoint_every=0", "optim.lr=1e-3,3e-3", "resume=auto"]
 
 
+@pytest.mark.long  # ~20 s: a sweep's jobs each run on their own (test_ddp's multirun); resume=auto's choice is
+# test_checkpoint's
 def test_resume_auto_in_a_sweep_resumes_only_each_jobs_own_run(tmp_path: Path) -> None:
     days = tmp_path / "multirun" / "2026-12-01"
     first = launch(tmp_path, "-m", *SWEEP, "trainer.max_steps=2", f"hydra.sweep.dir={days / '10-00-00'}")
