@@ -54,6 +54,8 @@ class RunContext:
     """trainer.ema: keep the EMA weights (`strategies.ema`), held as the parameters are; None: none."""
     tensor_size: int = 1
     """Consecutive ranks that see the same micro-batches (a tensor-parallel group, `Mesh.tensor_size`)."""
+    seq_len: int | None = None
+    """Tokens per row the data gives (data.seq_len); None where the data does not say."""
 
     @property
     def data_rank(self) -> int:

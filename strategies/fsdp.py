@@ -200,7 +200,7 @@ class FSDP:
                     f"(its classes: {', '.join(present)}); e.g. strategy.shard_units=[{guess}]"
                 )
         check_moe_blocks(model, self.moe_blocks)
-        self.tp.check(ctx.world_size, ctx.local_world_size, model)
+        self.tp.check(ctx.world_size, ctx.local_world_size, model, ctx.seq_len)
         check_held(model, "fsdp")  # tensors the model holds outside its parameters and buffers: filled in setup
         blocks = moe_blocks(model, self.moe_blocks)
         split = units_inside(model, blocks, units)

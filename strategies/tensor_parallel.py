@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from strategies.comm import CommCounter
-from strategies.tp_plans import check_plan, chosen_plan, resolve
+from strategies.tp_plans import SEQUENCE, check_plan, chosen_plan, resolve, weight_dim
 
 WHY_IN_NODE = (
     "its all-reduces of activations, several per layer per micro-step, need a node's links (NVLink: hundreds of "
@@ -44,8 +44,9 @@ class TensorParallel:
         self.counter = CommCounter()
         self.counter.world_size = self.size
 
-    def check(self, world_size: int, gpus: int | None, model: nn.Module) -> None:
-        """ValueError (one line) for a size or a plan this run cannot use; the plan it will use, said in one line."""
+    def check(self, world_size: int, gpus: int | None, model: nn.Module, seq_len: int | None = None) -> None:
+        """ValueError (one line) for a size or a plan this run cannot use (`seq_len`: the data's tokens per row, where
+        known); the plan it will use, said in one line."""
         if self.given is not None and not isinstance(self.given, Mapping):
             raise ValueError(
                 f"strategy.tp_plan={self.given} is not a mapping of module-name patterns to styles; e.g. "
@@ -72,10 +73,19 @@ class TensorParallel:
             )
         resolved = check_plan(model, self.plan, self.size)
         _, where = chosen_plan(model, self.plan)
-        split = sum(style != "replicate" for style in resolved.values())
+        if seq_len and seq_len % self.size and any(style in SEQUENCE for style in resolved.values()):
+            raise ValueError(
+                f"data.seq_len={seq_len} does not split over strategy.tp_size={self.size}: {where} runs sequence "
+                f"parallel (the sequence split over the group); use a data.seq_len that {self.size} divides, or a "
+                "strategy.tp_plan without sequence styles"
+            )
+        modules = dict(model.named_modules())
+        split = sum(weight_dim(style, modules[name]) is not None for name, style in resolved.items())
+        sequence = sum(style in SEQUENCE and not style.startswith("rowwise") for style in resolved.values())
+        also = f" and runs {sequence} on each rank's part of the sequence" if sequence else ""
         print(
             f"launch: tensor parallel over {self.size} ranks: {where} splits {split} modules of {type(model).__name__}"
-            "; the rest is replicated over each group",
+            f"{also}; the rest is replicated over each group",
             flush=True,
         )
 
@@ -95,7 +105,7 @@ class TensorParallel:
     def apply(self, model: nn.Module, mesh: Any) -> None:
         """Split the planned modules over `mesh` (torch's parallelize_module), replicate every other parameter over
         it, and tie again what was tied."""
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import DTensor, Replicate
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan, _ = chosen_plan(model, self.plan)
@@ -105,9 +115,11 @@ class TensorParallel:
             for pname, p in module.named_parameters(recurse=False):
                 tied.setdefault(id(p), []).append((module, pname))
         styles = {name: _style(style) for name, style in resolved.items() if style != "replicate"}
+        for name in (n for n, style in resolved.items() if style == "sequence_split"):
+            model.get_submodule(name).register_forward_pre_hook(functools.partial(_whole_parts, self.size))
         parallelize_module(model, mesh, styles)
-        for name, module in model.named_modules():
-            if name not in styles and any(True for _ in module.parameters(recurse=False)):
+        for module in model.modules():  # what no style split (a gathered module's own weights too): whole
+            if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
                 _replicate(module, mesh, Replicate())
         for uses in (u for u in tied.values() if len(u) > 1):  # each module re-registered its own copy: one again
             first, pname = uses[0]
@@ -132,9 +144,24 @@ class TensorParallel:
 
 def _style(name: str) -> Any:
     """torch's style for a transformers style name (`strategies.tp_plans.STYLES`)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
+    if name == "sequence_parallel":
+        return SequenceParallel(use_local_output=True)
+    if name == "sequence_gather":  # a DTensor, whole: the colwise layers inside leave its gradient partial
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if name == "sequence_split":
+        return PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+    if name == "rowwise_sequence":
+        return RowwiseParallel(output_layouts=Shard(1))
     if name in ("colwise", "embedding_colwise"):
         return ColwiseParallel() if name == "colwise" else ColwiseParallel(output_layouts=Replicate())
     if name in ("colwise_rep", "colwise_gather_output"):
@@ -142,6 +169,16 @@ def _style(name: str) -> Any:
     if name in ("rowwise_rep", "rowwise_split_input", "embedding_rowwise"):
         return RowwiseParallel(input_layouts=Replicate())
     return RowwiseParallel()
+
+
+def _whole_parts(size: int, module: nn.Module, args: tuple[Any, ...]) -> None:
+    """A sequence the group cannot split evenly is refused where it enters (an uneven part would be misread)."""
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor) and first.dim() > 1 and first.shape[1] % size:
+        raise ValueError(
+            f"sequence parallel over strategy.tp_size={size} ranks: a micro-batch of {first.shape[1]} tokens per row "
+            f"does not split evenly; use a data.seq_len that {size} divides, or a plan without sequence styles"
+        )
 
 
 def _replicate(module: nn.Module, mesh: Any, replicate: Any) -> None:

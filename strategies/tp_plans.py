@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from strategies.declarations import Collective
@@ -25,17 +26,31 @@ STYLES = {
     "rowwise_split_input": "Linear, Embedding",
     "embedding_rowwise": "Embedding",
     "embedding_colwise": "Embedding",
+    "rowwise_sequence": "Linear",
+    "sequence_parallel": "",
+    "sequence_gather": "",
+    "sequence_split": "",
     "replicate": "",
 }
 """The styles this launcher runs, by transformers' names, and the module classes each splits ("" any: kept whole).
 `colwise` splits a layer's outputs (its weight's rows) and leaves its output split; `rowwise` splits its inputs and
 all-reduces its output; `_rep`/`gather_output`: the output gathered whole; `rowwise_rep`/`split_input`: a whole
-input, each rank taking its part."""
+input, each rank taking its part.
+
+Sequence parallel (Korthikanti et al. 2022; torchtitan's layouts), where the residual stream between layers is split
+on the sequence (dim 1) over the group: `sequence_parallel` runs a norm on each rank's part of the sequence (its
+weights whole); `sequence_gather` gathers a module's first input whole (an all-gather; its gradient reduce-scattered)
+for the colwise layers inside it, or for a whole module; `rowwise_sequence` is rowwise with its output
+reduce-scattered over the sequence, not all-reduced; `sequence_split` keeps each rank's part of a whole first input
+(the first layer's: no traffic forward). The sequence length must divide by the group's size."""
+
+SEQUENCE = ("sequence_parallel", "sequence_gather", "sequence_split", "rowwise_sequence")
+"""The styles that split the sequence: a plan with any of them needs a sequence length the group's size divides."""
 
 
 def weight_dim(style: str, module: nn.Module) -> int | None:
     """The dimension of `module`'s weight that `style` splits; None: kept whole."""
-    if style == "replicate":
+    if style == "replicate" or style.startswith("sequence_"):
         return None
     if style in ("embedding_rowwise", "embedding_colwise"):
         return 0 if style == "embedding_rowwise" else 1
@@ -163,28 +178,66 @@ def tp_collectives(
     model: nn.Module, plan: Mapping[str, str], tokens: int, accumulation: int, dtype: str
 ) -> list[Collective]:
     """The activations' collectives of one optimizer step under a plan, over `tokens` (micro-batch x sequence) per
-    micro-step, in the compute dtype: each rowwise layer all-reduces its output in the forward; each colwise layer
-    all-reduces its input's gradient in the backward (its input is whole on every rank, its gradient a part on
-    each) and, where its output is gathered (`_rep`), all-gathers it in the forward; a rowwise embedding all-reduces
-    its output, a colwise one all-gathers it. What the `tp_comm_*` figures count."""
+    micro-step, in the compute dtype; what the `tp_comm_*` figures count. Per micro-step: each rowwise layer
+    all-reduces its output in the forward (`rowwise_sequence`: reduce-scatters it, and all-gathers its gradient);
+    each colwise layer all-reduces its input's gradient in the backward (its input is whole on every rank, its
+    gradient a part on each), unless its input is a `sequence_gather`'s (the parts' sum is then reduce-scattered
+    once, by the gather) and, where its output is gathered (`_rep`), all-gathers it in the forward; a rowwise
+    embedding all-reduces its output, a colwise one all-gathers it; a `sequence_gather` all-gathers its input, a
+    `sequence_split` its input's gradient. Per step: a `sequence_parallel` norm's weights' gradients (partial sums
+    over each rank's part of the sequence) all-reduced, once for the micro-steps' sum."""
     found = []
     modules = dict(model.named_modules())
-    for name, style in resolve(model, plan).items():
+    resolved = resolve(model, plan)
+    gathered = [name for name, style in resolved.items() if style == "sequence_gather"]
+
+    def per_micro(kind: str, elements: int) -> None:
+        found.append(Collective(kind, "tensor", tokens * elements, dtype, times=accumulation, sync=False))
+
+    for name, style in resolved.items():
         module, dim = modules[name], weight_dim(style, modules[name])
+        inside = [n for n in gathered if name.startswith(n + ".")]
+        if style == "sequence_parallel":
+            for p in module.parameters(recurse=False):
+                found.append(Collective("all_reduce", "tensor", p.numel(), dtype, times=1, sync=True))
+        elif style == "sequence_split":
+            per_micro("all_gather", _width(module))
+        elif style == "sequence_gather":
+            per_micro("all_gather", _width(module))
+            colwise = any(n.startswith(name + ".") and v.startswith("colwise") for n, v in resolved.items())
+            if colwise:  # their partial gradients, summed and reduce-scattered (else its gradient comes whole)
+                per_micro("reduce_scatter", _width(module))
         if dim is None:
             continue
         embedding = isinstance(module, nn.Embedding)
         width_in = module.embedding_dim if embedding else module.in_features
         width_out = module.embedding_dim if embedding else module.out_features
         if embedding:
-            kind = "all_reduce" if dim == 0 else "all_gather"
-            found.append(Collective(kind, "tensor", tokens * width_out, dtype, times=accumulation, sync=False))
+            per_micro("all_reduce" if dim == 0 else "all_gather", width_out)
+        elif style == "rowwise_sequence":
+            per_micro("reduce_scatter", width_out)
+            per_micro("all_gather", width_out)
         elif dim == 1:  # rowwise: partial sums of its output
-            found.append(Collective("all_reduce", "tensor", tokens * width_out, dtype, times=accumulation, sync=False))
+            per_micro("all_reduce", width_out)
         else:
-            found.append(Collective("all_reduce", "tensor", tokens * width_in, dtype, times=accumulation, sync=False))
+            if not inside:
+                per_micro("all_reduce", width_in)
             if style in ("colwise_rep", "colwise_gather_output"):
-                found.append(
-                    Collective("all_gather", "tensor", tokens * width_out, dtype, times=accumulation, sync=False)
-                )
+                per_micro("all_gather", width_out)
     return found
+
+
+def _width(module: nn.Module) -> int:
+    """The width of the activations entering `module`: its first Linear's inputs, norm's or embedding's width."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            return m.in_features
+        if isinstance(m, nn.Embedding):
+            return m.embedding_dim
+        shape = getattr(m, "normalized_shape", None)
+        if shape:
+            return int(shape[-1])
+        weight = getattr(m, "weight", None)  # a norm of a class of its own (RMSNorm): a weight of its width
+        if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+            return int(weight.shape[0])
+    raise ValueError(f"{type(module).__name__}: no Linear, Embedding or norm to tell the width of its activations")

@@ -311,6 +311,25 @@ def test_loading_runs_no_code_from_the_checkpoint(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.unit
+def test_a_checkpoint_of_a_model_laid_out_otherwise_names_what_it_holds_instead(tmp_path: Path) -> None:
+    """A GPT checkpoint of a fused attention (blocks.N.attn.qkv, the layout before q, k and v were split for tensor
+    parallel) against today's GPT: one line naming the missing tensor and what the checkpoint holds in its place."""
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.checkpoint.format import CheckpointError
+    from launcher.checkpoint.loading import check_fits
+    from launcher.models.gpt import GPT
+
+    model = GPT(n_layer=1, n_head=2, n_embd=32, vocab_size=256, block_size=32)
+    state = {k: v for k, v in model.state_dict().items() if ".attn." not in k or ".attn.proj." in k}
+    state |= {"blocks.0.attn.qkv.weight": torch.zeros(96, 32), "blocks.0.attn.qkv.bias": torch.zeros(96)}
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "fused"), no_dist=True)
+    with pytest.raises(CheckpointError, match=r"has no tensor blocks.0.attn.q.weight of the model \(it holds "
+                                              r"blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight there\)"):  # fmt: skip
+        check_fits(tmp_path / "fused", model)
+
+
 def test_async_checkpoints_match_the_sync_run_and_resume_exactly(ddp_run: Run, tmp_path: Path) -> None:
     """trainer.async_checkpoint=true: the same losses as the suite's synchronous run, a step-6 checkpoint that
     resumes exactly, and a loop that went on while it was written: step 7 was logged before the step-6 checkpoint

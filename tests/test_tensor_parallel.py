@@ -35,12 +35,31 @@ def _llama(kv_heads: int = 2) -> nn.Module:
 
 
 @pytest.mark.unit
-def test_the_gpts_plan_splits_attention_mlp_embedding_and_head() -> None:
+def test_the_gpts_plan_splits_attention_mlp_embedding_and_head_with_the_norms_sequence_parallel() -> None:
     resolved = resolve(_gpt(), model_plan(_gpt()))
-    assert resolved["blocks.1.attn.q"] == "colwise" and resolved["blocks.1.attn.proj"] == "rowwise"
-    assert resolved["blocks.0.mlp.0"] == "colwise" and resolved["blocks.0.mlp.2"] == "rowwise"
+    assert resolved["blocks.1.attn.q"] == "colwise" and resolved["blocks.1.attn.proj"] == "rowwise_sequence"
+    assert resolved["blocks.0.mlp.0"] == "colwise" and resolved["blocks.0.mlp.2"] == "rowwise_sequence"
     assert resolved["tok_emb"] == "embedding_rowwise" and resolved["head"] == "colwise_rep"
-    assert len(resolved) == 2 * 6 + 2
+    assert resolved["blocks.1.ln1"] == resolved["blocks.1.ln2"] == "sequence_parallel"
+    assert resolved["blocks.1.attn"] == resolved["blocks.1.mlp"] == resolved["ln_f"] == "sequence_gather"
+    assert resolved["blocks.0"] == "sequence_split" and "blocks.1" not in resolved
+    assert len(resolved) == 2 * 10 + 4
+
+
+@pytest.mark.unit
+def test_a_sequence_the_group_cannot_split_is_refused_before_start_and_where_it_enters() -> None:
+    """Sequence parallel splits each row's tokens over the group: data.seq_len=30 over 4 ranks is one line before
+    start; a plan without sequence styles takes it; a row of 30 tokens reaching the first layer is refused there."""
+    with pytest.raises(ValueError, match="data.seq_len=30 does not split over strategy.tp_size=4: GPT's own plan runs "
+                                         "sequence parallel .* use a data.seq_len that 4 divides"):  # fmt: skip
+        TensorParallel(4, None, False).check(4, 4, _gpt(), seq_len=30)
+    TensorParallel(4, {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}, False).check(4, 4, _gpt(), 30)
+    TensorParallel(4, None, False).check(4, 4, _gpt(), seq_len=32)
+    from strategies.tensor_parallel import _whole_parts
+
+    with pytest.raises(ValueError, match="a micro-batch of 30 tokens per row does not split evenly"):
+        _whole_parts(4, nn.Identity(), (torch.zeros(2, 30, 8),))
+    _whole_parts(4, nn.Identity(), (torch.zeros(2, 32, 8),))
 
 
 @pytest.mark.unit
@@ -84,21 +103,28 @@ def test_a_group_across_nodes_is_refused_unless_the_flag_says_why(capsys: pytest
                                          "less, or strategy.tp_across_nodes=true"):  # fmt: skip
         TensorParallel(4, None, False).check(8, 2, _gpt())
     TensorParallel(4, None, True).check(8, 2, _gpt())
-    assert "tensor parallel over 4 ranks: GPT's own plan splits 14 modules" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tensor parallel over 4 ranks: GPT's own plan splits 14 modules of GPT and runs 10 on each rank's part of " \
+           "the sequence" in out, out  # fmt: skip
 
 
 def test_measured_tp_traffic_is_the_planned(conformance_dir: Path) -> None:
     """The suite's TP=2 x DP=2 run (micro-batch 4 x 32 tokens, K = 2, fp32): its counter of DTensor's collectives
-    against the plan's (`tp_collectives`): per layer 2 forward all-reduces (rowwise outputs) and 4 backward ones (the
-    q, k, v and fc inputs' gradients) of 4 x 32 x 64 values, the embedding's all-reduce, the head's all-gather of the
-    logits and its input's all-reduce; the ring bytes by the planner's formula."""
+    against the plan's (`tp_collectives`). Per micro-step and layer, sequence parallel: the attention's and the MLP's
+    inputs all-gathered and their gradients reduce-scattered, their rowwise outputs reduce-scattered and those
+    gradients all-gathered (8 of 4 x 32 x 64 values, no all-reduce); outside the layers the embedding's all-reduce,
+    the first layer's gradient all-gathered, the final norm's input all-gathered, the head's input all-reduced and
+    its logits all-gathered (5). Per step the 4 norms' 2 weights, their partial gradients all-reduced once (8). The
+    ring bytes by the planner's formula."""
     from launcher.plan.costs import comm_split
     from strategies.declarations import Mesh
 
     last = suite_run(conformance_dir, "fsdp_tp").metrics[-1]
     planned = tp_collectives(_gpt(), GPT._tp_plan, 4 * 32, 2, "fp32")
-    assert last["tp_comm_calls"] == sum(c.times for c in planned) == 2 * (2 * 6 + 3)
+    assert last["tp_comm_calls"] == sum(c.times for c in planned) == 2 * (2 * 8 + 5) + 4 * 2
     assert last["tp_comm_bytes"] == sum(c.payload_bytes for c in planned)
+    kinds = {c.kind for c in planned if c.elements == 4 * 32 * 64}
+    assert kinds == {"all_reduce", "all_gather", "reduce_scatter"}
     within, across = comm_split(planned, 4, Mesh(tensor_size=2), 4)
     assert last["tp_comm_sent_bytes"] == pytest.approx(within, rel=1e-12) and across == 0
 
@@ -117,6 +143,25 @@ def test_convert_gives_the_whole_model_from_a_tensor_parallel_checkpoint(conform
     dcp_to_torch_save(str(step), str(tmp_path / "full.pt"))
     saved = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
     assert all(torch.equal(converted[k], saved[k]) for k in saved)
+
+
+@pytest.mark.long  # 4 ranks, ~30 s on 2 busy cores; TP=2 x DP=2 under FSDP is the conformance suite's
+def test_hsdp_with_tensor_parallel_is_a_3d_mesh_that_logs_one_process_losses(conformance_dir: Path) -> None:
+    """strategy=hsdp strategy.tp_size=2 on 4 ranks: 2 replicas x 1 shard x TP=2, a 3-D mesh; its losses and
+    gradient norms are one process's, its TP traffic the plan's, and its replicas' all-reduce is made."""
+    from runs import reference, run_of
+
+    run = run_of(conformance_dir, "hsdp", 4, "strategy.tp_size=2", "strategy.replicate_size=2",
+                 "strategy.shard_size=1")  # fmt: skip
+    one = reference(conformance_dir)
+    assert "tensor parallel over 2 ranks: GPT's own plan splits" in run.stdout
+    diff = max(abs(a - b) for a, b in zip(run.losses(), one.losses(), strict=True))
+    assert diff <= 1e-5, (run.losses(), one.losses())
+    norms = [(m["grad_norm"], r["grad_norm"]) for m, r in zip(run.metrics, one.metrics, strict=True)]
+    assert max(abs(a - b) / b for a, b in norms) <= 1e-5, norms
+    planned = tp_collectives(_gpt(), GPT._tp_plan, 4 * 32, 2, "fp32")
+    assert run.metrics[-1]["tp_comm_bytes"] == sum(c.payload_bytes for c in planned)
+    assert run.metrics[-1]["comm_calls"] > 0  # the replicas' all-reduce of each gradient
 
 
 LLAMA = ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
@@ -142,9 +187,10 @@ def test_a_transformers_llama_at_tp2_dp2_logs_one_process_losses(tmp_path: Path)
 @pytest.mark.unit
 def test_plan_shows_tp_1_2_4_8_and_the_activations_traffic(tmp_path: Path) -> None:
     """gpt_7b on 8 GPUs, bf16, micro-batch 4 x 128 tokens, global 32: at T = 2 the data-parallel ranks are 4 and the
-    accumulation 2. Per micro-step 6 all-reduces per layer (32 layers) and 2 outside (embedding, head's input) of
-    4 x 128 x 4096 values, and the head's all-gather of 4 x 128 x 50304 logits; in a ring of 2 an all-reduce sends
-    its whole buffer once, an all-gather half of it; 2 bytes each."""
+    accumulation 2. Per micro-step and layer (32) 4 all-gathers and 4 reduce-scatters, outside them 2 all-reduces and
+    2 all-gathers of 4 x 128 x 4096 values, and the head's all-gather of 4 x 128 x 50304 logits; per step the norms'
+    weights' gradients all-reduced; in a ring of 2 an all-reduce sends its whole buffer once, an all-gather or a
+    reduce-scatter half of it; 2 bytes each."""
     proc = cli_here(tmp_path, "plan", "model=gpt_7b", "gpus=8", "precision=bf16")
     assert proc.returncode == 0, proc.stderr
     rows = {int(line.split()[0]): line.split() for line in proc.stdout.splitlines() if line[:4].strip().isdigit()}
@@ -152,7 +198,40 @@ def test_plan_shows_tp_1_2_4_8_and_the_activations_traffic(tmp_path: Path) -> No
         ["8", "1"], ["4", "2"], ["2", "4"], ["1", "8"]
     ]  # fmt: skip
     tokens, hidden, vocab = 4 * 128, 4096, 50304
-    per_micro = (32 * 6 + 2) * tokens * hidden * 1.0 * 2 + tokens * vocab * 0.5 * 2
+    # sequence parallel: per layer 4 all-gathers and 4 reduce-scatters (half the buffer each in a ring of 2); outside
+    # the layers 2 all-reduces (embedding, head's input) and 2 all-gathers (first layer's gradient, final norm's input)
+    per_micro = (32 * 8 * 0.5 + 2 + 2 * 0.5) * tokens * hidden * 2 + tokens * vocab * 0.5 * 2
+    per_micro += 32 * 2 * 2 * hidden * 1.0 * 2 / 2  # the norms' weights' gradients, once per step of K = 2
     assert rows[2][-2] == f"{2 * per_micro / 1e9:.2f}" and rows[1][-2] == "0.00"
     acts = [float(rows[t][4]) for t in (1, 2, 4, 8)]
     assert acts == sorted(acts, reverse=True)  # the split layers' activations: 1/T
+
+
+@pytest.mark.unit
+def test_sequence_parallel_splits_every_activation_of_a_layer() -> None:
+    """Korthikanti et al.'s per-layer activations: under tensor parallel alone the norms' and dropouts' inputs
+    (10 s·b·h) stay whole; with sequence parallel a layer's activations are all 1/T, a checkpointed block's input too."""
+    from launcher.plan.costs import activation_bytes
+
+    shape = {"seq": 128, "micro": 4, "hidden": 256, "heads": 8, "vocab": 1000, "elem": 2}
+    outside = activation_bytes(layers=0, **shape)
+    one = activation_bytes(layers=1, **shape) - outside
+    for t in (2, 4, 8):
+        split = activation_bytes(layers=1, tensor=t, sequence=True, **shape) - outside
+        assert split == pytest.approx(one / t, rel=1e-12)
+        plain = activation_bytes(layers=1, tensor=t, **shape) - outside
+        assert plain - split == pytest.approx(10 * 128 * 4 * 256 * (1 - 1 / t), rel=1e-12)
+        kept = activation_bytes(layers=3, tensor=t, sequence=True, checkpointing=True, **shape)
+        assert kept - outside - split == pytest.approx(3 * 128 * 4 * 256 * 2 / t, rel=1e-12)
+
+
+@pytest.mark.unit
+def test_an_auto_micro_batch_divides_the_global_batch_over_the_data_parallel_ranks(tmp_path: Path) -> None:
+    """Under TP=2 on 4 ranks two groups read the global batch of 8: batch.micro_size=auto may take 4 (K = 1), which the
+    4 ranks alone would not divide; the line's accumulation is the run's, micro x K x data ranks = the global batch."""
+    proc = cli_here(tmp_path, "plan", *TINY, "strategy=fsdp_tp", "gpus=4", "batch.global_size=8",
+                    "batch.micro_size=auto", "plan.device_memory_gb=40")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("auto: batch.micro_size="))
+    micro, accumulation = int(line.split("=")[1].split()[0]), int(line.split("(accumulation ")[1].split()[0])
+    assert (micro, accumulation) == (4, 1), line

@@ -149,8 +149,12 @@ def check_fits(checkpoint: Location, model: Any) -> None:
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for name, shape in expected.items():
         if name not in stored:
+            parent = name.rsplit(".", 2)[0] + "."  # the tensors of the module around it, as the checkpoint names them
+            there = sorted(k for k in stored if k.startswith(parent) and k not in expected)[:3]
+            held = f" (it holds {', '.join(there)} there)" if there else ""
             raise CheckpointError(
-                f"checkpoint {checkpoint} has no tensor {name} of the model; resume with the model it was saved from"
+                f"checkpoint {checkpoint} has no tensor {name} of the model{held}; resume with the model it was "
+                "saved from"
             )
         if stored[name] != shape:
             raise CheckpointError(

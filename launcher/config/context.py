@@ -41,6 +41,7 @@ def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int, mi
         no_grad=tuple(str(name) for name in derived.get("no_grad") or ()),
         ema=ema_settings(cfg.trainer),
         tensor_size=tensor,
+        seq_len=seq_len if isinstance(seq_len := cfg.data.get("seq_len"), int) else None,
     )
 
 

@@ -53,14 +53,20 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     _no_split_modules = ["Block"]  # its layer-sized units, declared as transformers models declare theirs
-    _tp_plan = {  # its tensor-parallel plan, in transformers' names (`strategies.tp_plans`)
-        "tok_emb": "embedding_rowwise",
+    _tp_plan = {  # its tensor-parallel plan, in transformers' names (`strategies.tp_plans`), sequence parallel
+        "tok_emb": "embedding_rowwise",  # the vocabulary split, its output all-reduced whole (the positions added)
+        "blocks.0": "sequence_split",  # from here to the head, each rank holds its part of the sequence
+        "blocks.*.ln1": "sequence_parallel",
+        "blocks.*.attn": "sequence_gather",  # the sequence whole for attention, its heads split
         "blocks.*.attn.q": "colwise",
         "blocks.*.attn.k": "colwise",
         "blocks.*.attn.v": "colwise",
-        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.attn.proj": "rowwise_sequence",
+        "blocks.*.ln2": "sequence_parallel",
+        "blocks.*.mlp": "sequence_gather",
         "blocks.*.mlp.0": "colwise",
-        "blocks.*.mlp.2": "rowwise",
+        "blocks.*.mlp.2": "rowwise_sequence",
+        "ln_f": "sequence_gather",  # the sequence whole again, for the head
         "head": "colwise_rep",
     }
 

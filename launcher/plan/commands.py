@@ -278,7 +278,8 @@ def choose_micro(
     from launcher.plan.render import _size
 
     worlds = world_sizes(f"{derived.min_nodes}:{derived.nodes}", derived.gpus)
-    valid = [m for m in valid_micro_sizes(int(frozen.batch.global_size), worlds) if adapted is None or m <= adapted]
+    data = [w // derived.tensor_size for w in worlds]  # a tensor-parallel group reads one micro-batch
+    valid = [m for m in valid_micro_sizes(int(frozen.batch.global_size), data) if adapted is None or m <= adapted]
     with read_write(frozen):
         frozen.batch.micro_size = 1  # planned as one sample; activations scale linearly with the micro-batch
     plan = make_plan(frozen, derived, size, {"run": strategy})
@@ -290,7 +291,7 @@ def choose_micro(
     micro = next((m for m in valid if peak(m) <= plan.device.usable), valid[-1])
     with read_write(frozen):
         frozen.batch.micro_size = micro
-    accumulation = int(frozen.batch.global_size) // (micro * derived.world_size)
+    accumulation = int(frozen.batch.global_size) // (micro * (derived.world_size // derived.tensor_size))
     chosen = dataclasses.replace(derived, accumulation=accumulation, micro_auto=True)
     larger = [m for m in valid if m > micro]
     fits = "fits" if peak(micro) <= plan.device.usable else "does not fit (none does; the smallest)"

@@ -245,6 +245,7 @@ def activation_bytes(
     elem: int,
     checkpointing: bool = False,
     tensor: int = 1,
+    sequence: bool = False,
 ) -> float:
     """Activations one rank keeps for backward, for one micro-batch of the built-in GPT.
 
@@ -258,12 +259,15 @@ def activation_bytes(
     (s·b·V at elem) and the fp32 log-probabilities cross-entropy saves (s·b·V·4).
     With activation checkpointing only each block's input is kept (s·b·h per layer), and one block's
     activations live again while it is recomputed in backward.
-    Under tensor parallel over t ranks (no sequence parallel: their section 4.1), what the split matmuls and the
+    Under tensor parallel over t ranks without sequence parallel (their section 4.1), what the split matmuls and the
     attention save is 1/t on each rank, the norms' and dropouts' inputs whole: s·b·h·(10 + 24/t + 5·a·s/(h·t)).
+    With sequence parallel (`sequence`, their section 4.2.2) those are split on the sequence too: everything is 1/t,
+    s·b·h·(34/t + 5·a·s/(h·t)), and a checkpointed block's input s·b·h/t.
     """
     s, b, h, a, L, V, t = seq, micro, hidden, heads, layers, vocab, tensor
-    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * elem / 2
+    whole = 0 if sequence else 10
+    per_layer = s * b * h * (whole + (34 - whole) / t + 5 * a * s / (h * t)) * elem / 2
     outside = 2 * s * b * h * elem + s * b * V * (elem + 4)
     if checkpointing:
-        return L * s * b * h * elem + per_layer + outside
+        return L * s * b * h * elem / (t if sequence else 1) + per_layer + outside
     return L * per_layer + outside

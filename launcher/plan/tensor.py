@@ -5,8 +5,9 @@ what each dimension sends per optimizer step.
 The formulas (docs/planning.md): a tensor-parallel group of T ranks reads one micro-batch, so the data-parallel
 ranks are D = G/T and the accumulation is global / (micro x D). The plan splits Ps parameters 1/T and keeps Pw
 whole; FSDP shards what a rank holds over D: (Ps/T + Pw)/D parameters' state each. The activations' collectives are
-the plan's own (`strategies.tp_plans.tp_collectives`: per layer of the built-in GPT 2 all-reduces in the forward
-and 4 in the backward of micro x seq x hidden values), each sending 2(T-1)/T of its buffer in a ring.
+the plan's own (`strategies.tp_plans.tp_collectives`: per layer of the built-in GPT, sequence parallel, 2 all-gathers
+and 2 reduce-scatters in the forward and as many in the backward of micro x seq x hidden values), an all-reduce
+sending 2(T-1)/T of its buffer in a ring, an all-gather or a reduce-scatter (T-1)/T.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def split_params(model: Any, resolved: dict[str, str]) -> int:
 
 def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
     """The section's lines; none for a model without a tensor-parallel plan."""
-    from strategies.tp_plans import model_plan, resolve, tp_collectives
+    from strategies.tp_plans import SEQUENCE, model_plan, resolve, tp_collectives
 
     resolved = resolve(model, model_plan(model))
     if not any(style != "replicate" for style in resolved.values()):
@@ -46,6 +47,7 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
     d, P = plan.derived, plan.model.params
     world, gpus = d.world_size, d.gpus
     split = split_params(model, resolved)
+    sequence = any(style in SEQUENCE for style in resolved.values())  # the norms' activations split too
     elem = 2 if plan.precision in MIXED_PRECISIONS else 4
     dtype = plan.precision if plan.precision in MIXED_PRECISIONS else "fp32"
     bpp = bytes_per_param(plan.precision, plan.moments, False, False, plan.ema).total
@@ -59,8 +61,8 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
         held = (split / t + P - split) / data  # parameters per rank
         unit = (plan.model.largest_unit or P) / t
         shape = (plan.seq_len, plan.micro, m.n_embd, m.n_head, m.n_layer, m.vocab_size, elem) if plan.gpt else ()
-        acts = activation_bytes(*shape, tensor=t) if plan.gpt else 0.0
-        kept = activation_bytes(*shape, checkpointing=True, tensor=t) if plan.gpt else 0.0  # activation checkpointing
+        acts = activation_bytes(*shape, tensor=t, sequence=sequence) if plan.gpt else 0.0
+        kept = activation_bytes(*shape, checkpointing=True, tensor=t, sequence=sequence) if plan.gpt else 0.0
         collectives = tp_collectives(model, model_plan(model), plan.micro * plan.seq_len, accumulation, dtype)
         tp = sum(c.times * ring_sent_elements(c.elements, t, c.kind) * WIRE_BYTES[c.dtype] for c in collectives)
         gathers = 2 * accumulation * (data - 1) / data * held * data * WIRE_BYTES[dtype]  # all-gathered, resharded
@@ -84,6 +86,6 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
         *rows,
         f"per rank, per optimizer step: T ranks split each planned layer and read one micro-batch (data = G/T); "
         "ckpt peak: with strategy.activation_checkpointing=true; "
-        f"tp GB: the activations' all-reduces and all-gathers, ms at {plan.link_gbps:.0f} GB/s within a node "
+        f"tp GB: the activations' all-reduces, all-gathers and reduce-scatters, ms at {plan.link_gbps:.0f} GB/s within a node "
         "(docs/planning.md)",
     ]
