@@ -210,7 +210,8 @@ def test_plan_shows_tp_1_2_4_8_and_the_activations_traffic(tmp_path: Path) -> No
 @pytest.mark.unit
 def test_sequence_parallel_splits_every_activation_of_a_layer() -> None:
     """Korthikanti et al.'s per-layer activations: under tensor parallel alone the norms' and dropouts' inputs
-    (10 s·b·h) stay whole; with sequence parallel a layer's activations are all 1/T, a checkpointed block's input too."""
+    (10 s·b·h) stay whole; with sequence parallel a layer's activations are all 1/T, a checkpointed block's input
+    too."""
     from launcher.plan.costs import activation_bytes
 
     shape = {"seq": 128, "micro": 4, "hidden": 256, "heads": 8, "vocab": 1000, "elem": 2}

@@ -86,6 +86,6 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
         *rows,
         f"per rank, per optimizer step: T ranks split each planned layer and read one micro-batch (data = G/T); "
         "ckpt peak: with strategy.activation_checkpointing=true; "
-        f"tp GB: the activations' all-reduces, all-gathers and reduce-scatters, ms at {plan.link_gbps:.0f} GB/s within a node "
-        "(docs/planning.md)",
+        "tp GB: the activations' all-reduces, all-gathers and reduce-scatters, "
+        f"ms at {plan.link_gbps:.0f} GB/s within a node (docs/planning.md)",
     ]
