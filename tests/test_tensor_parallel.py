@@ -236,3 +236,24 @@ def test_an_auto_micro_batch_divides_the_global_batch_over_the_data_parallel_ran
     line = next(x for x in proc.stderr.splitlines() if x.startswith("auto: batch.micro_size="))
     micro, accumulation = int(line.split("=")[1].split()[0]), int(line.split("(accumulation ")[1].split()[0])
     assert (micro, accumulation) == (4, 1), line
+
+
+@pytest.mark.unit
+def test_the_main_tables_tensor_parallel_row_holds_its_activations_and_traffic(tmp_path: Path) -> None:
+    """`launch plan`'s row of fsdp_tp (T = 2 on 8 GPUs) is its section's T = 2 row: the activations split over the
+    group, and FSDP's traffic plus the activations' in its comm figure; fsdp's row (T = 1) keeps the whole ones."""
+    import json
+
+    job = ["plan", "model=gpt_7b", "gpus=8", "precision=bf16"]
+    table = cli_here(tmp_path, *job).stdout
+    row = next(line.split() for line in table.splitlines() if line.startswith("   2 "))
+    acts, fsdp, tp = float(row[4]), float(row[9]), float(row[10])
+    plan = json.loads(cli_here(tmp_path, *job, "plan.format=json").stdout)
+    by_name = {s["name"]: s for s in plan["strategies"]}
+    assert by_name["fsdp_tp"]["activation_bytes"] / 1e9 == pytest.approx(acts, abs=0.006)
+    assert by_name["fsdp_tp"]["comm_bytes"] / 1e9 == pytest.approx(fsdp + tp, abs=0.011)
+    assert (
+        by_name["fsdp"]["activation_bytes"]
+        == plan["activations"]["bytes"]
+        > 1.8 * by_name["fsdp_tp"]["activation_bytes"]
+    )

@@ -110,7 +110,7 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
     from launcher.base.machine import visible_cuda_devices
     from launcher.config.known import check_keys
     from launcher.models.meta import build_on_meta, measure
-    from launcher.plan.tensor import tensor_lines
+    from launcher.plan.tensor import tensor_lines, with_tensor
 
     chosen, strategy_keys = _chosen_strategy(overrides)
     frozen = freeze(_compose(overrides))
@@ -156,7 +156,7 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
         configs = _candidates(frozen)
     else:
         configs = {chosen: frozen}
-    plan = make_plan(frozen, derived, size, _strategies(configs))
+    plan = with_tensor(make_plan(frozen, derived, size, _strategies(configs)), model, frozen)
     if frozen.plan.chart:
         chart(plan, str(frozen.plan.chart))
     if frozen.plan.format == "json":
@@ -177,8 +177,10 @@ def choose(frozen: DictConfig, derived: Derived, model: Any, size: ModelSize) ->
     whose per-rank memory fits the device and whose own checks pass. Prints why (one line per candidate);
     raises ConfigError (exit 2) saying what would fit when nothing does. `model` is built on the meta device, `size`
     its sizes (`launcher.models.meta.measure`)."""
+    from launcher.plan.tensor import with_tensor
+
     configs = _candidates(frozen)
-    plan = make_plan(frozen, derived, size, _strategies(configs))
+    plan = with_tensor(make_plan(frozen, derived, size, _strategies(configs)), model, frozen)
     blocked: dict[str, str] = {}
     while (pick := plan.pick(blocked)) is not None:  # the best that fits, unless its own checks refuse it here
         candidate = OmegaConf.merge(configs[pick.name], {"derived": derived.as_dict()})

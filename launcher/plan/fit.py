@@ -246,7 +246,8 @@ class Plan:
 
     def pick(self, blocked: Collection[str] = ()) -> StrategyPlan | None:
         """strategy=auto's choice: the first in `ranked` order that fits, among those not `blocked` (refused by
-        their checks); tensor parallel only where nothing else fits (its activations' traffic is not in `comm`)."""
+        their checks); tensor parallel only where nothing else fits (its traffic grows with the tokens;
+        `launcher.plan.tensor.with_tensor` adds it where the model is at hand)."""
         fitting = [sp for sp in self.ranked() if self.fits(sp) and sp.name not in blocked]
         return min(fitting, key=lambda sp: sp.strategy.requirements().model_plan, default=None)  # stable: ranked
 

@@ -39,7 +39,7 @@ def split_params(model: Any, resolved: dict[str, str]) -> int:
 
 def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
     """The section's lines; none for a model without a tensor-parallel plan."""
-    from strategies.tp_plans import SEQUENCE, model_plan, resolve, tp_collectives
+    from strategies.tp_plans import SEQUENCE, model_plan, resolve
 
     resolved = resolve(model, model_plan(model))
     if not any(style != "replicate" for style in resolved.values()):
@@ -51,7 +51,6 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
     elem = 2 if plan.precision in MIXED_PRECISIONS else 4
     dtype = plan.precision if plan.precision in MIXED_PRECISIONS else "fp32"
     bpp = bytes_per_param(plan.precision, plan.moments, False, False, plan.ema).total
-    m = cfg.model
     rows = []
     for t in (t for t in SIZES if world % t == 0):
         data = world // t
@@ -60,11 +59,8 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
             continue
         held = (split / t + P - split) / data  # parameters per rank
         unit = (plan.model.largest_unit or P) / t
-        shape = (plan.seq_len, plan.micro, m.n_embd, m.n_head, m.n_layer, m.vocab_size, elem) if plan.gpt else ()
-        acts = activation_bytes(*shape, tensor=t, sequence=sequence) if plan.gpt else 0.0
-        kept = activation_bytes(*shape, checkpointing=True, tensor=t, sequence=sequence) if plan.gpt else 0.0
-        collectives = tp_collectives(model, model_plan(model), plan.micro * plan.seq_len, accumulation, dtype)
-        tp = sum(c.times * ring_sent_elements(c.elements, t, c.kind) * WIRE_BYTES[c.dtype] for c in collectives)
+        acts, kept = tensor_activations(plan, cfg, t, sequence, plan.micro)
+        tp = tensor_traffic(plan, model, t, accumulation, plan.micro)
         gathers = 2 * accumulation * (data - 1) / data * held * data * WIRE_BYTES[dtype]  # all-gathered, resharded
         fsdp = gathers + (data - 1) / data * held * data * 4  # + the fp32 reduce-scatter
         accumulating = held * data * 4 * (1 - 1 / data) if accumulation > 1 else 0.0  # FSDP's whole gradients, K > 1
@@ -89,3 +85,55 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
         "tp GB: the activations' all-reduces, all-gathers and reduce-scatters, "
         f"ms at {plan.link_gbps:.0f} GB/s within a node (docs/planning.md)",
     ]
+
+
+def tensor_activations(plan: Plan, cfg: Any, t: int, sequence: bool, micro: int) -> tuple[float, float]:
+    """(activations, with checkpointing) per rank of the built-in GPT under tensor parallel over `t` (0 for another
+    model: the plan does not know its activations)."""
+    if not plan.gpt:
+        return 0.0, 0.0
+    m = cfg.model
+    elem = 2 if plan.precision in MIXED_PRECISIONS else 4
+    shape = (plan.seq_len, micro, m.n_embd, m.n_head, m.n_layer, m.vocab_size, elem)
+    return (
+        activation_bytes(*shape, tensor=t, sequence=sequence),
+        activation_bytes(*shape, checkpointing=True, tensor=t, sequence=sequence),
+    )
+
+
+def tensor_traffic(plan: Plan, model: Any, t: int, accumulation: int, micro: int) -> float:
+    """Bytes a rank sends per optimizer step for the activations' collectives of the model's plan over `t` ranks."""
+    from strategies.tp_plans import model_plan, tp_collectives
+
+    dtype = plan.precision if plan.precision in MIXED_PRECISIONS else "fp32"
+    collectives = tp_collectives(model, model_plan(model), micro * plan.seq_len, accumulation, dtype)
+    return sum(c.times * ring_sent_elements(c.elements, t, c.kind) * WIRE_BYTES[c.dtype] for c in collectives)
+
+
+def with_tensor(plan: Plan, model: Any, cfg: Any) -> Plan:
+    """The plan with each tensor-parallel strategy's activations split over its groups and their traffic in its comm
+    figures (within a node; across nodes where a group spans them): what `make_plan`, which sees the model's sizes
+    alone, leaves out."""
+    from dataclasses import replace
+
+    from launcher.plan.costs import split_comm_seconds
+    from strategies.tp_plans import SEQUENCE, model_plan, resolve
+
+    resolved = resolve(model, model_plan(model))
+    sequence = any(style in SEQUENCE for style in resolved.values())
+    found = []
+    for sp in plan.strategies:
+        t = sp.layout.mesh.tensor_size
+        if t == 1 or not resolved:
+            found.append(sp)
+            continue
+        accumulation = max(plan.global_size // (plan.micro * plan.derived.world_size // t), 1)
+        acts, _ = tensor_activations(plan, cfg, t, sequence, plan.micro)
+        tp = tensor_traffic(plan, model, t, accumulation, plan.micro)
+        across = sp.internode_bytes + (tp if t > plan.derived.gpus else 0.0)
+        within = sp.comm_bytes - sp.internode_bytes + (0.0 if t > plan.derived.gpus else tp)
+        seconds = split_comm_seconds(within, across, plan.link_gbps, plan.internode_gbps)
+        activations = acts if plan.gpt else sp.activations
+        found.append(replace(sp, activations=activations, comm_bytes=within + across, comm_seconds=seconds,
+                             internode_bytes=across))  # fmt: skip
+    return replace(plan, strategies=found)
