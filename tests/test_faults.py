@@ -589,6 +589,30 @@ def test_a_stopped_process_is_told_from_a_running_one() -> None:
 
 
 @pytest.mark.unit
+def test_a_killed_launchers_empty_failure_folder_is_removed_by_the_next_and_nothing_else() -> None:
+    """A launcher killed by SIGKILL leaves its (empty) failure folder in /dev/shm; the next launcher on the machine
+    removes it. A dead launcher's folder holding a report, and a running launcher's, stay."""
+    from launcher.parent.workers import failure_folder
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(__import__("tempfile").gettempdir())
+    empty, report, running = (shm / f"launch-failures-{pid}-{tag}" for pid, tag in
+                              ((dead.pid, "test0"), (dead.pid, "test1"), (os.getpid(), "test2")))  # fmt: skip
+    for folder in (empty, report, running):
+        folder.mkdir()
+    (report / "rank0.json").write_text("{}")
+    mine = report
+    try:
+        mine = failure_folder()
+        assert mine.name.startswith(f"launch-failures-{os.getpid()}-") and mine.is_dir()
+        assert not empty.exists() and report.exists() and running.exists()
+    finally:
+        for folder in (report, running, mine):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.unit
 def test_a_failure_is_told_by_its_cause_and_its_echoes_without_the_collective_library_s_words(tmp_path: Path) -> None:
     """Rank 0's own error first; rank 1, which only lost its peer, is an echo: told (if at all) without gloo's text.
     A refusal every rank made alike is one line with no rank in it."""

@@ -137,7 +137,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, DUMP_SIGNAL)}
     signal.signal(DUMP_SIGNAL, _ask_workers)
     oom_before, (_, available) = oom_kills(), memory_available()
-    spare = Path(tempfile.mkdtemp(prefix="launch-failures-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    spare = failure_folder()
     os.environ[FAILURE_DIR_ENV] = str(spare)  # failure reports that cannot be written into the run directory
     started = time.time()
 
@@ -214,3 +214,29 @@ def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, 
     )
     detect(os.environ).stopped(sig, previous.get(sig))  # SLURM: submitit's handler requeues the job
     return Outcome(128 + sig, f"stopped by {sig.name}")
+
+
+def failure_folder() -> Path:
+    """A folder of this launcher's own for failure reports the run directory cannot hold: in /dev/shm (memory, where a
+    disk is full), named by this process's id. Those of launchers of this machine that no longer run (killed before
+    they could remove theirs) are removed first, where empty: a report left in one was never read."""
+    shm = Path("/dev/shm")
+    where = shm if shm.is_dir() else Path(tempfile.gettempdir())
+    for stale in where.glob("launch-failures-*-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                stale.rmdir()  # only where empty: a report in it stays
+            except OSError:
+                pass
+    return Path(tempfile.mkdtemp(prefix=f"launch-failures-{os.getpid()}-", dir=where))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
