@@ -43,8 +43,7 @@ class RunContext:
     micro_size: int
     """Samples per rank per forward pass."""
     compile: bool = False
-    """trainer.compile: compile each unit (transformer block) with torch.compile; a strategy that cannot rejects
-    it in check."""
+    """trainer.compile: compile each unit (transformer block); a strategy that cannot rejects it in check."""
     local_world_size: int | None = None
     """Ranks per node (the launcher's `gpus`); None: every rank is on one node."""
     no_grad: tuple[str, ...] = ()
