@@ -464,7 +464,9 @@ def test_auto_picks_the_least_communication_that_fits_and_runs_it(tmp_path: Path
     for budget in sorted(set(need.values())):
         fitting = [s for s in plan["strategies"] if need[s["name"]] <= budget]
         expected = _by_the_rule({"strategies": [{**s, "fits": True} for s in fitting]})
-        if expected not in (min(fitting, key=lambda s: s["need_bytes"])["name"], min(s["name"] for s in fitting)):
+        if expected not in (min(fitting, key=lambda s: s["need_bytes"])["name"], min(s["name"] for s in fitting)) and (
+            expected != "zero_infinity"  # its checks refuse it at launch without strategy.nvme_path: auto goes on
+        ):
             break
     else:
         raise AssertionError(f"no device size tells the rule apart: {need}")
