@@ -35,7 +35,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return {int(m["step"]): m["loss"] for m in run.metrics}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])  # a torch optimizer and DeepSpeed's, rebuilt at the new size
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero2", marks=pytest.mark.long)])  # a torch optimizer and
+# DeepSpeed's (the long tier: ~15 s), rebuilt at the new size
 def test_an_out_of_memory_error_halves_the_micro_batch_and_keeps_the_trajectory(
     strategy: str, reference: dict[int, float], tmp_path: Path
 ) -> None:

@@ -60,11 +60,12 @@ CROSSINGS = [
     ("fsdp", 2, "zero3", 2),
     ("zero2", 2, "ddp", 1),
     ("zero_infinity", 2, "ddp", 1),
-    ("ddp", 2, "zero1", 2),
+    pytest.param("ddp", 2, "zero1", 2, marks=pytest.mark.long),  # the long tier: ~12-20 s each, and other crossings
+    # (ddp to fsdp, fsdp to zero3, zero2 to ddp, tensor parallel to zero3) reshard the same kinds of state
     ("ddp", 1, "hsdp", 4),  # one process's checkpoint on a 2 x 2 mesh (fsdp on 2 ranks: from hsdp, below)
-    ("ddp", 2, "zero_infinity", 1),
-    ("hsdp", 4, "fsdp", 2),  # a 2 x 2 mesh's checkpoint (the suite's run) on a 1-D mesh of 2
-    ("fsdp_tp", 4, "ddp", 1),  # tensor parallel 2 x data parallel 2 (the suite's run) in one process
+    pytest.param("ddp", 2, "zero_infinity", 1, marks=pytest.mark.long),
+    pytest.param("hsdp", 4, "fsdp", 2, marks=pytest.mark.long),  # a 2 x 2 mesh's checkpoint on a 1-D mesh of 2
+    pytest.param("fsdp_tp", 4, "ddp", 1, marks=pytest.mark.long),  # TP 2 x DP 2 (the suite's run) in one process
     # ... on 4 data-parallel ranks, each layer whole: 4 more ranks, the long tier (the two crossings beside it reshard
     # the same DTensors at the usual tier's cost)
     pytest.param("fsdp_tp", 4, "fsdp", 4, marks=pytest.mark.long),

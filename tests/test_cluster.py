@@ -210,6 +210,7 @@ def test_nodes_without_a_shared_directory_stop_at_start(tmp_path: Path) -> None:
     assert not (tmp_path / "node0" / "checkpoints").exists() and not (tmp_path / "node1" / "checkpoints").exists()
 
 
+@pytest.mark.long  # ~20 s: the rendezvous inside an allocation is tested in process above, a real one in test_slurm
 def test_a_slurm_allocation_needs_no_rendezvous_settings(conformance_dir: Path, tmp_path: Path) -> None:
     """Two launchers with the environment SLURM gives each node's task; nothing set by hand."""
     env = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NTASKS_PER_NODE": "1"}

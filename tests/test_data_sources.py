@@ -228,6 +228,8 @@ def test_a_gcn_graph_classifier_with_pyg_collater_matches_one_process(tmp_path: 
         assert [s for s, _ in vals] == [3, 6], (strategy, vals)
 
 
+@pytest.mark.long  # ~17 s: a collate of one's own class is the PyG
+# Collater's test; padded rows are the conformance suite's data
 def test_a_transformers_classifier_on_text_of_any_length_with_data_collator_with_padding(rows, tmp_path: Path) -> None:
     """data=hf over jsonl rows of 2 to 40 words, tokenized once into a cache, padded per micro-batch by transformers'
     DataCollatorWithPadding, into a BERT classifier built from a config: 2 ranks with K=2 log one process's losses

@@ -362,7 +362,10 @@ def _node(tmp_path: Path, port: int, name: str, *extra: str) -> subprocess.Popen
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("lost", ["the other node", "the store's node", "the store's node of an elastic job"])
+ELASTIC_STORE = pytest.param("the store's node of an elastic job", marks=pytest.mark.long)  # ~10 s, the same path
+
+
+@pytest.mark.parametrize("lost", ["the other node", "the store's node", ELASTIC_STORE])
 def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None:
     """Two one-rank nodes on loopback train together; one is killed whole (launcher and worker) mid-run. The
     survivor's one line names the node and rank that went away and its step, and what to do: where the rendezvous

@@ -191,6 +191,7 @@ def test_the_optimizer_holds_the_trainable_parameters_with_the_kernel_they_take(
 OPTIMIZERS = ["torch.optim.SGD", "torch.optim.Adagrad"]
 
 
+@pytest.mark.long  # ~20 s: optimizers by class and their groups under every strategy are test_param_groups'
 def test_sgd_and_adagrad_train_under_fsdp_and_zero2(conformance_dir: Path) -> None:
     """The built-in GPT with SGD and with Adagrad (`optim=custom`): FSDP and ZeRO-2 agree step by step, and from the
     second step on each optimizer's losses are its own (its updates were applied). AdamW is the LoRA's optimizer

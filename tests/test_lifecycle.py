@@ -81,7 +81,8 @@ def test_the_profiler_traces_exactly_the_chosen_steps_on_every_rank(reference: R
     assert "PythonDispatchMode" not in reference.stdout  # the logged steps' memory probe stays out of the profile
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR2, marks=pytest.mark.long)])  # SLURM's
+# warning: its graceful stop is the same path, ~15 s more; the long tier
 def test_a_signal_stops_gracefully_and_resume_continues_exactly(
     sig: signal.Signals, reference: Run, tmp_path: Path
 ) -> None:
@@ -149,6 +150,7 @@ def test_fresh_workers_train_exactly_as_forked_ones(reference: Run, tmp_path: Pa
     assert [m.get("val_loss") for m in fresh.metrics] == [m.get("val_loss") for m in reference.metrics]
 
 
+@pytest.mark.long  # ~20 s: a killed worker restarted to the same losses is test_checkpoint's
 def test_every_restart_recovers(reference: Run, tmp_path: Path) -> None:
     """Six kills in one run: a 40% chance of a failed restart would slip through 0.6^6 = 5% of the time."""
     kills, run_dir = 6, tmp_path / "run"
@@ -325,6 +327,7 @@ def test_nccl_s_flight_recorder_is_on_unless_the_user_chose(tmp_path: Path) -> N
     assert flight_recorder_env(tmp_path, chosen) == {"TORCH_FR_DUMP_TEMP_FILE": f"{folder}/rank_"}
 
 
+@pytest.mark.long  # ~15 s: a requeue under a real SLURM is test_slurm's (long too); resume=auto is test_checkpoint's
 def test_a_requeued_slurm_job_resumes_by_itself(reference: Run, tmp_path: Path) -> None:
     """What SLURM does on preemption: SIGTERM to the job, then the same job again with SLURM_RESTART_COUNT + 1."""
     run_dir, port = tmp_path / "job", free_port()
@@ -351,6 +354,7 @@ def test_a_requeued_slurm_job_resumes_by_itself(reference: Run, tmp_path: Path) 
     assert abs(_losses(run_dir)[30] - reference.metrics[-1]["loss"]) <= 1e-6
 
 
+@pytest.mark.long  # ~20 s: a signal's graceful stop and exact resume are the signal test's
 def test_slurm_style_signals_during_a_long_save_end_with_a_complete_checkpoint(tmp_path: Path) -> None:
     """slurmstepd signals every process of a step at once (the launcher and each worker), and the elastic agent
     forwards the signal to the workers again: all of it while a save of a few seconds is being written. The run

@@ -80,6 +80,8 @@ def step_samples(data: str, step: int = 1) -> np.ndarray:
     return GlobalBatches(len(getattr(loss_models, data)("train")), GLOBAL, SEED).at((step - 1) * GLOBAL)
 
 
+@pytest.mark.long  # ~25 s: the loss contract's arithmetic is tested in process below; the seq2seq
+# family runs here
 def test_a_masked_lm_logs_the_loss_of_one_forward_and_its_gradient_under_ddp_and_zero3(masked_lm_runs) -> None:
     loss, grad_norm = plain("masked_lm", "masked_text", step_samples("masked_text"))
     one = masked_lm_runs["one"]

@@ -83,6 +83,8 @@ def launched(out: str) -> int:
     return sum("Launching 1 jobs locally" in line for line in out.splitlines())
 
 
+@pytest.mark.long  # ~40 s with its study: a study resumed from its storage; its
+# sweeper and storage are tested in process (test_search)
 def test_a_stopped_and_killed_study_continues_to_its_budget_without_repeating_a_finished_trial(continued) -> None:
     sweep, (stopped, killed, last) = continued
     trials = study(sweep).get_trials()
@@ -102,6 +104,7 @@ def test_a_stopped_and_killed_study_continues_to_its_budget_without_repeating_a_
     assert killed_steps[-16:] == list(range(1, 17)) and len(killed_steps) > 16, killed_steps
 
 
+@pytest.mark.long  # the study above; a trial's objective is read in process (test_search)
 def test_each_trials_value_is_the_last_val_loss_its_run_logged(continued) -> None:
     sweep, (*_, last) = continued
     trials = study(sweep).get_trials()

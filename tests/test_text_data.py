@@ -348,6 +348,8 @@ def test_two_ranks_match_one_process_and_resume_exactly_on_another_world_size(
     assert sorted(steps) == [4, 5, 6] and max(abs(steps[s] - a[s - 1]) for s in steps) <= 1e-6, (steps, a)
 
 
+@pytest.mark.long  # ~15 s: the text store's parity is the two-rank test's; a transformers model on any data is
+# test_data_sources'
 def test_a_transformers_model_trains_on_it_as_it_is(corpus: dict[str, Path], tmp_path: Path) -> None:
     """GPT-2 from transformers, built from a config of the tokenizer's vocabulary, on padded documents in its own
     batch form (data.format=hf); its loss falls. Its workers are started afresh (as on CUDA, not forked) and read

@@ -148,6 +148,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.long  # ~15 s: FSDP's units from a transformers model's own blocks are test_user_models'
 def test_bert_trains_under_fsdp_from_its_own_units_as_one_process(conformance_dir: Path) -> None:
     """K=1 in both runs, so that the comparison rests on the units alone, not on how a masked LM's loss is counted
     over micro-steps."""

@@ -114,6 +114,7 @@ def test_convert_writes_a_folder_that_from_pretrained_loads(hf_sweep, gpt2_folde
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
+@pytest.mark.long  # ~20 s: a model of one's own under every strategy is the smoke sweep's
 def test_a_classifier_of_images_trains_under_ddp_fsdp_and_zero3(conformance_dir: Path) -> None:
     run, sweep = smoke(conformance_dir, "smoke-classifier", *CLASSIFIER, "strategy=ddp,fsdp,zero3")
     assert run.returncode == 0, run.stderr[-3000:]
