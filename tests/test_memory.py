@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY, Run, clean_env, launch_once
 from omegaconf import OmegaConf
-from runs import JOB, jobs, metrics, two_ranks
+from runs import DECLARED, JOB, jobs, metrics, two_ranks
+
+from launcher.models.meta import build_on_meta, measure
 
 PEAKED = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 TOLERANCE = 0.15
@@ -82,6 +84,17 @@ def _attention_scores(run_dir: Path) -> float:
     return 5 * m.n_head * cfg.data.seq_len**2 * cfg.batch.micro_size * m.n_layer * elem / 2
 
 
+def _gathered_unit(run_dir: Path, strategy: str) -> float:
+    """One unit's gathered weights, where the strategy shards the parameters: whether the last unit's are freed
+    before the next unit's arrive is decided by timing (gloo's threads release what an async collective held), not by
+    the kernels. CI measured exactly one GPT block's 49,984 fp32 weights apart on FSDP's tiny run, once."""
+    if not DECLARED[strategy].layout().params.sharded:
+        return 0.0
+    cfg = OmegaConf.load(run_dir / "resolved.yaml")
+    elem = 2 if cfg.precision in ("bf16", "fp16") else 4
+    return elem * measure(build_on_meta(cfg.model)).largest_unit
+
+
 LONG_LARGE = ("zero1", "zero2", "fsdp")
 """Their large runs (~20 s each) go to the long tier: ddp's and zero3's, the unsharded and the fully sharded, stay."""
 PEAK_CASES = [
@@ -109,7 +122,7 @@ def test_planned_peak_is_within_15_percent_of_the_measured(
     assert abs(planned - measured) <= allowed, (planned / measured, planned - measured, last)
     if isa != "default":  # the same tensors, whatever the kernels: the heap beside them is another figure
         mine = _last(metrics(two_ranks(conformance_dir, strategy).run_dir))["peak_memory_bytes"]
-        assert abs(measured - mine) <= 0.01 * mine, (measured, mine)
+        assert abs(measured - mine) <= 0.01 * mine + _gathered_unit(run_dir, strategy), (measured, mine)
 
 
 def test_sharding_lowers_the_measured_peak(large_dir: Path) -> None:
