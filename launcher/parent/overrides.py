@@ -179,6 +179,7 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
 def _run_dir_problem(hydra_node: DictConfig, overrides: Sequence[str], parsed: Sequence[Any]) -> str | None:
     """Hydra makes the run (or sweep) directory before the run starts, with a traceback if it cannot: say it first."""
     import os
+    import tempfile
     from pathlib import Path
 
     key = "hydra.sweep.dir" if _multirun(parsed) else "hydra.run.dir"
@@ -187,15 +188,15 @@ def _run_dir_problem(hydra_node: DictConfig, overrides: Sequence[str], parsed: S
         folder = Path(given[-1] if given else str(OmegaConf.select(hydra_node, key.removeprefix("hydra.")))).absolute()
     except Exception:  # an interpolation only Hydra's job can resolve: it checks it itself
         return None
-    for _ in range(10):  # the nodes of one job probe one shared folder at once: one may remove it under another
+    for _ in range(50):  # the nodes of one job probe one shared folder at once: one may remove it under another
         made = [p for p in (folder, *folder.parents) if not p.exists()]
         try:  # try it for real (root bypasses permission bits; /proc, read-only mounts) and leave nothing behind
             folder.mkdir(parents=True, exist_ok=True)
-            probe = folder / f".launch-probe-{os.getpid()}"
-            probe.write_text("")
-            probe.unlink()
+            handle, probe = tempfile.mkstemp(prefix=".launch-probe-", dir=folder)
+            os.close(handle)
+            os.unlink(probe)
             return None
-        except FileNotFoundError as e:  # made by another launcher, and removed by it meanwhile: again
+        except (FileNotFoundError, FileExistsError) as e:  # made by another launcher, removed by it meanwhile: again
             error = e
         except OSError as e:
             error = e
