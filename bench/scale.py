@@ -2,7 +2,7 @@
 
 python bench/scale.py [--nodes 1,2,4,8,16,32] [--steps 6] [--json out.json]
 python bench/scale.py --check [--nodes 32] [--resume-nodes 8] [--out FOLDER]
-python bench/scale.py --elastic [--steps 8]
+python bench/scale.py --elastic [--steps 20]
 python bench/scale.py --faults [--nodes 32]
 
 Each N is one job: N `launch` processes started together, each a node (`nodes=N gpus=1`, c10d rendezvous on
@@ -36,8 +36,8 @@ CPU seconds over 2 cores), which is what the CPU seconds per node tell apart.
 32; `--nodes` one-rank nodes train the first half of them and save; `--resume-nodes` nodes resume that run directory
 and train the rest. Every logged loss must be the one process's within 1e-6, or it exits 1.
 
---elastic: nodes=12:16 on 16 one-rank nodes (global batch 21840, which divides at every world size from 12 to 16);
-a 17th node that joins is refused in one line; 3 nodes are killed whole; the other 13 go on after a restart, and every
+--elastic: nodes=14:16 on 16 one-rank nodes (global batch 1680, which divides at every world size from 14 to 16);
+a 17th node that joins is refused in one line; 2 nodes are killed whole; the other 14 go on after a restart, and every
 logged loss is one process's within 1e-6.
 
 --faults: one fault among 32 nodes, three times (rank 20 fails at its first step; rank 20 hangs; one node's run
@@ -199,9 +199,9 @@ def _cell(value: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", default=None, help="comma-separated N (default 1,2,4,8,16,32; --check: 32)")
-    p.add_argument("--steps", type=int, default=None, help="default 40; --check: 6")
+    p.add_argument("--steps", type=int, default=None, help="default 40; --check: 6; --elastic: 20")
     p.add_argument("--check", action="store_true")
-    p.add_argument("--elastic", action="store_true", help="nodes=12:16: a 17th refused, 3 killed, 13 go on exactly")
+    p.add_argument("--elastic", action="store_true", help="nodes=14:16: a 17th refused, 2 killed, 14 go on exactly")
     p.add_argument("--faults", action="store_true", help="one fault among --nodes (default 32) nodes, each told")
     p.add_argument("--resume-nodes", type=int, default=8)
     p.add_argument("--json", type=Path)
@@ -212,7 +212,7 @@ def main() -> None:
         if a.check:
             sys.exit(check(int(a.nodes or 32), a.resume_nodes, a.steps or 6, out))
         if a.elastic:
-            sys.exit(elastic(a.steps or 8, out))
+            sys.exit(elastic(a.steps or 20, out))
         if a.faults:
             sys.exit(faults(int(a.nodes or 32), out))
         figures = []
