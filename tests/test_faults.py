@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -412,6 +413,51 @@ def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None
         assert said + (", elastic or not:" if elastic else ":") in lines[0], err
         assert lines[0].endswith("with rdzv.endpoint on a node that is up, to resume from the last checkpoint"), err
         assert "make the job elastic" not in lines[0], err
+
+
+STORE_HOST = """
+import sys, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, multi_tenant=True, use_libuv=True)
+sys.stdin.read()
+"""
+"""A rendezvous store on no node of the job (as an etcd or a head node's is): it outlives every node."""
+
+
+def test_a_rank_hung_outside_a_collective_ends_with_the_job_it_stopped(tmp_path: Path) -> None:
+    """Two one-rank nodes, the rendezvous store hosted apart; rank 1 hangs in its forward (not in a collective: no
+    timeout of its own ends it). Rank 0 gives up waiting after trainer.collective_timeout and its node ends; rank 1's
+    agent, whose store still answers and whose worker is alive, would keep its node for as long as the hang (an
+    hour). It ends with the job, its one line the cause rank 0 reported, as every node's is."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdin=subprocess.PIPE)
+    try:
+        for _ in range(600):
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        hang = ["model._target_=faulty.HangingGPT", "+model.bad_rank=1", "+model.at_call=3",
+                "trainer.collective_timeout=10"]  # fmt: skip
+        nodes = [_node(tmp_path, port, "hung", *hang) for _ in range(2)]
+        try:
+            said = [node.communicate(timeout=600) for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    os.killpg(node.pid, signal.SIGKILL)
+    finally:
+        store.kill()
+    for node, (_, err) in zip(nodes, said):
+        lines = err.strip().splitlines()
+        assert node.returncode == 1 and len(lines) == 1, err
+        assert "gave up; rank 1 never came to it" in lines[0] and lines[0].startswith("launch: error: rank 0 "), err
+    assert any("this node's ranks stopped with it" in err for _, err in said), said  # rank 1's node
+    assert "a rank of another node failed" in (tmp_path / "hung" / "logs" / "agent.log").read_text()
 
 
 @pytest.mark.unit

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,52 @@ def failed_group_grace(seconds: float, resize_timeout: float, run_dir: Path) -> 
     MultiprocessContext._poll = poll_failed  # type: ignore[method-assign]
     ProcessContext._join_procs_with_timeout = wait_failed  # type: ignore[method-assign]
     LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
+
+
+def stop_with_failed_peers(run_dir: Path | None, every: float = 2.0) -> None:
+    """A node's workers, all alive, of a job that cannot restart (no restart left to its agent), while another node's
+    rank has failed: the job has ended, and torch's agent would not know it until a rendezvous call to the store
+    timed out (its host gone: 2 min here), or ever (the store on this node, its rank hung outside a collective). The
+    agent's monitor looks every `every` s for the flag a failing rank touches (`lifecycle.FAILED_FLAG`, one file:
+    cheap on a shared file system), and once it is newer than this attempt's workers and some rank's report there
+    is a cause (`failures.peer_failure`), kills this node's workers; the launcher then says that cause, as on any
+    node whose ranks stopped with it. With restarts left, torch's restart stops them instead. `run_dir` None (a job
+    of one node, whose agent sees its failed workers itself): torch's monitor, as it is."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from launcher.parent.failures import peer_failure
+    from launcher.worker.lifecycle import FAILED_FLAG
+
+    monitor = getattr(LocalElasticAgent._monitor_workers, "launch_original", LocalElasticAgent._monitor_workers)
+    if run_dir is None:
+        LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
+        return
+    folder = run_dir
+    flag = folder / "logs" / FAILED_FLAG
+    started: dict[int, float] = {}  # each attempt's process context -> when its workers were first seen running
+    looked = [0.0]
+
+    def watched(agent: Any, worker_group: Any) -> Any:
+        result = monitor(agent, worker_group)
+        context, now = agent._pcontext, time.time()
+        if context is None or result.state != WorkerState.HEALTHY or agent._remaining_restarts > 0:
+            return result
+        since = started.setdefault(id(context), now)
+        if now - looked[0] < every:
+            return result
+        looked[0] = now
+        try:
+            failed = flag.stat().st_mtime >= since
+        except OSError:
+            return result
+        if failed and peer_failure(folder, since):
+            for local_rank, pid in context.pids().items():
+                _kill(pid, context, local_rank, "a rank of another node failed, and the job has no restart left")
+        return result
+
+    watched.launch_original = monitor  # type: ignore[attr-defined]
+    LocalElasticAgent._monitor_workers = watched  # type: ignore[method-assign]
 
 
 def end_unresponsive(context: Any) -> None:

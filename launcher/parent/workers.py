@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.base.machine import loopback_interface, memory_available, usable_cpus
 from launcher.clusters import detect
 from launcher.config import EXIT_FAILED, Derived
-from launcher.parent.agent import agent_logs_to_file, failed_group_grace, preload
+from launcher.parent.agent import agent_logs_to_file, failed_group_grace, preload, stop_with_failed_peers
 from launcher.parent.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
 from launcher.parent.rendezvous import LOOPBACK, JobFull, Rendezvous, cheap_event_names, reachable, refuse_spare_nodes
 from launcher.parent.rundir import Ownership
@@ -134,6 +134,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
         start_method="fork" if forked else "spawn",
     )
     failed_group_grace(min(trainer.stop_timeout, STOP_REPEAT_GRACE), trainer.stop_timeout, run_dir)
+    stop_with_failed_peers(run_dir if derived.nodes > 1 else None)
     previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, DUMP_SIGNAL)}
     signal.signal(DUMP_SIGNAL, _ask_workers)
     oom_before, (_, available) = oom_kills(), memory_available()

@@ -367,6 +367,7 @@ def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
     for file in filter(None, [os.environ.get("TORCHELASTIC_ERROR_FILE"), spare and f"{spare}/rank{rank}.json"]):
         try:
             Path(file).write_text(record)
+            (run_dir / "logs" / FAILED_FLAG).touch()  # the other nodes' agents look for it (`stop_with_failed_peers`)
             break
         except OSError:  # the run directory's disk is full: the launcher's spare folder, else stderr
             Path(file).unlink(missing_ok=True)  # never half a report
@@ -379,6 +380,9 @@ def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
     os._exit(1)
 
 
+FAILED_FLAG = "failed"
+"""`<run dir>/logs/failed`: touched by each rank that reports a failure, after its report: one file that the agents of
+the job's other nodes can look at every few seconds on a shared file system, where a glob of the reports would not."""
 FAILURE_DIR_ENV = "LAUNCH_FAILURE_DIR"
 """A folder the launcher makes off the run directory's disk (in memory where it can): a worker whose failure report
 cannot be written where the elastic agent expects it (`<run dir>/logs/` on a full disk) writes it there."""
