@@ -177,8 +177,9 @@ def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(
                 os.killpg(n.pid, signal.SIGKILL)
     out = _output(tmp_path, "adjacent")
     assert codes == [0, 0], out[-4000:]
-    assert re.search(r"launch: memory tier: step \d+ lacks the state of rank 2 on every node left; resuming from "
-                     r"the disk tier", out), out[-4000:]  # fmt: skip
+    # rank 2's state, and rank 3's too where its copy of the newest step had not reached node 0 before the kill
+    assert re.search(r"launch: memory tier: step \d+ lacks the state of (rank 2|ranks 2, 3) on every node left; "
+                     r"resuming from the disk tier", out), out[-4000:]  # fmt: skip
     said = RESUMED.search(out)
     assert said and said.group(2) == "disk", out[-4000:]
     rows = _rows(run_dir)
