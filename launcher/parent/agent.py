@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launcher.parent.failures import STOPPED_BY_LAUNCHER, peer_failure
 from strategies.declarations import Requirements
 
 
@@ -26,10 +27,6 @@ def preload(requirements: Requirements, device_type: str) -> None:
             load_ops(requirements.ops, device_type)
     except Exception:  # noqa: BLE001 (the workers' own setup meets it again and reports it)
         return
-
-
-STOPPED_BY_LAUNCHER: set[int] = set()
-"""Workers this launcher killed because another failed: not failures of their own (`launcher.parent.failures`)."""
 
 
 def failed_group_grace(seconds: float, resize_timeout: float, run_dir: Path) -> None:
@@ -101,7 +98,6 @@ def stop_with_failed_peers(run_dir: Path | None, every: float = 2.0) -> None:
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from launcher.parent.failures import peer_failure
     from launcher.worker.lifecycle import FAILED_FLAG
 
     monitor = getattr(LocalElasticAgent._monitor_workers, "launch_original", LocalElasticAgent._monitor_workers)

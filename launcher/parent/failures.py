@@ -109,6 +109,8 @@ def _merged(lines: list[str]) -> list[str]:
     ]
 
 
+STOPPED_BY_LAUNCHER: set[int] = set()
+"""Workers this launcher killed because another failed (`launcher.parent.agent`): not failures of their own."""
 SECONDARY = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe")
 """What a rank says (gloo, NCCL, a socket) when another one died first: it is not the cause."""
 ECHO = "lost its peers"
@@ -234,8 +236,6 @@ def _order(rank: int, failure: Any) -> tuple[int, float, int]:
     """Root causes first: a rank that raised for its own reason, or died of a signal other than the agent's
     SIGTERM (the out-of-memory killer, a crash); then ranks that failed because a peer was gone; then ranks the
     agent stopped. Ties by time (to the microsecond where the worker wrote it: torch's timestamp is in seconds)."""
-    from launcher.parent.agent import STOPPED_BY_LAUNCHER
-
     if failure.pid in STOPPED_BY_LAUNCHER:
         return 3, float(failure.timestamp), rank
     data = getattr(failure, "error_file_data", None) or {}
@@ -248,8 +248,6 @@ def _order(rank: int, failure: Any) -> tuple[int, float, int]:
 
 
 def _line(rank: int, failure: Any, oom: bool, run_dir: Path | None = None) -> str:
-    from launcher.parent.agent import STOPPED_BY_LAUNCHER
-
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
