@@ -80,6 +80,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening(port: int) -> bool:
+    """Whether something on this machine accepts connections on 127.0.0.1:`port` (a store, a server just started)."""
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 def until(condition: Callable[[], bool], *nodes: subprocess.Popen[str], what: str) -> None:
     """Wait (5 minutes at most) for `condition`, while every one of `nodes` runs: one that ends first fails the test."""
     for _ in range(3000):

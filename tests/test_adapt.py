@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LAUNCH, TINY, clean_env, launch
-from processes import until
+from processes import listening, until
 
 ADAPTIVE = [
     *TINY,
@@ -108,7 +108,7 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     first = _node(tmp_path, port, "first", data)  # binds the rendezvous store: the node that stays
-    until(lambda: _listening(port), first, what="the rendezvous store")
+    until(lambda: listening(port), first, what="the rendezvous store")
     second = _node(tmp_path, port, "second", data)
     metrics = tmp_path / "run" / "metrics.jsonl"
 
@@ -143,11 +143,6 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
     assert max(abs(m["loss"] - expected[int(m["step"])]) for m in logged) <= 1e-6
     assert {int(m["step"]) for m in logged} == set(expected)
     assert logged[-1]["world_size"] == 2 and logged[-1]["step"] == 40
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.mark.unit

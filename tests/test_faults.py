@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LAUNCH, TINY, clean_env, launch, launch_here
+from processes import listening, until
 
 REPO = Path(__file__).parents[1]
 
@@ -382,11 +383,7 @@ def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None
     name = {"the other node": "lost", "the store's node": "lost-store"}.get(lost, "lost-elastic")
     elastic = ["nodes=1:2", "trainer.max_restarts=2"] if "elastic" in lost else []
     host = _node(tmp_path, port, name, *elastic)  # binds the rendezvous store: the first on the endpoint
-    for _ in range(600):
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.1)
+    until(lambda: listening(port), host, what="the rendezvous store")
     other = _node(tmp_path, port, name, *elastic)
     run_dir, killed = tmp_path / name, (other if lost == "the other node" else host)
     survivor = host if killed is other else other
@@ -429,18 +426,13 @@ def test_a_rank_hung_outside_a_collective_ends_with_the_job_it_stopped(tmp_path:
     agent, whose store still answers and whose worker is alive, would keep its node for as long as the hang (an
     hour). It ends with the job, its one line the cause rank 0 reported, as every node's is."""
     import socket
-    import time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdin=subprocess.PIPE)
     try:
-        for _ in range(600):
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
+        until(lambda: listening(port), store, what="the rendezvous store")  # type: ignore[arg-type]
         hang = ["model._target_=faulty.HangingGPT", "+model.bad_rank=1", "+model.at_call=3",
                 "trainer.collective_timeout=10"]  # fmt: skip
         nodes = [_node(tmp_path, port, "hung", *hang) for _ in range(2)]
@@ -702,7 +694,6 @@ def test_an_object_store_that_goes_away_mid_run_is_told_by_its_cause(tmp_path: P
     is complete: the job ends with the store's own error as its cause (rank 0's, or each rank's that met it), never
     the collective library's words for a peer that ended first."""
     import signal
-    import socket
     import time
 
     from object_store import BUCKET, SECRET
@@ -715,11 +706,7 @@ def test_an_object_store_that_goes_away_mid_run_is_told_by_its_cause(tmp_path: P
     store = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        for _ in range(600):
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
+        until(lambda: listening(port), store, what="the S3 server")  # type: ignore[arg-type]
         import s3fs
 
         fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, key="launch-test", secret=SECRET,

@@ -11,12 +11,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from conftest import LAUNCH, TINY, clean_env, launch, launch_here
-from processes import until
+from processes import listening, until
 
 from launcher.checkpoint import memory
 
@@ -64,11 +63,6 @@ ELASTIC = [*TINY, "model._target_=faulty.KilledOnceGPT", "batch.global_size=12",
 """lcm(3, 4) samples a step: the same global batch at world size 4 (accumulation 3) and 3 (accumulation 4)."""
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
 def _job(tmp_path: Path, name: str, nodes: str, extra: list[str]) -> tuple[list[subprocess.Popen[str]], Path]:
     """Four one-rank nodes of one elastic job on loopback, each in a session of its own (to be killed whole); the
     first hosts the rendezvous store."""
@@ -85,10 +79,8 @@ def _job(tmp_path: Path, name: str, nodes: str, extra: list[str]) -> tuple[list[
         out = open(tmp_path / f"{name}{n}.out", "w")
         nodes_.append(subprocess.Popen(argv, cwd=tmp_path, env=clean_env(tmp_path), stdout=out,
                                        stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
-        for _ in range(600 if n == 0 else 0):
-            if _listening(port):
-                break
-            time.sleep(0.1)
+        if n == 0:  # it binds the rendezvous store
+            until(lambda: listening(port), nodes_[0], what="the rendezvous store")
     return nodes_, run_dir
 
 
