@@ -18,9 +18,14 @@ NODES = ("n1", "n2")
 INSTALL = "apt-get install --no-install-recommends slurm-wlm"
 
 
+def _path() -> str:
+    """PATH and the daemons' folders (Debian puts slurmctld, slurmd and munged in /usr/sbin, which a PATH may lack)."""
+    return ":".join(filter(None, [os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+
+
 def missing() -> str | None:
     """Why a real cluster cannot start here (one line naming what to install), or None."""
-    absent = [tool for tool in DAEMONS if shutil.which(tool, path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None]
+    absent = [tool for tool in DAEMONS if shutil.which(tool, path=_path()) is None]
     if absent:
         return f"a real SLURM cluster needs {', '.join(absent)}: install them with `{INSTALL}`"
     if os.geteuid() != 0:
@@ -89,7 +94,7 @@ class Cluster:
         self.folder = folder
         self.conf = folder / "slurm.conf"
         self.daemons: list[subprocess.Popen[bytes]] = []
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf), "PATH": _path()}  # the daemons found where looked for
 
     def start(self) -> Cluster:
         folder = self.folder
