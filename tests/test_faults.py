@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LAUNCH, TINY, clean_env, launch, launch_here
-from processes import listening, until
+from processes import free_port, listening, until
 
 REPO = Path(__file__).parents[1]
 
@@ -373,13 +373,9 @@ def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None
     survivor's one line names the node and rank that went away and its step, and what to do: where the rendezvous
     store lived on the node that vanished, that no job outlives it (an elastic one neither); never "did not join", no
     C++ frames."""
-    import signal
-    import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     name = {"the other node": "lost", "the store's node": "lost-store"}.get(lost, "lost-elastic")
     elastic = ["nodes=1:2", "trainer.max_restarts=2"] if "elastic" in lost else []
     host = _node(tmp_path, port, name, *elastic)  # binds the rendezvous store: the first on the endpoint
@@ -425,11 +421,7 @@ def test_a_rank_hung_outside_a_collective_ends_with_the_job_it_stopped(tmp_path:
     timeout of its own ends it). Rank 0 gives up waiting after trainer.collective_timeout and its node ends; rank 1's
     agent, whose store still answers and whose worker is alive, would keep its node for as long as the hang (an
     hour). It ends with the job, its one line the cause rank 0 reported, as every node's is."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdin=subprocess.PIPE)
     try:
         until(lambda: listening(port), store, what="the rendezvous store")  # type: ignore[arg-type]
@@ -693,11 +685,9 @@ def test_an_object_store_that_goes_away_mid_run_is_told_by_its_cause(tmp_path: P
     """Checkpoints every step into an S3 store (moto's server, in a process of its own), which is killed once a save
     is complete: the job ends with the store's own error as its cause (rank 0's, or each rank's that met it), never
     the collective library's words for a peer that ended first."""
-    import signal
     import time
 
     from object_store import BUCKET, SECRET
-    from processes import free_port
 
     port = free_port()
     env = clean_env(tmp_path) | {"AWS_ACCESS_KEY_ID": "launch-test", "AWS_SECRET_ACCESS_KEY": SECRET,

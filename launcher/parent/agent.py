@@ -107,17 +107,18 @@ def stop_with_failed_peers(run_dir: Path | None, every: float = 2.0) -> None:
     folder = run_dir
     flag = folder / "logs" / FAILED_FLAG
     started: dict[int, float] = {}  # each attempt's process context -> when its workers were first seen running
-    looked = [0.0]
+    looked = 0.0
 
     def watched(agent: Any, worker_group: Any) -> Any:
+        nonlocal looked
         result = monitor(agent, worker_group)
         context, now = agent._pcontext, time.time()
         if context is None or result.state != WorkerState.HEALTHY or agent._remaining_restarts > 0:
             return result
         since = started.setdefault(id(context), now)
-        if now - looked[0] < every:
+        if now - looked < every:
             return result
-        looked[0] = now
+        looked = now
         try:
             failed = flag.stat().st_mtime >= since
         except OSError:
