@@ -128,8 +128,10 @@ def cli_here(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
     from hydra.core.global_hydra import GlobalHydra
 
+    from launcher.models.loss import say_once
     from launcher.parent.cli import main
 
+    say_once.cache_clear()  # what a launch says once, it says in this one too, as a process of its own would
     out, err, argv, here = io.StringIO(), io.StringIO(), sys.argv, os.getcwd()
     saved = {key: os.environ.get(key) for key in ("HYDRA_FULL_ERROR", "WANDB_SILENT")}
     os.environ.update(HYDRA_FULL_ERROR="0", WANDB_SILENT="true")
