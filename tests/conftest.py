@@ -11,7 +11,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -61,8 +61,24 @@ class Run:
         return lines[0]
 
 
-REQUIRE_ASYNC_IO = "LAUNCH_TEST_REQUIRE_ASYNC_IO"
-"""Set to 1 (as .ci/run does, after installing libaio) to make a missing async I/O op a failure, not a skip."""
+REQUIRES = {
+    "LAUNCH_TEST_REQUIRE_ASYNC_IO": "DeepSpeed's async I/O op, built against libaio (ZeRO-Infinity's tests)",
+    "LAUNCH_TEST_REQUIRE_SLURM": "a real SLURM cluster started on this machine: slurm-wlm's daemons, as root "
+    "(tests/test_slurm.py)",
+    "LAUNCH_TEST_REQUIRE_ROOT": "root's powers: a tmpfs mounted (a disk that fills), a memory cgroup made (a worker "
+    "killed for memory), a read-only folder (an NVMe path that cannot be written)",
+}
+"""What a test needs of the machine beyond the project's packages, by the flag that says the machine has it. A test
+that finds it missing skips, saying why (`unavailable`), unless its flag is 1: then it fails. `.ci/run` sets every
+flag, after installing libaio and SLURM, as root: nothing skips there."""
+
+
+def unavailable(flag: str, why: str) -> NoReturn:
+    """Skip this test for `why` (what this machine lacks); fail it instead where `flag`=1 says the machine has it."""
+    assert flag in REQUIRES, flag
+    if os.environ.get(flag) == "1":
+        pytest.fail(f"{flag}=1 but {why}")
+    pytest.skip(why)
 
 
 @functools.cache
@@ -73,14 +89,10 @@ def async_io_problem() -> str | None:
 
 
 def require_async_io() -> None:
-    """For tests of ZeRO-Infinity, which needs DeepSpeed's async I/O op and so libaio: a machine without it skips
-    them with the reason, unless LAUNCH_TEST_REQUIRE_ASYNC_IO=1 says it must have it (then they fail)."""
+    """For tests of ZeRO-Infinity, which needs DeepSpeed's async I/O op and so libaio."""
     problem = async_io_problem()
-    if problem is None:
-        return
-    if os.environ.get(REQUIRE_ASYNC_IO) == "1":
-        pytest.fail(f"{REQUIRE_ASYNC_IO}=1 but {problem}")
-    pytest.skip(problem)
+    if problem is not None:
+        unavailable("LAUNCH_TEST_REQUIRE_ASYNC_IO", problem)
 
 
 def clean_env(tmp_path: Path) -> dict[str, str]:
@@ -128,8 +140,10 @@ def cli_here(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
     from hydra.core.global_hydra import GlobalHydra
 
+    from launcher.models.loss import say_once
     from launcher.parent.cli import main
 
+    say_once.cache_clear()  # what a launch says once, it says in this one too, as a process of its own would
     out, err, argv, here = io.StringIO(), io.StringIO(), sys.argv, os.getcwd()
     saved = {key: os.environ.get(key) for key in ("HYDRA_FULL_ERROR", "WANDB_SILENT")}
     os.environ.update(HYDRA_FULL_ERROR="0", WANDB_SILENT="true")

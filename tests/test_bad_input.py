@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch, launch_here
+from conftest import LAUNCH, TINY, clean_env, launch, launch_here, unavailable
 
 CUSTOM_CLASSIFIER = ["model=custom", "model._target_=user_models.Classifier", "data=custom",
                      "data._target_=user_models.images"]  # fmt: skip
@@ -89,6 +89,20 @@ BAD = {
     "heads do not divide width": (["model.n_head=5"], "is not divisible by model.n_head=5"),
     "model target not importable": (["model._target_=nowhere.Model"], "cannot be imported"),
     "keys a model does not take": (["model._target_=user_models.Classifier"], "does not take model.block_size"),
+    # what the model's target builds, before anything that reads it as a module or groups its parameters
+    "a model target that builds no module": (["model._target_=builtins.dict"], "model builtins.dict builds a dict "
+                                             "with keys n_layer, n_head, n_embd, vocab_size, block_size, dropout, not "
+                                             "a torch.nn.Module; point model._target_ at a model class, or at a "
+                                             "function that returns the model"),
+    "a model builder that returns nothing": (["model._target_=user_models.forgotten_return"], "model user_models."
+                                             "forgotten_return builds nothing (it returned None), not a torch.nn."
+                                             "Module"),
+    "a model with every parameter frozen": (["model._target_=user_models.frozen_gpt"], "model: no parameter of "
+                                            "user_models.frozen_gpt requires a gradient (its 36 parameter tensors are "
+                                            "all frozen, requires_grad=False): there is nothing to train; unfreeze "
+                                            "the ones to train"),
+    "a forward that returns nothing": (["model._target_=user_models.SaysNothing"], "model: the model's forward "
+                                       "returned a NoneType; return the scalar loss"),
     "forward does not fit the data": ([*CUSTOM_CLASSIFIER, "+model.channels=5"],
                                       "model: Invalid channel dimensions (RuntimeError); make the model's forward take "
                                       "the data's batch and return the loss"),
@@ -290,4 +304,7 @@ def _memory_cgroup(tmp_path: Path, limit: int) -> Path:
                 child.rmdir()
             except OSError:
                 pass
-    pytest.skip(f"no memory cgroup can be made here to run out of memory safely ({locals().get('reason', 'none')})")
+    unavailable(
+        "LAUNCH_TEST_REQUIRE_ROOT",
+        f"no memory cgroup can be made here to run out of memory safely ({locals().get('reason', 'none')})",
+    )

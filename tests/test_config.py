@@ -136,6 +136,30 @@ def test_bad_input_in_a_sweep_is_caught_before_the_first_job(tmp_path: Path) -> 
 
 
 @pytest.mark.unit
+def test_a_sweeps_checks_say_what_a_single_run_says_at_start_once_for_the_sweep(tmp_path: Path) -> None:
+    """The checks before a sweep's first job print what a single run prints at start (the optimizer's groups, the
+    loss found in a model's `(logits, loss)`): shown as they run, each line once for the sweep, not set aside. The
+    sweep's third job is refused, so nothing runs."""
+    nano = [
+        *(o for o in TINY if not o.startswith(("model", "data"))),
+        "model=custom",
+        "model._target_=eval_models.NanoClassifier",
+        "+model.config._target_=eval_models.NanoConfig",
+        "+model.config.channels=4",
+        "data=custom",
+        "data._target_=eval_models.images",
+        "+data.channels=4",
+    ]
+    single = launch_here(tmp_path, *nano, f"resume={tmp_path / 'nowhere'}", name="single")  # refused after them
+    said = single.stdout.splitlines()
+    assert "resume=" in single.refused() and "at position 1 (trainer.loss=1 says so)" in single.stdout, said
+    sweep = launch_here(tmp_path, "-m", *nano, "optim.lr=0.1,0.2,-1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert "sweep job 3 of 3 (optim.lr=-1)" in sweep.refused(), sweep.stderr
+    assert sweep.stdout.splitlines() == said, (sweep.stdout, said)  # both jobs' lines, each once
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.unit
 def test_derive_rules() -> None:
     def frozen(*overrides: str):
         return freeze(_compose(*overrides))

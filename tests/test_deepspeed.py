@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch, launch_here, require_async_io
+from conftest import LAUNCH, TINY, clean_env, launch, launch_here, require_async_io, unavailable
 
 from strategies import RunContext
 from strategies.deepspeed import build_ds_config
@@ -132,14 +132,22 @@ def test_nvme_path_must_exist(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_nvme_path_must_be_writable(tmp_path: Path) -> None:
-    if not os.access("/proc/sys", os.W_OK):  # read-only even for root (tests often run as root)
+    locked, mounted = tmp_path / "locked", False
+    locked.mkdir(0o500)  # read-only to anyone but root
+    if not os.access("/proc/sys", os.W_OK):  # read-only even for root (tests often run as root, in containers)
         path = "/proc/sys"
     elif os.geteuid() != 0:
-        path = str(tmp_path / "locked")
-        os.mkdir(path, 0o500)
-    else:
-        pytest.skip("running as root with no read-only folder to point at")
-    assert "is not writable" in _rejected(tmp_path, "strategy=zero_infinity", f"strategy.nvme_path={path}")
+        path = str(locked)
+    else:  # root on a host: a read-only mount of its own
+        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(locked)], capture_output=True)
+        if mount.returncode:
+            unavailable("LAUNCH_TEST_REQUIRE_ROOT", f"no read-only folder to point at: {mount.stderr.decode().strip()}")
+        path, mounted = str(locked), True
+    try:
+        assert "is not writable" in _rejected(tmp_path, "strategy=zero_infinity", f"strategy.nvme_path={path}")
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(locked)], check=False)
 
 
 @pytest.mark.unit

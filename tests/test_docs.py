@@ -73,6 +73,25 @@ def test_the_readme_and_docs_hold_the_commands_they_describe() -> None:
 
 
 @pytest.mark.unit
+def test_nothing_skips_in_ci() -> None:
+    """Every test that skips where the machine lacks something skips through `conftest.unavailable`, whose flag makes
+    the skip a failure; CI sets every flag, and the contributors' guide names each. The one other skip: the bad-input
+    table's `device=cuda` case on a machine with CUDA, where that input is valid (CI's has none)."""
+    from conftest import REQUIRES
+
+    skips = re.compile(r"(?:^|[\s=(\[,@])pytest\.(?:skip|importorskip|xfail|mark\.skip|mark\.skipif|mark\.xfail)\b")
+    found = sorted(
+        (path.name, line.strip())
+        for path in (ROOT / "tests").glob("*.py")
+        for line in path.read_text().splitlines()
+        if skips.search(line)
+    )
+    assert found == [("conftest.py", "pytest.skip(why)"), ("test_bad_input.py", 'pytest.skip("this machine has CUDA")')]
+    ci, guide = (ROOT / ".ci" / "run").read_text(), (ROOT / "docs" / "contributing.md").read_text()
+    assert [flag for flag in REQUIRES if f"{flag}=1" not in ci or f"`{flag}=1`" not in guide] == []
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("where,args,refused", COMMANDS, ids=[w for w, _, _ in COMMANDS])
 def test_every_command_composes_and_validates(where: str, args: list[str], refused: bool, monkeypatch) -> None:
     """Composed over the typed schema as the command line composes it (a sweep at its first values), frozen (every

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch, launch_here
+from conftest import LAUNCH, TINY, clean_env, launch, launch_here, unavailable
 from processes import free_port, listening, until
 
 REPO = Path(__file__).parents[1]
@@ -211,7 +211,8 @@ def test_a_run_resumes_from_the_newest_checkpoint_that_verifies(tmp_path: Path) 
 
 @pytest.fixture
 def tmpfs(tmp_path: Path):
-    """Mount a small tmpfs of the given size under tmp_path (root can; skipped with the reason where it cannot)."""
+    """Mount a small tmpfs of the given size under tmp_path (root can; skipped with the reason where it cannot, failed
+    under LAUNCH_TEST_REQUIRE_ROOT=1)."""
     mounted: list[Path] = []
 
     def mount(size: int) -> Path:
@@ -219,7 +220,10 @@ def tmpfs(tmp_path: Path):
         where.mkdir()
         proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
         if proc.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip() or proc.returncode}")
+            unavailable(
+                "LAUNCH_TEST_REQUIRE_ROOT",
+                f"cannot mount a tmpfs here: {proc.stderr.decode().strip() or proc.returncode}",
+            )
         mounted.append(where)
         return where
 

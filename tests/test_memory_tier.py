@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,8 +64,10 @@ ELASTIC = [*TINY, "model._target_=faulty.KilledOnceGPT", "batch.global_size=12",
 """lcm(3, 4) samples a step: the same global batch at world size 4 (accumulation 3) and 3 (accumulation 4)."""
 
 
-def _job(tmp_path: Path, name: str, nodes: str, extra: list[str]) -> tuple[list[subprocess.Popen[str]], Path]:
-    """Four one-rank nodes of one elastic job on loopback, each in a session of its own (to be killed whole); the
+def _job(
+    tmp_path: Path, name: str, nodes: str, extra: list[str], count: int = 4
+) -> tuple[list[subprocess.Popen[bytes]], Path]:
+    """`count` one-rank nodes of one elastic job on loopback, each in a session of its own (to be killed whole); the
     first hosts the rendezvous store."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -75,16 +78,23 @@ def _job(tmp_path: Path, name: str, nodes: str, extra: list[str]) -> tuple[list[
             f"rdzv.id={name}", "rdzv.last_call_timeout=5", "trainer.max_restarts=3",
             "trainer.memory_checkpoint_every=1", f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
     nodes_ = []
-    for n in range(4):
-        out = open(tmp_path / f"{name}{n}.out", "w")
-        nodes_.append(subprocess.Popen(argv, cwd=tmp_path, env=clean_env(tmp_path), stdout=out,
-                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
+    for n in range(count):
+        nodes_.append(_node(tmp_path, f"{name}{n}", argv))
         if n == 0:  # it binds the rendezvous store
             until(lambda: listening(port), nodes_[0], what="the rendezvous store")
     return nodes_, run_dir
 
 
-def _kill(tmp_path: Path, run_dir: Path, nodes: list[subprocess.Popen[str]], ranks: list[int]) -> None:
+def _node(tmp_path: Path, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    """One node's launcher, its output in tmp_path/<name>.out."""
+    with open(tmp_path / f"{name}.out", "w") as out:
+        env = clean_env(tmp_path)
+        return subprocess.Popen(
+            argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _kill(tmp_path: Path, run_dir: Path, nodes: list[subprocess.Popen[bytes]], ranks: list[int]) -> None:
     """The nodes that run `ranks` killed whole (launcher and worker), and their shared memory gone with them, as a
     lost machine's is."""
     records = [json.loads((run_dir / "logs" / "ranks" / f"rank{r}.json").read_text()) for r in ranks]
@@ -102,8 +112,41 @@ def _kill(tmp_path: Path, run_dir: Path, nodes: list[subprocess.Popen[str]], ran
             shutil.rmtree(folder)
 
 
-def _output(tmp_path: Path, name: str) -> str:
-    return "".join((tmp_path / f"{name}{n}.out").read_text() for n in range(4))
+def _output(tmp_path: Path, name: str, count: int = 4) -> str:
+    return "".join((tmp_path / f"{name}{n}.out").read_text() for n in range(count))
+
+
+def test_a_lost_node_replaced_costs_no_step_and_every_loss_is_one_process_s(tmp_path: Path) -> None:
+    """The tier's headline at its cheapest: a job of two one-rank nodes (one replica each); the node of rank 1 is
+    SIGKILLed whole in step 3, its shared memory gone with it, and a fresh node takes its place, as a cluster restarts
+    one. The job resumes from step 2, promoted from the memory of the node left (rank 1's state from its replica
+    there), none replayed; every loss is one process's; no shared memory is left. (The scale tier loses one node of
+    four under ddp, fsdp and zero2 and goes on at three, and loses two adjacent ones.)"""
+    shape = ["batch.global_size=4", "trainer.max_steps=4"]  # accumulation 2
+    (tmp_path / "kill").touch()  # rank 1 kills its node mid-step 3 (its second forward), once
+    killer = ["+model.bad_rank=1", "+model.at_call=6", "+model.whole_node=true"]
+    nodes, run_dir = _job(tmp_path, "lost", "2", [*shape, *killer], count=2)
+    try:
+        until(lambda: not (tmp_path / "kill").exists(), *nodes[:1], what="the node's loss")
+        _kill(tmp_path, run_dir, nodes, [1])
+        nodes.append(_node(tmp_path, "lost2", nodes[0].args))  # the node that takes its place
+        with ThreadPoolExecutor(1) as pool:  # one process's run while torch waits to drop the lost node (~15 s)
+            reference = pool.submit(launch, tmp_path, *ELASTIC, *shape, "batch.micro_size=4", "gpus=1", name="one")
+            codes = [n.wait(timeout=300) for n in nodes if n.returncode is None]
+            one = reference.result()
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    out = _output(tmp_path, "lost", count=3)
+    assert codes == [0, 0], out[-4000:]
+    said = RESUMED.search(out)
+    assert said and said.groups() == ("2", "memory", "0"), out[-4000:]
+    rows = _rows(run_dir)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4], rows  # no step trained twice
+    assert one.returncode == 0, one.stderr
+    assert _exact(rows, {int(r["step"]): r["loss"] for r in one.metrics}) <= 1e-6
+    assert _left_in_shm(run_dir) == []
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch_once
+from conftest import LAUNCH, TINY, clean_env, launch_once, unavailable
 from processes import run_processes
 from slurm_cluster import Cluster, missing
 
@@ -26,7 +26,7 @@ TWO_NODES = ["nodes=2", "gpus=1"]
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One cluster for the module's tests, stopped by pid at its end, whatever they did."""
     if why := missing():
-        pytest.skip(why)
+        unavailable("LAUNCH_TEST_REQUIRE_SLURM", why)
     cluster = Cluster(tmp_path_factory.mktemp("slurm"))
     try:
         yield cluster.start()

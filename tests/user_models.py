@@ -104,3 +104,28 @@ class NoMatrices(torch.nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.norm(self.embedding(idx)).mean()
+
+
+def frozen_gpt(**keys: object) -> torch.nn.Module:
+    """The built-in GPT with every parameter frozen (`requires_grad=False`): nothing for an optimizer to train."""
+    from launcher.models.gpt import GPT
+
+    return GPT(**keys).requires_grad_(False)  # type: ignore[arg-type]
+
+
+def forgotten_return(**keys: object) -> None:
+    """A builder of the user's that makes the model and forgets to return it."""
+    from launcher.models.gpt import GPT
+
+    GPT(**keys)  # type: ignore[arg-type]
+
+
+class SaysNothing(torch.nn.Module):
+    """A model whose forward computes and returns nothing."""
+
+    def __init__(self, **keys: object) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(256, 8)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> None:
+        self.embedding(idx)

@@ -1,7 +1,8 @@
 """The checks of the model, built on the meta device, that the launcher makes before any worker starts (its
-optimizer's are `launcher.parent.optim_checks`): a forward and backward of the first micro-batch (no memory, no
-values), the parameters that get no gradient, the sequence length against its positions, and the vocabulary it
-embeds. Each failure is a ConfigError (one line); `launcher.parent.checks` runs them in order."""
+optimizer's are `launcher.parent.optim_checks`, after the first of these): a parameter to train, a forward and
+backward of the first micro-batch (no memory, no values), the parameters that get no gradient, the sequence length
+against its positions, and the vocabulary it embeds. Each failure is a ConfigError (one line);
+`launcher.parent.checks` runs them in order."""
 
 from __future__ import annotations
 
@@ -29,6 +30,20 @@ def vocabulary(model: Any) -> int | None:
         if isinstance(size, int) and not isinstance(size, bool):
             return size
     return None
+
+
+def check_trainable(model: Any, target: Any) -> None:
+    """A parameter to train: one that requires a gradient. Checked before anything that groups or steps the
+    parameters (the optimizer's checks, the strategy's), which would otherwise refuse a model with none in terms of
+    their own keys."""
+    tensors = list(model.parameters())
+    if any(p.requires_grad for p in tensors):
+        return
+    held = f"its {len(tensors)} parameter tensors are all frozen, requires_grad=False" if tensors else "it has none"
+    raise ConfigError(
+        f"model: no parameter of {target} requires a gradient ({held}): there is nothing to train; unfreeze the "
+        "ones to train (`requires_grad_(True)`: a head, an adapter) where the model is built"
+    )
 
 
 def _positions(model: Any) -> tuple[int | None, str]:

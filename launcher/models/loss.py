@@ -25,9 +25,7 @@ every other (equal-length samples) — and rank 0 says so once, in one line.
 from __future__ import annotations
 
 import functools
-import io
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -240,8 +238,8 @@ def say_once(line: str) -> None:
 
 
 def say_once_at_start(line: str) -> None:
-    """Say a line once: in the launcher (its checks before start) and on rank 0 (`RANK`, which torch's agent sets in
-    each worker; a worker forked from the launcher remembers that the launcher said it). Not while the output is set
-    aside (a sweep's jobs, checked before the first starts): the job's own check says it."""
-    if os.environ.get("RANK", "0") == "0" and not isinstance(sys.stdout, io.StringIO):  # no check's output set aside
+    """Say a line once: in the launcher (its checks before start; a sweep's, once for the sweep) and on rank 0
+    (`RANK`, which torch's agent sets in each worker; a worker forked from the launcher remembers that the launcher
+    said it)."""
+    if os.environ.get("RANK", "0") == "0":
         say_once(line)

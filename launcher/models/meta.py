@@ -67,22 +67,42 @@ def _no_init_on_meta() -> Iterator[None]:
 
 def build_on_meta(model_cfg: DictConfig) -> Any:
     """The configured model on the meta device; ConfigError (one line: the model's own complaint) if it cannot
-    be built."""
+    be built, or if what its target builds is no `torch.nn.Module` (a dict, a builder's forgotten return): every
+    check after this one reads it as a module."""
     from hydra.utils import instantiate
 
+    target = model_cfg.get("_target_")
     try:
         with _no_init_on_meta():
-            return instantiate(model_cfg)
+            return _module(instantiate(model_cfg), target)
+    except ConfigError:
+        raise
     except Exception as e:  # the model's own one-line complaint, not Hydra's wrapper
         cause = e.__cause__ or e
         twin = _from_config_twin(model_cfg) or _pretrained_as_config(model_cfg)
         if twin is None:
-            raise ConfigError(f"model {model_cfg.get('_target_')} could not be built: {cause}") from e
+            raise ConfigError(f"model {target} could not be built: {cause}") from e
     try:
         with _no_init_on_meta():
-            return twin()
+            built = twin()
     except Exception as e:
-        raise ConfigError(f"model {model_cfg.get('_target_')} could not be built: {e.__cause__ or e}") from e
+        raise ConfigError(f"model {target} could not be built: {e.__cause__ or e}") from e
+    return _module(built, target)
+
+
+def _module(built: Any, target: Any) -> Any:
+    """`built`, a `torch.nn.Module`; else ConfigError naming what the target built instead."""
+    import torch
+
+    from launcher.models.outputs import describe
+
+    if isinstance(built, torch.nn.Module):
+        return built
+    what = "nothing (it returned None)" if built is None else describe(built)
+    raise ConfigError(
+        f"model {target} builds {what}, not a torch.nn.Module; point model._target_ at a model class, or at a "
+        "function that returns the model"
+    )
 
 
 def _from_config_twin(model_cfg: DictConfig) -> Any:

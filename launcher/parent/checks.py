@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from launcher.config import ConfigError
 from launcher.config.identity import sweep_identity
 from launcher.data.checks import check_datasets, check_vocabulary, prepare_data
-from launcher.models.checks import check_forward, outside_moe_blocks
+from launcher.models.checks import check_forward, check_trainable, outside_moe_blocks
 from launcher.parent.eval_checks import check_evaluation
 from launcher.parent.optim_checks import check_optimizer
 from launcher.worker.logs import check_loggers
@@ -71,12 +71,14 @@ def _check_steps_left(checkpoint: Location, max_steps: int) -> None:
 
 
 def check_built(frozen: DictConfig, model: Any, vocab: int | None) -> list[str] | None:
-    """Build in the parent what the workers will build, and refuse in one line what fails: the optimizer over the
-    model's (meta) parameters, the loggers' settings, the evaluation's metrics, the data's own preparation (data=text
+    """Build in the parent what the workers will build, and refuse in one line what fails: the model's own sanity
+    first (a parameter to train: what comes after groups and steps them), the optimizer over the model's (meta)
+    parameters, the loggers' settings, the evaluation's metrics, the data's own preparation (data=text
     tokenizes here), both datasets and their first samples, a forward and backward of one micro-batch on the meta
     device, the token ids against the model's vocabulary (`vocab` ids: `launcher.models.checks.vocabulary`).
     Nothing here allocates a model's memory. Returns the trainable parameters that got no gradient in that backward
     (none of a mixture-of-experts block's: every strategy gives those one), or None when it could not run."""
+    check_trainable(model, frozen.model.get("_target_"))
     print(check_optimizer(frozen, model), flush=True)  # its param groups, named with their sizes
     check_loggers(frozen)  # the cheap ones first: data=text may tokenize for minutes
     check_evaluation(frozen)  # the metrics build, the early stop's figure is logged

@@ -113,7 +113,9 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
 
 def check_job(cfg: DictConfig) -> None:
     """The checks `prepare` makes, for a config composed outside of a job: a sweep's jobs, each checked before the
-    first one starts. ConfigError (one line) for the first that fails; nothing is written, nothing printed."""
+    first one starts. ConfigError (one line) for the first that fails; nothing is written. What the checks print is
+    what a single run prints at start (the caller shows it once for the sweep), but the plan's choices (strategy=auto's
+    table, batch.micro_size=auto's line), which the job prints as it starts."""
     import contextlib
     import io
 
@@ -121,21 +123,21 @@ def check_job(cfg: DictConfig) -> None:
     from launcher.models.meta import measure as model_size
     from launcher.plan.commands import choose, choose_micro, is_auto
 
-    with contextlib.redirect_stdout(io.StringIO()):  # strategy=auto's table is for the job itself to print
-        frozen = shaped(freeze(cfg), os.environ, [])
-        derived = derive(frozen, visible_cuda_devices())
-        if derived.micro_auto:
-            frozen.batch.micro_size = 1
-        check_keys(frozen)
-        model = build_on_meta(frozen.model)
-        check_built(frozen, model, vocabulary(model))
-        sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None
+    frozen = shaped(freeze(cfg), os.environ, [])
+    derived = derive(frozen, visible_cuda_devices())
+    if derived.micro_auto:
+        frozen.batch.micro_size = 1
+    check_keys(frozen)
+    model = build_on_meta(frozen.model)
+    check_built(frozen, model, vocabulary(model))
+    sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None
+    with contextlib.redirect_stdout(io.StringIO()):  # the plan's choices: for the job itself to print
         if is_auto(frozen):
             _, frozen = choose(frozen, derived, model, sizes)
         strategy = check_protocol(frozen)
         if derived.micro_auto:
             frozen, derived = choose_micro(frozen, derived, sizes, strategy, None)
-        check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), model)
+    check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), model)
 
 
 def _name_logger_run(resolved: dict[str, Any]) -> None:

@@ -154,20 +154,27 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
 
     saved, hydra_before = {key: os.environ.get(key) for key in env}, HydraConfig.instance().cfg
     os.environ.update({key: str(value) for key, value in env.items()})  # each job runs with hydra.job.env_set
+    shown: set[str] = set()
     try:
         for n, job in enumerate(jobs):
             where = " ".join(o for o in job if o.split("=", 1)[0] in swept) or " ".join(job)
-            problem = None
+            problem, said = None, io.StringIO()
             try:
                 cfg = compose(CONFIG_NAME, overrides=job, return_hydra_config=True)
                 HydraConfig.instance().set_config(cfg)  # the job's own ${hydra:...} values resolve as in the job
                 with open_dict(cfg):
                     cfg.pop("hydra")
-                check_job(cfg)  # ranges (config.freeze) and every check a run makes before it starts
+                with contextlib.redirect_stdout(said):
+                    check_job(cfg)  # ranges (config.freeze) and every check a run makes before it starts
             except (HydraException, OmegaConfBaseException) as e:
                 problem = one_line(e)
             except ConfigError as e:
                 problem = str(e)
+            finally:  # what a single run says at start, once for the sweep: a line its jobs say alike, once
+                for line in said.getvalue().splitlines():
+                    if line not in shown:
+                        shown.add(line)
+                        print(line, flush=True)
             if problem:
                 return f"sweep job {n + 1} of {len(jobs)} ({where}): {problem}; nothing of the sweep has run"
     finally:
