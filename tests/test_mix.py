@@ -288,7 +288,7 @@ def test_a_three_kind_mixture_on_two_ranks_logs_one_process_and_resumes_on_one_a
     for name in ("maps", "stream", "store"):
         assert _worst(two.metrics, one.metrics, range(1, 10), f"loss/{name}") <= TOLERANCE, name
     last = two.metrics[-1]
-    assert sum(last[f"tokens/{n}"] for n in ("maps", "stream", "store")) == B * 16, last  # the step's, all ranks
+    assert sum(last[f"tokens/{n}"] for n in ("maps", "stream", "store")) == 9 * B * 16, last  # so far, all ranks
     assert sum(last[f"samples/{n}"] for n in ("maps", "stream", "store")) == 9 * B
     assert abs(last["fraction/maps"] - 0.5) <= 1 / (9 * B) + 1e-12, last
     assert "launch: data: the mixture's weights: maps/stream/store = 0.5/0.3/0.2" in two.stdout, two.stdout
@@ -389,16 +389,48 @@ def test_a_stream_that_ends_stops_the_mixture_or_leaves_it_alike_at_any_world_si
         assert end is None, end
 
 
+STOPPING = (
+    "data.sources={stream:{weight:0.5,_target_:data_sources.token_stream,count:40},synthetic:{weight:0.5,"
+    "_target_:launcher.data.builtin.Synthetic,seq_len:16,num_samples:512}}"
+)
+"""A stream of 40 samples and the built-in random tokens, half and half, 16 tokens a sample: the stream runs out in
+step 6 (on_end=stop by default)."""
+GPT = [
+    "model=gpt_tiny",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.block_size=16",
+    "data=mix",
+    STOPPING,
+    *(o for o in RUN if not o.startswith(("model", "+model"))),
+]
+
+
+def test_each_sources_tokens_run_on_across_a_resume_and_the_end_names_the_source(tmp_path: Path) -> None:
+    """data=mix on one rank, its stream of 40 samples ending in step 6: `tokens/NAME` is each source's running total
+    (16 x `samples/NAME` at every step); a resume from step 3's checkpoint, asking for two loader processes (one line
+    says one reads), logs the same totals at steps 4 and 5; the run's last line names the source that ended it."""
+    job = [*GPT, "trainer.max_steps=10", "trainer.checkpoint_every=3"]
+    run = launch(tmp_path, *job, "gpus=1").check()
+    assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5], run.metrics
+    for m in run.metrics:
+        assert all(m[f"tokens/{n}"] == 16 * m[f"samples/{n}"] for n in ("stream", "synthetic")), m
+    ended = "launch: data: data.sources.stream ran out after 40 samples (data.on_end=stop): step 5 trained its last"
+    assert ended in run.stdout, run.stdout
+    step_3 = run.run_dir / "checkpoints" / "step_00000003"
+    resumed = launch(tmp_path, *job, "gpus=1", "data.workers=2", f"resume={step_3}", name="resumed").check()
+    said = "launch: data: data.workers=2: the mixture is read in its one order"
+    assert said in resumed.stdout and ended in resumed.stdout, resumed.stdout
+    tokens = [{k: v for k, v in m.items() if k.startswith("tokens/")} for m in run.metrics[3:]]
+    assert [{k: v for k, v in m.items() if k.startswith("tokens/")} for m in resumed.metrics] == tokens
+
+
 @pytest.mark.long  # 15-30 s: the in-process stop and drop tests cover the rule
 def test_a_mixture_whose_stream_ends_ends_the_run_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
     """data=mix on 2 ranks, its stream of 40 samples ending in step 6 under on_end=stop: the run ends after step 5
     on every rank (exit 0), saying so, with step 5's checkpoint; the built-in GPT's loss per source adds up to the
     step's; the losses per source, training and validation, are one process's (K=4) within 1e-6."""
-    srcs = ("data.sources={stream:{weight:0.5,_target_:data_sources.token_stream,count:40},synthetic:{weight:0.5,"
-            "_target_:launcher.data.builtin.Synthetic,seq_len:16,num_samples:512}}")  # fmt: skip
-    job = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.block_size=16", "data=mix", srcs,
-           *(o for o in RUN if not o.startswith(("model", "+model"))), "trainer.max_steps=10", "trainer.eval_every=5",
-           "trainer.eval_batches=1"]  # fmt: skip
+    job = [*GPT, "trainer.max_steps=10", "trainer.eval_every=5", "trainer.eval_batches=1"]
     run = launch(tmp_path, *job, "gpus=2").check()
     one = launch(tmp_path, *job, "gpus=1", name="one").check()
     for figure in ("loss", "loss/stream", "loss/synthetic"):
@@ -412,7 +444,8 @@ def test_a_mixture_whose_stream_ends_ends_the_run_on_every_rank_at_the_same_step
         == run.metrics[-1]["val_loss/stream"]
     )
     assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5], run.metrics
-    assert "launch: data: the stream ended after 80 samples: step 5 trained its last full global batch" in run.stdout
+    ended = "launch: data: data.sources.stream ran out after 40 samples (data.on_end=stop): step 5 trained its last"
+    assert ended in run.stdout, run.stdout
     assert (run.run_dir / "checkpoints" / "step_00000005" / "manifest.json").is_file()
     # The built-in GPT's losses per source partition the step's: every sample holds 16 targets, so the step's loss is
     # the mean of the sources' losses weighted by their samples in the step.

@@ -141,6 +141,12 @@ class MixSource:
         from launcher.data.sources import _as_is
 
         state = self.resumed(position, rank)
+        if workers > 1 and rank == 0:
+            print(
+                f"launch: data: data.workers={workers}: the mixture is read in its one order (each step's draw goes "
+                f"on from the state the step before left) by one process ahead of the loop, not {workers}",
+                flush=True,
+            )
         reader = _MixReader(self, state, position.step, steps, rank, world_size, accumulation)
         loader = DataLoader(reader, batch_size=None, collate_fn=_as_is, num_workers=min(workers, 1),
                             pin_memory=device.type == "cuda", prefetch_factor=4 if workers > 0 else None)  # fmt: skip
@@ -368,7 +374,7 @@ class _Indexed:
 
 def mix_figures(state: Any) -> dict[str, float]:
     """data=mix's figures from its state after a step (the same on every rank): each source's samples, its share of
-    all samples so far, and a map-style source's epochs begun; none for other data."""
+    all samples so far, a map-style source's epochs begun and its input tokens so far; none for other data."""
     rows = (state or {}).get("mix", {}).get("sources", {}) if isinstance(state, dict) else {}
     total = sum(r["samples"] for r in rows.values()) or 1
     figures = {}
@@ -377,4 +383,6 @@ def mix_figures(state: Any) -> dict[str, float]:
         figures[f"fraction/{name}"] = row["samples"] / total
         if row.get("size"):
             figures[f"epochs/{name}"] = float(-(-row["samples"] // row["size"]))
+        if "tokens" in row:  # recorded by the worker after each step (`SourceLosses.recorded`)
+            figures[f"tokens/{name}"] = float(row["tokens"])
     return figures
