@@ -13,7 +13,8 @@ python bench/loader.py [--only slow|kinds|mix] [--steps 12] [--cost-ms 5] [--wor
   Goal: a stream within 1.05 x of the map-style dataset.
 - mix: one map-style source alone (data=custom), against data=mix of three sources (weights 0.5/0.3/0.2): three of
   that kind (the cost of mixing alone), and three kinds (that one, a stream, rows of lists) read in the loop and by one
-  reader process. Goal: the mixture within 1.05 x.
+  reader process. Goal: the mixture within 1.05 x. Then a step's allocation alone (which source fills each slot), for
+  8 sources at global batches of 16, 512 and 65,536: its cost should not grow with B.
 """
 
 from __future__ import annotations
@@ -182,6 +183,31 @@ def mix(a: argparse.Namespace, out: Path) -> None:
             found.setdefault(name, []).append(run(f"mix{i}-{r}", data, a.steps, out))
     table("2 CPU ranks, one source against a mixture of three (goal: the mixture <= 1.05 x one source)",
           [(name, min(found[name])) for name, _ in kinds])  # fmt: skip
+    allocation()
+
+
+def allocation(sources: int = 8, steps: int = 2000) -> None:
+    """A step's allocation alone (`launcher.data.mix_weights.plan`), for `sources` sources under a schedule that moves
+    a weight to 0 and back, at several global batches: the fastest of 3 passes over `steps` steps."""
+    import numpy as np
+
+    from launcher.data.mix_weights import Weights, plan
+
+    names = [f"s{i}" for i in range(sources)]
+    schedule = [{"step": steps // 4, "weights": {"s0": 0.0}}, {"step": steps // 2, "weights": {"s0": 5.0}}]
+    weights = Weights({n: 1.0 + i for i, n in enumerate(names)}, schedule)
+    print(f"\nA step's allocation alone, {sources} sources, the fastest of 3 passes of {steps} steps\n")
+    print("| global batch | ms a step |\n|---|---|")
+    for size in (16, 512, 65536):
+        best = float("inf")
+        for _ in range(3):
+            debt, ended, bound = np.zeros(sources), np.zeros(sources, dtype=bool), None
+            began = time.perf_counter()
+            for step in range(1, steps + 1):
+                planned = plan(weights, step, size, debt, ended, bound, "drop", lambda i, count: count)
+                debt, ended, bound = planned.debt, planned.ended, planned.bound  # type: ignore[union-attr]
+            best = min(best, (time.perf_counter() - began) / steps)
+        print(f"| {size:,} | {best * 1e3:.3f} |")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,20 @@ def test_a_stream_without_state_resumes_by_reading_past_its_samples_and_says_so(
 
 
 @pytest.mark.unit
+def test_a_stream_asked_for_two_loader_processes_is_read_by_one_and_says_so(capsys) -> None:
+    """data.workers=2 on a stream: one process reads it ahead of the loop (a stream has one order), the same samples
+    as in the loop, and rank 0 says so in one line."""
+    source = Stream(Tokens(64), 16, default_collate, "the train split")
+    ahead = [_inputs([s.micro]) for s in source.feed(Position(0, 0), 3, 0, 1, 1, 2, torch.device("cpu"))]
+    assert (
+        "launch: data: data.workers=2: the train split is a stream, read in its one order by one process ahead of "
+        "the loop, not 2" in capsys.readouterr().out
+    )
+    here = [_inputs(s) for s in _steps(source, Position(0, 0), 3, 1, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(ahead, here, strict=True))
+
+
+@pytest.mark.unit
 def test_streams_a_run_cannot_read_in_one_order_are_named(tmp_path: Path) -> None:
     """A shuffle buffer is not in a datasets stream's state: it resumes by count; a generator cannot be read twice;
     a stream split by node would read another stream on each rank."""

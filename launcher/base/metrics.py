@@ -85,7 +85,7 @@ METRICS = {
         ),
         Metric("wait_s_rank", "", "argmax", "runner", "the rank that waited that long"),
         Metric("loss/<source>", "", "sum", "runner", "data=mix: the loss of a source's samples of the step (logits)"),
-        Metric("tokens/<source>", "", "sum", "runner", "data=mix: the input tokens of a source's samples of the step"),
+        Metric("tokens/<source>", "", "sum", "runner", "data=mix: the input tokens of a source's samples so far"),
         Metric("val_loss/<source>", "", "sum", "evaluation", "data=mix: a source's validation loss, alone"),
         Metric("samples/<source>", "", "same", "data", "data=mix: the samples a source gave so far (its position)"),
         Metric("fraction/<source>", "", "same", "data", "data=mix: its share of every sample trained on so far"),

@@ -36,7 +36,7 @@ import torch
 from launcher.base.device import to_device
 from launcher.data.builtin import GlobalBatches, build_dataset, rank_micro_batches
 from launcher.data.collate import Collate
-from launcher.data.mix_weights import SOURCE_KEYS, MixError, Weights, allocate, check_sources
+from launcher.data.mix_weights import SOURCE_KEYS, Ended, MixError, Weights, check_sources, plan
 from launcher.data.sources import StepData, Stream, _json_state, is_stream, resumes_by_state
 
 MIX_TARGET = "launcher.data.mix.Mix"
@@ -127,6 +127,8 @@ class MixSource:
                 part.batches = GlobalBatches(len(part.dataset), global_size, seed, order)
         self.ends = any(p.stream or p.epochs is not None for p in mixture.parts)
         """A source may run out: the ranks agree on the end each step (`Trainer.data`)."""
+        self.end: str | None = None
+        """Why the mixture ended, once `feed` has (the run's last line names the source: `Trainer.ended`)."""
 
     def feed(
         self, position: Any, steps: int, rank: int, world_size: int, accumulation: int, workers: int,
@@ -139,10 +141,20 @@ class MixSource:
         from launcher.data.sources import _as_is
 
         state = self.resumed(position, rank)
+        if workers > 1 and rank == 0:
+            print(
+                f"launch: data: data.workers={workers}: the mixture is read in its one order (each step's draw goes "
+                f"on from the state the step before left) by one process ahead of the loop, not {workers}",
+                flush=True,
+            )
         reader = _MixReader(self, state, position.step, steps, rank, world_size, accumulation)
         loader = DataLoader(reader, batch_size=None, collate_fn=_as_is, num_workers=min(workers, 1),
                             pin_memory=device.type == "cuda", prefetch_factor=4 if workers > 0 else None)  # fmt: skip
+        self.end = None
         for step, (micro, state, which) in enumerate(loader):
+            if micro is None:  # the reader's last word: why the mixture ends here
+                self.end = state
+                return
             if check is not None:
                 for k, batch in enumerate(micro):
                     check(batch, step * accumulation + k)
@@ -187,20 +199,48 @@ class MixSource:
         old_w = saved.get("weights", {})
         now_w = self.mixture.weights.at(position.step) * [not state["sources"][n]["ended"] for n in names]
         now = {n: float(w / (now_w.sum() or 1.0)) for n, w in zip(names, now_w)}
-        changed = new or gone or any(abs(old_w.get(n, -1.0) - now[n]) > 1e-9 for n in names)
+        was = saved.get("schedule") if isinstance(saved.get("schedule"), dict) else None
+        kept = [n for n in names if n in saved["sources"]]
+        other = was is not None and _later(was, kept) != _later(state["schedule"], kept)
+        changed = new or gone or other or any(abs(old_w.get(n, -1.0) - now[n]) > 1e-9 for n in names)
+        # The bound holds for the future the allocation knew: the same schedule of the same sources goes on with it.
+        # Any other, or a checkpoint that records none, starts the rule again from the debts (`plan`), which then sum
+        # to 0 over the sources still in: what a source left out was owed goes to the others by their weights, as
+        # when one ends (and what the earlier rule left unsettled when one ended, in a checkpoint written before).
+        if was == state["schedule"]:
+            state["bound"] = saved.get("bound")
+        else:
+            active = np.asarray([not state["sources"][n]["ended"] for n in names])
+            owed = -sum(float(state["sources"][n]["debt"]) for n, a in zip(names, active) if a)
+            ahead = self.mixture.weights.normalised(np.asarray([position.step + 1]), active)[0]
+            for n, w in zip(names, ahead):
+                state["sources"][n]["debt"] = float(state["sources"][n]["debt"]) + owed * float(w)
         if changed and rank == 0:
             said = ", ".join(f"{n} {old_w.get(n, 0):.3g}->{now[n]:.3g}" for n in names)
-            more = (f"; new: {', '.join(new)} (from its start)" if new else "") + (
-                f"; left out: {', '.join(gone)}" if gone else "")  # fmt: skip
-            print(f"launch: data: the mixture changed since step {position.step} ({said}{more}); each source goes on "
-                  "from its own position", flush=True)  # fmt: skip
+            more = (
+                (f"; new: {', '.join(new)} (from its start)" if new else "")
+                + (f"; left out: {', '.join(gone)}" if gone else "")
+                + ("; another schedule" if other else "")
+            )
+            print(
+                f"launch: data: the mixture changed since step {position.step} ({said}{more}); each source goes on "
+                "from its own position",
+                flush=True,
+            )
         return state
 
 
+def _later(schedule: dict[str, Any], names: list[str]) -> tuple[list[int], dict[str, list[float]]]:
+    """A recorded schedule's points after step 0, for the sources `names`."""
+    return schedule["steps"][1:], {n: schedule["weights"][n][1:] for n in names if n in schedule["weights"]}
+
+
 def fresh(mixture: Mixture) -> dict[str, Any]:
-    """The mixture's state before its first sample."""
-    return {"weights": {}, "sources": {p.name: {"samples": 0, "debt": 0.0, "ended": False, "stream": None}
-                                       for p in mixture.parts}}  # fmt: skip
+    """The mixture's state before its first sample: each source's position, debt and end; the weights of the last
+    step; the bound the allocation keeps (None: from the next step's debts, `restart_bound`) and the schedule it
+    keeps it for."""
+    sources = {p.name: {"samples": 0, "debt": 0.0, "ended": False, "stream": None} for p in mixture.parts}
+    return {"weights": {}, "sources": sources, "bound": None, "schedule": mixture.weights.definition()}
 
 
 class _MixReader(torch.utils.data.IterableDataset):
@@ -213,15 +253,17 @@ class _MixReader(torch.utils.data.IterableDataset):
         self.source, self.state, self.done, self.steps = source, state, done, steps
         self.rank, self.world_size, self.accumulation, self.quiet = rank, world_size, accumulation, quiet
 
-    def __iter__(self) -> Iterator[tuple[list[Any], dict[str, Any], list[np.ndarray]]]:
+    def __iter__(self) -> Iterator[tuple[list[Any] | None, Any, list[np.ndarray] | None]]:
         source, parts, B = self.source, self.source.mixture.parts, self.source.global_size
         state = copy.deepcopy(self.state)
         rows = [state["sources"][p.name] for p in parts]
         streams = {i: self._started(p, rows[i]) for i, p in enumerate(parts) if p.stream and not rows[i]["ended"]}
         mine = rank_micro_batches(np.arange(B), self.rank, self.world_size, self.accumulation)
         for step in range(self.done + 1, self.done + self.steps + 1):
-            taken = self._take(step, rows, streams)
-            if taken is None:
+            taken = self._take(step, rows, streams, state)
+            if isinstance(taken, str):  # the run ends: why, for its last line (training only)
+                if not self.quiet:
+                    yield None, taken, None
                 return
             counts, chunks = taken
             labels = np.repeat(np.arange(len(parts)), counts)
@@ -250,47 +292,56 @@ class _MixReader(torch.utils.data.IterableDataset):
         w = self.source.mixture.weights.at(step) * np.asarray([not r["ended"] for r in rows])
         return w / w.sum() if w.sum() > 0 else w
 
-    def _take(self, step: int, rows: list[dict[str, Any]], streams: dict[int, Iterator[Any]]) -> Any:
-        """(counts per source, each stream's samples of the step), or None where the run ends here: a source ran out
-        under on_end=stop, or every source has."""
+    def _take(
+        self, step: int, rows: list[dict[str, Any]], streams: dict[int, Iterator[Any]], state: dict[str, Any]
+    ) -> Any:
+        """(counts per source, each stream's samples of the step), or why the run ends here (a line's words): a source
+        ran out under on_end=stop, every source has, or the sources still in weigh nothing at this step. The counts are
+        `plan`'s, from the debts and the bound in the state; a source that leaves under drop is said in one line."""
         parts, B, mixture = self.source.mixture.parts, self.source.global_size, self.source.mixture
-        active = np.asarray([not r["ended"] for r in rows])
-        weights = self._weights(step, rows)
-        if not weights.sum() > 0:
-            return None
-        debt = np.asarray([r["debt"] for r in rows], dtype=np.float64) + B * weights
-        counts, chunks = allocate(B, debt, active), {i: [] for i in streams}
-        while True:
-            short = None
-            for i, p in enumerate(parts):
-                need = int(counts[i]) - (len(chunks[i]) if i in chunks else 0)
-                if i in streams:
-                    if need > 0:
-                        chunks[i] += list(islice(streams[i], need))
-                    got = len(chunks[i])
-                else:
-                    limit = p.limit()
-                    got = int(counts[i]) if limit is None else min(int(counts[i]), limit - rows[i]["samples"])
-                if got < counts[i]:
-                    short = (i, got)
-                    break
-            if short is None:
-                break
-            if mixture.on_end == "stop":
-                return None
-            i, got = short  # drop: its last samples are used; the slots it cannot fill go to the others
-            rows[i]["ended"], active[i] = True, False
-            missing, counts[i], debt[i], rows[i]["debt"] = int(counts[i]) - got, got, 0.0, 0.0
-            if not active.any():
-                return None
-            if not self.quiet and self.rank == 0:
-                print(f"launch: data: data.sources.{parts[i].name} ended after {rows[i]['samples'] + got:,} samples "
-                      f"at step {step}; it leaves the mixture (data.on_end=drop)", flush=True)  # fmt: skip
-            counts += allocate(missing, debt, active)
+        chunks: dict[int, list[Any]] = {i: [] for i in streams}
+
+        def give(i: int, count: int) -> int:
+            if i in streams:
+                if count > len(chunks[i]):
+                    chunks[i] += list(islice(streams[i], count - len(chunks[i])))
+                return min(count, len(chunks[i]))
+            limit = parts[i].limit()
+            return count if limit is None else min(count, limit - rows[i]["samples"])
+
+        debt = np.asarray([r["debt"] for r in rows], dtype=np.float64)
+        ended = np.asarray([r["ended"] for r in rows], dtype=bool)
+        planned = plan(mixture.weights, step, B, debt, ended, state.get("bound"), mixture.on_end, give)
+        if isinstance(planned, Ended):
+            return self._why(planned, step, rows)
+        for i in planned.left:  # drop: its last samples are used, the slots it could not fill went to the others
             streams.pop(i, None)
-        for i in range(len(parts)):
-            rows[i]["debt"] = float(debt[i]) if active[i] else 0.0
-        return counts, chunks
+            rows[i]["ended"] = True
+            if not self.quiet and self.rank == 0:
+                print(
+                    f"launch: data: data.sources.{parts[i].name} ended after "
+                    f"{rows[i]['samples'] + int(planned.counts[i]):,} samples at step {step}; it leaves the mixture "
+                    f"(data.on_end=drop), and every count stays within {planned.bound:.3g} of its target from here",
+                    flush=True,
+                )
+        for i, row in enumerate(rows):
+            row["debt"] = float(planned.debt[i])
+        state["bound"] = planned.bound
+        return planned.counts, chunks
+
+    def _why(self, ended: Ended, step: int, rows: list[dict[str, Any]]) -> str:
+        """Why the mixture ends before `step`, in the words of the run's last line (`Trainer.ended`)."""
+        names = [p.name for p in self.source.mixture.parts]
+        if ended.why == "stop":
+            had = rows[ended.source]["samples"] + ended.gave  # type: ignore[index]
+            return f"data.sources.{names[ended.source]} ran out after {had:,} samples (data.on_end=stop)"  # type: ignore[index]
+        if ended.why == "out":
+            return "every source of the mixture has run out (data.on_end=drop" + (
+                f"; the last was data.sources.{names[ended.source]})" if ended.source is not None else ")"
+            )
+        still = ", ".join(n for i, (n, r) in enumerate(zip(names, rows)) if not r["ended"] and i != ended.source)
+        left = f"data.sources.{names[ended.source]} ran out and " if ended.source is not None else ""
+        return f"{left}the sources still in the mixture ({still}) weigh 0 at step {step} (data.on_end=drop)"
 
     def _started(self, part: Part, row: dict[str, Any]) -> Iterator[Any]:
         """An iterator over a stream from its position on: its recorded state, or read past its samples."""
@@ -323,7 +374,7 @@ class _Indexed:
 
 def mix_figures(state: Any) -> dict[str, float]:
     """data=mix's figures from its state after a step (the same on every rank): each source's samples, its share of
-    all samples so far, and a map-style source's epochs begun; none for other data."""
+    all samples so far, a map-style source's epochs begun and its input tokens so far; none for other data."""
     rows = (state or {}).get("mix", {}).get("sources", {}) if isinstance(state, dict) else {}
     total = sum(r["samples"] for r in rows.values()) or 1
     figures = {}
@@ -332,4 +383,6 @@ def mix_figures(state: Any) -> dict[str, float]:
         figures[f"fraction/{name}"] = row["samples"] / total
         if row.get("size"):
             figures[f"epochs/{name}"] = float(-(-row["samples"] // row["size"]))
+        if "tokens" in row:  # recorded by the worker after each step (`SourceLosses.recorded`)
+            figures[f"tokens/{name}"] = float(row["tokens"])
     return figures

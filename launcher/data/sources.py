@@ -199,6 +199,12 @@ class Stream:
         loop. Ends early if the stream does."""
         from torch.utils.data import DataLoader
 
+        if workers > 1 and rank == 0:
+            print(
+                f"launch: data: data.workers={workers}: {self.name} is a stream, read in its one order by one process "
+                f"ahead of the loop, not {workers}",
+                flush=True,
+            )
         reader = _StepReader(self, position, steps, rank, world_size, accumulation)
         loader = DataLoader(
             reader,

@@ -148,7 +148,7 @@ class Trainer:
                 return True
             self.profiler.ended(step)
             self.snapshots.after_step(step)
-            self.advance(step, data.state)
+            self.advance(step, self.source_losses.recorded(data, self.device))  # data=mix: its tokens so far
             self.tier.after(self.position, self.strategy)  # the memory tier's step, in the background
             if logged or evaluated:
                 self.log(step, loss, grad_norm, evaluated)
@@ -203,7 +203,7 @@ class Trainer:
         self.loggers = Loggers.create(cfg, ctx.rank, self.run_dir)
         self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
         self.rule = LabelRule.of(cfg.derived.model, trainer.get("loss"))  # decided in the launcher
-        self.source_losses = SourceLosses.of(self.source, self.rule)
+        self.source_losses = SourceLosses.of(self.source, self.rule, self.position, ctx.rank, ctx.tensor_size)
         self.steps = feed(cfg, ctx, self.source, self.position, self.max_steps, self.K, self.device)
         self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
                                      trainer.profile_stacks)  # fmt: skip
@@ -310,7 +310,7 @@ class Trainer:
 
     def ended(self, step: int) -> None:
         """The stream ran out before a full global batch of `step`: the run ends after the step before it, on every
-        rank, with that step's checkpoint, and one line."""
+        rank, with that step's checkpoint, and one line (a mixture's names the source that ended it)."""
         last = step - 1
         if last > self.resumed_at and not self.policy.due(last, False):  # else saved already, or resumed from
             self.save(last)
@@ -318,9 +318,12 @@ class Trainer:
         self.saves.finish()
         if self.ctx.rank == 0:
             where = f"; checkpoint {self.saves.last}" if self.saves.last else ""
-            print(f"launch: data: the stream ended after {self.position.samples:,} samples: step {last} trained its "
-                  f"last full global batch of {self.B}, before trainer.max_steps={self.max_steps}; the run ends "
-                  f"here{where}", flush=True)  # fmt: skip
+            why = getattr(self.source, "end", None) or f"the stream ended after {self.position.samples:,} samples"
+            print(
+                f"launch: data: {why}: step {last} trained its last full global batch of {self.B}, before "
+                f"trainer.max_steps={self.max_steps}; the run ends here{where}",
+                flush=True,
+            )
         self.finish()
 
     def pruned(self, step: int) -> None:
