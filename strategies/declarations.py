@@ -99,6 +99,10 @@ class Layout:
     transients: Transients = Transients()
     mesh: Mesh = Mesh()
     """How the sharded kinds are split: over every rank (the default), or within shard groups (HSDP)."""
+    flat: bool = False
+    """It flattens the parameters into buffers cut into equal parts across ranks (DeepSpeed's ZeRO), rather than
+    cutting each parameter by rows (FSDP2's DTensors): no rank holds or gathers one matrix's update whole, so an
+    optimizer that updates matrices whole (optim=muon) does not run under it, and the planner adds no gathers of it."""
 
 
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, Run, cli_here, launch_once
-from runs import PARITY_TOLERANCE
+from runs import DECLARED, PARITY_TOLERANCE
 
 MUON_JOB = [*TINY, "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3",
             "trainer.keep_last=0", "optim=muon", "optim.muon_lr=0.05", "optim.lr=3e-3"]  # fmt: skip
@@ -62,26 +62,43 @@ def test_the_planner_and_the_counter_know_the_matrices_muon_gathers(conformance_
     assert muon["comm_bytes"] == plain["comm_bytes"]  # the gathers move parameters: no gradient sync more
 
 
+def _planned_comm(tmp_path: Path, optim: str) -> dict[str, float]:
+    """`launch plan` of the tiny GPT on 2 ranks with `optim`: each preset's bytes sent per optimizer step."""
+    import json
+
+    proc = cli_here(tmp_path, "plan", *TINY, "gpus=2", f"optim={optim}", "plan.format=json")
+    assert proc.returncode == 0, proc.stderr
+    return {sp["name"]: sp["comm_bytes"] for sp in json.loads(proc.stdout)["strategies"]}
+
+
 @pytest.mark.unit
 def test_launch_plan_adds_muon_s_gathers_where_the_parameters_are_sharded(tmp_path: Path) -> None:
     """`launch plan optim=muon`: FSDP's and HSDP's bytes per step are AdamW's plus (G-1)/G x 4 bytes x the hidden
     matrices' elements (every 2-D parameter but the embeddings, the head tied to one); DDP's the same."""
-    import json
-
     from launcher.models.gpt import GPT
 
-    def plan(optim: str) -> dict:
-        proc = cli_here(tmp_path, "plan", *TINY, "gpus=2", f"optim={optim}", "plan.format=json")
-        assert proc.returncode == 0, proc.stderr
-        return {sp["name"]: sp["comm_bytes"] for sp in json.loads(proc.stdout)["strategies"]}
-
-    muon, adamw = plan("muon"), plan("adamw")
+    muon, adamw = _planned_comm(tmp_path, "muon"), _planned_comm(tmp_path, "adamw")
     model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)  # TINY's
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     hidden = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings)
     assert muon["ddp"] == adamw["ddp"]
     for name in ("fsdp", "hsdp"):
         assert muon[name] == pytest.approx(adamw[name] + 0.5 * 4 * hidden, rel=1e-12), (name, muon, adamw)
+
+
+@pytest.mark.unit
+def test_launch_plan_adds_no_muon_gathers_to_the_presets_that_refuse_muon(tmp_path: Path) -> None:
+    """Every ZeRO preset refuses optim=muon (its check, before start): its row in `launch plan optim=muon` is AdamW's,
+    ZeRO-3's too, whose parameters are sharded (partitioned flat, never a matrix whole)."""
+    from strategies.deepspeed.config import check_recipe
+
+    muon, adamw = _planned_comm(tmp_path, "muon"), _planned_comm(tmp_path, "adamw")
+    refusing = sorted(name for name, s in DECLARED.items() if type(s).__name__ == "DeepSpeed")
+    for name in refusing:  # each refuses it: the check its launch runs
+        with pytest.raises(ValueError, match="optim=muon under ZeRO"):
+            check_recipe(None, DECLARED[name].stage, "none", {}, "launcher.worker.muon.MuonAdamW")  # type: ignore[arg-type]
+        assert muon[name] == adamw[name], (name, muon[name], adamw[name])
+    assert {"zero3", "zero3_offload"} <= set(refusing) and DECLARED["zero3"].layout().params.sharded
 
 
 @pytest.mark.unit
