@@ -92,12 +92,14 @@ def test_a_strategy_makes_the_collectives_it_declares(strategy: str, one_process
     from omegaconf import OmegaConf
 
     from launcher.config.context import make_strategy
+    from launcher.plan.costs import tensor_rank_params
 
     run = suite
     last, resolved = run.metrics[-1], OmegaConf.load(run.run_dir / "resolved.yaml")
     params = one_process.metrics[-1]["model_state_bytes"] / 16  # fp32 AdamW: 16 bytes per parameter
     ran = make_strategy(resolved.strategy)  # as the run built it (hsdp: its shard group of 2)
-    declared = ran.collectives(params, "fp32", last["accumulation"], last["world_size"], resolved.derived.gpus)
+    held = tensor_rank_params(params, resolved.derived.model.tensor_split, ran.layout().mesh.tensor_size)  # fsdp_tp
+    declared = ran.collectives(held, "fp32", last["accumulation"], last["world_size"], resolved.derived.gpus)
     synced, slack = sum(c.payload_bytes for c in declared if c.sync), ran.conformance().comm_slack
     print(f"{strategy}: synced/declared {last['comm_bytes'] / synced:.4f}, sent/formula "
           f"{last['comm_sent_bytes'] / last['comm_bytes_formula']:.4f}")  # fmt: skip
@@ -140,13 +142,18 @@ def _layout(strategy: str):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_model_state_bytes_follow_the_sharding_rule(strategy: str, one_process: Run, suite: Run) -> None:
+    from omegaconf import OmegaConf
+
+    from launcher.plan.costs import tensor_rank_params
+
     full = one_process.metrics[-1]["model_state_bytes"]  # fp32 AdamW: 4 (param) + 4 (grad) + 8 (moments) per parameter
-    kinds = {"params": full / 4, "grads": full / 4, "optimizer": full / 2}
     layout = _layout(strategy)
+    split = OmegaConf.load(suite.run_dir / "resolved.yaml").derived.model.tensor_split
+    held = tensor_rank_params(full, split * 16, layout.mesh.tensor_size)  # fsdp_tp: the planned layers 1/T
+    kinds = {"params": held / 4, "grads": held / 4, "optimizer": held / 2}
     _, shards = layout.mesh.groups(ranks(strategy))  # the ranks each sharded kind is split over: 2, or hsdp's 2 of 4
-    shards *= layout.mesh.tensor_size  # fsdp_tp: and each layer split over T (all but its norms and biases)
     if layout.master_weights:  # the optimizer's own fp32 copy of the parameters, placed with its state
-        kinds["optimizer"] += full / 4
+        kinds["optimizer"] += held / 4
     expected = sum(
         size * (0 if getattr(layout, kind).where != "device" else 1 / shards if getattr(layout, kind).sharded else 1)
         for kind, size in kinds.items()
