@@ -18,7 +18,7 @@ from conftest import Run
 from processes import run_processes
 from runs import (
     AT_TWO_RANKS,
-    DECLARED,
+    NORM_TOLERANCE,
     PARITY_TOLERANCE,
     SHAPES,
     STEPS,
@@ -54,18 +54,16 @@ def test_parity_with_one_process(strategy: str, one_process: Run, suite: Run) ->
     assert diff <= PARITY_TOLERANCE[strategy], (diff, ref, run)
     # The validation loss too: the same global batches, Σ token losses / Σ targets over every rank.
     val = [[m["val_loss"] for m in r.metrics if "val_loss" in m] for r in (one_process, suite)]
-    assert len(val[0]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) <= PARITY_TOLERANCE.get(
-        strategy, 1e-6
-    ), val
+    assert len(val[0]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) <= PARITY_TOLERANCE[strategy], val
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_gradient_norm_is_one_process_s(strategy: str, one_process: Run, suite: Run) -> None:
     """The logged pre-clip norm is the whole gradient's, whoever holds which shard (DeepSpeed's own, never NaN)."""
     ref, run = ([m["grad_norm"] for m in r.metrics] for r in (one_process, suite))
-    declared = DECLARED[strategy].conformance()  # a lossy one (a compressed all-reduce): 10 x its loss tolerance
-    rel = 10 * declared.tolerance if declared.lossy else 1e-5
-    assert run == pytest.approx(ref, rel=rel) and all(math.isfinite(g) for g in run), (ref, run)
+    worst = max(abs(a - b) / a for a, b in zip(ref, run, strict=True))
+    print(f"{strategy}: max relative gradient-norm difference from one process {worst:.2e}")  # shown with pytest -s
+    assert worst <= NORM_TOLERANCE[strategy] and all(math.isfinite(g) for g in run), (ref, run)
 
 
 # One strategy per way of syncing gradients; the offloading presets sync as their stage does (their collectives, K
