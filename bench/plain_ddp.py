@@ -18,6 +18,19 @@ from torch.nn.parallel import DistributedDataParallel
 from launcher.models.gpt import GPT
 
 
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """The launcher's default param groups, written out for this model: no weight decay on biases, norms and
+    embeddings (the head shares the token embedding's weight), optim.weight_decay on every other parameter."""
+    kept = [m for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.Embedding))]
+    exempt = {id(p) for m in kept for p in m.parameters(recurse=False)}
+    exempt |= {id(p) for name, p in model.named_parameters() if name.endswith("bias")}
+    params = list(model.parameters())  # a tied parameter once
+    return [
+        {"params": [p for p in params if id(p) in exempt], "weight_decay": 0.0},
+        {"params": [p for p in params if id(p) not in exempt]},
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
@@ -32,7 +45,9 @@ def main() -> None:
     accumulation = a.global_size // (a.micro_size * world)
     torch.manual_seed(1337)
     model = DistributedDataParallel(GPT(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=a.seq_len))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(
+        param_groups(model.module), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+    )  # the launcher's AdamW on the CPU in fp32: its fused kernel, its default groups
     tokens = torch.randint(0, 256, (16384, a.seq_len + 1), generator=torch.Generator().manual_seed(0))
 
     first_step_at, windows, start = None, [], time.perf_counter()

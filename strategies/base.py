@@ -86,7 +86,9 @@ class Strategy(Protocol):
         self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None
     ) -> list[Collective]:
         """The collectives of one optimizer step over a model of `params` parameters, at `accumulation` micro-steps
-        on `world_size` ranks of `gpus` per node: what the planner sums, what the strategy's counter must see."""
+        on `world_size` ranks of `gpus` per node: what the planner sums, what the strategy's counter must see. Under
+        tensor parallel (`Mesh.tensor_size` T > 1) `params` is what one rank of a group holds: 1/T of what the plan
+        splits and the rest whole."""
 
     def requirements(self) -> Requirements:
         """What this strategy, as configured, needs of the machine."""

@@ -60,6 +60,20 @@ def weight_dim(style: str, module: nn.Module) -> int | None:
     return 1 if rowwise else 0
 
 
+def split_params(model: nn.Module, resolved: Mapping[str, str]) -> int:
+    """Parameters a resolved plan splits over the group (each counted once): the weights of the modules it names, and
+    the biases of the colwise ones (a rowwise layer's bias is added once, whole). Every other parameter (norms, a
+    rowwise layer's bias, what the plan does not name) each rank of the group keeps whole."""
+    modules, seen, split = dict(model.named_modules()), set(), 0
+    for name, style in resolved.items():
+        dim = weight_dim(style, modules[name])
+        for pname, p in modules[name].named_parameters(recurse=False):
+            if dim is not None and id(p) not in seen and (pname == "weight" or dim == 0):
+                seen.add(id(p))
+                split += p.numel()
+    return split
+
+
 def model_plan(model: nn.Module) -> dict[str, str]:
     """The plan a model declares: its own `_tp_plan` (the built-in GPT's; a transformers model's, whose instance
     holds its whole plan, base model prefixed), else its transformers config's `base_model_tp_plan` under its base

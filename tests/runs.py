@@ -29,7 +29,12 @@ def _declared() -> dict:
 
 
 DECLARED = _declared()
-PARITY_TOLERANCE = {s: d.conformance().tolerance for s, d in DECLARED.items()}  # max abs loss difference
+PARITY_TOLERANCE = {s: d.conformance().tolerance for s, d in DECLARED.items()}
+"""strategy -> the largest loss difference from one process it declares (`Conformance.tolerance`): what every test
+comparing a strategy's losses with one process's holds it to, never more."""
+NORM_TOLERANCE = {s: d.conformance().norm_tolerance for s, d in DECLARED.items()}
+"""strategy -> the largest relative difference of its gradient norm from one process's (`Conformance.norm_tolerance`),
+what every test comparing the norms holds it to."""
 SHAPES = {
     s: (c.ranks, list(c.overrides)) for s, d in DECLARED.items() if (c := d.conformance()).ranks != 2 or c.overrides
 }

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import LAUNCH, Run, assert_each_restart_resumes_the_newest, clean_env, cli_here, launch, launch_here
 from processes import wait_for_step, worker_pids
-from runs import AT_TWO_RANKS, JOB, SHAPES, ranks, run_of, selecting, suite_run
+from runs import AT_TWO_RANKS, JOB, PARITY_TOLERANCE, SHAPES, ranks, run_of, selecting, suite_run
 
 
 def _ckpt(run: Run, step: int) -> Path:
@@ -82,7 +82,8 @@ def test_resume_across_strategies_and_world_sizes(
     resumed = launch(
         tmp_path, *JOB, *selecting(tmp_path, dst), f"gpus={dst_gpus}", *shape, f"resume={_ckpt(full, 6)}"
     ).check()
-    assert _max_diff(full, resumed, range(7, 13)) <= 1e-5
+    # Each follows one process within its own declared tolerance: so within their sum of each other.
+    assert _max_diff(full, resumed, range(7, 13)) <= PARITY_TOLERANCE[src] + PARITY_TOLERANCE[dst]
 
 
 def test_keep_last_and_latest_pointer(tmp_path: Path) -> None:

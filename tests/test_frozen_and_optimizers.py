@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LAUNCH, TINY, clean_env, launch_once, saved_gpt2
-from runs import jobs, metrics
+from runs import PARITY_TOLERANCE, jobs, metrics
 
 # 126,456 parameters with the adapters: params // 8 = 15,807, odd.
 BASE = {"n_layer": 2, "n_embd": 66, "n_head": 3, "vocab_size": 256, "n_positions": 16,
@@ -70,7 +70,7 @@ def test_lora_trains_under_every_strategy_as_in_one_process(trained, conformance
     assert len(one.losses()) == STEPS and one.losses()[-1] != one.losses()[0]
     for strategy, job in trained.items():
         losses = [m["loss"] for m in metrics(job)]
-        assert losses == pytest.approx(one.losses(), abs=1e-5), (strategy, losses, one.losses())
+        assert losses == pytest.approx(one.losses(), abs=PARITY_TOLERANCE[strategy]), (strategy, losses, one.losses())
 
 
 def test_frozen_weights_stay_as_loaded_and_only_the_adapters_have_optimizer_state(trained, base_folder) -> None:
@@ -210,7 +210,8 @@ def test_sgd_and_adagrad_train_under_fsdp_and_zero2(conformance_dir: Path) -> No
     assert sorted(found) == sorted((s, o) for s in ("fsdp", "zero2") for o in OPTIMIZERS), sorted(found)
     for optimizer in OPTIMIZERS:
         fsdp, zero2 = found[("fsdp", optimizer)], found[("zero2", optimizer)]
-        assert len(fsdp) == 4 and zero2 == pytest.approx(fsdp, abs=1e-5), (optimizer, fsdp, zero2)
+        apart = PARITY_TOLERANCE["fsdp"] + PARITY_TOLERANCE["zero2"]  # each within its own of one process
+        assert len(fsdp) == 4 and zero2 == pytest.approx(fsdp, abs=apart), (optimizer, fsdp, zero2)
     sgd, adagrad = (found[("fsdp", o)] for o in OPTIMIZERS)
     assert sgd[0] == adagrad[0] and all(abs(a - b) > 1e-4 for a, b in zip(sgd[1:], adagrad[1:])), (sgd, adagrad)
 

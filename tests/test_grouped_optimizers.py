@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY, Run, launch_here, launch_once
+from runs import PARITY_TOLERANCE
 
 GROUPED_JOB = [*TINY, "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3",
                "trainer.keep_last=0", "optim.lr=3e-3",
@@ -23,11 +24,11 @@ def _run(tmp: Path, strategy: str, gpus: int) -> Run:
 
 @pytest.mark.long  # 20-40 s: Muon+AdamW's parity tests run the same one-optimizer-per-group path
 def test_two_optimizers_over_groups_at_two_ranks_equal_one_process(conformance_dir: Path) -> None:
-    """FSDP at 2 ranks x 2 micro-steps equals one DDP process x 4 within 1e-5; the start line names each group's
-    optimizer; the losses are not AdamW's alone (SGD steps the blocks)."""
+    """FSDP at 2 ranks x 2 micro-steps equals one DDP process x 4 within FSDP's declared tolerance; the start line
+    names each group's optimizer; the losses are not AdamW's alone (SGD steps the blocks)."""
     one, two = _run(conformance_dir, "ddp", 1).check(), _run(conformance_dir, "fsdp", 2).check()
     assert len(one.losses()) == 6
-    assert max(abs(a - b) for a, b in zip(one.losses(), two.losses(), strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(one.losses(), two.losses(), strict=True)) <= PARITY_TOLERANCE["fsdp"]
     assert "_target_ torch.optim.SGD" in one.stdout, one.stdout
     adamw = launch_once(conformance_dir, *GROUPED_JOB[:-1], "gpus=1", name="grouped-adamw-reference").check()
     assert max(abs(a - b) for a, b in zip(one.losses()[1:], adamw.losses()[1:])) > 1e-3
@@ -42,7 +43,7 @@ def test_a_resume_from_fsdp_at_two_ranks_into_one_process_goes_on_exactly(
     step3 = full.run_dir / "checkpoints" / "step_00000003"
     resumed = launch_once(tmp_path, *GROUPED_JOB, "gpus=1", f"resume={step3}", name="grouped-resumed").check()
     assert len(resumed.losses()) == 3
-    assert max(abs(a - b) for a, b in zip(full.losses()[3:], resumed.losses(), strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(full.losses()[3:], resumed.losses(), strict=True)) <= PARITY_TOLERANCE["fsdp"]
 
 
 @pytest.mark.unit

@@ -17,11 +17,16 @@ import torch
 import yaml
 from conftest import Run, launch_once
 from omegaconf import OmegaConf
+from runs import NORM_TOLERANCE, PARITY_TOLERANCE
 from torch.utils.data import default_collate
 
 from launcher.models.loss import LabelRule, StepTargets, count_targets, micro_loss, target_tokens
 
 SEED = 1337  # the config's seed: the order of the samples
+PLAIN, PLAIN_NORM = 1e-6, 1e-5
+"""A logged loss and gradient norm against one plain forward and backward of the same weights over the same samples,
+relatively: the launcher sums the loss over micro-steps and ranks, and the norm's squares over every parameter, in
+other orders of fp32 sums (the strategies' own tolerances, `Conformance`, for the same reason)."""
 GLOBAL = 8
 COMMON = ["device=cpu", "logger=none", "data=custom", f"batch.global_size={GLOBAL}", "batch.micro_size=2",
           "trainer.log_every=1", "trainer.eval_batches=1", "trainer.warmup_steps=1", "trainer.progress=false",
@@ -87,13 +92,15 @@ def test_a_masked_lm_logs_the_loss_of_one_forward_and_its_gradient_under_ddp_and
     one = masked_lm_runs["one"]
     for name, run in masked_lm_runs.items():
         first = run.metrics[0]
-        assert first["loss"] == pytest.approx(loss, rel=1e-6), name  # was K times too large
-        assert first["grad_norm"] == pytest.approx(grad_norm, rel=1e-5), name
+        assert first["loss"] == pytest.approx(loss, rel=PLAIN), name  # was K times too large
+        assert first["grad_norm"] == pytest.approx(grad_norm, rel=PLAIN_NORM), name
         # G=2 ranks x K=2 micro-steps train as one process with K=4: the same losses, gradients and validation loss.
-        assert run.losses() == pytest.approx(one.losses(), abs=1e-5), name
+        strategy = "ddp" if name == "one" else name
+        assert run.losses() == pytest.approx(one.losses(), abs=PARITY_TOLERANCE[strategy]), name
         grads = [m["grad_norm"] for m in run.metrics]
-        assert grads == pytest.approx([m["grad_norm"] for m in one.metrics], abs=1e-5), name
-        assert run.metrics[-1]["val_loss"] == pytest.approx(one.metrics[-1]["val_loss"], abs=1e-5), name
+        assert grads == pytest.approx([m["grad_norm"] for m in one.metrics], rel=NORM_TOLERANCE[strategy]), name
+        val = run.metrics[-1]["val_loss"]
+        assert val == pytest.approx(one.metrics[-1]["val_loss"], abs=PARITY_TOLERANCE[strategy]), name
     resolved = yaml.safe_load((one.run_dir / "resolved.yaml").read_text())
     assert resolved["derived"]["model"]["takes_num_items"] is False  # BERT ignores num_items_in_batch: not handed
     assert resolved["derived"]["model"]["label_shift"] == 0  # a masked LM's label is the target where it stands
@@ -106,13 +113,14 @@ def test_a_seq2seq_model_logs_the_loss_of_one_forward_its_gradient_and_its_valid
     for name, run in seq2seq_runs.items():
         for step, logged in enumerate(run.metrics, start=1):
             loss, grad_norm = plain("seq2seq", "reversal", step_samples("reversal", step))
-            assert logged["loss"] == pytest.approx(loss, rel=1e-6), (name, step)
-            assert logged["grad_norm"] == pytest.approx(grad_norm, rel=1e-5), (name, step)
-        assert run.metrics[-1]["val_loss"] == pytest.approx(val, rel=1e-6), name
+            assert logged["loss"] == pytest.approx(loss, rel=PLAIN), (name, step)
+            assert logged["grad_norm"] == pytest.approx(grad_norm, rel=PLAIN_NORM), (name, step)
+        assert run.metrics[-1]["val_loss"] == pytest.approx(val, rel=PLAIN), name
     one = seq2seq_runs["one"]
     for name, run in seq2seq_runs.items():  # G=2 x K=2 under ddp, fsdp and zero3: one process's gradients, K=4
         grads = [m["grad_norm"] for m in run.metrics]
-        assert grads == pytest.approx([m["grad_norm"] for m in one.metrics], abs=1e-5), name
+        norm = NORM_TOLERANCE["ddp" if name == "one" else name]
+        assert grads == pytest.approx([m["grad_norm"] for m in one.metrics], rel=norm), name
 
 
 def test_a_model_whose_mean_stays_a_mean_is_named_once(conformance_dir: Path) -> None:

@@ -29,6 +29,8 @@ BRANCH = ["model=custom", "model._target_=family_models.EvenStepBranch", "data=c
           "data._target_=moe_models.points", "batch.global_size=2", "trainer.max_steps=4",
           "trainer.save_at_end=true"]  # fmt: skip
 EXACT = 1e-6
+"""Losses and final weights under a strategy against one process's: every strategy these families run declares 1e-6
+(`Conformance.tolerance`), the same gradients in another order of fp32 sums."""
 
 
 def one_process(conformance_dir: Path, name: str, *overrides: str) -> Run:

@@ -560,25 +560,28 @@ def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+STATE_TOLERANCE = 0.02
+"""Planned model-state bytes against a real run's, relatively: FSDP and ZeRO pad each rank's share of a unit or
+partition to a multiple of the ranks, which the plan's 1/G of parameter counts does not see (on the suite's tiny GPT,
+whose sizes the ranks divide, every strategy's measured bytes are the plan's to the byte). A figure planned at 0 (all
+offloaded) within that share of the strategy's whole state."""
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_planned_model_state_matches_a_real_run(conformance_dir: Path, strategy: str, suite: Run) -> None:
-    """The conformance suite's run of each strategy (shared, not repeated), against the plan of the same job."""
+    """The conformance suite's run of each strategy (shared, not repeated), against the plan of the same job: tensor
+    parallel's too, whose ranks hold 1/T of the layers its plan splits and the rest (norms, biases, the position
+    embedding) whole."""
     run = suite
     measured = run.metrics[-1]
     planned = _planned(conformance_dir, strategy)
     total = planned["device_state_bytes"] + planned["host_state_bytes"] + planned["nvme_state_bytes"]
-    # Within 2%; a figure planned at 0 (all offloaded) within 2% of the strategy's whole state. Tensor parallel plans
-    # P/T per rank's FSDP share: the norms, biases and position embedding it keeps whole are 2.5% more at this size.
-    rel = 0.03 if DECLARED[strategy].layout().mesh.tensor_size > 1 else 0.02
-    assert measured["model_state_bytes"] == pytest.approx(planned["device_state_bytes"], rel=rel, abs=0.02 * total), (
-        measured,
-        planned,
-    )
+    mine, plan = measured["model_state_bytes"], planned["device_state_bytes"]
+    print(f"{strategy}: model state measured {mine:.0f}, planned {plan:.0f}")  # shown with pytest -s
+    close = {"rel": STATE_TOLERANCE, "abs": STATE_TOLERANCE * total}
+    assert measured["model_state_bytes"] == pytest.approx(planned["device_state_bytes"], **close), (measured, planned)
     offloaded = planned["host_state_bytes"] + planned["nvme_state_bytes"]
-    assert measured.get("offloaded_state_bytes", 0) == pytest.approx(offloaded, rel=0.02, abs=0.02 * total), (
-        measured,
-        planned,
-    )
+    assert measured.get("offloaded_state_bytes", 0) == pytest.approx(offloaded, **close), (measured, planned)
 
 
 def _planned(tmp: Path, strategy: str) -> dict:

@@ -61,6 +61,11 @@ def test_no_mfu_on_cpu_without_a_peak(ddp_run: Run) -> None:
     assert "mfu" not in run.metrics[-1] and run.metrics[-1]["comm_bytes_formula"] > 0
 
 
+COMPILED = 1e-6
+"""Compiled blocks' losses against eager ones, same strategy and ranks: inductor fuses each block's operations into
+kernels of its own, which round fp32 in their own order, as a layout's sums do (2.8e-7 measured on the suite's job)."""
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("strategy", ["ddp"])  # FSDP compiles the same units (strategy.compile_units)
 def test_compiled_blocks_train_to_the_same_losses(
@@ -81,7 +86,7 @@ def test_compiled_blocks_train_to_the_same_losses(
         timeout=600,
     ).check()
     assert cache.is_dir() and any(cache.rglob("*.py")), "trainer.compile=true compiled nothing"
-    assert compiled.losses() == pytest.approx(eager.losses(), abs=1e-5)
+    assert compiled.losses() == pytest.approx(eager.losses(), abs=COMPILED)
 
 
 @pytest.mark.unit

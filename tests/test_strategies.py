@@ -18,7 +18,7 @@ from conftest import Run
 from processes import run_processes
 from runs import (
     AT_TWO_RANKS,
-    DECLARED,
+    NORM_TOLERANCE,
     PARITY_TOLERANCE,
     SHAPES,
     STEPS,
@@ -54,18 +54,21 @@ def test_parity_with_one_process(strategy: str, one_process: Run, suite: Run) ->
     assert diff <= PARITY_TOLERANCE[strategy], (diff, ref, run)
     # The validation loss too: the same global batches, Σ token losses / Σ targets over every rank.
     val = [[m["val_loss"] for m in r.metrics if "val_loss" in m] for r in (one_process, suite)]
-    assert len(val[0]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) <= PARITY_TOLERANCE.get(
-        strategy, 1e-6
-    ), val
+    assert len(val[0]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) <= PARITY_TOLERANCE[strategy], val
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_gradient_norm_is_one_process_s(strategy: str, one_process: Run, suite: Run) -> None:
     """The logged pre-clip norm is the whole gradient's, whoever holds which shard (DeepSpeed's own, never NaN)."""
     ref, run = ([m["grad_norm"] for m in r.metrics] for r in (one_process, suite))
-    declared = DECLARED[strategy].conformance()  # a lossy one (a compressed all-reduce): 10 x its loss tolerance
-    rel = 10 * declared.tolerance if declared.lossy else 1e-5
-    assert run == pytest.approx(ref, rel=rel) and all(math.isfinite(g) for g in run), (ref, run)
+    worst = max(abs(a - b) / a for a, b in zip(ref, run, strict=True))
+    print(f"{strategy}: max relative gradient-norm difference from one process {worst:.2e}")  # shown with pytest -s
+    assert worst <= NORM_TOLERANCE[strategy] and all(math.isfinite(g) for g in run), (ref, run)
+
+
+def _four_micro_steps(tmp: Path, strategy: str) -> Run:
+    """The suite's job on 2 ranks at K = 4 (micro-batches of 2), the same global batches as the suite's K = 2."""
+    return shared_run(tmp, *selecting(tmp, strategy), "gpus=2", "batch.micro_size=2")
 
 
 # One strategy per way of syncing gradients; the offloading presets sync as their stage does (their collectives, K
@@ -73,14 +76,24 @@ def test_the_gradient_norm_is_one_process_s(strategy: str, one_process: Run, sui
 # hsdp: test_hsdp_syncs_once_per_step_in_both_groups.
 @pytest.mark.parametrize("strategy", [s for s in AT_TWO_RANKS if not s.endswith("offload") and s != "zero_infinity"])
 def test_gradients_sync_once_per_optimizer_step(tmp: Path, strategy: str, suite: Run) -> None:
-    accumulating = suite.metrics  # K = 2
-    single = shared_run(tmp, *selecting(tmp, strategy), "gpus=2", "batch.global_size=8").metrics  # K = 1
-    assert accumulating[-1]["accumulation"] == 2 and single[-1]["accumulation"] == 1
-    # The same bytes, in no more calls: a second sync would add both. (DeepSpeed's own path, taken at K = 1, may split
-    # the reduction into more calls: one bucket flush per parameter group.)
-    assert accumulating[-1]["comm_bytes"] > 0
-    assert accumulating[-1]["comm_bytes"] == single[-1]["comm_bytes"], (accumulating[-1], single[-1])
-    assert 0 < accumulating[-1]["comm_calls"] <= single[-1]["comm_calls"], (accumulating[-1], single[-1])
+    """K = 2 and K = 4 micro-steps over the same global batches make, in every optimizer step, the same gradient
+    collectives (calls) moving the same bytes: one synchronisation of every gradient, on the last micro-step, as the
+    strategy declares (`Collective.times` 1 whatever K). A micro-step that synced too would add its calls and bytes.
+    (K = 1 is no reference for the calls: DeepSpeed then takes its own path, reducing during the backward in buckets
+    packed as the gradients become ready, where an accumulating step reduces once after it, in the parameters' order:
+    the same bytes in another number of buckets, ZeRO-2's 15 calls a step against 11 on the suite's job.)"""
+    from omegaconf import OmegaConf
+
+    from launcher.config.context import make_strategy
+
+    two, four = suite.metrics, _four_micro_steps(tmp, strategy).metrics
+    assert two[-1]["accumulation"] == 2 and four[-1]["accumulation"] == 4 and len(two) == len(four) == STEPS
+    ran = make_strategy(OmegaConf.load(suite.run_dir / "resolved.yaml").strategy)
+    for k in (2, 4):
+        synced = [c for c in ran.collectives(1e6, "fp32", k, 2, 2) if c.sync]
+        assert synced and all(c.times == 1 for c in synced), (k, synced)
+    for a, b in zip(two, four, strict=True):
+        assert a["comm_calls"] == b["comm_calls"] > 0 and a["comm_bytes"] == b["comm_bytes"] > 0, (a, b)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -92,12 +105,14 @@ def test_a_strategy_makes_the_collectives_it_declares(strategy: str, one_process
     from omegaconf import OmegaConf
 
     from launcher.config.context import make_strategy
+    from launcher.plan.costs import tensor_rank_params
 
     run = suite
     last, resolved = run.metrics[-1], OmegaConf.load(run.run_dir / "resolved.yaml")
     params = one_process.metrics[-1]["model_state_bytes"] / 16  # fp32 AdamW: 16 bytes per parameter
     ran = make_strategy(resolved.strategy)  # as the run built it (hsdp: its shard group of 2)
-    declared = ran.collectives(params, "fp32", last["accumulation"], last["world_size"], resolved.derived.gpus)
+    held = tensor_rank_params(params, resolved.derived.model.tensor_split, ran.layout().mesh.tensor_size)  # fsdp_tp
+    declared = ran.collectives(held, "fp32", last["accumulation"], last["world_size"], resolved.derived.gpus)
     synced, slack = sum(c.payload_bytes for c in declared if c.sync), ran.conformance().comm_slack
     print(f"{strategy}: synced/declared {last['comm_bytes'] / synced:.4f}, sent/formula "
           f"{last['comm_sent_bytes'] / last['comm_bytes_formula']:.4f}")  # fmt: skip
@@ -106,15 +121,13 @@ def test_a_strategy_makes_the_collectives_it_declares(strategy: str, one_process
 
 
 def test_hsdp_syncs_once_per_step_in_both_groups(tmp: Path, one_process: Run) -> None:
-    """2 x 2 HSDP at K = 2 against FSDP on 2 ranks at K = 1 (the same shard group of 2, the same padding): per unit
+    """2 x 2 HSDP at K = 2 against FSDP on 2 ranks (the same shard group of 2, the same padding): per unit
     one reduce-scatter in the shard group and one all-reduce of its half across the 2 replicas, once per optimizer
     step. The bytes each rank sends, written out from the ring formula at S = 2, R = 2, K = 2 in fp32: the shard
     group's (1 + 2K)(S-1)/S x 4P plus the all-reduce's 2(R-1)/R x 4P/S, = 10P + 2P; the planner's figure is that."""
     hsdp = suite_run(tmp, "hsdp").metrics[-1]
-    fsdp = shared_run(tmp, *selecting(tmp, "fsdp"), "gpus=2", "batch.global_size=8").metrics[
-        -1
-    ]  # the fsdp check's K = 1
-    assert hsdp["accumulation"] == 2 and fsdp["accumulation"] == 1 and hsdp["world_size"] == 4
+    fsdp = _four_micro_steps(tmp, "fsdp").metrics[-1]  # the fsdp check's K = 4: its syncs are K = 1's
+    assert hsdp["accumulation"] == 2 and fsdp["accumulation"] == 4 and hsdp["world_size"] == 4
     assert hsdp["comm_calls"] == 2 * fsdp["comm_calls"], (hsdp, fsdp)
     assert hsdp["comm_bytes"] == 1.5 * fsdp["comm_bytes"], (hsdp, fsdp)
     P = one_process.metrics[-1]["model_state_bytes"] / 16  # fp32 AdamW: 16 bytes per parameter
@@ -140,13 +153,18 @@ def _layout(strategy: str):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_model_state_bytes_follow_the_sharding_rule(strategy: str, one_process: Run, suite: Run) -> None:
+    from omegaconf import OmegaConf
+
+    from launcher.plan.costs import tensor_rank_params
+
     full = one_process.metrics[-1]["model_state_bytes"]  # fp32 AdamW: 4 (param) + 4 (grad) + 8 (moments) per parameter
-    kinds = {"params": full / 4, "grads": full / 4, "optimizer": full / 2}
     layout = _layout(strategy)
+    split = OmegaConf.load(suite.run_dir / "resolved.yaml").derived.model.tensor_split
+    held = tensor_rank_params(full, split * 16, layout.mesh.tensor_size)  # fsdp_tp: the planned layers 1/T
+    kinds = {"params": held / 4, "grads": held / 4, "optimizer": held / 2}
     _, shards = layout.mesh.groups(ranks(strategy))  # the ranks each sharded kind is split over: 2, or hsdp's 2 of 4
-    shards *= layout.mesh.tensor_size  # fsdp_tp: and each layer split over T (all but its norms and biases)
     if layout.master_weights:  # the optimizer's own fp32 copy of the parameters, placed with its state
-        kinds["optimizer"] += full / 4
+        kinds["optimizer"] += held / 4
     expected = sum(
         size * (0 if getattr(layout, kind).where != "device" else 1 / shards if getattr(layout, kind).sharded else 1)
         for kind, size in kinds.items()

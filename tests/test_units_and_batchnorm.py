@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import launch_here, launch_once
+from runs import PARITY_TOLERANCE
 
 from launcher.config import schema
 from strategies.base import RunContext, split_ties, tied_unit_lines, unit_classes
@@ -157,7 +158,10 @@ def test_bert_trains_under_fsdp_from_its_own_units_as_one_process(conformance_di
     one = launch_once(conformance_dir, "+sweep=smoke", *BERT_RUN, "strategy=ddp", "gpus=1", "batch.micro_size=4",
                       name="units-bert-one")  # fmt: skip
     assert "launch: fsdp: BertEmbeddings is not a unit, though" in run.stdout, run.stdout
-    assert run.losses() == pytest.approx(one.check().losses(), abs=1e-5), (run.losses(), one.losses())
+    assert run.losses() == pytest.approx(one.check().losses(), abs=PARITY_TOLERANCE["fsdp"]), (
+        run.losses(),
+        one.losses(),
+    )
     assert len(run.losses()) == 3
     assert run.metrics[-1]["comm_calls"] == BERT["num_hidden_layers"] + 1  # one reduce-scatter per BertLayer, the root
 
@@ -171,6 +175,10 @@ def test_bert_with_explicit_units_that_split_its_tie_is_refused_before_start(tmp
 
 
 MICRO = 4
+STATISTICS = 1e-6
+"""BatchNorm's running mean and variance after 4 steps against one process's, as the losses (`Conformance.tolerance`):
+each step's from the statistics of the global batch, which synchronised BatchNorm sums over the ranks in another
+order of fp32 sums, of activations of weights that moved by the losses' ulps (2.4e-7 measured under ddp and fsdp)."""
 BATCHNORM = ["model=custom", "model._target_=units_models.BatchNormNet", "data=custom",
              "data._target_=units_models.images", "trainer.max_steps=4", "trainer.save_at_end=true",
              f"batch.global_size={2 * MICRO}"]  # fmt: skip
@@ -178,9 +186,9 @@ BATCHNORM = ["model=custom", "model._target_=units_models.BatchNormNet", "data=c
 
 def test_sync_batchnorm_on_2_ranks_is_one_process_with_both_micro_batches(conformance_dir: Path) -> None:
     """At K=1, synchronised BatchNorm over G=2 ranks of micro-batch m normalises each step's global batch of 2m
-    samples as one process with micro-batch 2m does: the same losses (1e-5), and the checkpoint's running statistics
-    are that process's (1e-5), under DDP and FSDP. (At K > 1 no one-process run equals it: each of its micro-steps
-    normalises the G micro-batches of that micro-step together.)"""
+    samples as one process with micro-batch 2m does: the same losses (each strategy's declared tolerance), and the
+    checkpoint's running statistics are that process's (`STATISTICS`), under DDP and FSDP. (At K > 1 no one-process
+    run equals it: each of its micro-steps normalises the G micro-batches of that micro-step together.)"""
     from launcher.parent.convert import find_checkpoint, weights
 
     sweep = conformance_dir / "units-batchnorm"
@@ -197,7 +205,8 @@ def test_sync_batchnorm_on_2_ranks_is_one_process_with_both_micro_batches(confor
     assert sorted(jobs) == ["ddp", "fsdp"]
     for strategy, job in jobs.items():
         losses = [m["loss"] for m in metrics(job)]
-        assert losses == pytest.approx(one.losses(), abs=1e-5), (strategy, losses, one.losses())
+        assert losses == pytest.approx(one.losses(), abs=PARITY_TOLERANCE[strategy]), (strategy, losses, one.losses())
         saved = weights(find_checkpoint(job))
-        for key in stats:
-            assert torch.allclose(saved[key].double(), expected[key].double(), atol=1e-5), (strategy, key)
+        apart = max(float((saved[key].double() - expected[key].double()).abs().max()) for key in stats)
+        print(f"{strategy}: running statistics at most {apart:.1e} from one process's")  # shown with pytest -s
+        assert apart <= STATISTICS, (strategy, apart)

@@ -4,6 +4,7 @@ others, and the keys every optim node has for its param groups (`launcher.worker
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
@@ -44,6 +45,11 @@ class SGDConfig(ParamGroupsConfig):
     weight_decay: float = ranged(0.0, COUNT)
 
 
+class NSDtype(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 @dataclass
 class MuonConfig(ParamGroupsConfig):
     """optim=muon: Muon over the 2-D hidden matrices, AdamW over the rest (embeddings, the output head, norms,
@@ -57,7 +63,11 @@ class MuonConfig(ParamGroupsConfig):
     momentum: float = ranged(0.95, FRACTION)
     nesterov: bool = True
     ns_steps: int = ranged(5, SIZE)
-    """Newton-Schulz iterations per update (in fp32)."""
+    """Newton-Schulz iterations per update."""
+    ns_dtype: NSDtype = NSDtype.fp32
+    """The Newton-Schulz iteration's arithmetic: fp32 (the same update at any world size and layout, to fp32's
+    rounding); bf16, torch.optim.Muon's own (faster on GPUs; on the suite's job its losses leave fp32's by the figure
+    docs/configuration.md gives)."""
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = ranged(1e-8, POSITIVE)
     weight_decay: float = ranged(0.1, COUNT)

@@ -37,6 +37,10 @@ class ModelSize:
     gathered: int = 0
     """Elements of the matrices its optimizer updates whole (optim=muon's hidden matrices), which a per-parameter
     sharding gathers once per step (`launcher.plan.optim_comm`); counted by the launcher, 0 for other optimizers."""
+    tensor_split: int = 0
+    """Parameters its own tensor-parallel plan splits over a group of T ranks (`strategies.tp_plans.split_params`):
+    each rank of the group holds 1/T of these and the rest whole (norms, a rowwise layer's bias, what the plan does
+    not name); 0 for a model without a plan."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,12 +153,17 @@ def _pretrained_as_config(model_cfg: DictConfig) -> Any:
 
 
 def measure(model: Any) -> ModelSize:
+    from strategies.tp_plans import model_plan, resolve, split_params
+
     params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied parameter once
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     declared = set(getattr(model, "_no_split_modules", None) or ())
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in declared]
     rule = label_rule(model)
-    return ModelSize(params, largest, rule.takes_num_items, max(units, default=params), rule.label_shift)
+    split = split_params(model, resolve(model, model_plan(model)))
+    return ModelSize(
+        params, largest, rule.takes_num_items, max(units, default=params), rule.label_shift, tensor_split=split
+    )
 
 
 def label_rule(model: Any) -> LabelRule:

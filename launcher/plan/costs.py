@@ -85,12 +85,13 @@ def optimizer_moments(target: str, momentum: float = 0.0) -> int:
     )
 
 
-def per_rank_bytes(params: int, bpp: BytesPerParam, layout: Layout, shards: int) -> dict[str, dict[str, float]]:
-    """Bytes of each kind of model state one rank holds, by place: {place: {kind: bytes}}.
+def per_rank_bytes(params: float, bpp: BytesPerParam, layout: Layout, shards: int) -> dict[str, dict[str, float]]:
+    """Bytes of each kind of model state one rank holds, by place: {place: {kind: bytes}}, for `params` parameters (a
+    tensor-parallel rank's: `tensor_rank_params`).
 
-    A sharded kind costs 1/`shards` of the model on each rank: 1/G, 1/S on an HSDP mesh (S = its shard group's
-    size, `Mesh.groups`), and each planned layer split again by tensor parallel (its norms, a few %, stay whole); a
-    replicated one all of it. The master weights live with the optimizer state: both are what the optimizer steps on.
+    A sharded kind costs 1/`shards` of them on each rank: 1/G, 1/S on an HSDP mesh (S = its shard group's size,
+    `Mesh.groups`), the data-parallel ranks' share under tensor parallel; a replicated one all of them. The master
+    weights live with the optimizer state: both are what the optimizer steps on.
     """
     placements = {
         "weights": layout.params,
@@ -173,6 +174,12 @@ def comm_bytes(collectives: Iterable[Collective], world_size: int, mesh: Mesh, g
     return sum(comm_split(collectives, world_size, mesh, gpus))
 
 
+def tensor_rank_params(params: float, split: float, tensor_size: int) -> float:
+    """The parameters one rank of a tensor-parallel group of `tensor_size` holds: 1/T of the `split` ones its plan
+    splits (`ModelSize.tensor_split`), every other one whole (replicated over the group); `params` where T = 1."""
+    return params - split + split / tensor_size if tensor_size > 1 else params
+
+
 def strategy_comm(
     strategy: Any,
     params: float,
@@ -181,12 +188,15 @@ def strategy_comm(
     world_size: int,
     gpus: int | None = None,
     gathered: float = 0,
+    split: float = 0,
 ) -> tuple[float, float]:
-    """`comm_split` of what `strategy` declares for this run, with what its optimizer gathers (`gathered` elements
-    updated whole: `launcher.plan.optim_comm`)."""
+    """`comm_split` of what `strategy` declares for this run over a model of `params` parameters, `split` of them split
+    by its tensor-parallel plan (`ModelSize.tensor_split`; its collectives are over what a rank of a group holds), with
+    what its optimizer gathers (`gathered` elements updated whole: `launcher.plan.optim_comm`)."""
     from launcher.plan.optim_comm import optimizer_collectives
 
-    found = [*strategy.collectives(params, precision, accumulation, world_size, gpus)]
+    held = tensor_rank_params(params, split, strategy.layout().mesh.tensor_size)
+    found = [*strategy.collectives(held, precision, accumulation, world_size, gpus)]
     found += optimizer_collectives(gathered, strategy.layout())
     return comm_split(found, world_size, strategy.layout().mesh, gpus)
 

@@ -29,6 +29,7 @@ from launcher.plan.costs import (
     per_rank_bytes,
     split_comm_seconds,
     strategy_comm,
+    tensor_rank_params,
     transient_bytes,
 )
 from strategies.base import Strategy
@@ -172,13 +173,23 @@ class Plan:
         )
         accumulation = self.global_size // ((micro or self.micro) * world // layout.mesh.tensor_size) or 1
         params, unit = self.model.params, self.model.largest_unit or self.model.params
-        held = per_rank_bytes(params, bpp, layout, shards * layout.mesh.tensor_size)
+        split = self.model.tensor_split
+        # What a rank of a tensor-parallel group holds of the model (all of it where T = 1), then sharded over `shards`.
+        held = per_rank_bytes(tensor_rank_params(params, split, layout.mesh.tensor_size), bpp, layout, shards)
         gathered = gathered_bytes(self.model.largest_layer, bpp.weights, layout.params.sharded)
         grads_share = 1 / shards if layout.grads.sharded else 0.0
         transient = transient_bytes(
-            layout.transients, params, unit, self.precision, accumulation, grads_share, grad_bytes=bpp.weights
+            layout.transients,
+            tensor_rank_params(params, split, layout.mesh.tensor_size),
+            unit,
+            self.precision,
+            accumulation,
+            grads_share,
+            grad_bytes=bpp.weights,
         )
-        within, across = strategy_comm(strategy, params, self.precision, accumulation, world, gpus, self.model.gathered)
+        within, across = strategy_comm(
+            strategy, params, self.precision, accumulation, world, gpus, self.model.gathered, split
+        )
         return StrategyPlan(  # the fields in their order: name, strategy, layout, bpp, held, gathered, transient
             name,
             strategy,

@@ -14,27 +14,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.plan.costs import GB, MIXED_PRECISIONS, activation_bytes, bytes_per_param, comm_seconds
+from launcher.plan.costs import (
+    GB,
+    MIXED_PRECISIONS,
+    activation_bytes,
+    bytes_per_param,
+    comm_seconds,
+    tensor_rank_params,
+)
 from launcher.plan.fit import Plan
 from strategies.comm import ring_sent_elements
 from strategies.declarations import WIRE_BYTES
 
 SIZES = (1, 2, 4, 8)
-
-
-def split_params(model: Any, resolved: dict[str, str]) -> int:
-    """Parameters a plan splits over the group (each counted once): the weights of the modules it names, and the
-    biases of the colwise ones (a rowwise layer's bias is added once, whole)."""
-    from strategies.tp_plans import weight_dim
-
-    modules, seen, split = dict(model.named_modules()), set(), 0
-    for name, style in resolved.items():
-        dim = weight_dim(style, modules[name])
-        for pname, p in modules[name].named_parameters(recurse=False):
-            if dim is not None and id(p) not in seen and (pname == "weight" or dim == 0):
-                seen.add(id(p))
-                split += p.numel()
-    return split
 
 
 def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
@@ -46,7 +38,7 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
         return []
     d, P = plan.derived, plan.model.params
     world, gpus = d.world_size, d.gpus
-    split = split_params(model, resolved)
+    split = plan.model.tensor_split
     sequence = any(style in SEQUENCE for style in resolved.values())  # the norms' activations split too
     elem = 2 if plan.precision in MIXED_PRECISIONS else 4
     dtype = plan.precision if plan.precision in MIXED_PRECISIONS else "fp32"
@@ -57,7 +49,7 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
         accumulation, rest = divmod(plan.global_size, plan.micro * data)
         if rest or not accumulation:
             continue
-        held = (split / t + P - split) / data  # parameters per rank
+        held = tensor_rank_params(P, split, t) / data  # parameters per rank
         unit = (plan.model.largest_unit or P) / t
         acts, kept = tensor_activations(plan, cfg, t, sequence, plan.micro)
         tp = tensor_traffic(plan, model, t, accumulation, plan.micro)

@@ -36,7 +36,10 @@ class Speed:
             peak = peak_tflops(torch.cuda.get_device_name(ctx.device))
         gpus = ctx.local_world_size
         gathered = int(cfg.derived.model.get("gathered", 0))  # optim=muon's whole matrices (`ModelSize.gathered`)
-        formula = sum(strategy_comm(strategy, params, ctx.precision, ctx.accumulation, ctx.world_size, gpus, gathered))
+        split = int(cfg.derived.model.get("tensor_split", 0))  # what a tensor-parallel plan splits
+        formula = sum(
+            strategy_comm(strategy, params, ctx.precision, ctx.accumulation, ctx.world_size, gpus, gathered, split)
+        )
         planned = OmegaConf.select(cfg, "derived.plan_peak_bytes", default=None)
         return cls(flops_per_token(params, *shape), peak * 1e12 if peak else None, formula, planned)
 

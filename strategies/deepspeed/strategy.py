@@ -95,6 +95,7 @@ class DeepSpeed:
             master_weights=True,
             low_precision_weights=True,
             transients=transients,
+            flat=True,
         )
 
     def collectives(
