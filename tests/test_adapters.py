@@ -3,6 +3,7 @@ the installed releases, with the parameters the adapters expect; a release that 
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -135,3 +136,55 @@ def test_a_deepspeed_release_whose_collective_changed_fails_in_one_line() -> Non
 
     with pytest.raises(LibraryChanged, match=r"_optimizer_states_and_gradient_swap_in takes \(self, sub_group_id\)"):
         zero.check_deepspeed(where=_stand_in(zero.PRIVATE, DeepSpeedZeroOptimizer_Stage3=Stage3))
+
+
+def test_optuna_s_study_has_what_a_sampler_s_stop_needs() -> None:
+    """A grid or brute-force sampler that tried every point calls `Study.stop()`, accepted only inside `optimize`;
+    the sweeper's own loop marks the study so: on a release without those attributes, one line, not an
+    AttributeError in the middle of a sweep."""
+    import optuna
+
+    from launcher.adapters.optuna_private import check_study, stop_allowed
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.GridSampler({"x": [0, 1]}, seed=0))
+    check_study(study)
+    for _ in range(2):
+        trial = study.ask()
+        trial.suggest_categorical("x", [0, 1])
+        with stop_allowed(study) as stopped:
+            study.tell(trial, 1.0)
+    assert stopped() and not study._thread_local.in_optimize_loop  # the grid is done: the sampler said so
+    older = SimpleNamespace(_thread_local=SimpleNamespace(in_optimize_loop=False))  # a study without `_stop_flag`
+    with pytest.raises(LibraryChanged, match=r"^optuna \S+: optuna.study.study:Study._stop_flag is gone; .*optuna==5"):
+        check_study(older)
+
+
+def test_a_transformers_release_without_what_meta_builds_rely_on_fails_in_one_line(tmp_path: Path) -> None:
+    """Inside the block a folder's config alone builds its model (no weights there to read); outside, as ever."""
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
+
+    from launcher.adapters.transformers_private import NAMES, check_transformers, pretrained_from_config
+
+    check_transformers()
+    GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8).save_pretrained(tmp_path)
+    with pretrained_from_config():
+        built = GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert built.config.n_embd == 8 and built.config.vocab_size == 16
+    with pytest.raises(OSError):  # no weights in the folder
+        GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert isinstance(vars(PreTrainedModel)["from_pretrained"], classmethod)  # transformers' own, back
+
+    class Changed(PreTrainedModel):
+        @classmethod
+        def _from_config(cls, config: Any, dtype: Any, **kwargs: Any) -> Any:
+            pass
+
+    with pytest.raises(LibraryChanged, match=r"PreTrainedModel._from_config takes \(config, dtype, kwargs\), not"):
+        check_transformers(where=_stand_in(NAMES, PreTrainedModel=Changed))
+
+    class Inherited(PreTrainedModel):  # from_pretrained not its own: the block could not put it back
+        pass
+
+    with pytest.raises(LibraryChanged, match=r"PreTrainedModel.from_pretrained is not its own classmethod"):
+        check_transformers(where=_stand_in(NAMES, PreTrainedModel=Inherited))
