@@ -156,7 +156,7 @@ class Agent(LocalElasticAgent):
       get `failed_grace` seconds after SIGTERM, and one that cannot act on SIGTERM none: one stopped (by SIGSTOP or a
       debugger), or every one still alive once a rank gave up waiting in a collective (`_end_failed_group`).
     - A healthy group stopped because a node joins (nodes=MIN:MAX) has work worth saving: its ranks get
-      `shutdown_timeout` (trainer.stop_timeout) to checkpoint the step they are in, told by `<run dir>/RESIZING`
+      `shutdown_timeout` (trainer.stop_timeout) to checkpoint the step they are in, told by `<run dir>/logs/resizing`
       that this stop is a resize (`launcher.worker.adapt.resizing`), not the user's (`_stop_workers`).
     - Any stop: a stopped worker is killed at once (`_shutdown`).
     - A node's workers, all alive, of a job that cannot restart, while another node's rank failed: killed
@@ -202,6 +202,8 @@ class Agent(LocalElasticAgent):
         return result
 
     def _end_failed_group(self, workers: list[Worker], failed: dict[int, int]) -> None:
+        """SIGTERM to the workers still running, `failed_grace` s for them to end, SIGKILL to those that did not,
+        at once to those that cannot act on SIGTERM."""
         grace = self.config.failed_grace
         running = [w for w in workers if w.local_rank not in failed and _running(w.id)]
         logging.getLogger("torch.distributed.elastic").warning(
