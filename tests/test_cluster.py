@@ -338,7 +338,7 @@ def test_rendezvous_events_are_named_without_reading_the_stack(monkeypatch: pyte
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    from launcher.parent.rendezvous import cheap_event_names
+    from launcher.adapters.torch_private import cheap_event_names
 
     monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)  # restored after
     cheap_event_names()

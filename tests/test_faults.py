@@ -625,6 +625,34 @@ def test_a_stopped_process_is_told_from_a_running_one() -> None:
     assert not _stopped(proc.pid)  # gone: nothing to wait for either
 
 
+def test_a_worker_s_exit_is_read_without_reaping_it() -> None:
+    """The agent looks at a worker's exit before torch's poll does, to stop the others itself: it reads the code (a
+    signal's as its negative) and leaves the process to be reaped by whoever started it (torch), who then reads the
+    same code."""
+    import time
+
+    from launcher.parent.agent import _exit_code, _running
+
+    failed = subprocess.Popen(["sh", "-c", "exit 3"])
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        while _exit_code(failed.pid) is None:  # until it has ended
+            time.sleep(0.01)
+        assert _exit_code(failed.pid) == 3 and not _running(failed.pid)
+        assert failed.wait() == 3  # still there to be reaped, with its code
+        assert _exit_code(failed.pid) is None and not _running(failed.pid)  # reaped: no child of this process now
+        assert _running(running.pid) and _exit_code(running.pid) is None
+        running.send_signal(signal.SIGSTOP)  # stopped is not ended
+        assert _running(running.pid) and _exit_code(running.pid) is None
+        running.kill()
+        while _exit_code(running.pid) is None:
+            time.sleep(0.01)
+        assert _exit_code(running.pid) == -signal.SIGKILL and running.wait() == -signal.SIGKILL
+    finally:
+        running.kill()
+        running.wait()
+
+
 @pytest.mark.unit
 def test_a_killed_launchers_empty_failure_folder_is_removed_by_the_next_and_nothing_else() -> None:
     """A launcher killed by SIGKILL leaves its (empty) failure folder in /dev/shm; the next launcher on the machine

@@ -3,6 +3,6 @@ every check and plan, and what the workers need of it (`meta`), and how a forwar
 made from it (`loss`: the loss contract), and the launcher's checks of it before any worker starts (`checks`). Any
 model works if its forward takes a batch and returns the loss.
 
-May import: `launcher.base`, `launcher.config`, `strategies` (a model called as the strategies call it, its MoE
-blocks), `torch`; `transformers` lazily.
+May import: `launcher.base`, `launcher.config`, `launcher.adapters`, `strategies` (a model called as the strategies
+call it, its MoE blocks), `torch`; `transformers` lazily.
 """

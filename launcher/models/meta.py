@@ -135,19 +135,12 @@ def _pretrained_as_config(model_cfg: DictConfig) -> Any:
     if "transformers" not in sys.modules:  # imported by the failed attempt, if it got that far
         return None
     from hydra.utils import instantiate
-    from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-    def from_config(cls: Any, path: Any, *args: Any, config: Any = None, **kwargs: Any) -> Any:
-        config = config if isinstance(config, PretrainedConfig) else AutoConfig.from_pretrained(str(config or path))
-        return cls._from_config(config)
+    from launcher.adapters.transformers_private import pretrained_from_config
 
     def build() -> Any:
-        original = PreTrainedModel.__dict__["from_pretrained"]
-        PreTrainedModel.from_pretrained = classmethod(from_config)  # type: ignore[method-assign,assignment]
-        try:
+        with pretrained_from_config():
             return instantiate(model_cfg)
-        finally:
-            PreTrainedModel.from_pretrained = original  # type: ignore[method-assign]
 
     return build
 

@@ -110,7 +110,8 @@ def _merged(lines: list[str]) -> list[str]:
 
 
 STOPPED_BY_LAUNCHER: set[int] = set()
-"""Workers this launcher killed because another failed (`launcher.parent.agent`): not failures of their own."""
+"""Workers of this attempt that the launcher's agent stopped (SIGTERM) or killed because another failed
+(`launcher.parent.agent.Agent`): not failures of their own."""
 SECONDARY = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe")
 """What a rank says (gloo, NCCL, a socket) when another one died first: it is not the cause."""
 ECHO = "lost its peers"

@@ -3,7 +3,6 @@ user (rdzv.*) or by the cluster environment the job runs in (`launcher.clusters`
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -82,67 +81,27 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def cheap_event_names() -> None:
-    """torch's dynamic rendezvous names each of its events by `inspect.stack()`, twice per event, before it checks
-    whether anyone records events (nobody does, by default): every frame's source is read from disk, about half a
-    second of a launch. The same name, the calling method's, read from the frame alone."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    def method_name(depth: int = 2) -> str:
-        try:
-            return sys._getframe(depth).f_code.co_name  # as inspect.stack()[depth].function: counted from here
-        except ValueError:
-            return "no_method_name"
-
-    dynamic_rendezvous.get_method_name = method_name
-
-
 class JobFull(Exception):
     """This node joined a job that has all its nodes already (`refuse_spare_nodes`)."""
 
 
 def refuse_spare_nodes() -> None:
     """torch keeps a node that joins a job with all its nodes (nodes=MIN:MAX running at MAX) as a spare: it waits,
-    saying nothing, until a node leaves, for as long as the job runs. The launcher refuses it in one line instead,
-    before it changes the rendezvous state, and leaves the rendezvous open for the job (torch's agent closes it on
-    its way out: the job's next restart would find it closed). Where a member has gone quiet (a node that just
-    failed, started again before torch dropped it), the node waits as torch has it, to take that place."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    saying nothing, until a node leaves, for as long as the job runs. The launcher refuses it in one line instead
+    (JobFull), before it changes the rendezvous state, and leaves the rendezvous open for the job
+    (`launcher.parent.agent.run_agent`; torch's launcher closes it on its way out: the job's next restart would find
+    it closed). Where a member has gone quiet (a node that just failed, started again before torch dropped it), the
+    node waits as torch has it, to take that place (`launcher.adapters.torch_private.when_spare`)."""
+    from launcher.adapters.torch_private import when_spare
 
-    join = getattr(dr._RendezvousJoinOp.__call__, "launch_original", dr._RendezvousJoinOp.__call__)
-    shutdown = getattr(dr.DynamicRendezvousHandler.shutdown, "launch_original", dr.DynamicRendezvousHandler.shutdown)
-    refused: list[str] = []
+    when_spare(_refuse)
 
-    def alive(ctx: Any) -> bool:
-        """Every member kept its place alive within two keep-alive intervals: none is a node that just failed, whose
-        place a node started again for it takes once torch drops the dead one (the spare's wait, kept for that)."""
-        from datetime import datetime, timezone
 
-        recent = datetime.now(timezone.utc) - 2 * ctx.settings.keep_alive_interval
-        beats = ctx.state.last_heartbeats
-        return all(node in beats and beats[node] > recent for node in ctx.state.participants)
-
-    def joining(op: Any, ctx: Any, deadline: float) -> Any:
-        action = join(op, ctx, deadline)
-        if action == dr._Action.ADD_TO_REDUNDANCY_LIST and alive(ctx):
-            refused.append(ctx.settings.run_id)
-            raise JobFull(
-                f"job {ctx.settings.run_id!r} runs on its {ctx.settings.max_nodes} nodes already (the most its nodes= "
-                f"allows): this node is not needed; start it again once a node has left, or start the job with a "
-                f"larger maximum"
-            )
-        return action
-
-    def leaving(handler: Any) -> bool:
-        if refused:  # not a member: the job's rendezvous is not this node's to close
-            handler._stop_heartbeats()
-            return True
-        return bool(shutdown(handler))
-
-    joining.launch_original = join  # type: ignore[attr-defined]
-    leaving.launch_original = shutdown  # type: ignore[attr-defined]
-    dr._RendezvousJoinOp.__call__ = joining  # type: ignore[method-assign]
-    dr.DynamicRendezvousHandler.shutdown = leaving  # type: ignore[method-assign]
+def _refuse(run_id: str, max_nodes: int) -> None:
+    raise JobFull(
+        f"job {run_id!r} runs on its {max_nodes} nodes already (the most its nodes= allows): this node is not "
+        "needed; start it again once a node has left, or start the job with a larger maximum"
+    )
 
 
 def reachable(endpoint: str, timeout: float = 2.0) -> bool:

@@ -22,9 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.base.machine import loopback_interface, memory_available, usable_cpus
 from launcher.clusters import detect
 from launcher.config import EXIT_FAILED, Derived
-from launcher.parent.agent import agent_logs_to_file, failed_group_grace, preload, stop_with_failed_peers
 from launcher.parent.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
-from launcher.parent.rendezvous import LOOPBACK, JobFull, Rendezvous, cheap_event_names, reachable, refuse_spare_nodes
+from launcher.parent.rendezvous import LOOPBACK, JobFull, Rendezvous, reachable, refuse_spare_nodes
 from launcher.parent.rundir import Ownership
 from launcher.parent.tier_checks import memory_tier
 from launcher.worker.lifecycle import (
@@ -101,40 +100,44 @@ def _ask_workers(signum: int, _frame: Any) -> None:
 
 
 def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Outcome:
-    """Start `gpus` workers on this node through torch's elastic agent and wait for them."""
+    """Start `gpus` workers on this node through the launcher's elastic agent and wait for them."""
     resolved, derived, rdzv = prepared.resolved, prepared.derived, prepared.rdzv
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+    from torch.distributed.elastic.multiprocessing import SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from launcher.adapters.torch_private import cheap_event_names, check_elastic
+    from launcher.parent.agent import AgentConfig, agent_logs_to_file, preload, run_agent
+    from strategies.checked import LibraryChanged
+
+    try:  # the names of torch's the agent and the rendezvous rely on, before anything starts
+        check_elastic()
+        cheap_event_names()
+        refuse_spare_nodes()
+    except LibraryChanged as e:
+        return Outcome(EXIT_FAILED, str(e))
     _worker_environment(derived, rdzv, run_dir)
     tier = memory_tier(resolved, os.environ[NODE_ID_ENV])  # this node's folder in shared memory, removed at the end
     agent_logs_to_file(run_dir)
-    cheap_event_names()
-    refuse_spare_nodes()
     forked = derived.forks_workers(trainer)
     if forked:
         preload(prepared.requirements, derived.device)
-    quiet = {rank: Std.ALL for rank in range(1, derived.gpus)}  # rank 0 talks to the terminal
-    config = LaunchConfig(
+    config = AgentConfig(
         min_nodes=derived.min_nodes,  # nodes=MIN:MAX: the group restarts at the new size when a node leaves or joins
         max_nodes=derived.nodes,
         nproc_per_node=derived.gpus,
-        run_id=rdzv.run_id,
-        rdzv_backend=rdzv.backend,
-        rdzv_endpoint=rdzv.endpoint,
-        rdzv_configs=rdzv.configs,
-        local_addr=rdzv.local_addr,
+        rdzv=rdzv,
         max_restarts=prepared.restarts,
         # The agent passes these on to the workers, which finish the step and checkpoint (SIGUSR2: SLURM's warning).
         signals_to_handle=",".join(s.name for s in STOP_SIGNALS),
         shutdown_timeout=trainer.stop_timeout,
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
+        failed_grace=min(trainer.stop_timeout, STOP_REPEAT_GRACE),
+        log_dir=run_dir / "logs",
+        redirects={rank: Std.ALL for rank in range(1, derived.gpus)},  # rank 0 talks to the terminal
         start_method="fork" if forked else "spawn",
+        run_dir=run_dir,
+        watch_peers=derived.nodes > 1,
     )
-    failed_group_grace(min(trainer.stop_timeout, STOP_REPEAT_GRACE), trainer.stop_timeout, run_dir)
-    stop_with_failed_peers(run_dir if derived.nodes > 1 else None)
     previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, DUMP_SIGNAL)}
     signal.signal(DUMP_SIGNAL, _ask_workers)
     oom_before, (_, available) = oom_kills(), memory_available()
@@ -155,9 +158,9 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
         if forked:
             from launcher.worker import main as worker
 
-            elastic_launch(config, worker.forked)(str(resolved))
+            run_agent(config, worker.forked, str(resolved))
         else:
-            elastic_launch(config, sys.executable)("-u", "-m", "launcher.worker.main", str(resolved))
+            run_agent(config, sys.executable, "-u", "-m", "launcher.worker.main", str(resolved))
     except SignalException as e:
         return _stopped(e.sigval, run_dir, previous, trainer)
     except JobFull as e:

@@ -163,18 +163,17 @@ def tell(study: Any, trial: Any, record: dict[str, Any]) -> tuple[str, bool]:
     whether the sampler has nothing left to try (a grid or brute-force sampler that has tried every point)."""
     from optuna.trial import TrialState
 
+    from launcher.adapters.optuna_private import stop_allowed
+
     state = str(record.get("state"))
     if state not in ("complete", "pruned"):
         trial.set_user_attr("reason", str(record.get("reason", ""))[:500])
         state = "failed"
     # Samplers that run out of points call `Study.stop()`, which optuna accepts only inside `optimize`: here the
-    # sweeper's loop is that loop, and it reads the flag the call sets.
-    study._thread_local.in_optimize_loop, study._stop_flag = True, False
-    try:
+    # sweeper's loop is that loop, and it reads whether one did.
+    with stop_allowed(study) as stopped:
         if state == "complete":
             study.tell(trial, record["objective"])
         else:
             study.tell(trial, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL)
-    finally:
-        study._thread_local.in_optimize_loop = False
-    return state, bool(study._stop_flag)
+    return state, stopped()

@@ -10,5 +10,5 @@ resumes from (`resume`), the rank's phase, signals and failure reports (`lifecyc
 
 A change to the training loop is made here. May import: `launcher.base`, `launcher.data`, `launcher.config`,
 `launcher.models`, `launcher.checkpoint`, `launcher.plan` (its cost arithmetic), `launcher.search` (a trial's report),
-`strategies`; never `launcher.parent`.
+`launcher.adapters`, `strategies`; never `launcher.parent`.
 """

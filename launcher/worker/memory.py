@@ -287,15 +287,7 @@ class StepMemory:
 def _resizes_seen(storages: LiveStorages) -> Iterator[None]:
     """Inside the block, a storage resized in place (`UntypedStorage.resize_`, which runs no operator: FSDP frees an
     unsharded parameter's memory so, and refills it) is counted at its new size at once."""
-    real = torch.UntypedStorage.resize_
+    from launcher.adapters.torch_private import resizes_seen
 
-    def resize_(storage: Any, size: int) -> Any:
-        out = real(storage, size)
-        storages.count(storage)
-        return out
-
-    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-    try:
+    with resizes_seen(storages.count):
         yield
-    finally:
-        del torch.UntypedStorage.resize_  # the method it inherits, as before

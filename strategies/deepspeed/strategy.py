@@ -224,6 +224,7 @@ class DeepSpeed:
         import strategies.deepspeed.imported  # noqa: F401, I001  # before any `import deepspeed`
         import deepspeed
 
+        zero.check_deepspeed()  # the private names the strategy relies on, in one line where a release changed one
         # DeepSpeed calls torch collectives that torch has deprecated: nothing a user can act on.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         self.ctx = ctx

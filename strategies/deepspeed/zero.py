@@ -1,13 +1,20 @@
-"""Every place the DeepSpeed strategy reaches into DeepSpeed's ZeRO optimizers: the file to re-read on an upgrade.
+"""DeepSpeed's adapter: every place the DeepSpeed strategy reaches into DeepSpeed beyond its public API, checked
+against deepspeed 0.19.8; the file to re-read on an upgrade.
 
 - the strategy-neutral state export and import (full fp32 weights and optimizer moments keyed like torch's
   full state dict), including the lazily created optimizer state and the paging of NVMe partitions;
 - the per-rank bytes of model state, read from the optimizer's partitions;
-- the count of gradient reductions, by wrapping `deepspeed.comm`'s entry points.
+- the count of collectives (`counting_collectives`), by wrapping `deepspeed.comm`'s entry points inside a block.
+  DeepSpeed's own comms logger (`deepspeed.comm.configure`, the `comms_logger` config) counts the same calls but
+  not the same figures: it sizes a gather by its input, not the buffer gathered, a coalesced all-reduce by the sum
+  of its tensors; and once enabled it synchronises the device after every collective and keeps each one's latency.
 
 Public helpers (`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`, `GatheredParameters`) are used
-where DeepSpeed has them; the attributes named here (`fp32_partitioned_groups_flat`, `averaged_gradients`,
-`_optimizer_states_and_gradient_swap_in`, ...) are private and were checked against deepspeed 0.19.
+where DeepSpeed has them. The private methods called here, and the entry points wrapped, are checked once per
+process before the strategy relies on them (`check_deepspeed`, from its setup): one that is gone or takes other
+parameters fails in one line naming it, DeepSpeed's version and what to do. The attributes read here
+(`fp32_partitioned_groups_flat`, `averaged_gradients`, `single_partition_of_fp32_groups`, ...) are the ZeRO
+optimizers' own, read where the tests of each stage read their figures.
 """
 
 from __future__ import annotations
@@ -19,8 +26,12 @@ from typing import Any
 
 import torch
 
+from strategies.checked import Private, check
 from strategies.comm import CommCounter
 from strategies.no_grad import NO_GRAD_GROUP
+
+CHECKED_AGAINST = "0.19.8"
+ADAPTER = "strategies/deepspeed/zero.py"
 
 COLLECTIVES = {
     "all_reduce": ("all_reduce", True),
@@ -37,6 +48,56 @@ COLLECTIVES = {
 }
 """DeepSpeed's collective entry points (called as `deepspeed.comm.<name>` by the ZeRO optimizers): what each is for
 the ring formula, and whether it synchronises gradients (the all-gathers move parameters, the all-to-alls tokens)."""
+ENTRY_POINTS = {
+    "all_reduce": ("tensor", "op", "group", "async_op", "prof", "log_name", "debug"),
+    "all_reduce_coalesced": ("tensors", "op", "group", "async_op", "prof", "log_name", "debug"),
+    "reduce": ("tensor", "dst", "op", "group", "async_op", "prof", "log_name", "debug"),
+    "reduce_scatter": ("output", "input_list", "op", "group", "async_op", "prof", "log_name", "debug"),
+    "reduce_scatter_fn": ("output_tensor", "tensor", "op", "group", "async_op", "prof", "debug"),
+    "reduce_scatter_tensor": ("output_tensor", "tensor", "op", "group", "async_op", "prof", "log_name", "debug"),
+    "all_gather": ("tensor_list", "tensor", "group", "async_op", "prof", "log_name", "debug"),
+    "all_gather_into_tensor": ("output_tensor", "tensor", "group", "async_op", "prof", "log_name", "debug"),
+    "allgather_fn": ("output_tensor", "input_tensor", "group", "async_op", "debug"),
+    "all_to_all_single": (
+        "output",
+        "tensor",
+        "output_split_sizes",
+        "input_split_sizes",
+        "group",
+        "async_op",
+        "prof",
+        "log_name",
+        "debug",
+    ),
+    "all_to_all": ("output_tensor_list", "input_tensor_list", "group", "async_op", "prof", "log_name", "debug"),
+}
+"""What each entry point takes: the counter sizes a call by the largest of its tensor arguments, which is the full
+buffer (a reduction's input, a gather's output) for these parameters; a new tensor parameter could change that."""
+ZERO_1_2 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+ZERO_3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
+PRIVATE = (
+    *(Private(f"deepspeed.comm:{name}", parameters) for name, parameters in ENTRY_POINTS.items()),
+    Private(f"{ZERO_1_2}._lazy_init_hp_params_optimizer_state", ("self",)),
+    Private(f"{ZERO_1_2}._link_all_hp_params", ("self",)),
+    Private(f"{ZERO_3}._swappable_optimizer_subgroup", ("self", "sub_group_id")),
+    Private(f"{ZERO_3}._optimizer_states_and_gradient_swap_in", ("self", "sub_group_id", "timer_names")),
+    Private(f"{ZERO_3}._optimizer_states_and_gradient_swap_out", ("self", "sub_group_id", "timer_names")),
+)
+"""Every name of DeepSpeed's this module wraps or calls that is not its public API, with what it takes."""
+
+
+def check_deepspeed(where: Any = None) -> None:
+    """LibraryChanged, in one line, where the installed DeepSpeed lacks a name of `PRIVATE` or it takes other
+    parameters (once per process; `where`: a stand-in to check instead, in the tests)."""
+    if where is not None:
+        check("deepspeed", CHECKED_AGAINST, PRIVATE, ADAPTER, where)
+    else:
+        _check_installed()
+
+
+@functools.cache
+def _check_installed() -> None:
+    check("deepspeed", CHECKED_AGAINST, PRIVATE, ADAPTER)
 
 
 # ------------------------------------------------------------------ communication
