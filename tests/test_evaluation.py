@@ -172,15 +172,31 @@ def test_bad_evaluation_input_is_one_line_before_any_worker_starts(tmp_path: Pat
         assert "val/accuracy" in line and "val/right" in line and "val_loss" in line, line
 
 
+CODE = [
+    "model._target_=eval_models.NanoClassifier",
+    "+model.config._target_=eval_models.NanoConfig",
+    "data._target_=eval_models.images",
+    "+trainer.metrics.accuracy._target_=" + METRICS[0].split("=", 1)[1],
+    "+trainer.metrics.right._target_=eval_models.correct",
+]
+"""What `launch eval` of the classifier's runs is given: the code its config names, which is never taken from a file;
+every other setting (the model's sizes, the data's, the metrics' keys, the batch) is the run's."""
+
+
 def test_launch_eval_of_a_zero3_checkpoint_at_one_process_gives_the_run_s_figures(conformance_dir: Path) -> None:
     zero3 = jobs(nano_sweep(conformance_dir)[1])["zero3"]  # 2 ranks
     logged = metrics(zero3)[-1]
     assert logged["step"] == 4 and "val/accuracy" in logged, logged
     checkpoint = zero3 / "checkpoints" / "step_00000004"
+    # The run's config names code (its model, data and metrics are the user's): refused in one line that gives the
+    # overrides to repeat, before anything is written.
+    line = launch_here(conformance_dir, "eval", str(checkpoint), name="eval-refused").refused()
+    assert f"the run's config ({zero3 / 'resolved.yaml'}) names code that is not taken from a file: give " in line
+    assert " ".join(CODE) in line, line
     evaluated = conformance_dir / "eval-of-zero3"
-    proc = launch_once(conformance_dir, "eval", str(checkpoint), "+sweep=smoke", *NANO, *METRICS, *JOB,
-                       "strategy=ddp", "gpus=1", name="eval-of-zero3")  # fmt: skip
+    proc = launch_once(conformance_dir, "eval", str(checkpoint), *CODE, "strategy=ddp", "gpus=1", name="eval-of-zero3")
     proc.check()
+    assert f"launch: eval: the run's config from {zero3 / 'resolved.yaml'} (model=custom, data=custom" in proc.stdout
     figures = json.loads((evaluated / "eval.json").read_text())
     assert figures["step"] == 4
     names = ["val_loss", "val/accuracy", "val/right"]
@@ -192,6 +208,141 @@ def test_launch_eval_of_a_zero3_checkpoint_at_one_process_gives_the_run_s_figure
     table = proc.stdout[proc.stdout.index("launch: evaluation of step 4") :].splitlines()
     assert table[1].split() == ["figure", "value"] and [r.split()[0] for r in table[2:5]] == names, table
     assert not (evaluated / "metrics.jsonl").read_text().strip()  # no step trained, none logged
+
+
+@pytest.mark.long  # 4-8 min (12 runs); test_metrics_of_a_nanogpt_shaped_model_are_one_process_s_under_every_strategy
+# covers a partial last batch against one plain process in the default tier (13 points, 2 ranks, every strategy)
+def test_301_points_are_one_plain_process_s_at_1_to_4_ranks_under_ddp_fsdp_and_zero3(conformance_dir: Path) -> None:
+    """301 validation points (an odd count: 12 global batches of 24 and one of 13), trainer.eval_batches=all, at 1, 2,
+    3 and 4 ranks under ddp, fsdp and zero3: the loss and MulticlassAccuracy(average=micro) of each run's final
+    weights are one plain process's over all 301; `launch eval` of the zero3 checkpoint of 3 ranks, at 4 ranks under
+    fsdp, gives them too."""
+    wide = [
+        *NANO,
+        "+model.config.classes=5",
+        "+data.val_count=301",
+        *METRICS[:1],
+        "+trainer.metrics.accuracy.num_classes=5",
+        "+trainer.metrics.accuracy.average=micro",
+        "batch.global_size=24",
+        "batch.micro_size=2",
+        "trainer.max_steps=3",
+        "trainer.eval_every=3",
+        "trainer.eval_batches=all",
+        "optim.lr=0.1",
+        "trainer.warmup_steps=1",
+        "trainer.save_at_end=true",
+    ]
+    run, sweep = smoke(conformance_dir, "eval-301", *wide, "strategy=ddp,fsdp,zero3", "gpus=1,2,3,4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    from omegaconf import OmegaConf
+
+    seen = {}
+    for job in (d for d in sweep.iterdir() if (d / "resolved.yaml").is_file()):
+        cfg = OmegaConf.load(job / "resolved.yaml")
+        plain = plain_figures(job / "checkpoints" / "step_00000003", count=301, classes=5)
+        last = metrics(job)[-1]
+        seen[(cfg.job.choices.strategy, cfg.derived.world_size)] = job
+        assert last["step"] == 3 and last["val_loss"] == pytest.approx(plain["val_loss"], abs=EXACT), (job, last)
+        assert last["val/accuracy"] == pytest.approx(plain["val/accuracy"], abs=EXACT), (job, last)
+    assert sorted(seen) == [(s, g) for s in ("ddp", "fsdp", "zero3") for g in (1, 2, 3, 4)], sorted(seen)
+    checkpoint = seen[("zero3", 3)] / "checkpoints" / "step_00000003"
+    code = [o for o in CODE if "right" not in o]
+    proc = launch_once(
+        conformance_dir, "eval", str(checkpoint), *code, "strategy=fsdp", "gpus=4", name="eval-301-of-zero3"
+    )
+    figures = json.loads((proc.check().run_dir / "eval.json").read_text())["figures"]
+    plain = plain_figures(checkpoint, count=301, classes=5)
+    assert {n: figures[n] for n in ("val_loss", "val/accuracy")} == pytest.approx(
+        {n: plain[n] for n in ("val_loss", "val/accuracy")}, abs=EXACT
+    )
+
+
+GPT_ON_TEXT = [
+    "data=text",
+    "data.seq_len=32",
+    "data.packing=false",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "gpus=2",
+    "batch.global_size=16",
+    "batch.micro_size=4",
+    "trainer.max_steps=2",
+    "trainer.eval_every=2",
+    "trainer.eval_batches=all",
+    "trainer.save_at_end=true",
+]
+"""The built-in GPT at 32 positions on data=text's padded samples (each holds its own number of targets), its
+validation over the whole split."""
+GPT_EXACT = 1e-6
+"""How far the GPT's validation loss may be from a plain loop's: the GPT sums each micro-batch's token losses in
+float32 (its `loss_sum`, over up to 128 tokens of losses near 5.7: up to about 1e-7 of each sum), the loop adds each
+token's loss in float64 (measured: 1e-7 apart over 117 samples)."""
+
+
+def plain_gpt_loss(run_dir: Path, checkpoint: Path | None = None) -> tuple[float, int]:
+    """Σ token losses / Σ targets over every sample of the run's validation split, one sample at a time, in float64,
+    with the checkpoint's weights (the run's newest): the figure of a plain loop over the whole split; and its
+    number of samples."""
+    import torch
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+
+    from launcher.base.storage import location
+    from launcher.data.builtin import build_dataset
+    from launcher.models.gpt import GPT
+    from launcher.parent.convert import find_checkpoint, weights
+
+    cfg = OmegaConf.load(run_dir / "resolved.yaml")
+    model = GPT(**{k: v for k, v in cfg.model.items() if k != "_target_"})
+    model.load_state_dict(weights(find_checkpoint(location(checkpoint or run_dir))))
+    dataset, total, targets = build_dataset(cfg.data, "val"), 0.0, 0
+    with torch.no_grad():
+        for i in range(len(dataset)):
+            x, y = dataset[i]
+            logits = model.eval()(x[None], y[None])["logits"].double()
+            total += float(F.cross_entropy(logits.view(-1, logits.size(-1)), y, reduction="sum"))  # -100: nothing
+            targets += int((y != -100).sum())
+    return total / targets, len(dataset)
+
+
+def test_the_gpt_s_loss_over_a_whole_text_split_is_a_plain_loop_s_and_eval_and_convert_take_the_run_s_config(
+    tmp_path: Path,
+) -> None:
+    """trainer.eval_batches=all: the GPT's val_loss is a plain loop's over every sample of the split. `launch eval
+    RUN` and `launch convert RUN out=DIR` with no override take the run's own config (a model of 32 positions, where
+    the command's defaults make 128) and give the same figure; an override that does not fit is one line naming it."""
+    from conftest import TINY, cli_here, launch
+    from text_corpus import make_corpus
+
+    corpus = make_corpus(tmp_path / "made")
+    data = [
+        f"data.files={corpus['corpus']}",
+        f"data.tokenizer={corpus['tokenizer']}",
+        f"data.val_files={corpus['val']}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    base = [o for o in TINY if not o.startswith(("data", "model.n_", "trainer.eval_every"))]
+    run = launch(tmp_path, *base, *GPT_ON_TEXT, *data).check()
+    plain, samples = plain_gpt_loss(run.run_dir)
+    assert samples % 16 and f"launch: evaluation: the set val: all {samples} samples, each once" in run.stdout
+    assert run.metrics[-1]["val_loss"] == pytest.approx(plain, abs=GPT_EXACT), (run.metrics[-1], plain)
+    evaluated = launch(tmp_path, "eval", str(run.run_dir), name="evaluated").check()
+    assert f"launch: eval: the run's config from {run.run_dir / 'resolved.yaml'}" in evaluated.stdout
+    figures = json.loads((evaluated.run_dir / "eval.json").read_text())["figures"]
+    assert figures["val_loss"] == pytest.approx(plain, abs=GPT_EXACT), (figures, plain)
+    converted = cli_here(tmp_path, "convert", str(run.run_dir), f"out={tmp_path / 'gpt'}")
+    assert converted.returncode == 0, converted.stderr
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(tmp_path / "gpt" / "model.yaml").block_size == 32
+    # An override the checkpoint does not fit: one line naming it and the run's value, before anything is written.
+    line = launch_here(tmp_path, "eval", str(run.run_dir), "model.n_embd=48", name="wrong").refused()
+    assert "does not fit the model" in line and "leave out model.n_embd=48 (the run's: 32)" in line, line
+    wrong = cli_here(tmp_path, "convert", str(run.run_dir), f"out={tmp_path / 'wrong'}", "model.n_layer=2")
+    lines = wrong.stderr.strip().splitlines()
+    assert wrong.returncode == 2 and len(lines) == 1 and "leave out model.n_layer=2 (the run's: 1)" in lines[0], lines
+    assert not (tmp_path / "wrong").exists()
 
 
 @pytest.mark.long  # 15-30 s: the accuracy test covers the reduction; this one covers padded targets
@@ -335,3 +486,74 @@ def test_the_loss_weighs_a_micro_batch_by_its_targets_or_by_its_samples() -> Non
     assert said and "weighs each micro-batch's mean by its samples" in said, said
     said = unweighed(mean, (torch.zeros(2, 3), labels), rule)
     assert said and "by the targets counted in it" in said, said
+
+
+# ------------------------------------------------------------------------------- the run's own config, as data
+
+
+@pytest.mark.unit
+def test_the_run_s_config_becomes_overrides_that_the_command_line_changes_where_it_names() -> None:
+    """The run's group choices and values, before the command line's: a key the command names (or one above or below
+    it) is left out of the run's, a group it chooses leaves out the run's whole node; every value reads back through
+    Hydra's parser as it was."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from launcher.parent.run_config import TAKEN, render, run_overrides
+
+    metric = {"_target_": "torchmetrics.classification.MulticlassAccuracy", "num_classes": 5, "average": "micro"}
+    run = {
+        "model": {"_target_": "launcher.models.gpt.GPT", "n_layer": 2, "block_size": 32, "dropout": 0.0},
+        "data": {"_target_": "launcher.data.builtin.Synthetic", "seq_len": 32, "val": {}},
+        "trainer": {"metrics": {"acc": metric}, "eval_batches": "all", "max_steps": 300},
+        "strategy": {"_target_": "strategies.ddp.DDP"},
+        "gpus": 2,
+        "job": {"choices": {"model": "gpt_tiny", "data": "synthetic", "strategy": "ddp"}},
+    }
+    command = ["model.n_layer=3", "data=pysource", "+trainer.metrics.acc._target_=my_pkg.Acc", "gpus=1"]
+    assert run_overrides(run, command, TAKEN) == [
+        "model=gpt_tiny",
+        "++model._target_=launcher.models.gpt.GPT",
+        "++model.block_size=32",
+        "++model.dropout=0.0",
+        "++trainer.metrics.acc.num_classes=5",
+        "++trainer.metrics.acc.average=micro",
+        "++trainer.eval_batches=all",
+    ]
+    parser = OverridesParser.create()
+    values = ["it's", "back\\slash\\", "a b", "1e-08", "true", "cosine", "my_pkg.Net", 1e-08, 3, None, True]
+    for value in [*values, [0.9, "x y"], {"k": [1, {"z": "w's"}]}, {}]:
+        assert parser.parse_override(f"++a.b={render(value)}").value() == value, (value, render(value))
+
+
+@pytest.mark.unit
+def test_a_run_s_config_is_read_as_data_and_its_code_only_where_the_command_names_it(tmp_path: Path) -> None:
+    """resolved.yaml is YAML read safely: a tag that would build a Python object, or an interpolation (which would
+    read the environment when resolved), is refused in one line and nothing runs; a `_target_` the command's own
+    composition does not name is refused, with the overrides to give."""
+    from omegaconf import OmegaConf
+
+    from launcher.base.errors import ConfigError
+    from launcher.config import schema
+    from launcher.parent.run_config import check_code, package_targets, read_run, render, run_overrides
+
+    planted = tmp_path / "planted"
+    (tmp_path / "crafted.yaml").write_text(f"model: !!python/object/apply:os.mkdir ['{planted}']\njob: {{}}\n")
+    with pytest.raises(ConfigError, match="does not read as a run's config"):
+        read_run(tmp_path / "crafted.yaml")
+    assert not planted.exists()
+    with pytest.raises(ConfigError, match=r"an interpolation at data.path \(\$\{oc.env:HOME\}\)"):
+        render("${oc.env:HOME}", "data.path")
+    run = {"model": {"_target_": "os.system", "command": "true"}, "job": {"choices": {"model": "custom"}}}
+    taken = run_overrides(run, [], ["model"])
+    base = OmegaConf.create({"model": {"_target_": "???"}})
+    with pytest.raises(ConfigError, match="names code that is not taken from a file: give model._target_=os.system on"):
+        check_code(taken, base, tmp_path / "resolved.yaml")
+    check_code(taken, OmegaConf.create({"model": {"_target_": "os.system"}}), tmp_path / "resolved.yaml")  # named
+    # A mixture of the launcher's own data names its sources' targets: those of the package's own options are taken.
+    schema.register()
+    source = {"_target_": "launcher.data.builtin.Synthetic", "weight": 1.0}
+    mix = {"data": {"_target_": "launcher.data.mix.Mix", "sources": {"a": source}}, "job": {"choices": {"data": "mix"}}}
+    mixed = OmegaConf.create({"data": {"_target_": "launcher.data.mix.Mix", "sources": {}}})
+    check_code(run_overrides(mix, [], ["data"]), mixed, tmp_path / "resolved.yaml", package_targets)
+    with pytest.raises(ConfigError, match=r"chose model=\.\./evil, which is no model option here"):
+        run_overrides({"job": {"choices": {"model": "../evil"}}}, [], ["model"])
