@@ -233,7 +233,11 @@ def test_301_points_are_one_plain_process_s_at_1_to_4_ranks_under_ddp_fsdp_and_z
         "trainer.warmup_steps=1",
         "trainer.save_at_end=true",
     ]
-    run, sweep = smoke(conformance_dir, "eval-301", *wide, "strategy=ddp,fsdp,zero3", "gpus=1,2,3,4")
+    sweep = conformance_dir / "eval-301"
+    # Workers started afresh: the sweep's checks build the 301 images in the launcher with a multi-threaded torch op,
+    # after which a forked worker's own such op waits for ever on the launcher's OpenMP threads.
+    shapes = ["strategy=ddp,fsdp,zero3", "gpus=1,2,3,4", f"hydra.sweep.dir={sweep}", "trainer.fork_workers=false"]
+    run = launch_once(conformance_dir, "-m", "+sweep=smoke", *wide, *shapes, name="eval-301", timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     from omegaconf import OmegaConf
 
@@ -248,9 +252,8 @@ def test_301_points_are_one_plain_process_s_at_1_to_4_ranks_under_ddp_fsdp_and_z
     assert sorted(seen) == [(s, g) for s in ("ddp", "fsdp", "zero3") for g in (1, 2, 3, 4)], sorted(seen)
     checkpoint = seen[("zero3", 3)] / "checkpoints" / "step_00000003"
     code = [o for o in CODE if "right" not in o]
-    proc = launch_once(
-        conformance_dir, "eval", str(checkpoint), *code, "strategy=fsdp", "gpus=4", name="eval-301-of-zero3"
-    )
+    shape = ["strategy=fsdp", "gpus=4", "trainer.fork_workers=false"]
+    proc = launch_once(conformance_dir, "eval", str(checkpoint), *code, *shape, name="eval-301-of-zero3", timeout=900)
     figures = json.loads((proc.check().run_dir / "eval.json").read_text())["figures"]
     plain = plain_figures(checkpoint, count=301, classes=5)
     assert {n: figures[n] for n in ("val_loss", "val/accuracy")} == pytest.approx(
@@ -336,6 +339,17 @@ def test_the_gpt_s_loss_over_a_whole_text_split_is_a_plain_loop_s_and_eval_and_c
     from omegaconf import OmegaConf
 
     assert OmegaConf.load(tmp_path / "gpt" / "model.yaml").block_size == 32
+    # The checkpoint copied under a folder whose resolved.yaml is another run's (another config hash): not taken.
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(run.run_dir / "checkpoints" / "step_00000002", other / "checkpoints" / "step_00000002")
+    foreign = OmegaConf.load(run.run_dir / "resolved.yaml")
+    foreign.job.config_hash = "0" * 16
+    OmegaConf.save(foreign, other / "resolved.yaml")
+    moved = cli_here(tmp_path, "convert", str(other), f"out={tmp_path / 'moved'}")
+    assert f"{other / 'resolved.yaml'} is another run's config (config hash 0000000000000000" in moved.stdout
+    assert moved.returncode == 2 and "give the model overrides the run was launched with" in moved.stderr, moved
     # An override the checkpoint does not fit: one line naming it and the run's value, before anything is written.
     line = launch_here(tmp_path, "eval", str(run.run_dir), "model.n_embd=48", name="wrong").refused()
     assert "does not fit the model" in line and "leave out model.n_embd=48 (the run's: 32)" in line, line

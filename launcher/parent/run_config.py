@@ -54,7 +54,8 @@ MAX_BYTES = 1 << 20
 
 def resolved_of(checkpoint: Location) -> Location | None:
     """The run's resolved.yaml beside a checkpoint (`<run>/checkpoints/step_N`), or None where there is none (its
-    checkpoints were written to trainer.checkpoint_dir elsewhere)."""
+    checkpoints were written to trainer.checkpoint_dir elsewhere). `with_run` takes it only where its config hash is
+    the one the checkpoint's manifest records."""
     for folder in (checkpoint.parent.parent, checkpoint.parent, checkpoint):
         if (folder / RESOLVED).exists():
             return folder / RESOLVED
@@ -217,7 +218,7 @@ def with_run(checkpoint: str, command: list[str], keys: Sequence[str], what: str
     the command line's, and the run's config (None where its checkpoint has no resolved.yaml beside it: the command
     line's alone, said in one line). ConfigError: one line."""
     from launcher.base.storage import location
-    from launcher.checkpoint.format import CheckpointError
+    from launcher.checkpoint.format import CheckpointError, read_manifest
     from launcher.parent.convert import find_checkpoint
 
     try:
@@ -230,6 +231,12 @@ def with_run(checkpoint: str, command: list[str], keys: Sequence[str], what: str
         print(f"launch: {what}: no {RESOLVED} beside {found}: {alone}", flush=True)
         return command, None
     run = read_run(path)
+    theirs, ours = read_manifest(found).get("config_hash"), (run.get("job") or {}).get("config_hash")
+    if theirs != ours:  # a folder above checkpoints written elsewhere: another run's config, not this checkpoint's
+        alone = "the model and data are this command's overrides alone (give the run's)"
+        other = f"{path} is another run's config (config hash {str(ours)[:16]}, the checkpoint's {str(theirs)[:16]})"
+        print(f"launch: {what}: {other}: {alone}", flush=True)
+        return command, None
     taken = run_overrides(run, command, keys)
     base = _compose([o for o in taken if not o.startswith("++")] + command)
     check_code(taken, base, path, package_targets)
