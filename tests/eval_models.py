@@ -4,6 +4,7 @@ built from a config object, whose forward returns `(logits, loss)`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,22 @@ class NanoClassifier(nn.Module):
 def images(split: str, count: int = 64, val_count: int = 13, channels: int = 3) -> Images:
     """`count` training images of 6 x 6, and an odd number of validation images (`val_count`)."""
     return Images(split, count if split == "train" else val_count, 6, channels)
+
+
+class Numbered(torch.utils.data.IterableDataset):
+    """A stream of `count` samples, each its own number from `first` on: `torch.tensor([n])`."""
+
+    def __init__(self, count: int, first: int = 0) -> None:
+        self.count, self.first = count, first
+
+    def __iter__(self):
+        return (torch.tensor([self.first + i]) for i in range(self.count))
+
+
+def numbered(split: str, count: int = 30, first: int = 0, stream: bool = False) -> Any:
+    """Samples that are their own numbers, `first` to `first + count - 1`: a list (map-style), or a stream of them
+    (`Numbered`); the evaluation tests tell which samples a pass counts by them."""
+    return Numbered(count, first) if stream else [torch.tensor([first + i]) for i in range(count)]
 
 
 def correct(output: tuple[torch.Tensor, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]) -> tuple:

@@ -106,6 +106,13 @@ def smoke(tmp: Path, name: str, *overrides: str) -> tuple[Run, Path]:
     return run, sweep
 
 
+def sweep_parts(stdout: str) -> tuple[str, str]:
+    """A local sweep's output split where Hydra starts its jobs: the sweep's checks of every job (each line shown
+    once), and what the jobs printed."""
+    checks, _, ran = stdout.partition("] Launching ")
+    return checks, ran
+
+
 def jobs(sweep: Path) -> dict[str, Path]:
     """strategy -> job folder."""
     return {json.loads((d / "outcome.json").read_text())["strategy"]: d for d in sweep.iterdir() if d.is_dir()}

@@ -248,7 +248,7 @@ def test_a_transformers_classifier_on_text_of_any_length_with_data_collator_with
     """data=hf over jsonl rows of 2 to 40 words, tokenized once into a cache, padded per micro-batch by transformers'
     DataCollatorWithPadding, into a BERT classifier built from a config: 2 ranks with K=2 log one process's losses
     with K=4, and the second job found the tokenized rows in the cache."""
-    from runs import metrics
+    from runs import metrics, sweep_parts
 
     tok = rows["tokenizer"]
     bert = ["model=custom", "model._target_=transformers.AutoModelForSequenceClassification.from_config",
@@ -267,7 +267,9 @@ def test_a_transformers_classifier_on_text_of_any_length_with_data_collator_with
     # Tokenized once (by the sweep's check of its jobs, before the first starts); each job found the rows cached.
     (cached,) = (tmp_path / "cache").iterdir()
     assert json.loads((cached / "manifest.json").read_text())["rows"] == {"train": 96, "val": 32}
-    assert run.stdout.count("launch: data: found the tokenized rows") == 2, run.stdout
+    checks, ran = sweep_parts(run.stdout)
+    assert "launch: data: tokenized 96 train and 32 validation rows" in checks, run.stdout
+    assert "launch: data: tokenized" not in ran and ran.count("launch: data: found the tokenized rows") == 2, run.stdout
     one, two = (metrics(tmp_path / "sweep" / str(n)) for n in (0, 1))
     assert [m["world_size"] for m in two] == [2] * 6 and [m["accumulation"] for m in one] == [4] * 6
     _same_losses(two, one, range(1, 7))

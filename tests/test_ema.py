@@ -111,14 +111,18 @@ def test_launch_eval_with_ema_of_a_checkpoint_without_an_average_is_one_line(
     conformance_dir: Path, tmp_path: Path
 ) -> None:
     """A checkpoint saved without trainer.ema: ema=true refused before any worker starts, naming the checkpoint;
-    and ema=true without the run's trainer.ema.decay, too."""
+    and ema=true of a checkpoint moved away from its run (no resolved.yaml beside it) without the run's
+    trainer.ema.decay, too."""
     no_decay = [o for o in EMA_JOB if "ema" not in o]
     plain = launch_once(conformance_dir, *no_decay, "strategy=ddp", "gpus=1",
                         "trainer.max_steps=3", name="ema-none")  # fmt: skip
     checkpoint = plain.check().run_dir / "checkpoints" / "step_00000003"
     line = launch_here(tmp_path, "eval", str(checkpoint), "ema=true", *EMA_JOB).refused()
     assert "holds no EMA weights" in line and str(checkpoint) in line, line
-    averaged = _run(conformance_dir, "fsdp", 2).run_dir / "checkpoints" / "step_00000003"
+    import shutil
+
+    averaged = tmp_path / "moved" / "step_00000003"
+    shutil.copytree(_run(conformance_dir, "fsdp", 2).run_dir / "checkpoints" / "step_00000003", averaged)
     line = launch_here(tmp_path, "eval", str(averaged), "ema=true", *no_decay).refused()
     assert "trainer.ema.decay" in line, line
 

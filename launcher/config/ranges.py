@@ -49,6 +49,7 @@ OPEN_UNIT = Range(low=0, high=1, open_low=True, open_high=True, rule="in (0, 1),
 PORT = Range(low=1, high=65535, rule="a port in [1, 65535]")
 ZERO_STAGE = Range(low=1, high=3, rule="a ZeRO stage: 1, 2 or 3")
 MICRO = Range(low=1, rule="a positive integer, or auto", words=("auto",), integer=True)
+EVAL_BATCHES = Range(low=1, rule="a positive integer, or all (every sample of each set)", words=("all",), integer=True)
 NODES = Range(low=1, rule="a positive integer, or MIN:MAX (an elastic job)", pattern=r"\d+:\d+", integer=True)
 
 

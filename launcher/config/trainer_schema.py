@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from launcher.config.ranges import COUNT, OPEN_UNIT, POSITIVE, SIZE, UNIT, launch_only, ranged
+from launcher.config.ranges import COUNT, EVAL_BATCHES, OPEN_UNIT, POSITIVE, SIZE, UNIT, launch_only, ranged
 
 
 class NonFinite(Enum):
@@ -77,8 +77,10 @@ class TrainerConfig:
     """Log metrics every N optimizer steps (the last step is always logged)."""
     eval_every: int = ranged(100, COUNT, identity=False)
     """Validation loss every N optimizer steps (and at the end); 0 disables."""
-    eval_batches: int = ranged(4, SIZE, identity=False)
-    """Global batches in one validation pass (the same samples whatever the world size)."""
+    eval_batches: Any = ranged(4, EVAL_BATCHES, identity=False)
+    """Global batches in one validation pass, from each set's start (the same samples whatever the world size), or
+    `all`: every sample. Each sample counts once: a set shorter than that is read once, whole (said at start), and a
+    partial last batch counts its samples alone."""
     metrics: dict[str, Any] = launch_only(factory=dict)
     """Validation metrics, each under its name: a torchmetrics `Metric` by `_target_` with its keys, or a function
     of (output, batch) returning (sum, count); `preds` and `target` say where the metric's inputs are in the model's

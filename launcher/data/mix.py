@@ -24,6 +24,7 @@ by the same rule, and its weight is 0 from then on, the others renormalised.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from launcher.base.device import to_device
 from launcher.data.builtin import GlobalBatches, build_dataset, rank_micro_batches
 from launcher.data.collate import Collate
 from launcher.data.mix_weights import SOURCE_KEYS, Ended, MixError, Weights, check_sources, plan
-from launcher.data.sources import StepData, Stream, _json_state, is_stream, resumes_by_state
+from launcher.data.sources import EvalMicro, StepData, Stream, _json_state, is_stream, resumes_by_state
 
 MIX_TARGET = "launcher.data.mix.Mix"
 _SLOTS = 0x6D6978  # "mix": the permutation of slots draws from its own stream of the seed
@@ -160,12 +161,36 @@ class MixSource:
                     check(batch, step * accumulation + k)
             yield StepData([to_device(batch, device) for batch in micro], {"mix": state}, which)
 
-    def evaluation(self, batches: int, rank: int, world_size: int, accumulation: int, device: torch.device) -> Any:
-        """The mixture's first `batches` global batches (from every source's start, by the weights of steps 1 on),
-        this rank's micro-batches of each: the same samples at every evaluation and world size."""
-        reader = _MixReader(self, fresh(self.mixture), 0, batches, rank, world_size, accumulation, quiet=True)
-        for micro, _, _ in reader:
-            yield [to_device(batch, device) for batch in micro]
+    def evaluation(
+        self, batches: int | None, rank: int, world_size: int, accumulation: int, device: torch.device
+    ) -> Iterator[list[EvalMicro]]:
+        """The mixture's first `batches` global batches (None: until every source's split is read through), from
+        every source's start, by the weights of steps 1 on, each sample once: every source is read once at most (a
+        map-style one for one epoch, whatever its `epochs`) and leaves the mixture where it ends, the others taking
+        its slots (data.on_end=drop); where every source ends inside a global batch, that last batch is partial.
+        This rank's micro-batches of each: the same samples at every evaluation and world size."""
+        once = copy.copy(self.mixture)
+        once.on_end = "drop"
+        once.parts = [dataclasses.replace(p, epochs=None if p.stream else 1) for p in self.mixture.parts]
+        source = copy.copy(self)
+        source.mixture = once
+        steps = batches if batches is not None else 1 << 62  # to the end of every source
+        reader = _MixReader(source, fresh(once), 0, steps, rank, world_size, accumulation, quiet=True, partial=True)
+        for micro, _, which in reader:
+            yield [EvalMicro(to_device(batch, device), bool(len(rows))) for batch, rows in zip(micro, which)]
+
+    def evaluated(self, batches: int | None) -> str:
+        """What a pass reads of it, in words (said at start)."""
+        names = ", ".join(p.name for p in self.mixture.parts)
+        upto = (
+            "until each is read through"
+            if batches is None
+            else f"for {batches} global batch(es) of {self.global_size} at most"
+        )
+        return (
+            f"a mixture of {names} by their weights, each source's samples once, a source that ends leaving the "
+            f"others its slots, {upto}"
+        )
 
     def alone(self) -> dict[str, MixSource]:
         """Each source by itself, as a mixture of one: its own validation loss (`launcher.worker.step`)."""
@@ -249,9 +274,11 @@ class _MixReader(torch.utils.data.IterableDataset):
     the state after the step attached."""
 
     def __init__(self, source: MixSource, state: dict[str, Any], done: int, steps: int, rank: int, world_size: int,
-                 accumulation: int, quiet: bool = False) -> None:  # fmt: skip
+                 accumulation: int, quiet: bool = False, partial: bool = False) -> None:  # fmt: skip
         self.source, self.state, self.done, self.steps = source, state, done, steps
         self.rank, self.world_size, self.accumulation, self.quiet = rank, world_size, accumulation, quiet
+        self.partial = partial
+        """An evaluation's: where every source ends inside a step, the samples read make a last, partial one."""
 
     def __iter__(self) -> Iterator[tuple[list[Any] | None, Any, list[np.ndarray] | None]]:
         source, parts, B = self.source, self.source.mixture.parts, self.source.global_size
@@ -266,16 +293,20 @@ class _MixReader(torch.utils.data.IterableDataset):
                     yield None, taken, None
                 return
             counts, chunks = taken
+            slots = int(counts.sum())  # B; fewer in an evaluation's partial last batch
             labels = np.repeat(np.arange(len(parts)), counts)
-            labels = labels[np.random.default_rng([source.seed, step, _SLOTS]).permutation(B)]
-            nth = np.empty(B, dtype=np.int64)  # each slot's place among its source's slots of the step
+            labels = labels[np.random.default_rng([source.seed, step, _SLOTS]).permutation(slots)]
+            if slots < B:  # an evaluation's partial last batch: an empty share reads its first slot, counted in nothing
+                mine = rank_micro_batches(np.arange(slots), self.rank, self.world_size, self.accumulation)
+            nth = np.empty(slots, dtype=np.int64)  # each slot's place among its source's slots of the step
             for i in range(len(parts)):
                 nth[labels == i] = np.arange(int(counts[i]))
             for i, p in enumerate(parts):  # a map-style source's sample indices of the step, from its position
                 if not p.stream:
                     start = rows[i]["samples"]
                     chunks[i] = _Indexed(p, p.batches.of(np.arange(start, start + int(counts[i]))))  # type: ignore[union-attr]
-            micro = [source.collate([chunks[int(labels[j])][int(nth[j])] for j in part]) for part in mine]
+            shares = [part if len(part) else np.zeros(1, dtype=np.int64) for part in mine]  # empty: a stand-in
+            micro = [source.collate([chunks[int(labels[j])][int(nth[j])] for j in part]) for part in shares]
             which = [labels[part] for part in mine]
             for i, p in enumerate(parts):
                 rows[i]["samples"] += int(counts[i])
@@ -313,6 +344,8 @@ class _MixReader(torch.utils.data.IterableDataset):
         ended = np.asarray([r["ended"] for r in rows], dtype=bool)
         planned = plan(mixture.weights, step, B, debt, ended, state.get("bound"), mixture.on_end, give)
         if isinstance(planned, Ended):
+            if self.partial and planned.why == "out" and planned.counts is not None and planned.counts.sum() > 0:
+                return planned.counts, chunks  # every source ended: an evaluation's samples read are its last batch
             return self._why(planned, step, rows)
         for i in planned.left:  # drop: its last samples are used, the slots it could not fill went to the others
             streams.pop(i, None)

@@ -43,12 +43,12 @@ def check_mixture(frozen: Any, collate: Any) -> Any:
                     f"of ({describe(pair[0])}; {describe(pair[1])}: {message}); give every source the same keys and "
                     "shapes (format, seq_len), or a collate that makes them one: data.collate._target_=..."
                 ) from e
-        if first is None:
-            source = mixture.source_for(B, int(frozen.seed), collate, f"the {split} split")
-            import torch
+        if first is None:  # step 1 as training reads it, its sources' epochs and data.on_end as they are
+            from launcher.data.mix import _MixReader, fresh
 
-            batches = source.evaluation(1, 0, 1, B // micro, torch.device("cpu"))
-            first = next(iter(batches), [None])[0]
+            source = mixture.source_for(B, int(frozen.seed), collate, f"the {split} split")
+            reader = _MixReader(source, fresh(mixture), 0, 1, 0, 1, B // micro, quiet=True)
+            first = next(iter(reader), ([None],))[0][0]
             if first is None:
                 raise ConfigError(f"data: the mixture's {split} split gives no full global batch of {B}; give its "
                                   "sources samples")  # fmt: skip

@@ -193,6 +193,8 @@ class Ended:
     """"stop", "out" or "weightless"."""
     source: int | None = None
     gave: int = 0
+    counts: np.ndarray | None = None
+    """Where every source ran out within the step: the samples each gave in it (an evaluation's last, partial batch)."""
 
 
 def plan(
@@ -243,7 +245,7 @@ def plan(
         left.append(i)
         rest = w * active
         if not rest.sum() > 0:
-            return Ended("weightless", i) if active.any() else Ended("out", i, got)
+            return Ended("weightless", i) if active.any() else Ended("out", i, got, counts)
         debt += owed * rest / rest.sum()
         bound = restart_bound(debt, open_slots, active, delta)
         counts += allocate(open_slots, debt, active, bound, delta, due)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -46,6 +46,30 @@ class StepData:
     """A stream's state after this step's samples (its `state_dict`), recorded with a checkpoint of this step."""
     sources: list[Any] | None = None
     """data=mix: per micro-batch, the source of each row (its index among the mixture's sources)."""
+
+
+class EvalMicro(NamedTuple):
+    """One micro-batch of an evaluation pass, on one rank."""
+
+    batch: Any
+    counted: bool
+    """False: a stand-in (the global batch's first sample) where this rank's share of a partial last batch is empty,
+    forwarded only so that every rank runs as many forwards as every other (a sharded model's forward is collective);
+    its output counts in nothing."""
+
+
+def evaluation_micro(
+    samples: Any, at: np.ndarray, collate: Collate, rank: int, world_size: int, accumulation: int, device: torch.device
+) -> list[EvalMicro]:
+    """This rank's K micro-batches of one global batch of an evaluation: the samples of `samples` (anything indexed)
+    at the positions `at` (B of them, or fewer for the last), rank r the r-th contiguous share cut into K, as in
+    training; an empty one is a stand-in, the batch's first sample (`EvalMicro`)."""
+    return [
+        EvalMicro(
+            to_device(collate([samples[int(at[j])] for j in (part if len(part) else [0])]), device), bool(len(part))
+        )
+        for part in rank_micro_batches(np.arange(len(at)), rank, world_size, accumulation)
+    ]
 
 
 def is_stream(dataset: Any) -> bool:
@@ -132,16 +156,31 @@ class RandomAccess:
                 micro.append(to_device(batch, device))
             yield StepData(micro)
 
-    def evaluation(self, batches: int, rank: int, world_size: int, accumulation: int, device: torch.device) -> Any:
-        """`batches` fixed global batches (the first positions, in order, wrapping around), this rank's
-        micro-batches of each."""
-        n = len(self.dataset)
-        for b in range(batches):
-            indices = np.arange(b * self.batches.global_size, (b + 1) * self.batches.global_size) % n
-            yield [
-                to_device(self.collate([self.dataset[int(i)] for i in micro]), device)
-                for micro in rank_micro_batches(indices, rank, world_size, accumulation)
-            ]
+    def evaluation(
+        self, batches: int | None, rank: int, world_size: int, accumulation: int, device: torch.device
+    ) -> Iterator[list[EvalMicro]]:
+        """The set's first `batches` global batches (None: all of it), in order, each sample once: a set shorter
+        than that is read once, whole, its last global batch partial; this rank's micro-batches of each."""
+        B, n = self.batches.global_size, len(self.dataset)
+        end = n if batches is None else min(n, batches * B)
+        for start in range(0, end, B):
+            at = np.arange(start, min(start + B, end))
+            yield evaluation_micro(self.dataset, at, self.collate, rank, world_size, accumulation, device)
+
+    def evaluated(self, batches: int | None) -> str:
+        """What a pass reads of it, in words (said at start)."""
+        B, n = self.batches.global_size, len(self.dataset)
+        if batches is not None and batches * B < n:
+            return (
+                f"its first {batches * B:,} of {n:,} samples (trainer.eval_batches={batches} global batches of {B}; "
+                "trainer.eval_batches=all reads every one)"
+            )
+        whole = f"all {n:,} samples, each once, in {-(-n // B)} global batch(es) of {B}"
+        last = f" (the last holds {n % B})" if n % B else ""
+        short = (
+            f": it holds fewer than trainer.eval_batches={batches}" if batches is not None and batches * B > n else ""
+        )
+        return whole + last + short
 
 
 def resumes_by_state(dataset: Any) -> tuple[bool, str]:
@@ -224,17 +263,26 @@ class Stream:
         """The stream's first `count` samples (fewer if it has fewer)."""
         return list(islice(iter(self.dataset), count))
 
-    def evaluation(self, batches: int, rank: int, world_size: int, accumulation: int, device: torch.device) -> Any:
-        """The stream's first `batches` global batches (its full ones), this rank's micro-batches of each."""
-        samples = iter(self.dataset)
-        for _ in range(batches):
+    def evaluation(
+        self, batches: int | None, rank: int, world_size: int, accumulation: int, device: torch.device
+    ) -> Iterator[list[EvalMicro]]:
+        """The stream read once from its start, to its end or to `batches` global batches (None: to its end), its
+        last global batch partial where it ends inside one; this rank's micro-batches of each."""
+        samples, done = iter(self.dataset), 0
+        while batches is None or done < batches:
             chunk = list(islice(samples, self.global_size))
+            if not chunk:
+                return
+            at = np.arange(len(chunk))
+            yield evaluation_micro(chunk, at, self.collate, rank, world_size, accumulation, device)
             if len(chunk) < self.global_size:
                 return
-            yield [
-                to_device(self.collate([chunk[int(i)] for i in micro]), device)
-                for micro in rank_micro_batches(np.arange(self.global_size), rank, world_size, accumulation)
-            ]
+            done += 1
+
+    def evaluated(self, batches: int | None) -> str:
+        """What a pass reads of it, in words (said at start)."""
+        upto = "its end" if batches is None else f"its end or {batches} global batch(es) of {self.global_size}"
+        return f"a stream, read once from its start to {upto}, each sample once"
 
 
 class _StepReader(torch.utils.data.IterableDataset):

@@ -277,15 +277,16 @@ def export(args: Sequence[str]) -> None:
 
 def convert(args: Sequence[str]) -> None:
     """launch convert CHECKPOINT out=FILE.safetensors | out=DIR [merge=true] [ema=true] [model overrides]:
-    consolidated model weights (ema=true: the EMA weights)."""
+    consolidated model weights (ema=true: the EMA weights); a folder's model is the run's (its resolved.yaml), the
+    overrides changing what they name."""
     paths = [a for a in args if "=" not in a]
     outs = [a.split("=", 1)[1] for a in args if a.startswith("out=")]
     merges = [a.split("=", 1)[1] for a in args if a.startswith("merge=")]
     emas = [a.split("=", 1)[1] for a in args if a.startswith("ema=")]
     overrides = [a for a in args if "=" in a and not a.startswith(("out=", "merge=", "ema="))]
     usage = (
-        "usage: launch convert CHECKPOINT out=FILE.safetensors, or out=DIR [merge=true] [ema=true] [the run's model "
-        "overrides]"
+        "usage: launch convert CHECKPOINT out=FILE.safetensors, or out=DIR [merge=true] [ema=true] [model overrides "
+        "over the run's]"
     )
     if len(paths) != 1 or len(outs) != 1 or len(merges) > 1 or len(emas) > 1 or any(a.startswith("-") for a in args):
         fail(usage)
@@ -300,23 +301,26 @@ def convert(args: Sequence[str]) -> None:
     if out.suffix == ".safetensors" and overrides:
         fail(f"out={out} writes the weights alone; model overrides ({overrides[0]}) are for out=DIR")
     if out.suffix == ".safetensors" and merge:
-        fail(f"merge=true writes a model folder; use out=DIR (not out={out}) with the run's model overrides")
+        fail(f"merge=true writes a model folder; use out=DIR (not out={out})")
     from launcher.checkpoint.format import CheckpointError
     from launcher.config import ConfigError, freeze
     from launcher.parent.convert import convert as write
     from launcher.parent.overrides import CONFIG_MODULE, compose_checked
 
     try:
-        model = None
-        if out.suffix != ".safetensors":  # a folder: the model of these overrides, as `launch` would build it
+        model, run = None, None
+        if out.suffix != ".safetensors":  # a folder: the run's model (its resolved.yaml), these overrides over it
             from hydra import initialize_config_module
 
+            from launcher.parent.run_config import MODEL, with_run
+
+            composing, run = with_run(paths[0], overrides, MODEL, "convert")
             with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-                composed, error = compose_checked(overrides)
+                composed, error = compose_checked(composing)
                 if error:
                     fail(error)
                 model = freeze(composed).model
-        written = write(paths[0], out, model, merge, emas == ["true"])  # a local path or a URL
+        written = write(paths[0], out, model, merge, emas == ["true"], run, overrides)  # a local path or a URL
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         fail(str(e).splitlines()[0])
     print(f"launch: wrote {written}")

@@ -9,13 +9,16 @@
 
 CHECKPOINT: a checkpoint, a checkpoints folder or a run directory, local or at a URL (s3://bucket/prefix/step_N).
 
-The checkpoint is read as data (`launcher.checkpoint.untrusted`); the model a folder needs comes from the overrides
-given on this command line, as for `launch` itself, never from files next to the checkpoint: a config is code.
+The checkpoint is read as data (`launcher.checkpoint.untrusted`). The model a folder needs is the run's own, read as
+data from the resolved.yaml beside its checkpoints, the overrides on this command line changing what they name; the
+code it names (`_target_`s) only where this command's own composition names it too (`launcher.parent.run_config`): a
+config is code. A checkpoint that does not fit that model is one line, before the model is built.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,12 +86,22 @@ def write_file(tensors: dict[str, Any], out: Path, checkpoint: Location) -> None
 
 
 def write_folder(
-    tensors: dict[str, Any], out: Path, model_cfg: DictConfig, checkpoint: Location, merge: bool = False
+    tensors: dict[str, Any],
+    out: Path,
+    model_cfg: DictConfig,
+    checkpoint: Location,
+    merge: bool = False,
+    run: dict[str, Any] | None = None,
+    command: Sequence[str] = (),
 ) -> str:
     """The model of `model_cfg` with the checkpoint's weights, saved as a folder its own loader reads back; returns
-    what was written, and how to load it, in words."""
+    what was written, and how to load it, in words. A checkpoint that does not fit it is one line naming the
+    `command`'s setting that differs from the `run`'s config (`run_config.check_model`)."""
     from hydra.utils import instantiate
 
+    from launcher.parent.run_config import check_model
+
+    check_model(checkpoint, model_cfg, run, command)
     try:
         model = instantiate(model_cfg)
     except Exception as e:  # the model's own complaint, in one line
@@ -100,12 +113,17 @@ def write_folder(
             f"merge=true merges a PEFT model's adapters into its base model; model {model_cfg.get('_target_')} "
             "is not a PEFT model: leave merge out"
         )
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    from launcher.parent.run_config import fit_fix
+
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # a shape the meta model did not show (a model built otherwise when real)
+        why = f"checkpoint {checkpoint} does not fit the model ({_first_mismatch(e)})"
+        raise CheckpointError(f"{why}; {fit_fix(run, command)}") from e
     if missing or unexpected:
         raise CheckpointError(
-            f"checkpoint {checkpoint} does not fit the model of these overrides ("
-            f"{'missing ' + missing[0] if missing else 'unexpected ' + unexpected[0]}); "
-            "give the model overrides the run was launched with"
+            f"checkpoint {checkpoint} does not fit the model ("
+            f"{'missing ' + missing[0] if missing else 'unexpected ' + unexpected[0]}); {fit_fix(run, command)}"
         )
     out.mkdir(parents=True, exist_ok=True)
     if peft and merge:
@@ -132,15 +150,28 @@ def write_folder(
     return f"{_count(tensors):,} parameters to {out}"
 
 
+def _first_mismatch(e: RuntimeError) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
+    return (lines or [" ".join(str(e).split())])[0][:300]
+
+
 def _count(weights: Any) -> int:
     """Elements of a state dict's tensors, or a module's parameters (a tied one once)."""
     return sum(t.numel() for t in (weights.values() if isinstance(weights, dict) else weights.parameters()))
 
 
-def convert(path: str | Path, out: Path, model_cfg: DictConfig | None, merge: bool = False, ema: bool = False) -> str:
+def convert(
+    path: str | Path,
+    out: Path,
+    model_cfg: DictConfig | None,
+    merge: bool = False,
+    ema: bool = False,
+    run: dict[str, Any] | None = None,
+    command: Sequence[str] = (),
+) -> str:
     """Write the checkpoint's weights (with `ema`, its EMA weights) to `out` (a .safetensors file, or a folder with
-    `model_cfg`'s model); returns what was written, in words. `path`: a local path or a URL
-    (`launcher.base.storage.location`)."""
+    `model_cfg`'s model: the `run`'s, `command`'s overrides over it); returns what was written, in words. `path`: a
+    local path or a URL (`launcher.base.storage.location`)."""
     where = location(path)
     if is_remote(where) and (why := check_url(str(where))):  # credentials, a bucket: one line, not a traceback
         raise CheckpointError(f"{where}: {why}")
@@ -150,4 +181,4 @@ def convert(path: str | Path, out: Path, model_cfg: DictConfig | None, merge: bo
         write_file(tensors, out, checkpoint)
         return f"{_count(tensors):,} parameters to {out}"
     assert model_cfg is not None, "a folder needs the model's config"
-    return write_folder(tensors, out, model_cfg, checkpoint, merge)
+    return write_folder(tensors, out, model_cfg, checkpoint, merge, run, command)

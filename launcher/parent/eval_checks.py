@@ -51,8 +51,39 @@ def eval_overrides(args: list[str]) -> list[str]:
     ema = emas == ["true"]
     if ema:
         _check_holds_ema(checkpoints[0])
-    overrides = [a for a in args if "=" in a and not a.startswith("ema=")]
+    from launcher.parent.run_config import TAKEN, with_run
+
+    command = [a for a in args if "=" in a and not a.startswith("ema=")]
+    overrides, run = with_run(checkpoints[0], command, TAKEN, "eval")
+    _check_fits(checkpoints[0], overrides, run, command)
     return [*overrides, f"resume={checkpoints[0]}", "trainer.eval_only=true", *(["trainer.eval_ema=true"] * ema)]
+
+
+def _check_fits(path: str, overrides: list[str], run: dict | None, command: list[str]) -> None:
+    """The checkpoint against the model these overrides make (on the meta device): a mismatch is one line naming the
+    command's setting that differs from the run's, before anything is written (the resume's own check comes later,
+    with no run to compare with)."""
+    from hydra import initialize_config_module
+
+    from launcher.base.storage import location
+    from launcher.checkpoint.format import CheckpointError
+    from launcher.config import freeze
+    from launcher.parent.convert import find_checkpoint
+    from launcher.parent.overrides import CONFIG_MODULE, compose_checked
+    from launcher.parent.run_config import check_model
+
+    try:
+        checkpoint = find_checkpoint(location(path))
+    except (CheckpointError, OSError):
+        return  # the resume's own check says why, in one line
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        composed, error = compose_checked(overrides)
+    if error or composed is None:
+        raise ConfigError(error or "the overrides do not compose")
+    try:
+        check_model(checkpoint, freeze(composed).model, run, command)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _check_holds_ema(path: str) -> None:

@@ -59,12 +59,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     derived = derive(frozen, cuda)
     if derived.micro_auto:  # checked and planned (strategy=auto) at one sample; chosen once the strategy is
         frozen.batch.micro_size = 1
-    if derived.forks_workers(frozen.trainer):
-        import torch
-
-        # Not one OpenMP thread in this process before the fork: GNU OpenMP's pool does not survive it (a forked
-        # worker would wait forever in its first parallel region); the workers size their own (`after_fork`).
-        torch.set_num_threads(1)
+    single_threaded_before_fork(frozen, derived)
     check_keys(frozen)
     model = build_on_meta(frozen.model)  # once: every check below reads this one
     vocab = vocabulary(model)
@@ -111,6 +106,16 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     return Prepared(path, derived, rdzv, ownership, restarts, requirements)
 
 
+def single_threaded_before_fork(frozen: DictConfig, derived: Derived) -> None:
+    """Where workers are forked from this process: not one OpenMP thread in it before the fork. GNU OpenMP's pool
+    does not survive a fork (a forked worker would wait forever in its first parallel region, after a check here ran
+    a multi-threaded op on a user's data); the workers size their own (`after_fork`)."""
+    if derived.forks_workers(frozen.trainer):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def check_job(cfg: DictConfig) -> None:
     """The checks `prepare` makes, for a config composed outside of a job: a sweep's jobs, each checked before the
     first one starts. ConfigError (one line) for the first that fails; nothing is written. What the checks print is
@@ -127,6 +132,7 @@ def check_job(cfg: DictConfig) -> None:
     derived = derive(frozen, visible_cuda_devices())
     if derived.micro_auto:
         frozen.batch.micro_size = 1
+    single_threaded_before_fork(frozen, derived)  # a sweep's checks run in the process its jobs fork from
     check_keys(frozen)
     model = build_on_meta(frozen.model)
     check_built(frozen, model, vocabulary(model))

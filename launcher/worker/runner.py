@@ -122,8 +122,8 @@ class Trainer:
     def run(self) -> bool:
         """Steps up to trainer.max_steps; False if a stop signal ended the run early (after a checkpoint)."""
         self.setup()
-        if self.evaluation is not None:  # each metric on the first batch of each set: one that fails ends it now
-            self.evaluation.check(self.strategy)
+        if self.evaluation is not None:  # what it reads; each metric on each set's first batch (a failure ends it)
+            self.evaluation.check(self.strategy, self.rule)
         if self.trainer.eval_only:  # launch eval: the checkpoint's figures, no step
             at, ema = self.position.step, bool(self.trainer.eval_ema)
             self.evaluation.once(self.strategy, self.rule, at, self.run_dir, ema)  # type: ignore[union-attr]
