@@ -1,4 +1,4 @@
-"""Runs that adapt without changing their result (`launcher.worker.adapt`): batch.micro_size=auto, halved after an
+"""Runs that adapt without changing their result (`launcher.recovery.adapt`): batch.micro_size=auto, halved after an
 out-of-memory error by a restart of the worker group, trains the trajectory of a run that used the smaller
 micro-batch from the start."""
 

@@ -346,7 +346,7 @@ import torch, torch.distributed as dist
 from launcher.config import schema
 from launcher.config.context import preset_strategy
 from launcher.models.gpt import GPT
-from launcher.worker.optimizers import build_optimizer
+from launcher.optim.build import build_optimizer
 from strategies import RunContext
 schema.register()
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
@@ -366,7 +366,7 @@ for stage, optimizer in ((2, torch.optim.AdamW), (1, torch.optim.Adam)):
                       "moved": max((a - b).abs().max().item() for a, b in zip(after, before, strict=True)),
                       "moment": max(t.abs().max().item() for t in moments)}), flush=True)
     strategy.teardown()
-from launcher.worker.lifecycle import exit_now
+from launcher.base.process import exit_now
 exit_now(0)
 """
 

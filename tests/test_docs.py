@@ -133,7 +133,7 @@ def test_every_command_composes_and_validates(where: str, args: list[str], refus
                 check_keys(frozen)
                 if frozen.model._target_ == "launcher.models.gpt.GPT":  # the optimizer over the model's parameters
                     from launcher.models.meta import build_on_meta
-                    from launcher.parent.optim_checks import check_optimizer
+                    from launcher.optim.checks import check_optimizer
 
                     check_optimizer(frozen, build_on_meta(frozen.model))
     except ConfigError as e:

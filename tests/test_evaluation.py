@@ -486,8 +486,8 @@ def test_the_loss_weighs_a_micro_batch_by_its_targets_or_by_its_samples() -> Non
     counts weighs by the micro-batch's samples, and the start says so; a sum and its count are added as they are."""
     import torch
 
+    from launcher.evaluation.passes import unweighed, weighed
     from launcher.models.loss import LabelRule
-    from launcher.worker.evaluation import unweighed, weighed
 
     rule, mean = LabelRule(), torch.tensor(2.0)
     labels = torch.tensor([[1, 2, -100], [3, -100, -100]])

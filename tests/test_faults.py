@@ -269,8 +269,8 @@ def _state_bytes(world_size: int) -> int:
     from launcher.checkpoint.space import checkpoint_bytes
     from launcher.config.optim_schema import AdamWConfig
     from launcher.models.gpt import GPT
-    from launcher.worker.optimizers import rules_for
-    from launcher.worker.param_groups import param_groups
+    from launcher.optim.build import rules_for
+    from launcher.optim.groups import param_groups
 
     model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     rules = rules_for(OmegaConf.structured(AdamWConfig), torch.optim.AdamW)  # the launcher's groups: its entries too

@@ -178,7 +178,7 @@ def test_bucket_sizes_are_multiples_of_deepspeeds_alignment_for_any_parameter_co
 @pytest.mark.unit
 def test_the_optimizer_holds_the_trainable_parameters_with_the_kernel_they_take() -> None:
     """On plain tensors every fused kernel; on DTensors (FSDP's shards) only where DTensor dispatches it."""
-    from launcher.worker.optimizers import _dtensor_fuses, build_optimizer
+    from launcher.optim.build import _dtensor_fuses, build_optimizer
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2), requires_grad=False)]
     for optimizer in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adagrad):

@@ -18,7 +18,7 @@ import pytest
 from conftest import LAUNCH, TINY, clean_env, launch, launch_here
 from processes import listening, until
 
-from launcher.checkpoint import memory
+from launcher.recovery import shm as memory
 
 RESUMED = re.compile(r"launch: resumed from step (\d+) \((memory|disk) tier[^)]*\): (\d+) step\(s\) replayed")
 
@@ -245,8 +245,8 @@ def test_the_newest_step_complete_across_the_nodes_left_is_chosen_each_rank_from
 def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from launcher.checkpoint.memory import check_memory_tier
     from launcher.config import ConfigError
+    from launcher.recovery.shm import check_memory_tier
 
     on = [*TINY, "trainer.memory_checkpoint_every=1"]
     two = ["nodes=2", "gpus=1", "rdzv.endpoint=127.0.0.1:29999", "rdzv.id=x"]

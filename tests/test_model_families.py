@@ -249,7 +249,7 @@ def test_ddps_error_names_the_parameters_that_got_no_gradient_and_guesses_no_exp
     import functools
 
     from launcher.config.context import preset_strategy
-    from launcher.worker.optimizers import build_optimizer
+    from launcher.optim.build import build_optimizer
     from strategies import RunContext
 
     ctx = RunContext("cpu", 0, 0, 1, "fp32", 0.0, 1, 1)
@@ -270,7 +270,7 @@ def test_ddp_synchronises_parameters_named_before_start_only_in_steps_that_use_t
     import functools
 
     from launcher.config.context import preset_strategy
-    from launcher.worker.optimizers import build_optimizer
+    from launcher.optim.build import build_optimizer
     from strategies import RunContext
 
     ctx = RunContext("cpu", 0, 0, 1, "fp32", 0.0, 1, 1, no_grad=("spare.weight", "spare.bias"))

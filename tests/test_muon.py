@@ -96,7 +96,7 @@ def test_launch_plan_adds_no_muon_gathers_to_the_presets_that_refuse_muon(tmp_pa
     refusing = sorted(name for name, s in DECLARED.items() if type(s).__name__ == "DeepSpeed")
     for name in refusing:  # each refuses it: the check its launch runs
         with pytest.raises(ValueError, match="optim=muon under ZeRO"):
-            check_recipe(None, DECLARED[name].stage, "none", {}, "launcher.worker.muon.MuonAdamW")  # type: ignore[arg-type]
+            check_recipe(None, DECLARED[name].stage, "none", {}, "launcher.optim.muon.MuonAdamW")  # type: ignore[arg-type]
         assert muon[name] == adamw[name], (name, muon[name], adamw[name])
     assert {"zero3", "zero3_offload"} <= set(refusing) and DECLARED["zero3"].layout().params.sharded
 
@@ -108,8 +108,8 @@ def test_the_hidden_matrices_take_muon_and_the_rest_adamw() -> None:
     from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from launcher.worker.muon import MuonAdamW, orthogonalised
-    from launcher.worker.optimizers import build_optimizer, rules_for
+    from launcher.optim.build import build_optimizer, rules_for
+    from launcher.optim.muon import MuonAdamW, orthogonalised
 
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=100)  # fmt: skip
@@ -174,7 +174,7 @@ def _launchers_muon(ns_dtype: str) -> tuple[torch.nn.Module, torch.optim.Optimiz
     from hydra import compose, initialize_config_module
 
     from launcher.config import freeze, schema
-    from launcher.worker.optimizers import optimizer_factory
+    from launcher.optim.build import optimizer_factory
     from strategies import RunContext
 
     schema.register()

@@ -33,7 +33,7 @@ def _llama() -> torch.nn.Module:
 
 
 def _decayed(module: torch.nn.Module, **optim: object) -> set[str]:
-    from launcher.worker.optimizers import build_optimizer, rules_for
+    from launcher.optim.build import build_optimizer, rules_for
 
     built = build_optimizer(torch.optim.AdamW, module, rules=rules_for(optim, torch.optim.AdamW), lr=1e-3)
     names = {id(p): n for n, p in module.named_parameters()}
@@ -59,7 +59,7 @@ def test_the_default_decays_only_hidden_matrices_of_the_gpt_and_a_llama() -> Non
 def test_a_norm_gain_with_zero_gradient_keeps_its_value_under_the_default_and_moved_under_the_old_rule() -> None:
     """A zero gradient (DeepSpeed's flat buffers give one to a parameter no token reached): zero moments, and no
     weight decay under the default, so the gain stays; the old rule (optim.no_decay=false) decayed it toward 0."""
-    from launcher.worker.optimizers import build_optimizer, rules_for
+    from launcher.optim.build import build_optimizer, rules_for
 
     for no_decay, moves in ((True, False), (False, True)):
         torch.manual_seed(0)
@@ -80,7 +80,7 @@ def test_layer_wise_learning_rates_on_a_transformers_bert() -> None:
     biases and LayerNorm gains keep no decay in a group of the rule's own."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from launcher.worker.optimizers import build_optimizer, rules_for
+    from launcher.optim.build import build_optimizer, rules_for
 
     torch.manual_seed(0)
     config = BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,

@@ -1,4 +1,4 @@
-"""Stragglers, named (`launcher/worker/stragglers.py`): each logged step's compute and wait per rank, and one line
+"""Stragglers, named (`launcher/telemetry/stragglers.py`): each logged step's compute and wait per rank, and one line
 naming a rank that keeps the others waiting for several logged steps."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY, Run, launch
 
-from launcher.worker.stragglers import Stragglers
+from launcher.telemetry.stragglers import Stragglers
 
 SLEEP_S = 0.2
 """Seconds rank 1's model sleeps in each training forward."""

@@ -75,7 +75,7 @@ def print_help() -> None:
 
 def console() -> None:
     """The `launch` console script: `main`, then an exit that skips the interpreter's teardown (`exit_now`)."""
-    from launcher.worker.lifecycle import exit_now
+    from launcher.base.process import exit_now
 
     try:
         main()
@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return prepare(argv[1:])
     if argv[:1] == ["eval"]:  # the training run's overrides, with the checkpoint resumed and evaluated once
         from launcher.base.errors import ConfigError
-        from launcher.parent.eval_checks import eval_overrides
+        from launcher.evaluation.checks import eval_overrides
 
         try:
             argv = eval_overrides(argv[1:])
@@ -209,7 +209,7 @@ def plan(overrides: list[str]) -> int:
     from hydra import initialize_config_module
 
     from launcher.config import ConfigError
-    from launcher.parent.optim_checks import measure
+    from launcher.optim.checks import measure
     from launcher.parent.overrides import CONFIG_MODULE, check_overrides
     from launcher.plan.commands import plan_command  # imports torch (never deepspeed or wandb)
 

@@ -236,7 +236,7 @@ def _finish_parent_run(sweep_dir: Path, status: str) -> None:
     """A sweep whose jobs logged to MLflow: its parent run gets the report (summary.md, summary.png) and its status."""
     if not any(sweep_dir.glob("*/mlflow_run_id")):  # no job logged to MLflow: nothing to import
         return
-    from launcher.worker.mlflow_store import finish_sweep, redact
+    from launcher.loggers.mlflow_store import finish_sweep, redact
 
     try:
         parent = finish_sweep(sweep_dir, status, [sweep_dir / "summary.md", sweep_dir / "summary.png"])

@@ -192,8 +192,8 @@ def strategy_comm(
 ) -> tuple[float, float]:
     """`comm_split` of what `strategy` declares for this run over a model of `params` parameters, `split` of them split
     by its tensor-parallel plan (`ModelSize.tensor_split`; its collectives are over what a rank of a group holds), with
-    what its optimizer gathers (`gathered` elements updated whole: `launcher.plan.optim_comm`)."""
-    from launcher.plan.optim_comm import optimizer_collectives
+    what its optimizer gathers (`gathered` elements updated whole: `launcher.optim.plan`)."""
+    from launcher.optim.plan import optimizer_collectives
 
     held = tensor_rank_params(params, split, strategy.layout().mesh.tensor_size)
     found = [*strategy.collectives(held, precision, accumulation, world_size, gpus)]

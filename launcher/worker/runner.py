@@ -20,28 +20,29 @@ from launcher.base.metrics import declared, over_ranks
 from launcher.base.targets import import_targets
 from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
+from launcher.checkpoint.resume import check_shared_folders, restart_count, resume
 from launcher.data.sources import StepData
+from launcher.evaluation.callbacks import Watch
+from launcher.evaluation.passes import evaluation_of
+from launcher.loggers.base import Loggers
+from launcher.loggers.progress import Progress
 from launcher.models.loss import LabelRule, batch_tokens
 from launcher.models.meta import build_on_meta
+from launcher.optim.build import optimizer_factory
+from launcher.optim.schedules import schedule_lr
+from launcher.recovery.adapt import after_out_of_memory, resizing
+from launcher.recovery.tier import MemoryTier
 from launcher.search.trial import TrialReport, record_pruned
-from launcher.worker.adapt import after_out_of_memory, resizing
-from launcher.worker.callbacks import Watch
-from launcher.worker.evaluation import evaluation_of
+from launcher.telemetry.peak_memory import StepMemory, rss_bytes
+from launcher.telemetry.profiling import MemorySnapshots, StepProfiler
+from launcher.telemetry.speed import Speed, Window
+from launcher.telemetry.stragglers import StepClock, Stragglers
 from launcher.worker.feed import feed, next_step, training_source
 from launcher.worker.guard import Guard
 from launcher.worker.hangs import stuck_in_collective
 from launcher.worker.lifecycle import Phase, StopRequest
-from launcher.worker.logs import Loggers, Progress
-from launcher.worker.memory import StepMemory, rss_bytes
-from launcher.worker.optimizers import optimizer_factory
-from launcher.worker.profiling import MemorySnapshots, StepProfiler
-from launcher.worker.resume import check_shared_folders, restart_count, resume
-from launcher.worker.schedules import schedule_lr
 from launcher.worker.source_loss import SourceLosses
-from launcher.worker.speed import Speed, Window
 from launcher.worker.step import all_reduce, gather_rows, train_step
-from launcher.worker.stragglers import StepClock, Stragglers
-from launcher.worker.tier import MemoryTier
 from strategies import RunContext, Strategy
 
 
@@ -85,7 +86,7 @@ class Trainer:
       1. `data`      this rank's K micro-batches of global batch s (no collective);
       2. `step`      forward/backward per micro-step, the strategy's gradient sync on the last one, the optimizer
                      step (the global gradient norm); on logged steps a probe before the last backward, which times
-                     each rank's wait (`launcher.worker.stragglers`);
+                     each rank's wait (`launcher.telemetry.stragglers`);
       3. `commit`    whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
       4. `log`       on logged and evaluated steps only, on every rank alike: the figures reduced over ranks, and
                      the validation loss;

@@ -20,7 +20,7 @@ from launcher.worker.lifecycle import Phase
 from strategies import RunContext, Strategy
 
 if TYPE_CHECKING:
-    from launcher.worker.stragglers import StepClock
+    from launcher.telemetry.stragglers import StepClock
 
 
 def all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
@@ -51,7 +51,7 @@ def train_step(
     """One optimizer step over this rank's K micro-batches; returns this rank's part of the step's loss (summed over
     ranks it is the loss of the whole global batch: `launcher.models.loss`) and the pre-clip gradient norm. `clock` (a
     logged step's): this rank's seconds in the step's first collective and in a probe before the last backward
-    (`launcher.worker.stragglers`)."""
+    (`launcher.telemetry.stragglers`)."""
     device, K = torch.device(ctx.device), len(micro)
 
     def reduce(values: list[float]) -> list[float]:  # the step's first collective: a logged step times its wait

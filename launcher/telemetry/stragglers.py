@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from launcher.worker.lifecycle import host_of
+from launcher.base.run_files import host_of
 
 T = TypeVar("T")
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.base.settings import Settings
-from launcher.worker.logs import can_make, installed, last_logged_step
+from launcher.loggers.base import last_logged_step
+from launcher.loggers.checks import can_make, installed
 
 FOLDER = "tensorboard"
 EXTRA = "pip install 'launch[tensorboard]'"

@@ -63,7 +63,7 @@ class MuonAdamW(torch.optim.Optimizer):
     others. `lr` is AdamW's; Muon's groups take `muon_lr` (scaled with the schedule like every group's lr)."""
 
     HIDDEN_MATRICES = MUON
-    """The param-group key `launcher.worker.optimizers` marks the hidden matrices' group with."""
+    """The param-group key `launcher.optim.build` marks the hidden matrices' group with."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The memory tier from the workers' side (`launcher.checkpoint.memory` is what a node's folder holds).
+"""The memory tier from the workers' side (`launcher.recovery.shm` is what a node's folder holds).
 
 Every trainer.memory_checkpoint_every steps each rank copies its state to host memory (the loop waits for that copy
 only), and a thread of its own writes it as DCP writes a checkpoint, into its node's folder in shared memory (it
@@ -8,7 +8,7 @@ training keeps the default group. At most one step is in flight: the next waits 
 
 After a restart, before the disk tier is read, `promote` finds the newest step complete across the surviving nodes'
 memory; the survivors write its files into a normal checkpoint in the run's checkpoint folder, rank 0 its manifest,
-and the job resumes through the path that exists (`launcher.worker.resume`): exact at any world size, as DCP
+and the job resumes through the path that exists (`launcher.checkpoint.resume`): exact at any world size, as DCP
 reshards. None complete: the disk tier, said in one line.
 """
 
@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from launcher.base.hashing import xxh3
 from launcher.base.storage import Location, is_remote, write_durably
-from launcher.checkpoint import memory
 from launcher.checkpoint.format import (
     LATEST,
     MANIFEST,
@@ -45,6 +44,7 @@ from launcher.checkpoint.format import (
 )
 from launcher.checkpoint.hashing import hashing_writer
 from launcher.checkpoint.saving import _same_containers
+from launcher.recovery import shm as memory
 
 
 class MemoryTier:
@@ -52,7 +52,7 @@ class MemoryTier:
 
     def __init__(self, cfg: Any, ctx: Any) -> None:
         folder = os.environ.get(memory.TIER_ENV)
-        self.every = int(cfg.trainer.get("memory_checkpoint_every", 0) or 0) if folder else 0
+        self.every = int(cfg.trainer.memory_checkpoint_every) if folder and memory.tier_on(cfg.trainer) else 0
         self.ctx, self.rank, self.world = ctx, ctx.rank, ctx.world_size
         self.per_node = int(ctx.local_world_size or ctx.world_size)
         nodes = max(1, self.world // self.per_node)

@@ -1,5 +1,5 @@
 """The evaluation's checks before start: every metric trainer.metrics names imports and builds (the worker builds
-them the same way, `launcher.worker.eval_metrics`), no metric takes the loss's name, and trainer.early_stop watches a
+them the same way, `launcher.evaluation.metrics`), no metric takes the loss's name, and trainer.early_stop watches a
 figure the run logs; and `launch eval`'s command line (ema=true: a checkpoint that holds EMA weights, the run's
 trainer.ema.decay given)."""
 
@@ -21,7 +21,7 @@ def check_evaluation(frozen: Any) -> None:
     if "loss" in metrics:
         raise ConfigError("trainer.metrics.loss: `loss` is the validation loss's name (val/<set>/loss); rename it")
     if metrics:
-        from launcher.worker.eval_metrics import build_metrics
+        from launcher.evaluation.metrics import build_metrics
 
         build_metrics(metrics)
     watched = frozen.trainer.early_stop.get("metric")
