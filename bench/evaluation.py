@@ -80,8 +80,15 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = GPT(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=a.seq_len)
-    data = OmegaConf.create({"_target_": "launcher.data.builtin.Synthetic", "seq_len": a.seq_len, "vocab_size": 256,
-                             "num_samples": 4096, "format": "tuple"})  # fmt: skip
+    data = OmegaConf.create(
+        {
+            "_target_": "launcher.data.builtin.Synthetic",
+            "seq_len": a.seq_len,
+            "vocab_size": 256,
+            "num_samples": 4096,
+            "format": "tuple",
+        }
+    )
     source = source_of(build_dataset(data, "val"), 32, 0, build_collate(None), "the val split")
     ctx = SimpleNamespace(device="cpu", rank=0, world_size=1, accumulation=4)
     two = build_metrics({"ppl": {"_target_": "torchmetrics.text.Perplexity"}, "right": {"_target_": "__main__.right"}})

@@ -77,8 +77,9 @@ def _counting_collectives(counter: CommCounter) -> tuple[Any, Any]:
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return self.inner.allocate(size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                     async_op: bool = False) -> Any:  # fmt: skip
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+        ) -> Any:
             counter.record(input_tensor, "reduce_scatter")  # the unit's whole (padded) gradient, in reduce_dtype
             return self.inner(output_tensor, input_tensor, group, op, async_op)
 
@@ -89,8 +90,9 @@ def _counting_collectives(counter: CommCounter) -> tuple[Any, Any]:
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return self.inner.allocate(size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                     async_op: bool = False) -> Any:  # fmt: skip
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+        ) -> Any:
             counter.record(output_tensor, "all_gather", sync=False)  # the unit's whole (padded) parameters
             return self.inner(output_tensor, input_tensor, group, async_op)
 

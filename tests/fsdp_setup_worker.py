@@ -32,9 +32,15 @@ def main(overrides: list[str]) -> None:
     size = measure(build_on_meta(cfg.model))
     memory = StepMemory(torch.device("cpu"))
     ctx = RunContext(
-        device="cpu", rank=rank, local_rank=rank, world_size=world, precision="fp32", grad_clip=1.0,
-        accumulation=1, micro_size=1,
-    )  # fmt: skip
+        device="cpu",
+        rank=rank,
+        local_rank=rank,
+        world_size=world,
+        precision="fp32",
+        grad_clip=1.0,
+        accumulation=1,
+        micro_size=1,
+    )
     strategy = make_strategy(cfg.strategy)
 
     def build_model(meta: bool = False) -> torch.nn.Module:

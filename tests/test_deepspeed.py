@@ -382,8 +382,12 @@ def test_a_template_before_the_first_step_moves_no_weight_and_no_moment(tmp_path
     env = clean_env(tmp_path) | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"} | one_rank
     proc = subprocess.run(
         [sys.executable, "-c", TEMPLATE, str(tmp_path / "pg")],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == 2, proc.stdout

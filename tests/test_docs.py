@@ -22,8 +22,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SUBCOMMANDS = ("plan", "prepare", "convert", "export")
-OWN_KEYS = {"prepare": ("out", "data.shard_index", "data.num_shards", "block_size"),
-            "convert": ("out", "merge", "ema"), "export": ("image", "name", "namespace")}  # fmt: skip
+OWN_KEYS = {
+    "prepare": ("out", "data.shard_index", "data.num_shards", "block_size"),
+    "convert": ("out", "merge", "ema"),
+    "export": ("image", "name", "namespace"),
+}
 
 
 def commands() -> list[tuple[str, list[str], bool]]:

@@ -58,8 +58,9 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def reference(conformance_dir: Path) -> Run:
     """The uninterrupted 30-step run, made once per session whichever test process asks first; steps 3 and 4 are
     profiled (which changes no loss)."""
-    return launch_once(conformance_dir, *JOB, f"trainer.profile_steps=[{PROFILED[0]},{PROFILED[1]}]",
-                       name="lifecycle-reference").check()  # fmt: skip
+    return launch_once(
+        conformance_dir, *JOB, f"trainer.profile_steps=[{PROFILED[0]},{PROFILED[1]}]", name="lifecycle-reference"
+    ).check()
 
 
 PROFILED = (3, 4)

@@ -157,8 +157,14 @@ def test_one_run_per_job_in_every_logger_across_kills_restarts_and_resumes(logge
     store = _store(logged.run_dir)
     kill = tmp_path / "kill"
     kill.touch()
-    base = [*(o for o in TINY if not o.startswith("logger=")), ALL, "gpus=2", "trainer.checkpoint_every=3",
-            f"logger.mlflow.tracking_uri=sqlite:///{store}", "logger.mlflow.experiment=continuity"]  # fmt: skip
+    base = [
+        *(o for o in TINY if not o.startswith("logger=")),
+        ALL,
+        "gpus=2",
+        "trainer.checkpoint_every=3",
+        f"logger.mlflow.tracking_uri=sqlite:///{store}",
+        "logger.mlflow.experiment=continuity",
+    ]
     job = [
         *base,
         "model._target_=faulty.KilledGPT",

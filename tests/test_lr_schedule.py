@@ -74,22 +74,36 @@ def test_a_function_of_the_users_own_is_the_schedule() -> None:
 
     from launcher.optim.schedules import schedule_lr
 
-    trainer = OmegaConf.create({"schedule": "custom", "warmup_steps": 0, "min_lr_ratio": 0.0,
-                                "schedule_fn": {"_target_": "user_models.step_halving", "every": 3}})  # fmt: skip
+    trainer = OmegaConf.create(
+        {
+            "schedule": "custom",
+            "warmup_steps": 0,
+            "min_lr_ratio": 0.0,
+            "schedule_fn": {"_target_": "user_models.step_halving", "every": 3},
+        }
+    )
     assert [schedule_lr(trainer, 0.8, s, 12) for s in range(7)] == [0.8, 0.8, 0.8, 0.4, 0.4, 0.4, 0.2]
 
 
 REFUSED = [
-    (["trainer.schedule=wsd", "trainer.max_steps=30", "trainer.warmup_steps=10", "trainer.decay_steps=25"],
-     "trainer.schedule=wsd: trainer.warmup_steps=10 + trainer.decay_steps=25 exceed trainer.max_steps=30"),
-    (["trainer.schedule=wsd", "trainer.max_steps=10", "trainer.warmup_steps=9", "trainer.decay_fraction=0.5"],
-     "trainer.warmup_steps=9 + trainer.decay_fraction=0.5 (5 steps) exceed trainer.max_steps=10"),
+    (
+        ["trainer.schedule=wsd", "trainer.max_steps=30", "trainer.warmup_steps=10", "trainer.decay_steps=25"],
+        "trainer.schedule=wsd: trainer.warmup_steps=10 + trainer.decay_steps=25 exceed trainer.max_steps=30",
+    ),
+    (
+        ["trainer.schedule=wsd", "trainer.max_steps=10", "trainer.warmup_steps=9", "trainer.decay_fraction=0.5"],
+        "trainer.warmup_steps=9 + trainer.decay_fraction=0.5 (5 steps) exceed trainer.max_steps=10",
+    ),
     (["trainer.schedule=custom"], "trainer.schedule=custom needs trainer.schedule_fn={_target_: "),
-    (["trainer.schedule=custom", "trainer.schedule_fn={_target_: user_models.nowhere}"],
-     "trainer.schedule_fn._target_=user_models.nowhere: "),
-    (["trainer.schedule=custom", "trainer.schedule_fn={_target_: user_models.step_halving, every: 0}"],
-     "trainer.schedule_fn._target_=user_models.step_halving: ZeroDivisionError"),
-]  # fmt: skip
+    (
+        ["trainer.schedule=custom", "trainer.schedule_fn={_target_: user_models.nowhere}"],
+        "trainer.schedule_fn._target_=user_models.nowhere: ",
+    ),
+    (
+        ["trainer.schedule=custom", "trainer.schedule_fn={_target_: user_models.step_halving, every: 0}"],
+        "trainer.schedule_fn._target_=user_models.step_halving: ZeroDivisionError",
+    ),
+]
 
 
 @pytest.mark.unit

@@ -11,8 +11,17 @@ import torch
 from conftest import TINY, Run, cli_here, launch_once
 from runs import DECLARED, PARITY_TOLERANCE
 
-MUON_JOB = [*TINY, "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3",
-            "trainer.keep_last=0", "optim=muon", "optim.muon_lr=0.05", "optim.lr=3e-3"]  # fmt: skip
+MUON_JOB = [
+    *TINY,
+    "batch.global_size=8",
+    "batch.micro_size=2",
+    "trainer.max_steps=6",
+    "trainer.checkpoint_every=3",
+    "trainer.keep_last=0",
+    "optim=muon",
+    "optim.muon_lr=0.05",
+    "optim.lr=3e-3",
+]
 
 
 @functools.cache
@@ -111,8 +120,14 @@ def test_the_hidden_matrices_take_muon_and_the_rest_adamw() -> None:
     from launcher.optim.build import build_optimizer, rules_for
     from launcher.optim.muon import MuonAdamW, orthogonalised
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
     model = LlamaForCausalLM(config)
     rules = rules_for(OmegaConf.create({"lr": 1e-3, "muon_lr": 0.02}), MuonAdamW)
     optimizer = build_optimizer(MuonAdamW, model, rules=rules, lr=1e-3)
@@ -180,8 +195,9 @@ def _launchers_muon(ns_dtype: str) -> tuple[torch.nn.Module, torch.optim.Optimiz
     schema.register()
     with initialize_config_module("launcher.conf", version_base="1.3"):
         cfg = freeze(compose("config", overrides=["optim=muon", "optim.lr=1e-2", f"optim.ns_dtype={ns_dtype}"]))
-    ctx = RunContext(device="cpu", rank=0, local_rank=0, world_size=1, precision="fp32", grad_clip=0.0,
-                     accumulation=1, micro_size=4)  # fmt: skip
+    ctx = RunContext(
+        device="cpu", rank=0, local_rank=0, world_size=1, precision="fp32", grad_clip=0.0, accumulation=1, micro_size=4
+    )
     torch.manual_seed(0)
     model = _Small()
     return model, optimizer_factory(cfg, ctx)(model)
@@ -190,11 +206,23 @@ def _launchers_muon(ns_dtype: str) -> tuple[torch.nn.Module, torch.optim.Optimiz
 def _torch_optimizers(model: torch.nn.Module, groups: list[dict], muon: type) -> list[torch.optim.Optimizer]:
     """`muon` over the launcher's Muon groups of `model` (its parameters by the launcher's order), torch.optim.AdamW
     over its other groups: each group's own rate, weight decay and hyperparameters."""
-    muon_groups = [{"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"],
-                    "momentum": g["momentum"], "nesterov": g["nesterov"], "ns_steps": g["ns_steps"]}
-                   for g in groups if g.get("muon")]  # fmt: skip
-    adamw_groups = [{"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"], "betas": g["betas"],
-                     "eps": g["eps"]} for g in groups if not g.get("muon")]  # fmt: skip
+    muon_groups = [
+        {
+            "params": g["params"],
+            "lr": g["lr"],
+            "weight_decay": g["weight_decay"],
+            "momentum": g["momentum"],
+            "nesterov": g["nesterov"],
+            "ns_steps": g["ns_steps"],
+        }
+        for g in groups
+        if g.get("muon")
+    ]
+    adamw_groups = [
+        {"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"], "betas": g["betas"], "eps": g["eps"]}
+        for g in groups
+        if not g.get("muon")
+    ]
     return [muon(muon_groups, adjust_lr_fn="original"), torch.optim.AdamW(adamw_groups, foreach=False)]
 
 

@@ -25,8 +25,11 @@ def test_a_wheel_install_finds_its_configs_and_runs(tmp_path: Path) -> None:
     shipped = {f"launcher/conf/{p.relative_to(ROOT / 'conf').as_posix()}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert shipped <= names, sorted(shipped - names)  # every config group, present and future
     assert "strategies/ddp.py" in names
-    packages = {p.relative_to(ROOT).as_posix() for top in ("launcher", "strategies", "hydra_plugins")
-                for p in (ROOT / top).rglob("__init__.py")}  # fmt: skip
+    packages = {
+        p.relative_to(ROOT).as_posix()
+        for top in ("launcher", "strategies", "hydra_plugins")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
     assert packages <= names, sorted(packages - names)  # every package, present and future
     site = tmp_path / "site"
     subprocess.run(

@@ -69,9 +69,12 @@ def test_nodes_that_share_no_run_directory_derive_one_run_id_from_their_job(tmp_
 
     def run_id(pod: str, checkpoints: str = "s3://bucket/run") -> str:
         frozen = OmegaConf.create(
-            {"job": {"config_hash": "0" * 16}, "trainer": {"checkpoint_dir": checkpoints},
-             "derived": {"shared_run_dir": False}}
-        )  # fmt: skip
+            {
+                "job": {"config_hash": "0" * 16},
+                "trainer": {"checkpoint_dir": checkpoints},
+                "derived": {"shared_run_dir": False},
+            }
+        )
         claim_run(frozen, tmp_path / pod, None, "k8s-master-29500").release()
         return frozen.job.run_id
 

@@ -134,8 +134,15 @@ def record(
     """The manifest of a checkpoint at `position`: the run's fields (`manifest_of`), when it was made visible, and
     each file's size and xxh3-128 checksum. `read_manifest` checks what this writes."""
     stream = {"stream": position.stream} if position.stream is not None else {}
-    return {**run, "step": position.step, "samples": position.samples, **stream, "time": time, "files": files,
-            "xxh3_128": sums}  # fmt: skip
+    return {
+        **run,
+        "step": position.step,
+        "samples": position.samples,
+        **stream,
+        "time": time,
+        "files": files,
+        "xxh3_128": sums,
+    }
 
 
 def manifest_of(cfg: Any, world_size: int, precision: str) -> dict[str, Any]:

@@ -25,8 +25,10 @@ def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int, mi
     micro, tensor = micro or int(cfg.batch.micro_size), int(derived.get("tensor_size", 1))
     accumulation, rest = divmod(int(cfg.batch.global_size), micro * (world_size // tensor))
     if rest or not accumulation:
-        raise ValueError(f"batch.global_size={cfg.batch.global_size} does not divide over micro-batch {micro} x "
-                         f"data-parallel ranks {world_size // tensor}")  # fmt: skip
+        raise ValueError(
+            f"batch.global_size={cfg.batch.global_size} does not divide over micro-batch {micro} x "
+            f"data-parallel ranks {world_size // tensor}"
+        )
     return RunContext(
         device=f"cuda:{local_rank}" if derived.device == "cuda" else "cpu",
         rank=rank,

@@ -268,10 +268,13 @@ def export(args: Sequence[str]) -> None:
             fail(str(e))
     name = own["name"][-1] if own["name"] else f"launch-{identity_hash(frozen, composed)[:10]}"
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
-        fail(f"name={name} is not a Kubernetes object name (lower-case letters, digits and '-', at most 63); e.g. "
-             f"name={re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-')[:63] or 'launch'}")  # fmt: skip
-    job = pytorchjob(name, own["image"][-1], derived.nodes, derived.gpus, overrides, derived.device,
-                     (own["namespace"] or [None])[-1])  # fmt: skip
+        fail(
+            f"name={name} is not a Kubernetes object name (lower-case letters, digits and '-', at most 63); e.g. "
+            f"name={re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-')[:63] or 'launch'}"
+        )
+    job = pytorchjob(
+        name, own["image"][-1], derived.nodes, derived.gpus, overrides, derived.device, (own["namespace"] or [None])[-1]
+    )
     print(OmegaConf.to_yaml(OmegaConf.create(job)), end="")
 
 

@@ -59,8 +59,10 @@ def weights(checkpoint: Location, ema: bool = False) -> dict[str, Any]:
         if k.startswith(prefix) and hasattr(v, "size")
     }
     if ema and not averaged:
-        raise CheckpointError(f"checkpoint {checkpoint} holds no EMA weights (its run had no trainer.ema.decay); "
-                              "convert it without ema=true")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds no EMA weights (its run had no trainer.ema.decay); "
+            "convert it without ema=true"
+        )
     template = {
         k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
         for k, v in entries.items()

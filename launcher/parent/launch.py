@@ -215,8 +215,13 @@ def run_job(cfg: DictConfig) -> int | dict[str, Any]:
     if "sweep_dir" not in job:
         return outcome.code
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"code": outcome.code, "reason": outcome.reason, "seconds": round(time.monotonic() - started, 1),
-              "strategy": job["choices"].get("strategy"), "overrides": job["overrides"]}  # fmt: skip
+    record = {
+        "code": outcome.code,
+        "reason": outcome.reason,
+        "seconds": round(time.monotonic() - started, 1),
+        "strategy": job["choices"].get("strategy"),
+        "overrides": job["overrides"],
+    }
     from launcher.search.objective import trial_outcome
 
     record |= trial_outcome(cfg, run_dir, outcome.code, outcome.reason)  # {} outside a search

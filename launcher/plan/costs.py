@@ -155,8 +155,12 @@ def comm_split(
     node = gpus or world_size
     tensor = mesh.tensor_size  # the mesh's last dimension: consecutive ranks, in a node unless tp_size > gpus
     ranks = {"world": world_size, "shard": shard, "replicate": replicate, "tensor": tensor}
-    crosses = {"world": world_size > node, "shard": world_size > node and node % (shard * tensor) != 0,
-               "replicate": world_size > node, "tensor": tensor > node}  # fmt: skip
+    crosses = {
+        "world": world_size > node,
+        "shard": world_size > node and node % (shard * tensor) != 0,
+        "replicate": world_size > node,
+        "tensor": tensor > node,
+    }
     within = across = 0.0
     for c in collectives:
         sent = c.times * ring_sent_elements(c.elements, ranks[c.group], c.kind) * WIRE_BYTES[c.dtype]

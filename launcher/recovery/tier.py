@@ -123,8 +123,12 @@ class MemoryTier:
         step, folder = position.step, memory.step_folder(self.folder, position.step)
         folder.mkdir(parents=True, exist_ok=True)
         sums: dict[str, str] = {}
-        dcp.save(staged, storage_writer=hashing_writer(folder, sums), planner=_planner()(enable_plan_caching=True),
-                 process_group=self._dcp)  # fmt: skip
+        dcp.save(
+            staged,
+            storage_writer=hashing_writer(folder, sums),
+            planner=_planner()(enable_plan_caching=True),
+            process_group=self._dcp,
+        )
         if self.ctx.local_rank == 0:  # every rank is past the previous step's replicas (DCP's collective)
             memory.clear(self.folder, {step} | ({self._previous} if self._previous is not None else set()))
         self._previous = step
@@ -132,15 +136,26 @@ class MemoryTier:
         (folder / rng_name(self.rank)).write_bytes(rng)
         files = {name: _read(folder / name) for name in sums}  # read once, sent as they are
         sizes = {name: int(t.numel()) for name, t in files.items()}
-        marker = {"rank": self.rank, "step": step, "world_size": self.world, "node": str(self.folder),
-                  "time": time.time(), "files": sizes, "sums": sums}  # fmt: skip
+        marker = {
+            "rank": self.rank,
+            "step": step,
+            "world_size": self.world,
+            "node": str(self.folder),
+            "time": time.time(),
+            "files": sizes,
+            "sums": sums,
+        }
         if self.rank == 0:
             stream = {"stream": position.stream} if position.stream is not None else {}
             marker |= {"samples": position.samples, **stream, "manifest": self.manifest}
         memory.put(self.folder, step, {}, marker)
         for k in range(1, self.replicas + 1):
-            theirs, their_files = self._exchange(marker, files, (self.rank + k * self.per_node) % self.world,
-                                                 (self.rank - k * self.per_node) % self.world)  # fmt: skip
+            theirs, their_files = self._exchange(
+                marker,
+                files,
+                (self.rank + k * self.per_node) % self.world,
+                (self.rank - k * self.per_node) % self.world,
+            )
             memory.put(self.folder, step, their_files, theirs)
 
     def _exchange(
@@ -244,8 +259,11 @@ class MemoryTier:
         last, failed = told["last"] or (resumed, None)
         since = f"; {time.time() - failed:.1f} s from the failure to the first step trained again" if failed else ""
         why = f": {told['why']}" if told["why"] and told["tier"] == "disk" else ""
-        print(f"launch: resumed from step {resumed} ({told['tier']} tier{why}): {max(0, last - resumed)} step(s) "
-              f"replayed{since}", flush=True)  # fmt: skip
+        print(
+            f"launch: resumed from step {resumed} ({told['tier']} tier{why}): {max(0, last - resumed)} step(s) "
+            f"replayed{since}",
+            flush=True,
+        )
 
 
 @functools.cache

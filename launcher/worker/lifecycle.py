@@ -90,8 +90,11 @@ def after_fork() -> None:
         torch.set_num_threads(int(threads))
     for name, fd in (("stdout", 1), ("stderr", 2)):
         stream = getattr(sys, name)
-        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), stream.encoding, stream.errors,
-                                            write_through=True))  # fmt: skip
+        setattr(
+            sys,
+            name,
+            io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), stream.encoding, stream.errors, write_through=True),
+        )
 
 
 def name_process(rank: int) -> None:
@@ -267,8 +270,11 @@ def joined(run_dir: Path, rank: int) -> None:
     rank, so that a node that goes away later can be named by the others (`launcher.parent.failures.lost_node`)."""
     import socket
 
-    record = {"node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(),
-              "launcher": os.environ.get(NODE_ID_ENV)}  # fmt: skip
+    record = {
+        "node": int(os.environ.get("GROUP_RANK", "0")),
+        "host": socket.gethostname(),
+        "launcher": os.environ.get(NODE_ID_ENV),
+    }
     try:
         folder = run_dir / "logs" / "ranks"
         folder.mkdir(parents=True, exist_ok=True)

@@ -206,16 +206,23 @@ class Trainer:
         self.rule = LabelRule.of(cfg.derived.model, trainer.get("loss"))  # decided in the launcher
         self.source_losses = SourceLosses.of(self.source, self.rule, self.position, ctx.rank, ctx.tensor_size)
         self.steps = feed(cfg, ctx, self.source, self.position, self.max_steps, self.K, self.device)
-        self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
-                                     trainer.profile_stacks)  # fmt: skip
+        self.profiler = StepProfiler(
+            trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type, trainer.profile_stacks
+        )
         self.saves = saver(cfg, ctx, self.run_dir, self.strategy, self.position.step)
         self.policy = SavePolicy.of(trainer)
         self.manifest = manifest_of(cfg, ctx.world_size, ctx.precision)
         self.trial, self.prune, self.watch = TrialReport(cfg, ctx.rank), False, Watch.of(cfg, ctx.rank)
         self.stragglers = Stragglers.of(trainer, self.run_dir)
         self.nonfinite = str(trainer.get("nonfinite", "stop"))
-        self.guard = Guard(self.strategy, self.nonfinite, int(trainer.get("max_skipped", 10)), ctx.precision == "fp16",
-                           ctx.rank, ctx.world_size)  # fmt: skip
+        self.guard = Guard(
+            self.strategy,
+            self.nonfinite,
+            int(trainer.get("max_skipped", 10)),
+            ctx.precision == "fp16",
+            ctx.rank,
+            ctx.world_size,
+        )
 
     # ------------------------------------------------------------------ the phases of a step
 
@@ -248,8 +255,17 @@ class Trainer:
         Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is not on CPU: the
         per-operator count would be in the profile, around every op of the step."""
         with self.memory.measure(measured, profiled=self.profiler.covers(step)):
-            return train_step(self.guard, data.micro, self.ctx, self.lr(step), self.rule, step, self.phase, self.clock,  # type: ignore[arg-type]
-                              self.source_losses.seer(data.sources, logged))  # fmt: skip
+            return train_step(
+                self.guard,
+                data.micro,
+                self.ctx,
+                self.lr(step),
+                self.rule,
+                step,
+                self.phase,
+                self.clock,  # type: ignore[arg-type]
+                self.source_losses.seer(data.sources, logged),
+            )
 
     def commit(self, step: int, grad_norm: float) -> bool:
         """Before anything is logged or saved: a step that is not finite was not applied (False), and may end the
@@ -303,8 +319,11 @@ class Trainer:
         self.phase(f"writing the checkpoint of step {step}")
         self.saves.finish()
         if self.ctx.rank == 0 and resizing(self.run_dir, self.started):
-            print(f"launch: a node joins: the worker group saved step {step} ({self.saves.last}) and restarts at its "
-                  "new size", flush=True)  # fmt: skip
+            print(
+                f"launch: a node joins: the worker group saved step {step} ({self.saves.last}) and restarts at its "
+                "new size",
+                flush=True,
+            )
         elif self.ctx.rank == 0:
             print(f"launch: stopped on a signal after step {step}; checkpoint {self.saves.last}", flush=True)
         self.finish("KILLED")
@@ -337,8 +356,11 @@ class Trainer:
         elif self.ctx.rank == 0:
             name = str(self.cfg.sweep.objective)
             record_pruned(self.run_dir, step, name, self.metrics[name])
-            print(f"launch: trial {self.cfg.sweep.trial} pruned after step {step} ({name} {self.metrics[name]:.4f}); "
-                  f"checkpoint {self.saves.last}", flush=True)  # fmt: skip
+            print(
+                f"launch: trial {self.cfg.sweep.trial} pruned after step {step} ({name} {self.metrics[name]:.4f}); "
+                f"checkpoint {self.saves.last}",
+                flush=True,
+            )
         self.finish()
 
     def finish(self, status: str = "FINISHED") -> None:
