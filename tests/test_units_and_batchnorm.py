@@ -16,7 +16,8 @@ from conftest import launch_here, launch_once
 from runs import PARITY_TOLERANCE
 
 from launcher.config import schema
-from strategies.base import RunContext, split_ties, tied_unit_lines, unit_classes
+from strategies.base import RunContext
+from strategies.units import split_ties, tied_unit_lines, unit_classes
 
 schema.register()  # the presets' schemas, for launcher.config.context.preset_strategy
 

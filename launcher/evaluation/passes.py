@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from launcher.base.collectives import all_reduce
 from launcher.base.durable import write_durably
 from launcher.base.errors import Refused
 from launcher.data.builtin import build_dataset
@@ -32,7 +33,6 @@ from launcher.data.collate import build_collate
 from launcher.data.sources import source_of
 from launcher.evaluation.metrics import build_metrics
 from launcher.models.loss import LabelRule, model_loss, say_once, target_tokens
-from launcher.worker.step import all_reduce
 from strategies import RunContext, Strategy
 
 ALL = "all"

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from launcher.base.collectives import all_reduce, gather_rows
 from launcher.base.metrics import declared, over_ranks
 from launcher.base.targets import import_targets
 from launcher.checkpoint.format import Position, manifest_of
@@ -42,7 +43,7 @@ from launcher.worker.guard import Guard
 from launcher.worker.hangs import stuck_in_collective
 from launcher.worker.lifecycle import Phase, StopRequest
 from launcher.worker.source_loss import SourceLosses
-from launcher.worker.step import all_reduce, gather_rows, train_step
+from launcher.worker.step import train_step
 from strategies import RunContext, Strategy
 
 
@@ -83,17 +84,17 @@ class Trainer:
 
     A step's phases, in the order the collectives force (every rank makes the same collectives in the same order,
     so no phase may be skipped on one rank and not on the others):
-      1. `data`      this rank's K micro-batches of global batch s (no collective);
+      1. data        this rank's K micro-batches of global batch s (`next_step`; a collective where a stream ends);
       2. `step`      forward/backward per micro-step, the strategy's gradient sync on the last one, the optimizer
                      step (the global gradient norm); on logged steps a probe before the last backward, which times
                      each rank's wait (`launcher.telemetry.stragglers`);
-      3. `commit`    whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
+      3. commit      whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
       4. `log`       on logged and evaluated steps only, on every rank alike: the figures reduced over ranks, and
                      the validation loss;
       5. `agree`     one all-reduce: whether any rank got a stop signal, whether any still writes a checkpoint,
                      whether a search's pruner ended the trial (rank 0 asked it in 4);
       6. `save`      what the save policy asks for, or the stop agreed in 5.
-    The position advances in `advance`, once per step taken: a step not committed (trainer.nonfinite=skip) still
+    The position advances once per step taken: a step not committed (trainer.nonfinite=skip) still
     consumes its samples; a step that was never taken leaves the position where it was, and the loop takes it
     again. Accumulation is the attempt's own (`RunContext.accumulation`): the samples of step s depend only on the
     seed and the global batch, so a worker group restarted with another K goes on with the same data.
@@ -138,10 +139,10 @@ class Trainer:
                 self.phase(f"reading the batches of step {step}")
                 started = time.perf_counter()  # from the wait for the data on: a slow loader shows here
                 self.clock = StepClock(self.device) if logged or evaluated else None  # compute and waits, per rank
-                data = self.data()
+                data = next_step(self.steps, self.source, self.device)  # None: a stream ran out on some rank
                 if data is not None:
                     loss, grad_norm = self.step(step, data, measured, logged)
-                    self.commit(step, grad_norm)
+                    self.guard.judge(step, grad_norm)  # a step that is not finite was not applied, or ends the run
                     tokens = sum(batch_tokens(b) for b in data.micro)
                     self.window.add(time.perf_counter() - started, tokens, measured)
             if data is None:  # a stream ran out: every rank agreed on it, before any forward of this step
@@ -149,7 +150,10 @@ class Trainer:
                 return True
             self.profiler.ended(step)
             self.snapshots.after_step(step)
-            self.advance(step, self.source_losses.recorded(data, self.device))  # data=mix: its tokens so far
+            # A step taken consumes its samples, applied or not (trainer.nonfinite=skip); data=mix: its tokens so far.
+            self.position = Position(
+                step, self.position.samples + self.B, self.source_losses.recorded(data, self.device)
+            )
             self.tier.after(self.position, self.strategy)  # the memory tier's step, in the background
             if logged or evaluated:
                 self.log(step, loss, grad_norm, evaluated)
@@ -246,10 +250,6 @@ class Trainer:
     def lr(self, step: int) -> float:
         return schedule_lr(self.trainer, self.cfg.optim.lr, step - 1, self.max_steps)
 
-    def data(self) -> StepData | None:
-        """This rank's micro-batches of the next step; None when the stream ran out on any rank (`next_step`)."""
-        return next_step(self.steps, self.source, self.device)
-
     def step(self, step: int, data: StepData, measured: bool, logged: bool) -> tuple[torch.Tensor, float]:
         """Forward/backward, gradient sync and optimizer step; this rank's part of the loss, and the gradient norm.
         Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is not on CPU: the
@@ -259,21 +259,13 @@ class Trainer:
                 self.guard,
                 data.micro,
                 self.ctx,
-                self.lr(step),
                 self.rule,
-                step,
-                self.phase,
-                self.clock,  # type: ignore[arg-type]
-                self.source_losses.seer(data.sources, logged),
+                lr=self.lr(step),
+                step=step,
+                phase=self.phase,
+                clock=self.clock,
+                seen=self.source_losses.seer(data.sources, logged),
             )
-
-    def commit(self, step: int, grad_norm: float) -> bool:
-        """Before anything is logged or saved: a step that is not finite was not applied (False), and may end the
-        run (`Guard.judge` raises)."""
-        return self.guard.judge(step, grad_norm)
-
-    def advance(self, step: int, stream: dict[str, Any] | None = None) -> None:
-        self.position = Position(step, self.position.samples + self.B, stream)
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: float, evaluated: bool) -> None:
         """The step's figures over all ranks (`launcher.base.metrics` declares how each is reduced), then the

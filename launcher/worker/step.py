@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from launcher.base.collectives import all_reduce
 from launcher.models.loss import (
     NUM_ITEMS,
     LabelRule,
@@ -23,26 +24,13 @@ if TYPE_CHECKING:
     from launcher.telemetry.stragglers import StepClock
 
 
-def all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
-    """Every rank's `values` (the same length on each), a row per rank in rank order: one collective."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    rows = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)  # flat: gloo's shape
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine)  # torch 2.13 renamed it
-    return rows.view(-1, len(values)).tolist()
-
-
 def train_step(
     strategy: Strategy,
     micro: list[Any],
     ctx: RunContext,
-    lr: float,
     rule: LabelRule,
+    *,
+    lr: float,
     step: int,
     phase: Phase,
     clock: StepClock | None = None,
