@@ -342,9 +342,10 @@ def plain_gpt_loss(run_dir: Path, checkpoint: Path | None = None) -> tuple[float
     from omegaconf import OmegaConf
 
     from launcher.base.storage import location
+    from launcher.checkpoint.format import find_checkpoint
     from launcher.data.builtin import build_dataset
     from launcher.models.gpt import GPT
-    from launcher.parent.convert import find_checkpoint, weights
+    from launcher.parent.convert import weights
 
     cfg = OmegaConf.load(run_dir / "resolved.yaml")
     model = GPT(**{k: v for k, v in cfg.model.items() if k != "_target_"})

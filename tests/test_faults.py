@@ -112,9 +112,8 @@ def test_space_is_counted_as_written(saved: tuple[Path, int]) -> None:
 def test_a_damaged_checkpoint_is_never_used_and_each_fallback_says_why(
     saved: tuple[Path, int], tmp_path: Path, harm: str, file: str, why: str
 ) -> None:
-    from launcher.checkpoint.format import CheckpointError, newest_intact
+    from launcher.checkpoint.format import CheckpointError, find_checkpoint, newest_intact
     from launcher.checkpoint.loading import find_resume
-    from launcher.parent.convert import find_checkpoint
 
     checkpoints = _copy(saved, tmp_path)
     newest, older = checkpoints / "step_00000002", checkpoints / "step_00000001"

@@ -62,7 +62,8 @@ def one_process(conformance_dir: Path, name: str, *overrides: str) -> Run:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from launcher.parent.convert import find_checkpoint, weights
+    from launcher.checkpoint.format import find_checkpoint
+    from launcher.parent.convert import weights
 
     return weights(find_checkpoint(run_dir))
 

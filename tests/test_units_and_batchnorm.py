@@ -232,7 +232,8 @@ def test_sync_batchnorm_on_2_ranks_is_one_process_with_both_micro_batches(confor
     samples as one process with micro-batch 2m does: the same losses (each strategy's declared tolerance), and the
     checkpoint's running statistics are that process's (`STATISTICS`), under DDP and FSDP. (At K > 1 no one-process
     run equals it: each of its micro-steps normalises the G micro-batches of that micro-step together.)"""
-    from launcher.parent.convert import find_checkpoint, weights
+    from launcher.checkpoint.format import find_checkpoint
+    from launcher.parent.convert import weights
 
     sweep = conformance_dir / "units-batchnorm"
     run = launch_once(

@@ -109,7 +109,8 @@ def test_convert_writes_a_folder_that_from_pretrained_loads(hf_sweep, gpt2_folde
 
     from transformers import AutoModelForCausalLM
 
-    from launcher.parent.convert import find_checkpoint, weights
+    from launcher.checkpoint.format import find_checkpoint
+    from launcher.parent.convert import weights
 
     _, sweep = hf_sweep
     checkpoint = find_checkpoint(jobs(sweep)["zero3"])

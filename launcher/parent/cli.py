@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return prepare(argv[1:])
     if argv[:1] == ["eval"]:  # the training run's overrides, with the checkpoint resumed and evaluated once
         from launcher.base.errors import ConfigError
-        from launcher.evaluation.checks import eval_overrides
+        from launcher.parent.eval_command import eval_overrides
 
         try:
             argv = eval_overrides(argv[1:])

@@ -218,8 +218,7 @@ def with_run(checkpoint: str, command: list[str], keys: Sequence[str], what: str
     the command line's, and the run's config (None where its checkpoint has no resolved.yaml beside it: the command
     line's alone, said in one line). ConfigError: one line."""
     from launcher.base.storage import location
-    from launcher.checkpoint.format import CheckpointError, read_manifest
-    from launcher.parent.convert import find_checkpoint
+    from launcher.checkpoint.format import CheckpointError, find_checkpoint, read_manifest
 
     try:
         found = find_checkpoint(location(checkpoint))
