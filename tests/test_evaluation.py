@@ -657,3 +657,24 @@ def test_a_run_s_config_is_read_as_data_and_its_code_only_where_the_command_name
     check_code(run_overrides(mix, [], ["data"]), mixed, tmp_path / "resolved.yaml", package_targets)
     with pytest.raises(ConfigError, match=r"chose model=\.\./evil, which is no model option here"):
         run_overrides({"job": {"choices": {"model": "../evil"}}}, [], ["model"])
+
+
+@pytest.mark.unit
+def test_a_run_written_before_the_rooms_moved_names_its_optimizer_at_the_new_path(tmp_path: Path) -> None:
+    """A resolved.yaml that names a `_target_` of the launcher's own at the path it had before it moved (optim=muon's
+    `launcher.worker.muon.MuonAdamW`) is read with the new path, which imports; other targets are left as they are."""
+    from hydra.utils import get_class
+
+    from launcher.parent.run_config import MOVED, read_run
+
+    old = "launcher.worker.muon.MuonAdamW"
+    (tmp_path / "resolved.yaml").write_text(
+        f"optim: {{_target_: {old}, lr: 0.01}}\nlogger: [{{_target_: launcher.worker.logs.WandbLogger}}]\n"
+        "model: {_target_: my_pkg.Net}\njob: {choices: {optim: muon}}\n"
+    )
+    run = read_run(tmp_path / "resolved.yaml")
+    assert run["optim"] == {"_target_": "launcher.optim.muon.MuonAdamW", "lr": 0.01}
+    assert run["logger"] == [{"_target_": "launcher.loggers.wandb.WandbLogger"}]
+    assert run["model"]["_target_"] == "my_pkg.Net"
+    for new in MOVED.values():  # every new path imports
+        assert get_class(new).__name__ == new.rsplit(".", 1)[1]
