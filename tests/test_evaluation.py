@@ -284,9 +284,9 @@ def test_301_points_are_one_plain_process_s_at_1_to_4_ranks_under_ddp_fsdp_and_z
         "trainer.save_at_end=true",
     ]
     sweep = conformance_dir / "eval-301"
-    # Workers started afresh: the sweep's checks build the 301 images in the launcher with a multi-threaded torch op,
-    # after which a forked worker's own such op waits for ever on the launcher's OpenMP threads.
-    shapes = ["strategy=ddp,fsdp,zero3", "gpus=1,2,3,4", f"hydra.sweep.dir={sweep}", "trainer.fork_workers=false"]
+    # Workers forked (the default): the sweep's checks build the 301 images in the launcher, single-threaded where
+    # its jobs fork (`single_threaded_before_fork`), so a forked worker's own multi-threaded op has its own threads.
+    shapes = ["strategy=ddp,fsdp,zero3", "gpus=1,2,3,4", f"hydra.sweep.dir={sweep}"]
     run = launch_once(conformance_dir, "-m", "+sweep=smoke", *wide, *shapes, name="eval-301", timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     from omegaconf import OmegaConf
@@ -302,7 +302,7 @@ def test_301_points_are_one_plain_process_s_at_1_to_4_ranks_under_ddp_fsdp_and_z
     assert sorted(seen) == [(s, g) for s in ("ddp", "fsdp", "zero3") for g in (1, 2, 3, 4)], sorted(seen)
     checkpoint = seen[("zero3", 3)] / "checkpoints" / "step_00000003"
     code = [o for o in CODE if "right" not in o]
-    shape = ["strategy=fsdp", "gpus=4", "trainer.fork_workers=false"]
+    shape = ["strategy=fsdp", "gpus=4"]
     proc = launch_once(conformance_dir, "eval", str(checkpoint), *code, *shape, name="eval-301-of-zero3", timeout=900)
     figures = json.loads((proc.check().run_dir / "eval.json").read_text())["figures"]
     plain = plain_figures(checkpoint, count=301, classes=5)
