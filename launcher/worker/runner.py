@@ -8,6 +8,7 @@ ranks.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,25 @@ def train(
         raise
 
 
+@dataclass
+class StepState:
+    """One optimizer step of the loop: its number, what it does beside training, and what its training gave."""
+
+    number: int
+    logged: bool
+    """Its figures are reduced over ranks and logged (trainer.log_every, the first step, the last)."""
+    evaluated: bool
+    """The validation pass runs after it (trainer.eval_every, the last step)."""
+    measured: bool
+    """Its peak memory is measured (`Trainer.measured`)."""
+    started: float = field(default_factory=time.perf_counter)
+    """From the wait for its data on: a slow loader shows in its time."""
+    loss: torch.Tensor | None = None
+    """This rank's part of the step's loss (summed over ranks: the global batch's)."""
+    grad_norm: float = 0.0
+    """The global gradient norm before clipping."""
+
+
 class Trainer:
     """One worker's run: `setup` builds everything once, then `run` takes one optimizer step at a time.
 
@@ -129,49 +149,60 @@ class Trainer:
         if self.trainer.eval_only:  # launch eval: the checkpoint's figures, no step
             at, ema = self.position.step, bool(self.trainer.eval_ema)
             self.evaluation.once(self.strategy, self.rule, at, self.run_dir, ema)  # type: ignore[union-attr]
-            return self.finish() or True
+            self.finish()
+            return True
         self.watch.call("on_train_start", self.position.step, {})
         while self.position.step < self.max_steps:
-            step = self.position.step + 1
-            logged, evaluated = self.logged(step), self.evaluated(step)
-            measured = self.measured(step, logged or evaluated)
-            with self.profiler.step(step):
-                self.phase(f"reading the batches of step {step}")
-                started = time.perf_counter()  # from the wait for the data on: a slow loader shows here
-                self.clock = StepClock(self.device) if logged or evaluated else None  # compute and waits, per rank
-                data = next_step(self.steps, self.source, self.device)  # None: a stream ran out on some rank
-                if data is not None:
-                    loss, grad_norm = self.step(step, data, measured, logged)
-                    self.guard.judge(step, grad_norm)  # a step that is not finite was not applied, or ends the run
-                    tokens = sum(batch_tokens(b) for b in data.micro)
-                    self.window.add(time.perf_counter() - started, tokens, measured)
-            if data is None:  # a stream ran out: every rank agreed on it, before any forward of this step
-                self.ended(step)
-                return True
-            self.profiler.ended(step)
-            self.snapshots.after_step(step)
-            # A step taken consumes its samples, applied or not (trainer.nonfinite=skip); data=mix: its tokens so far.
-            self.position = Position(
-                step, self.position.samples + self.B, self.source_losses.recorded(data, self.device)
-            )
-            self.tier.after(self.position, self.strategy)  # the memory tier's step, in the background
-            if logged or evaluated:
-                self.log(step, loss, grad_norm, evaluated)
-            self.progress.update(step, self.metrics if logged else None)
-            stopping, pruned = self.agree(step)
-            if self.watch.failed:  # a callback raised: what is in flight is finished, the newest complete stays last
-                self.saves.finish()
-                self.watch.fail(self.saves.last)
-            if self.policy.due(step, stopping or pruned or self.watch.saves):  # a stop and a best step save
-                self.save(step)
-            if pruned or self.watch.stop:  # the study's pruner or the early stop ended the run: done, not interrupted
-                self.pruned(step)
-                return True
-            if stopping and step < self.max_steps:
-                self.stopped(step)
-                return False
+            ended = self.one_step(self.plan_step(self.position.step + 1))
+            if ended is not None:
+                return ended
         self.finish()
         return True
+
+    def plan_step(self, number: int) -> StepState:
+        """Step `number` and what it does beside training: log, evaluate, measure its peak memory."""
+        logged, evaluated = self.logged(number), self.evaluated(number)
+        return StepState(number, logged, evaluated, self.measured(number, logged or evaluated))
+
+    def one_step(self, s: StepState) -> bool | None:
+        """One optimizer step, in the order the collectives force: its batches, forward and backward over the
+        micro-steps and the optimizer step, the position, the figures and the evaluation, the agreement, the save.
+        None: the loop goes on; True: the run ended as it should (a stream ran out, an early stop, a pruned trial);
+        False: a stop signal ended it after its checkpoint."""
+        step = s.number
+        with self.profiler.step(step):
+            self.phase(f"reading the batches of step {step}")
+            self.clock = StepClock(self.device) if s.logged or s.evaluated else None  # compute and waits, per rank
+            data = next_step(self.steps, self.source, self.device)  # None: a stream ran out on some rank
+            if data is not None:
+                s.loss, s.grad_norm = self.step(s, data)
+                self.guard.judge(step, s.grad_norm)  # a step that is not finite was not applied, or ends the run
+                tokens = sum(batch_tokens(b) for b in data.micro)
+                self.window.add(time.perf_counter() - s.started, tokens, s.measured)
+        if data is None:  # a stream ran out: every rank agreed on it, before any forward of this step
+            self.ended(step)
+            return True
+        self.profiler.ended(step)
+        self.snapshots.after_step(step)
+        # A step taken consumes its samples, applied or not (trainer.nonfinite=skip); data=mix: its tokens so far.
+        self.position = Position(step, self.position.samples + self.B, self.source_losses.recorded(data, self.device))
+        self.tier.after(self.position, self.strategy)  # the memory tier's step, in the background
+        if s.logged or s.evaluated:
+            self.log(s)
+        self.progress.update(step, self.metrics if s.logged else None)
+        stopping, pruned = self.agree(step)
+        if self.watch.failed:  # a callback raised: what is in flight is finished, the newest complete stays last
+            self.saves.finish()
+            self.watch.fail(self.saves.last)
+        if self.policy.due(step, stopping or pruned or self.watch.saves):  # a stop and a best step save
+            self.save(step)
+        if pruned or self.watch.stop:  # the study's pruner or the early stop ended the run: done, not interrupted
+            self.pruned(step)
+            return True
+        if stopping and step < self.max_steps:
+            self.stopped(step)
+            return False
+        return None
 
     # ------------------------------------------------------------------ before the first step
 
@@ -250,26 +281,27 @@ class Trainer:
     def lr(self, step: int) -> float:
         return schedule_lr(self.trainer, self.cfg.optim.lr, step - 1, self.max_steps)
 
-    def step(self, step: int, data: StepData, measured: bool, logged: bool) -> tuple[torch.Tensor, float]:
+    def step(self, s: StepState, data: StepData) -> tuple[torch.Tensor, float]:
         """Forward/backward, gradient sync and optimizer step; this rank's part of the loss, and the gradient norm.
-        Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is not on CPU: the
+        Its peak memory is measured when `s.measured`; the others pay nothing. A profiled step's is not on CPU: the
         per-operator count would be in the profile, around every op of the step."""
-        with self.memory.measure(measured, profiled=self.profiler.covers(step)):
+        with self.memory.measure(s.measured, profiled=self.profiler.covers(s.number)):
             return train_step(
                 self.guard,
                 data.micro,
                 self.ctx,
                 self.rule,
-                lr=self.lr(step),
-                step=step,
+                lr=self.lr(s.number),
+                step=s.number,
                 phase=self.phase,
                 clock=self.clock,
-                seen=self.source_losses.seer(data.sources, logged),
+                seen=self.source_losses.seer(data.sources, s.logged),
             )
 
-    def log(self, step: int, loss: torch.Tensor, grad_norm: float, evaluated: bool) -> None:
+    def log(self, s: StepState) -> None:
         """The step's figures over all ranks (`launcher.base.metrics` declares how each is reduced), then the
         loggers."""
+        step, loss, grad_norm, evaluated = s.number, s.loss, s.grad_norm, s.evaluated
         self.phase(f"logging step {step}")
         metrics = self._figures(loss, grad_norm, self.lr(step))
         metrics |= self.speed.metrics(metrics.get("tokens_per_s"), self.ctx.world_size)
