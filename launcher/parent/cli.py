@@ -309,7 +309,8 @@ def convert(args: Sequence[str]) -> None:
 
     try:
         model, run = None, None
-        if out.suffix != ".safetensors":  # a folder: the run's model (its resolved.yaml), these overrides over it
+        # A folder, or EMA weights (a tied parameter's names): the run's model (its resolved.yaml), overrides over it.
+        if out.suffix != ".safetensors" or emas == ["true"]:
             from hydra import initialize_config_module
 
             from launcher.parent.run_config import MODEL, with_run
