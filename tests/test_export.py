@@ -155,14 +155,17 @@ def _saved(checkpoint: Path, tmp_path: Path) -> dict:
     return torch.load(tmp_path / "full.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_tp"])
+@pytest.mark.parametrize(
+    "strategy",
+    ["fsdp", pytest.param("fsdp_tp", marks=pytest.mark.long)],  # 15-30 s each: fsdp's covers the export at default
+)
 def test_convert_of_a_sharded_gpt_writes_a_folder_from_pretrained_loads_with_its_logits(
     suite, strategy: str, tmp_path: Path
 ) -> None:
-    """`launch convert RUN out=DIR` of the suite's GPT, trained at 2 ranks under fsdp and fsdp_tp: a folder that
-    AutoModelForCausalLM and AutoTokenizer load; its logits on the run's validation windows are the launcher's GPT's
-    (the checkpoint as torch's tool consolidates it) within LOGITS_TOLERANCE; its tokenizer gives each window's
-    bytes as their ids."""
+    """`launch convert RUN out=DIR` of the suite's GPT, trained under fsdp at 2 ranks and fsdp_tp at 4 (its suite's
+    shape): a folder that AutoModelForCausalLM and AutoTokenizer load; its logits on the run's validation windows are
+    the launcher's GPT's (the checkpoint as torch's tool consolidates it) within LOGITS_TOLERANCE; its tokenizer gives
+    each window's bytes as their ids."""
     from transformers import AutoTokenizer
 
     checkpoint = suite.run_dir / "checkpoints" / "step_00000012"

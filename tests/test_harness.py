@@ -80,6 +80,8 @@ def mc_by_hand(folder: Path, tasks: Path) -> tuple[float, float]:
 
 
 @pytest.mark.unit
+@pytest.mark.long  # 15-35 s (lm-eval's imports and its run); the refusals below cover the harness's checks, the
+# folder's logits tests/test_export.py's
 def test_lm_eval_s_accuracy_on_an_exported_gpt_is_the_one_computed_by_hand(tmp_path: Path) -> None:
     """lm-eval run in process as `launch eval` runs it (`launcher.export.harness.evaluate`) on a random GPT's folder:
     tiny_mc's acc and acc_norm are the ones plain transformers gives by hand; eval.json's names are lm-eval's."""
@@ -109,12 +111,12 @@ EVAL = [o for o in TINY if not o.startswith("data=")]
 @pytest.mark.parametrize(
     "extra, said",
     [
-        (["harness.tasks=[no_such_task]", "harness.include_path={tasks}"], "harness.tasks: no_such_task is no task"),
         (["harness.tasks=[{tasks}/gone.yaml]"], "harness.tasks: {tasks}/gone.yaml is no file"),
         (["harness.tasks=[tiny_mc]", "harness.include_path={tasks}/gone"], "harness.include_path={tasks}/gone is no"),
         (["harness.tasks=[tiny_mc]", "data=synthetic"], "reads text through the run's tokenizer, and there is no toke"),
+        (["harness.tasks=[tiny_mc]", "nodes=2"], "harness.tasks runs lm-eval in the launcher of one node, and nodes=2"),
     ],
-    ids=["task-name", "task-yaml", "include-path", "no-tokenizer"],
+    ids=["task-yaml", "include-path", "no-tokenizer", "nodes"],
 )
 def test_bad_harness_input_is_one_line_before_any_worker(extra: list[str], said: str, tmp_path: Path) -> None:
     tasks = make_tasks(tmp_path / "tasks")
@@ -122,6 +124,21 @@ def test_bad_harness_input_is_one_line_before_any_worker(extra: list[str], said:
     data = [] if any(a.startswith("data=") for a in args) else ["data=pysource"]
     line = launch_here(tmp_path, "eval", str(tmp_path / "nothing"), *EVAL, *data, *args).refused()
     assert said.format(tasks=tasks) in line, line
+
+
+@pytest.mark.unit
+@pytest.mark.long  # 30-60 s: a name not found locally is looked up in lm-eval's index of its ~15,000 task files; the
+# missing task YAML above is the default tier's task not found
+def test_a_task_name_found_nowhere_is_one_line_naming_it(tmp_path: Path) -> None:
+    tasks = make_tasks(tmp_path / "tasks")
+    args = ["data=pysource", "harness.tasks=[tiny_mcq]", f"harness.include_path={tasks}"]
+    line = launch_here(tmp_path, "eval", str(tmp_path / "nothing"), *EVAL, *args).refused()
+    from launcher.export.harness import version
+
+    assert f"harness.tasks: tiny_mcq is no task of lm-eval {version()} nor of harness.include_path={tasks}" in line, (
+        line
+    )
+    assert "(close: tiny_mc" in line and "name one `lm-eval ls tasks` lists, or give a task YAML's path" in line
 
 
 @pytest.mark.unit

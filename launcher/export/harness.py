@@ -40,6 +40,10 @@ def check_harness(frozen: Any, model: Any) -> None:
             f"harness.tasks={tasks[0]} is run by `launch eval CHECKPOINT harness.tasks=[...]` on a checkpoint, not "
             "by a training run: leave it out here"
         )
+    if str(frozen.nodes) != "1":
+        raise ConfigError(
+            f"harness.tasks runs lm-eval in the launcher of one node, and nodes={frozen.nodes}: evaluate on one node"
+        )
     try:
         version()
     except ImportError:

@@ -121,13 +121,10 @@ def save_gpt2(model: nn.Module, tensors: dict[str, torch.Tensor], folder: Any, t
     config.dtype = next(iter(tensors.values())).dtype  # config.json says what the weights are
     with torch.device("meta"):
         hf = transformers.GPT2LMHeadModel(config)
-    missing, unexpected = hf.load_state_dict(
-        gpt2_weights(tensors, config.n_layer, config.tie_word_embeddings), strict=False, assign=True
-    )
-    assert not unexpected and missing == (["lm_head.weight"] if config.tie_word_embeddings else []), (
-        missing,
-        unexpected,
-    )
+    mapped = gpt2_weights(tensors, config.n_layer, config.tie_word_embeddings)
+    missing, unexpected = hf.load_state_dict(mapped, strict=False, assign=True)
+    tied = ["lm_head.weight"] if config.tie_word_embeddings else []
+    assert not unexpected and missing == tied, f"GPT-2's names not those mapped: {missing or unexpected}"
     hf.tie_weights()
     transformers.utils.logging.disable_progress_bar()  # its bar for one file of shards, on the command's terminal
     hf.save_pretrained(str(folder))
@@ -167,7 +164,7 @@ def run_tokenizer(run: dict[str, Any] | None) -> tuple[Any, str]:
     data = run.get("data") or {}
     choice = str((run.get("job") or {}).get("choices", {}).get("data"))
     if str(data.get("_target_", "")).endswith(("builtin.PySource", "builtin.Synthetic")):
-        if choice == "synthetic" or data["_target_"].endswith("Synthetic"):
+        if data["_target_"].endswith("Synthetic"):
             return None, "no tokenizer: data=synthetic's ids are random, no text's"
         return byte_tokenizer(), "the byte-level tokenizer of data=pysource (ids are the UTF-8 bytes)"
     path = data.get("tokenizer")

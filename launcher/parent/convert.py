@@ -2,7 +2,9 @@
 
     launch convert CHECKPOINT out=model.safetensors             the weights, for model.load_state_dict(...)
     launch convert CHECKPOINT out=DIR [model overrides]         a folder: save_pretrained's (weights + config.json)
-                                                                for a model that has it, else model.safetensors +
+                                                                for a model that has it, the built-in GPT as GPT-2
+                                                                (`launcher.export.transformers_folder`), each with
+                                                                the run's tokenizer, else model.safetensors +
                                                                 model.yaml; for a PEFT model, its adapters
     launch convert CHECKPOINT out=DIR merge=true [overrides]    a PEFT model's adapters merged into its base model:
                                                                 the whole model's folder
@@ -78,7 +80,7 @@ def weights(checkpoint: Location, ema: bool = False, model: Any = None) -> dict[
     if ema and model is not None:
         for group in _tied(model):
             source = next((name for name in group if name in averaged), None)
-            averaged |= {name: averaged[source] for name in group if source is not None and name in template}
+            averaged |= {name: averaged[source].clone() for name in group if source is not None and name in template}
     return {name: t.contiguous() for name, t in (template | (averaged if ema else {})).items()}
 
 
