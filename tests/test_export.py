@@ -155,10 +155,7 @@ def _saved(checkpoint: Path, tmp_path: Path) -> dict:
     return torch.load(tmp_path / "full.pt", weights_only=True)
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    ["fsdp", pytest.param("fsdp_tp", marks=pytest.mark.long)],  # 15-30 s each: fsdp's covers the export at default
-)
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_tp"])
 def test_convert_of_a_sharded_gpt_writes_a_folder_from_pretrained_loads_with_its_logits(
     suite, strategy: str, tmp_path: Path
 ) -> None:

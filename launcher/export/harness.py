@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,7 @@ def evaluate(folder: Path, tasks: list[str], harness: Any, device: str) -> dict[
     from launcher.base.machine import usable_cpus
 
     torch.set_num_threads(usable_cpus())  # the launcher kept one before forking its workers
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its progress at INFO, a line per step: the table says
     manager = task_manager(_include(harness.include_path), tuple(tasks))
     return lm_eval.simple_evaluate(
         model="hf",
