@@ -1,9 +1,10 @@
 """lm-evaluation-harness on a checkpoint: `launch eval CHECKPOINT harness.tasks=[...]`.
 
 After the launcher's own validation pass (the workers' eval.json), the launcher exports the evaluated checkpoint (its
-EMA weights with ema=true) to `<run dir>/transformers/` as `launch convert` writes a folder (the built-in GPT as GPT-2,
-with the run's tokenizer), runs lm-eval 0.4 on it in this process (its `hf` model: transformers' own code, the folder
-read as any model's), prints lm-eval's table and adds its figures to eval.json under `harness`.
+EMA weights with ema=true) to `<run dir>/transformers/` as `launch convert` writes a folder (the built-in GPT as
+GPT-2, with the run's tokenizer), runs lm-eval 0.4 on it in the launcher's process (`evaluate`: lm-eval's `hf` model,
+transformers' own code, the folder read as any model's), prints lm-eval's table and adds its figures to eval.json
+under `harness` (`launcher.parent.harness`).
 
 Checked before any worker starts, one line each: lm-eval is installed, the model makes a transformers folder and the
 run's data a tokenizer, each task is found (a name among lm-eval's tasks and harness.include_path's, or a task YAML
@@ -14,15 +15,12 @@ it takes tens of seconds. A task YAML is code as a config is: lm-eval imports th
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from launcher.base.errors import ConfigError
 
-FOLDER = "transformers"
-"""The exported folder's name in the evaluation's run directory."""
 INSTALL = "pip install 'launch[harness]'"
 
 
@@ -126,45 +124,6 @@ def task_manager(include: str | None, tasks: tuple[str, ...]) -> Any:
     if all(t.endswith((".yaml", ".yml")) or t in found for t in tasks):
         return local or TaskManager(include_defaults=False)
     return TaskManager(include_path=include)
-
-
-def run_harness(cfg: Any, run_dir: Path, device: str) -> str:
-    """Export the evaluated checkpoint to `<run_dir>/transformers`, run the harness's tasks on it, print lm-eval's
-    table and add its figures to `<run_dir>/eval.json`; returns "" when done, else why not in one line."""
-    import yaml
-
-    from launcher.base.storage import location
-    from launcher.checkpoint.format import CheckpointError
-    from launcher.models.meta import build_on_meta
-    from launcher.parent.convert import find_checkpoint, weights, write_folder
-
-    try:
-        run = yaml.safe_load((run_dir / "resolved.yaml").read_text())  # this evaluation's, as data
-        checkpoint = find_checkpoint(location(str(cfg.resume)))
-        tensors = weights(checkpoint, bool(cfg.trainer.eval_ema), build_on_meta(cfg.model))
-        folder = run_dir / FOLDER
-        said = write_folder(tensors, folder, cfg.model, checkpoint, run=run)
-    except (CheckpointError, ConfigError, OSError) as e:
-        return f"harness: the checkpoint was not exported ({str(e).splitlines()[0]})"
-    if not (folder / "config.json").exists():  # write_folder said why not, in its line
-        return f"harness: {said}"
-    print(f"launch: harness: wrote {said}", flush=True)
-    harness = cfg.harness
-    try:
-        results = evaluate(folder, requested(cfg), harness, device)
-    except Exception as e:  # lm-eval's own complaint at run time (a dataset not found offline, ...), in one line
-        return f"harness: lm-eval {version()} failed ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
-    from lm_eval.utils import make_table
-
-    print(make_table(results), flush=True)
-    path = run_dir / "eval.json"
-    record = json.loads(path.read_text()) if path.exists() else {}
-    record["harness"] = {"lm_eval": version(), "folder": str(folder), "tasks": figures(results)}
-    from launcher.base.durable import write_durably
-
-    write_durably(path, json.dumps(record, indent=2))
-    print(f"launch: harness: {', '.join(record['harness']['tasks'])} added to {path}", flush=True)
-    return ""
 
 
 def evaluate(folder: Path, tasks: list[str], harness: Any, device: str) -> dict[str, Any]:

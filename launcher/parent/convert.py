@@ -27,22 +27,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.storage import Location, check_url, is_remote, location
-from launcher.checkpoint.format import MANIFEST, CheckpointError, intact, newest_intact
+from launcher.checkpoint.format import CheckpointError, find_checkpoint
 from launcher.checkpoint.untrusted import UntrustedDataError, dcp_load, read_metadata
-
-
-def find_checkpoint(path: Location) -> Location:
-    """A checkpoint folder that verifies, or the newest one that does of a run directory or checkpoints folder (a
-    line for each newer one skipped)."""
-    if (path / MANIFEST).exists():
-        return intact(path)
-    found = newest_intact(path / "checkpoints") if (path / "checkpoints").is_dir() else newest_intact(path)
-    if found is None:
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint (no valid manifest.json and files); "
-            "give a checkpoints/step_* folder or a run directory"
-        )
-    return found
 
 
 def weights(checkpoint: Location, ema: bool = False, model: Any = None) -> dict[str, Any]:
@@ -63,8 +49,10 @@ def weights(checkpoint: Location, ema: bool = False, model: Any = None) -> dict[
         if k.startswith(prefix) and hasattr(v, "size")
     }
     if ema and not averaged:
-        raise CheckpointError(f"checkpoint {checkpoint} holds no EMA weights (its run had no trainer.ema.decay); "
-                              "convert it without ema=true")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds no EMA weights (its run had no trainer.ema.decay); "
+            "convert it without ema=true"
+        )
     template = {
         k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
         for k, v in entries.items()

@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.durable import disk_error
 from launcher.base.machine import visible_cuda_devices
-from launcher.checkpoint.memory import check_memory_tier
 from launcher.clusters import shaped
 from launcher.config import (
     EXIT_BAD_INPUT,
@@ -33,13 +32,14 @@ from launcher.config import (
 from launcher.config.context import check_protocol, check_strategy
 from launcher.config.identity import identity_hash
 from launcher.config.known import check_keys
-from launcher.export.harness import requested, run_harness
+from launcher.export.harness import requested
 from launcher.models.checks import vocabulary
 from launcher.parent.checks import check_built, check_resume
 from launcher.parent.rendezvous import Rendezvous, rendezvous
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
 from launcher.parent.workers import Outcome, Prepared, start_workers
+from launcher.recovery.shm import check_memory_tier, tier_on
 
 
 def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -> Prepared:
@@ -52,9 +52,9 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     from launcher.export.transformers_folder import tokenizer_record
     from launcher.models.meta import build_on_meta
     from launcher.models.meta import measure as model_size
-    from launcher.parent.optim_checks import measure
+    from launcher.optim.checks import measure
     from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak, planned_state
-    from launcher.worker.adapt import oom_restarts, read_adapted
+    from launcher.recovery.adapt import oom_restarts, read_adapted
 
     frozen = shaped(freeze(cfg), os.environ, (job or {}).get("overrides", []))  # a cluster's nodes and gpus
     cuda = visible_cuda_devices()
@@ -81,7 +81,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(frozen, model)  # with what its optimizer gathers whole
     peak = planned_peak(frozen, derived, size, strategy)
-    if frozen.trainer.memory_checkpoint_every:  # its replicas' nodes, and its room in shared memory
+    if tier_on(frozen.trainer):  # its replicas' nodes, and its room in shared memory
         job_bytes = planned_state(frozen, derived, size, strategy)
         check_memory_tier(frozen.trainer, derived.nodes, derived.min_nodes, job_bytes)
     resolved["derived"] = {
@@ -218,8 +218,13 @@ def run_job(cfg: DictConfig) -> int | dict[str, Any]:
     if "sweep_dir" not in job:
         return outcome.code
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"code": outcome.code, "reason": outcome.reason, "seconds": round(time.monotonic() - started, 1),
-              "strategy": job["choices"].get("strategy"), "overrides": job["overrides"]}  # fmt: skip
+    record = {
+        "code": outcome.code,
+        "reason": outcome.reason,
+        "seconds": round(time.monotonic() - started, 1),
+        "strategy": job["choices"].get("strategy"),
+        "overrides": job["overrides"],
+    }
     from launcher.search.objective import trial_outcome
 
     record |= trial_outcome(cfg, run_dir, outcome.code, outcome.reason)  # {} outside a search
@@ -240,6 +245,8 @@ def _run(cfg: DictConfig, run_dir: Path, job: dict[str, Any]) -> Outcome:
     try:
         outcome = start_workers(prepared, cfg.trainer, run_dir)
         if outcome.code == 0 and requested(cfg):  # launch eval harness.tasks=[...]: lm-eval, after the validation
+            from launcher.parent.harness import run_harness
+
             reason = run_harness(cfg, run_dir, prepared.derived.device)
             return Outcome(EXIT_FAILED, reason) if reason else outcome
         return outcome

@@ -16,32 +16,34 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from launcher.base.collectives import all_reduce, gather_rows
 from launcher.base.metrics import declared, over_ranks
 from launcher.base.targets import import_targets
 from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
+from launcher.checkpoint.resume import check_shared_folders, restart_count, resume
 from launcher.data.sources import StepData
+from launcher.evaluation.callbacks import Watch
+from launcher.evaluation.passes import evaluation_of
+from launcher.loggers.base import Loggers
+from launcher.loggers.progress import Progress
 from launcher.models.loss import LabelRule, batch_tokens
 from launcher.models.meta import build_on_meta
+from launcher.optim.build import optimizer_factory
+from launcher.optim.schedules import schedule_lr
+from launcher.recovery.adapt import after_out_of_memory, resizing
+from launcher.recovery.tier import MemoryTier
 from launcher.search.trial import TrialReport, record_pruned
-from launcher.worker.adapt import after_out_of_memory, resizing
-from launcher.worker.callbacks import Watch
-from launcher.worker.evaluation import evaluation_of
+from launcher.telemetry.peak_memory import StepMemory, rss_bytes
+from launcher.telemetry.profiling import MemorySnapshots, StepProfiler
+from launcher.telemetry.speed import Speed, Window
+from launcher.telemetry.stragglers import StepClock, Stragglers
 from launcher.worker.feed import feed, next_step, training_source
 from launcher.worker.guard import Guard
 from launcher.worker.hangs import stuck_in_collective
 from launcher.worker.lifecycle import Phase, StopRequest
-from launcher.worker.logs import Loggers, Progress
-from launcher.worker.memory import StepMemory, rss_bytes
-from launcher.worker.optimizers import optimizer_factory
-from launcher.worker.profiling import MemorySnapshots, StepProfiler
-from launcher.worker.resume import check_shared_folders, restart_count, resume
-from launcher.worker.schedules import schedule_lr
 from launcher.worker.source_loss import SourceLosses
-from launcher.worker.speed import Speed, Window
-from launcher.worker.step import all_reduce, gather_rows, train_step
-from launcher.worker.stragglers import StepClock, Stragglers
-from launcher.worker.tier import MemoryTier
+from launcher.worker.step import train_step
 from strategies import RunContext, Strategy
 
 
@@ -82,17 +84,17 @@ class Trainer:
 
     A step's phases, in the order the collectives force (every rank makes the same collectives in the same order,
     so no phase may be skipped on one rank and not on the others):
-      1. `data`      this rank's K micro-batches of global batch s (no collective);
+      1. data        this rank's K micro-batches of global batch s (`next_step`; a collective where a stream ends);
       2. `step`      forward/backward per micro-step, the strategy's gradient sync on the last one, the optimizer
                      step (the global gradient norm); on logged steps a probe before the last backward, which times
-                     each rank's wait (`launcher.worker.stragglers`);
-      3. `commit`    whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
+                     each rank's wait (`launcher.telemetry.stragglers`);
+      3. commit      whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
       4. `log`       on logged and evaluated steps only, on every rank alike: the figures reduced over ranks, and
                      the validation loss;
       5. `agree`     one all-reduce: whether any rank got a stop signal, whether any still writes a checkpoint,
                      whether a search's pruner ended the trial (rank 0 asked it in 4);
       6. `save`      what the save policy asks for, or the stop agreed in 5.
-    The position advances in `advance`, once per step taken: a step not committed (trainer.nonfinite=skip) still
+    The position advances once per step taken: a step not committed (trainer.nonfinite=skip) still
     consumes its samples; a step that was never taken leaves the position where it was, and the loop takes it
     again. Accumulation is the attempt's own (`RunContext.accumulation`): the samples of step s depend only on the
     seed and the global batch, so a worker group restarted with another K goes on with the same data.
@@ -137,10 +139,10 @@ class Trainer:
                 self.phase(f"reading the batches of step {step}")
                 started = time.perf_counter()  # from the wait for the data on: a slow loader shows here
                 self.clock = StepClock(self.device) if logged or evaluated else None  # compute and waits, per rank
-                data = self.data()
+                data = next_step(self.steps, self.source, self.device)  # None: a stream ran out on some rank
                 if data is not None:
                     loss, grad_norm = self.step(step, data, measured, logged)
-                    self.commit(step, grad_norm)
+                    self.guard.judge(step, grad_norm)  # a step that is not finite was not applied, or ends the run
                     tokens = sum(batch_tokens(b) for b in data.micro)
                     self.window.add(time.perf_counter() - started, tokens, measured)
             if data is None:  # a stream ran out: every rank agreed on it, before any forward of this step
@@ -148,7 +150,10 @@ class Trainer:
                 return True
             self.profiler.ended(step)
             self.snapshots.after_step(step)
-            self.advance(step, self.source_losses.recorded(data, self.device))  # data=mix: its tokens so far
+            # A step taken consumes its samples, applied or not (trainer.nonfinite=skip); data=mix: its tokens so far.
+            self.position = Position(
+                step, self.position.samples + self.B, self.source_losses.recorded(data, self.device)
+            )
             self.tier.after(self.position, self.strategy)  # the memory tier's step, in the background
             if logged or evaluated:
                 self.log(step, loss, grad_norm, evaluated)
@@ -205,16 +210,23 @@ class Trainer:
         self.rule = LabelRule.of(cfg.derived.model, trainer.get("loss"))  # decided in the launcher
         self.source_losses = SourceLosses.of(self.source, self.rule, self.position, ctx.rank, ctx.tensor_size)
         self.steps = feed(cfg, ctx, self.source, self.position, self.max_steps, self.K, self.device)
-        self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
-                                     trainer.profile_stacks)  # fmt: skip
+        self.profiler = StepProfiler(
+            trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type, trainer.profile_stacks
+        )
         self.saves = saver(cfg, ctx, self.run_dir, self.strategy, self.position.step)
         self.policy = SavePolicy.of(trainer)
         self.manifest = manifest_of(cfg, ctx.world_size, ctx.precision)
         self.trial, self.prune, self.watch = TrialReport(cfg, ctx.rank), False, Watch.of(cfg, ctx.rank)
         self.stragglers = Stragglers.of(trainer, self.run_dir)
         self.nonfinite = str(trainer.get("nonfinite", "stop"))
-        self.guard = Guard(self.strategy, self.nonfinite, int(trainer.get("max_skipped", 10)), ctx.precision == "fp16",
-                           ctx.rank, ctx.world_size)  # fmt: skip
+        self.guard = Guard(
+            self.strategy,
+            self.nonfinite,
+            int(trainer.get("max_skipped", 10)),
+            ctx.precision == "fp16",
+            ctx.rank,
+            ctx.world_size,
+        )
 
     # ------------------------------------------------------------------ the phases of a step
 
@@ -238,25 +250,22 @@ class Trainer:
     def lr(self, step: int) -> float:
         return schedule_lr(self.trainer, self.cfg.optim.lr, step - 1, self.max_steps)
 
-    def data(self) -> StepData | None:
-        """This rank's micro-batches of the next step; None when the stream ran out on any rank (`next_step`)."""
-        return next_step(self.steps, self.source, self.device)
-
     def step(self, step: int, data: StepData, measured: bool, logged: bool) -> tuple[torch.Tensor, float]:
         """Forward/backward, gradient sync and optimizer step; this rank's part of the loss, and the gradient norm.
         Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is not on CPU: the
         per-operator count would be in the profile, around every op of the step."""
         with self.memory.measure(measured, profiled=self.profiler.covers(step)):
-            return train_step(self.guard, data.micro, self.ctx, self.lr(step), self.rule, step, self.phase, self.clock,  # type: ignore[arg-type]
-                              self.source_losses.seer(data.sources, logged))  # fmt: skip
-
-    def commit(self, step: int, grad_norm: float) -> bool:
-        """Before anything is logged or saved: a step that is not finite was not applied (False), and may end the
-        run (`Guard.judge` raises)."""
-        return self.guard.judge(step, grad_norm)
-
-    def advance(self, step: int, stream: dict[str, Any] | None = None) -> None:
-        self.position = Position(step, self.position.samples + self.B, stream)
+            return train_step(
+                self.guard,
+                data.micro,
+                self.ctx,
+                self.rule,
+                lr=self.lr(step),
+                step=step,
+                phase=self.phase,
+                clock=self.clock,
+                seen=self.source_losses.seer(data.sources, logged),
+            )
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: float, evaluated: bool) -> None:
         """The step's figures over all ranks (`launcher.base.metrics` declares how each is reduced), then the
@@ -302,8 +311,11 @@ class Trainer:
         self.phase(f"writing the checkpoint of step {step}")
         self.saves.finish()
         if self.ctx.rank == 0 and resizing(self.run_dir, self.started):
-            print(f"launch: a node joins: the worker group saved step {step} ({self.saves.last}) and restarts at its "
-                  "new size", flush=True)  # fmt: skip
+            print(
+                f"launch: a node joins: the worker group saved step {step} ({self.saves.last}) and restarts at its "
+                "new size",
+                flush=True,
+            )
         elif self.ctx.rank == 0:
             print(f"launch: stopped on a signal after step {step}; checkpoint {self.saves.last}", flush=True)
         self.finish("KILLED")
@@ -336,8 +348,11 @@ class Trainer:
         elif self.ctx.rank == 0:
             name = str(self.cfg.sweep.objective)
             record_pruned(self.run_dir, step, name, self.metrics[name])
-            print(f"launch: trial {self.cfg.sweep.trial} pruned after step {step} ({name} {self.metrics[name]:.4f}); "
-                  f"checkpoint {self.saves.last}", flush=True)  # fmt: skip
+            print(
+                f"launch: trial {self.cfg.sweep.trial} pruned after step {step} ({name} {self.metrics[name]:.4f}); "
+                f"checkpoint {self.saves.last}",
+                flush=True,
+            )
         self.finish()
 
     def finish(self, status: str = "FINISHED") -> None:
