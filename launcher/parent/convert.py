@@ -164,16 +164,15 @@ def write_folder(
         if tokenizer is not None:  # the run's, where it had one
             tokenizer.save_pretrained(str(out))
         return f"{_count(tensors):,} parameters to {out}, with {said}"
-    else:
-        try:
-            gpt2_config(meta)
-        except Unmapped as e:
-            unmapped = unmapped or str(e)
-        write_file(tensors, out / "model.safetensors", checkpoint)
-        OmegaConf.save(model_cfg, out / "model.yaml")
-        written = f"{_count(tensors):,} parameters to {out} (model.safetensors, model.yaml)"
-        return f"{written}; no transformers folder: {unmapped}"
-    return f"{_count(tensors):,} parameters to {out}"
+    try:  # the launcher's own format, and why it is no transformers folder
+        gpt2_config(meta)
+    except Unmapped as e:
+        unmapped = unmapped or str(e)
+    write_file(tensors, out / "model.safetensors", checkpoint)
+    OmegaConf.save(model_cfg, out / "model.yaml")
+    return (
+        f"{_count(tensors):,} parameters to {out} (model.safetensors, model.yaml); no transformers folder: {unmapped}"
+    )
 
 
 def _first_mismatch(e: RuntimeError) -> str:
@@ -214,7 +213,7 @@ def convert(
         if ema and meta is None:
             raise CheckpointError(
                 f"ema=true into {out.name} needs the run's model, to give a tied parameter's every name the average: "
-                f"the checkpoint has no run config beside it; write a folder (out=DIR with the run's model overrides)"
+                "the checkpoint has no run config beside it; write a folder (out=DIR with the run's model overrides)"
             )
         write_file(tensors, out, checkpoint)
         return f"{_count(tensors):,} parameters to {out}"
