@@ -125,6 +125,34 @@ def test_a_model_that_maps_onto_no_architecture_is_one_line_naming_the_part(mode
     assert str(e.value) == said and "\n" not in str(e.value)
 
 
+@pytest.mark.unit
+def test_the_run_s_tokenizer_goes_in_as_it_trained_or_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The run's data.tokenizer (its hash recorded at launch, `derived.tokenizer_hash`) goes into the folder with the
+    run's data.eos_token; a tokenizer file changed since, or gone, is one line; a run that recorded no hash gets its
+    tokenizer, said unchecked."""
+    from text_corpus import documents, train_tokenizer
+    from transformers import AutoTokenizer
+
+    from launcher.checkpoint.format import CheckpointError
+    from launcher.export.transformers_folder import run_tokenizer, tokenizer_record
+
+    folder = train_tokenizer(tmp_path / "tok", documents(20))
+    own = AutoTokenizer.from_pretrained(str(folder))
+    between = max(t for t in own.get_vocab() if t != own.eos_token)  # the token the run put between documents
+    data = {"_target_": "launcher.data.text.Text", "tokenizer": str(folder), "eos_token": between}
+    run = {"data": data, "derived": {"tokenizer_hash": tokenizer_record(data)}, "job": {"choices": {"data": "text"}}}
+    tok, said = run_tokenizer(run)
+    assert said == f"the run's tokenizer {folder}" and tok.eos_token == between != own.eos_token
+    assert tok.eos_token_id == own.convert_tokens_to_ids(between) and tok("a b c") == own("a b c")
+    _, said = run_tokenizer({**run, "derived": {}})
+    assert said == f"the run's tokenizer {folder} (not checked: the run recorded no hash of it)"
+    (folder / "tokenizer_config.json").write_text((folder / "tokenizer_config.json").read_text() + " ")
+    with pytest.raises(CheckpointError, match="has changed since it trained \\(its hash is not the run's\\); restore"):
+        run_tokenizer(run)
+    with pytest.raises(CheckpointError, match="data.tokenizer=.* is gone; give data.tokenizer=..."):
+        run_tokenizer({**run, "data": {**data, "tokenizer": str(tmp_path / "gone")}})
+
+
 @functools.cache
 def _val_windows(run_dir: Path, count: int = 6) -> torch.Tensor:
     from omegaconf import OmegaConf
