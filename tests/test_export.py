@@ -287,3 +287,20 @@ def test_the_folder_trains_on_as_model_custom_with_the_gpt_s_losses(suite, strat
     ).check()
     assert len(gpt.losses()) == len(hf.losses()) == 4
     assert hf.losses() == pytest.approx(gpt.losses(), abs=TRAINS_ON_TOLERANCE), (hf.losses(), gpt.losses())
+
+
+def test_convert_of_a_model_of_one_s_own_writes_the_launcher_s_format_and_says_why(
+    conformance_dir: Path, tmp_path: Path
+) -> None:
+    """A model of one's own (an nn.Module, neither the built-in GPT nor a transformers model) maps onto no transformers
+    architecture: its folder is the launcher's format, and the line names why (the run test_evaluation's)."""
+    from conftest import launch_once
+    from test_evaluation import JOB, METRICS, NANO
+
+    run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *METRICS, *JOB, "gpus=1", name="eval-nano-one").check()
+    code = ["model._target_=eval_models.NanoClassifier", "+model.config._target_=eval_models.NanoConfig"]
+    proc = cli_here(tmp_path, "convert", str(run.run_dir), f"out={tmp_path / 'own'}", *code)
+    assert proc.returncode == 0, proc.stderr
+    said = "(model.safetensors, model.yaml); no transformers folder: eval_models.NanoClassifier is neither the built-in"
+    assert said in proc.stdout, proc.stdout
+    assert sorted(p.name for p in (tmp_path / "own").iterdir()) == ["model.safetensors", "model.yaml"]
