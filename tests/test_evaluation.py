@@ -388,8 +388,16 @@ def test_the_gpt_s_loss_over_a_whole_text_split_is_a_plain_loop_s_and_eval_and_c
     converted = cli_here(tmp_path, "convert", str(run.run_dir), f"out={tmp_path / 'gpt'}")
     assert converted.returncode == 0, converted.stderr
     from omegaconf import OmegaConf
+    from transformers import AutoConfig, AutoTokenizer
 
-    assert OmegaConf.load(tmp_path / "gpt" / "model.yaml").block_size == 32
+    config = AutoConfig.from_pretrained(str(tmp_path / "gpt"))
+    assert config.n_positions == 32
+    # The run's tokenizer in the folder, its end-of-document token the run's (and the config's).
+    assert f"with the run's tokenizer {corpus['tokenizer']}:" in converted.stdout, converted.stdout
+    ours, theirs = (AutoTokenizer.from_pretrained(str(folder)) for folder in (tmp_path / "gpt", corpus["tokenizer"]))
+    text = json.loads(corpus["val"].read_text().splitlines()[0])["text"]
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert ours.eos_token == theirs.eos_token and config.eos_token_id == theirs.eos_token_id is not None
     # The checkpoint copied under a folder whose resolved.yaml is another run's (another config hash): not taken.
     import shutil
 

@@ -19,6 +19,7 @@ from omegaconf import MISSING, OmegaConf
 from launcher.config import data_schema, mix_schema
 from launcher.config.data_schema import PySourceDataConfig, SyntheticDataConfig, TokensDataConfig
 from launcher.config.groups import choices
+from launcher.config.harness_schema import HarnessConfig
 from launcher.config.optim_schema import AdamWConfig, CustomOptimConfig, MuonConfig, SGDConfig
 from launcher.config.ranges import (
     COUNT,
@@ -317,6 +318,8 @@ class LaunchConfig:
     plan: PlanConfig = launch_only(factory=PlanConfig)
     sweep: SweepConfig = launch_only(factory=SweepConfig)
     """A search's objective, and which trial of which study a run is (`launcher.search`)."""
+    harness: HarnessConfig = launch_only(factory=HarnessConfig)
+    """lm-evaluation-harness tasks `launch eval CHECKPOINT` runs on the checkpoint (`launcher.export.harness`)."""
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

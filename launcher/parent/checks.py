@@ -18,6 +18,7 @@ from launcher.config import ConfigError
 from launcher.config.identity import sweep_identity
 from launcher.data.checks import check_datasets, check_vocabulary, prepare_data
 from launcher.evaluation.checks import check_evaluation
+from launcher.export.harness import check_harness
 from launcher.loggers.checks import check_loggers
 from launcher.models.checks import check_forward, check_trainable, outside_moe_blocks
 from launcher.optim.checks import check_optimizer
@@ -82,6 +83,7 @@ def check_built(frozen: DictConfig, model: Any, vocab: int | None) -> list[str] 
     print(check_optimizer(frozen, model), flush=True)  # its param groups, named with their sizes
     check_loggers(frozen)  # the cheap ones first: data=text may tokenize for minutes
     check_evaluation(frozen)  # the metrics build, the early stop's figure is logged
+    check_harness(frozen, model)  # lm-eval's tasks (launch eval): installed, found, the model exportable
     prepare_data(frozen)
     sample = check_datasets(frozen)
     no_grad = check_forward(frozen, model, sample) if sample is not None else None

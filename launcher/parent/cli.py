@@ -19,8 +19,9 @@ HELP = """launch: train a model under any data-parallel strategy (DDP, FSDP2, De
 Usage:
   launch [group=option] [key=value] ...      e.g. launch strategy=zero3 gpus=8 model=gpt_1b
   launch plan [overrides]                    memory and communication per rank; nothing runs
-  launch convert CHECKPOINT out=FILE         consolidated weights as safetensors
+  launch convert CHECKPOINT out=FILE         consolidated weights as safetensors (out=DIR: a transformers folder)
   launch eval CHECKPOINT [overrides]         the validation sets and metrics of a checkpoint, no training: eval.json
+                                             (harness.tasks=[...]: lm-evaluation-harness's tasks too)
   launch prepare data=text [data.*] out=URL  a token store in shards (a folder or s3://...) for data=store
   launch export kubeflow image=IMAGE [overrides]   a Kubeflow PyTorchJob that runs this config on its pods
   launch -m [overrides]                      a sweep, e.g. launch -m +sweep=strategies
@@ -312,7 +313,8 @@ def convert(args: Sequence[str]) -> None:
 
     try:
         model, run = None, None
-        if out.suffix != ".safetensors":  # a folder: the run's model (its resolved.yaml), these overrides over it
+        # A folder, or EMA weights (a tied parameter's names): the run's model (its resolved.yaml), overrides over it.
+        if out.suffix != ".safetensors" or emas == ["true"]:
             from hydra import initialize_config_module
 
             from launcher.parent.run_config import MODEL, with_run

@@ -32,6 +32,7 @@ from launcher.config import (
 from launcher.config.context import check_protocol, check_strategy
 from launcher.config.identity import identity_hash
 from launcher.config.known import check_keys
+from launcher.export.harness import requested
 from launcher.models.checks import vocabulary
 from launcher.parent.checks import check_built, check_resume
 from launcher.parent.rendezvous import Rendezvous, rendezvous
@@ -48,6 +49,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     `job` carries what Hydra knows of this job (its config-group choices, its overrides, its place in a sweep);
     it is recorded in the frozen config and names the job's wandb group and run.
     """
+    from launcher.export.transformers_folder import tokenizer_record
     from launcher.models.meta import build_on_meta
     from launcher.models.meta import measure as model_size
     from launcher.optim.checks import measure
@@ -90,6 +92,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         "no_grad": no_grad,  # parameters without a gradient from the first micro-batch: the strategies' RunContext
         "cluster": rdzv.job.cluster,
         "shared_run_dir": rdzv.job.shared_run_dir,  # the nodes' ranks check that they see one run directory
+        "tokenizer_hash": tokenizer_record(frozen.data),  # an export checks the tokenizer it copies is this one
     }
     resolved["job"] = {**(job or {}), "config_hash": identity_hash(frozen, cfg)}
     _name_logger_run(resolved)
@@ -240,6 +243,12 @@ def _run(cfg: DictConfig, run_dir: Path, job: dict[str, Any]) -> Outcome:
         return Outcome(EXIT_BAD_INPUT, str(e))
     print(describe(cfg, prepared.derived, prepared.rdzv, run_dir), flush=True)
     try:
-        return start_workers(prepared, cfg.trainer, run_dir)
+        outcome = start_workers(prepared, cfg.trainer, run_dir)
+        if outcome.code == 0 and requested(cfg):  # launch eval harness.tasks=[...]: lm-eval, after the validation
+            from launcher.parent.harness import run_harness
+
+            reason = run_harness(cfg, run_dir, prepared.derived.device)
+            return Outcome(EXIT_FAILED, reason) if reason else outcome
+        return outcome
     finally:
         prepared.ownership.release()
