@@ -26,6 +26,7 @@ from launcher.parent.failures import joined_here, lost_node, oom_kills, peer_fai
 from launcher.parent.rendezvous import LOOPBACK, JobFull, Rendezvous, reachable, refuse_spare_nodes
 from launcher.parent.rundir import Ownership
 from launcher.parent.tier_checks import memory_tier
+from launcher.recovery.leftovers import remove_left_over
 from launcher.worker.lifecycle import (
     DUMP_SIGNAL,
     FAILURE_DIR_ENV,
@@ -116,6 +117,8 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
         refuse_spare_nodes()
     except LibraryChanged as e:
         return Outcome(EXIT_FAILED, str(e))
+    if removed := remove_left_over():  # the tier folders of this host's launchers that were killed
+        print(removed, flush=True)
     _worker_environment(derived, rdzv, run_dir)
     tier = memory_tier(resolved, os.environ[NODE_ID_ENV])  # this node's folder in shared memory, removed at the end
     agent_logs_to_file(run_dir)

@@ -1,0 +1,117 @@
+"""Recovery's edges: nothing of a killed launcher's memory tier is left in shared memory once another launcher starts
+on its host; no folder of a live launcher, of a process that reused a dead one's pid, or of another user is touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import LAUNCH, TINY, clean_env, launch
+from processes import until, worker_pids
+
+from launcher.checkpoint import memory
+from launcher.recovery import leftovers
+
+
+def _tier_of(run_dir: Path) -> list[Path]:
+    run_id = (run_dir / "run_id").read_text().strip()
+    return sorted(memory.SHM.glob(f"{memory.PREFIX}{run_id}-*"))
+
+
+def test_a_sigkilled_launcher_s_memory_tier_is_removed_by_the_next_launcher_on_its_host(tmp_path: Path) -> None:
+    """A run with the tier on is killed as the out-of-memory killer kills: SIGKILL to its launcher (its worker ends
+    with it). Its node's folder stays in /dev/shm, holding a step of its state; the next run started on the host, any
+    run, removes it and says so in one line, and nothing of the dead run is left in /dev/shm."""
+    (tmp_path / "slow").touch()
+    run_dir = tmp_path / "killed"
+    slow = [
+        "model._target_=faulty.SlowGPT",
+        "+model.sleep_s=0.2",
+        "+model.slow_rank=0",
+        f"+model.while_there={tmp_path / 'slow'}",
+    ]
+    proc = subprocess.Popen(
+        [
+            LAUNCH,
+            *TINY,
+            *slow,
+            "strategy=fsdp",  # sharded: the tier copies each step (under ddp the state itself is the copy)
+            "trainer.max_steps=10000",
+            "trainer.memory_checkpoint_every=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=clean_env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        until(
+            lambda: (run_dir / "run_id").exists() and any(list(f.glob("step_*/*.distcp")) for f in _tier_of(run_dir)),
+            proc,
+            what="a step in the memory tier",
+        )
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    until(lambda: worker_pids(run_dir) == {}, what="the worker's end")
+    (left,) = _tier_of(run_dir)  # what the killed launcher left: its node's folder, a step of state in it
+    assert any(left.glob("step_*/*.distcp")), sorted(left.rglob("*"))
+    (tmp_path / "slow").unlink()
+    after = launch(tmp_path, *TINY, "trainer.max_steps=1", name="next")
+    assert after.returncode == 0, after.stderr[-3000:]
+    said = [line for line in after.stdout.splitlines() if line.startswith("launch: removed ")]
+    assert len(said) == 1 and left.name in said[0], after.stdout
+    assert "memory-tier folder(s) in /dev/shm whose launcher no longer runs on this host" in said[0], said
+    assert _tier_of(run_dir) == []
+    assert list(memory.SHM.glob(f"launch-failures-{proc.pid}-*")) == []  # its failure folder too (empty)
+
+
+def _folder(shm: Path, name: str, owner: dict[str, object] | None) -> Path:
+    folder = shm / f"{memory.PREFIX}{name}"
+    (folder / "step_00000001").mkdir(parents=True)
+    (folder / "step_00000001" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    if owner is not None:
+        (folder / leftovers.OWNER).write_text(json.dumps(owner))
+    return folder
+
+
+@pytest.mark.unit
+def test_only_folders_whose_launcher_is_gone_are_removed(tmp_path: Path) -> None:
+    """A live launcher's folder stays; one whose pid now runs another process (another start time) goes, as does an
+    unclaimed one whose pid no process has; another host's, another boot's and an unreadable record stay, and so
+    does another user's."""
+    host = socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid no process has (now)
+    me = leftovers.identity()
+    assert me is not None
+    live = tmp_path / f"{memory.PREFIX}live-{host}-{os.getpid()}"
+    leftovers.claim(live)
+    reused = _folder(tmp_path, f"reused-{host}-{os.getpid()}", {**me, "start": me["start"] - 1})
+    unclaimed = _folder(tmp_path, f"old-{host}-{dead.pid}", None)
+    unclaimed_live = _folder(tmp_path, f"oldlive-{host}-{os.getpid()}", None)
+    elsewhere = _folder(tmp_path, f"there-other-{dead.pid}", {**me, "host": "other", "pid": dead.pid})
+    rebooted = _folder(tmp_path, f"boot-{host}-{dead.pid}", {**me, "boot": "another", "pid": dead.pid})
+    damaged = _folder(tmp_path, f"bad-{host}-{dead.pid}", None)
+    (damaged / leftovers.OWNER).write_text("{not json")
+    theirs = _folder(tmp_path, f"theirs-{host}-{dead.pid}", None)
+    if os.geteuid() == 0:  # another user's (only root can make one): never judged
+        os.chown(theirs, 4242, -1)
+    else:
+        theirs.rename(theirs := theirs.with_name(f"{theirs.name}x"))  # (as another user: a name no launcher has)
+    line = leftovers.remove_left_over(tmp_path)
+    assert line == (
+        f"launch: removed 2 memory-tier folder(s) in {tmp_path} whose launcher no longer runs on this host "
+        f"({unclaimed.name}, {reused.name}): 0.0 MB freed"
+    )
+    assert not reused.exists() and not unclaimed.exists()
+    for kept in (live, unclaimed_live, elsewhere, rebooted, damaged, theirs):
+        assert kept.is_dir(), kept
+    assert json.loads((live / leftovers.OWNER).read_text()) == me
+    assert leftovers.remove_left_over(tmp_path) is None  # nothing left to remove: nothing said
