@@ -115,3 +115,51 @@ def test_only_folders_whose_launcher_is_gone_are_removed(tmp_path: Path) -> None
         assert kept.is_dir(), kept
     assert json.loads((live / leftovers.OWNER).read_text()) == me
     assert leftovers.remove_left_over(tmp_path) is None  # nothing left to remove: nothing said
+
+
+def test_under_ddp_the_tier_copies_nothing_per_step_and_a_survivor_s_state_is_the_copy(tmp_path: Path) -> None:
+    """Two ddp ranks with the tier on: while they train, their node's folder holds the last step's number and no state
+    at all (every rank holds the whole state: nothing is copied per step). Rank 1's worker is then SIGKILLed: rank 0,
+    whose collective fails, writes its own state once, and the restarted group resumes from it, none replayed.
+    (Exactness: test_memory_tier's rank killed alone, and its lost node, both under ddp.)"""
+    from test_memory_tier import RESUMED
+
+    (tmp_path / "slow").touch()
+    run_dir = tmp_path / "ddp"
+    proc = subprocess.Popen(
+        [
+            LAUNCH,
+            *TINY,
+            "model._target_=faulty.SlowGPT",
+            "+model.sleep_s=0.3",
+            "+model.slow_rank=0",
+            f"+model.while_there={tmp_path / 'slow'}",
+            "gpus=2",
+            "batch.global_size=8",
+            "trainer.max_steps=12",
+            "trainer.max_restarts=1",
+            "trainer.memory_checkpoint_every=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=clean_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc, what="three steps")
+        (folder,) = _tier_of(run_dir)
+        assert (folder / memory.LAST).is_file() and list(folder.glob("step_*")) == [], sorted(folder.rglob("*"))
+        os.kill(worker_pids(run_dir)[1], signal.SIGKILL)
+        (tmp_path / "slow").unlink()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    said = RESUMED.search(out)
+    assert said and said.group(2) == "memory" and said.group(3) == "0", out[-3000:]
+    assert f"launch: memory tier: rank 0: step {said.group(1)} written" in out, out[-3000:]
+    assert _tier_of(run_dir) == []

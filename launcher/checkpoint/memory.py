@@ -104,6 +104,8 @@ def choose(views: dict[str, dict[str, Any]]) -> tuple[int | None, dict[str, str]
     steps = sorted({s for view in views.values() for s in view["steps"]}, reverse=True)
     why = "no node holds a step" if not steps else ""
     for step in steps:
+        if whole := whole_marker(views, step):  # a replica's whole state (`launcher.recovery.replicas`)
+            return step, {str(whole[1]["rank"]): whole[0]}, ""
         holders: dict[int, str] = {}
         world = None
         for node, view in sorted(views.items()):
@@ -118,6 +120,13 @@ def choose(views: dict[str, dict[str, Any]]) -> tuple[int | None, dict[str, str]
             lost = ", ".join(map(str, missing[:4])) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             why = f"step {step} lacks the state of rank{'s' if len(missing) > 1 else ''} {lost} on every node left"
     return None, {}, why
+
+
+def whole_marker(views: dict[str, dict[str, Any]], step: int) -> tuple[str, dict[str, Any]] | None:
+    """(node, marker) of the lowest rank that wrote the whole state of `step` on a node left, if any did."""
+    found = [(int(r), node, m) for node, view in sorted(views.items()) for r, m in view["steps"].get(step, {}).items()]
+    whole = sorted((r, node, m) for r, node, m in found if m.get("whole"))
+    return (whole[0][1], whole[0][2]) if whole else None
 
 
 def last_trained(views: dict[str, dict[str, Any]]) -> tuple[int, float] | None:
