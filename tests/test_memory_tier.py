@@ -278,6 +278,13 @@ def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Pa
         line  # fmt: skip
     assert line.endswith("MB free; enlarge /dev/shm, lower trainer.memory_replicas, or set "
                          "trainer.memory_checkpoint_every=0"), line  # fmt: skip
+    with pytest.raises(ConfigError) as e:  # ddp: every rank holds the whole state, written once on a failure
+        check_memory_tier(trainer, 2, 2, 2 * 10**15, whole=True)
+    assert str(e.value).startswith(
+        "the memory tier needs 2000000000.0 MB of shared memory on each node (the whole "
+        "state, which every rank holds, written once on a failure), but /dev/shm has "
+    )
+    assert str(e.value).endswith("MB free; enlarge /dev/shm, or set trainer.memory_checkpoint_every=0")
 
 
 @pytest.mark.unit
@@ -297,6 +304,7 @@ def test_launch_plan_shows_the_host_memory_the_tier_takes_per_node(tmp_path: Pat
     }
     job = state["ddp"]  # DDP's ranks hold the job's state alike: DCP writes it once, spread over the ranks
     assert state["fsdp"] * 4 == pytest.approx(job)  # FSDP's 4 ranks hold a quarter each
-    for name in ("ddp", "fsdp"):  # each node: two steps of half the job's state, and a replica of a peer's
-        assert f"{name} {_size(2 * -(-int(job) // 2) * (1 + 1))}" in line, (line, name)
-    assert "(2 steps x the job's state / 2 node(s) x (1 + 1 replica(s)))" in line, line
+    # fsdp, each node: two steps of half the job's state, and a replica of a peer's; ddp: the whole state, once
+    assert f"fsdp {_size(2 * -(-int(job) // 2) * (1 + 1))}" in line, line
+    assert f"ddp {_size(int(job))} (the whole state, once, on a failure)" in line, line
+    assert "(2 steps x the job's state / 2 node(s) x (1 + 1 replica(s)), where ranks shard it)" in line, line

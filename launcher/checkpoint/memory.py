@@ -155,10 +155,11 @@ def clear(tier: Path, keep: set[int] | None = None) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def tier_bytes(job_bytes: int, replicas: int, nodes: int) -> int:
+def tier_bytes(job_bytes: int, replicas: int, nodes: int, whole: bool = False) -> int:
     """Host memory a node's folder takes at its fullest: two steps of its share of the job's checkpoint (`job_bytes`,
-    each tensor once, spread over the nodes as DCP spreads the ranks' writes) and of its replicas'."""
-    return 2 * -(-job_bytes // nodes) * (1 + replicas)
+    each tensor once, spread over the nodes as DCP spreads the ranks' writes) and of its replicas'; where every rank
+    holds the whole state (`whole`: ddp, `launcher.recovery.replicas`), that state once, written on a failure."""
+    return job_bytes if whole else 2 * -(-job_bytes // nodes) * (1 + replicas)
 
 
 def replicas(trainer: DictConfig, nodes: int) -> int:
@@ -167,7 +168,9 @@ def replicas(trainer: DictConfig, nodes: int) -> int:
     return int(wanted) if wanted is not None else (1 if nodes > 1 else 0)
 
 
-def check_memory_tier(trainer: DictConfig, nodes: int, min_nodes: int, job_bytes: int | None) -> None:
+def check_memory_tier(
+    trainer: DictConfig, nodes: int, min_nodes: int, job_bytes: int | None, whole: bool = False
+) -> None:
     """The memory tier's settings against the job: replicas it has nodes for, and room in shared memory for two
     steps of a node's share of the job's state (`job_bytes`, if known) and its replicas', both at its fewest nodes."""
     if not int(trainer.get("memory_checkpoint_every", 0) or 0):
@@ -187,7 +190,13 @@ def check_memory_tier(trainer: DictConfig, nodes: int, min_nodes: int, job_bytes
     if job_bytes is None or not SHM.is_dir():
         return
     stat = os.statvfs(SHM)
-    free, need = stat.f_bavail * stat.f_frsize, tier_bytes(job_bytes, count, min_nodes)
+    free, need = stat.f_bavail * stat.f_frsize, tier_bytes(job_bytes, count, min_nodes, whole)
+    if need > free and whole:
+        raise ConfigError(
+            f"the memory tier needs {need / 1e6:.1f} MB of shared memory on each node (the whole state, which every "
+            f"rank holds, written once on a failure), but {SHM} has {free / 1e6:.1f} MB free; enlarge {SHM}, or set "
+            "trainer.memory_checkpoint_every=0"
+        )
     if need > free:
         raise ConfigError(
             f"the memory tier needs {need / 1e6:.1f} MB of shared memory on each node (2 steps x "

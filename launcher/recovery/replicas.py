@@ -25,10 +25,9 @@ from launcher.checkpoint import memory
 from launcher.checkpoint.format import Position, rng_name
 
 
-def holds_whole_state(strategy: Any) -> bool:
-    """Whether every rank of `strategy` holds the whole model and optimizer state (ddp): a surviving rank is a replica
-    of every lost one."""
-    layout = strategy.layout()
+def holds_whole_state(layout: Any) -> bool:
+    """Whether every rank of a strategy of this `Layout` holds the whole model and optimizer state (ddp): a surviving
+    rank is a replica of every lost one."""
     sharded = layout.params.sharded or layout.grads.sharded or layout.optimizer.sharded
     return not sharded and layout.mesh.tensor_size == 1
 
@@ -51,7 +50,7 @@ class Replica:
     def of(cls, strategy: Any) -> Replica | None:
         """A replica of the whole state where `strategy` holds it on every rank, with a torch optimizer to count."""
         optimizer = getattr(strategy, "optimizer", None)
-        if not holds_whole_state(strategy) or not isinstance(optimizer, torch.optim.Optimizer):
+        if not holds_whole_state(strategy.layout()) or not isinstance(optimizer, torch.optim.Optimizer):
             return None
         return cls(optimizer)
 
