@@ -45,7 +45,8 @@ class Replica:
         self.position: Position | None = None
         self.at = -1
         """`updates` when the step at `position` ended: the state is that step's while they are equal."""
-        self.rng = b""
+        self.rng: dict[str, Any] = {}
+        """The generators' states when the step at `position` ended (a few KB, kept as tensors)."""
 
     @classmethod
     def of(cls, strategy: Any) -> Replica | None:
@@ -61,7 +62,7 @@ class Replica:
     def _after(self, *_: Any) -> None:
         self.updating, self.updates = False, self.updates + 1
 
-    def ended(self, position: Position, rng: bytes) -> None:
+    def ended(self, position: Position, rng: dict[str, Any]) -> None:
         """Step `position.step` ended: the state is its own until the next update."""
         self.position, self.at, self.rng = position, self.updates, rng
 
@@ -86,8 +87,10 @@ class Replica:
         with warnings.catch_warnings():  # DCP says it assumes one process: that is what no_dist asks of it
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(strategy.state_dict(), storage_writer=hashing_writer(step, sums), no_dist=True)
-        sums[rng_name(rank)] = xxh3(self.rng)
-        (step / rng_name(rank)).write_bytes(self.rng)
+        rng = io.BytesIO()
+        torch.save(self.rng, rng)
+        sums[rng_name(rank)] = xxh3(rng.getvalue())
+        (step / rng_name(rank)).write_bytes(rng.getvalue())
         sizes = {name: (step / name).stat().st_size for name in sums}
         stream = {"stream": position.stream} if position.stream is not None else {}
         marker = {
@@ -105,11 +108,3 @@ class Replica:
         }
         memory.put(folder, position.step, {}, marker)
         return f"step {position.step} written, {sum(sizes.values()) / 1e6:.1f} MB"
-
-
-def rng_bytes() -> bytes:
-    from launcher.checkpoint.format import rng_state
-
-    buffer = io.BytesIO()
-    torch.save(rng_state(), buffer)
-    return buffer.getvalue()

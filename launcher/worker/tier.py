@@ -45,7 +45,7 @@ from launcher.checkpoint.format import (
 )
 from launcher.checkpoint.hashing import hashing_writer
 from launcher.checkpoint.saving import _same_containers
-from launcher.recovery.replicas import Replica, rng_bytes
+from launcher.recovery.replicas import Replica
 
 
 class MemoryTier:
@@ -91,7 +91,7 @@ class MemoryTier:
         if self.replica is False:
             self.replica = Replica.of(strategy)
         if isinstance(self.replica, Replica):  # replicas are the copy: none made, the step noted
-            self.replica.ended(position, rng_bytes())
+            self.replica.ended(position, rng_state())
             return
         if step % self.every:
             return
