@@ -163,3 +163,40 @@ def test_under_ddp_the_tier_copies_nothing_per_step_and_a_survivor_s_state_is_th
     assert said and said.group(2) == "memory" and said.group(3) == "0", out[-3000:]
     assert f"launch: memory tier: rank 0: step {said.group(1)} written" in out, out[-3000:]
     assert _tier_of(run_dir) == []
+
+
+@pytest.mark.unit
+def test_a_replica_s_state_counts_only_as_the_step_it_last_completed(tmp_path: Path) -> None:
+    """torch's step hooks count the optimizer's updates: once one ran past the step noted (the failure came between an
+    update and its step's end), nothing is written; at the step's end, the state is written once per node, and the
+    restart picks that step from any node that holds it."""
+    import torch
+
+    from launcher.checkpoint.format import Position
+    from launcher.recovery.replicas import Replica
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    class Held:  # a strategy's two methods the replica reads: every rank holds all of this state
+        def state_dict(self) -> dict[str, object]:
+            return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    replica = Replica(optimizer)
+    folder = tmp_path / "node"
+    assert replica.write(folder, Held(), 1, 4, {}) == "no step complete yet: nothing written"
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    replica.ended(Position(7, 84), {"torch": torch.get_rng_state()})
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()  # step 8's update, and then the failure, before step 8 ended
+    said = replica.write(folder, Held(), 1, 4, {})
+    assert said == "the state is past step 7 (an optimizer update under way or done): nothing written"
+    assert not folder.exists()
+    replica.ended(Position(8, 96), {"torch": torch.get_rng_state()})
+    assert replica.write(folder, Held(), 1, 4, {}).startswith("step 8 written, ")
+    assert replica.write(folder, Held(), 3, 4, {}) == "step 8 claimed by another rank of this node"
+    views = {"n0": memory.held(folder), "n2": {"steps": {}, "last": [8, 1.0]}}
+    assert memory.choose(views) == (8, {"1": "n0"}, "")  # one replica's whole state: every rank's
+    (marker,) = views["n0"]["steps"][8].values()
+    assert marker["whole"] and marker["world_size"] == 4 and marker["samples"] == 96
