@@ -140,10 +140,11 @@ def _output(tmp_path: Path, name: str, count: int = 4) -> str:
 
 
 def test_a_lost_node_replaced_costs_no_step_and_every_loss_is_one_process_s(tmp_path: Path) -> None:
-    """The tier's headline at its cheapest: a job of two one-rank nodes (one replica each); the node of rank 1 is
-    SIGKILLed whole in step 3, its shared memory gone with it, and a fresh node takes its place, as a cluster restarts
-    one. The job resumes from step 2, promoted from the memory of the node left (rank 1's state from its replica
-    there), none replayed; every loss is one process's; no shared memory is left. (The scale tier loses one node of
+    """The tier's headline at its cheapest: a ddp job of two one-rank nodes; the node of rank 1 is SIGKILLed whole in
+    step 3, its shared memory gone with it, and a fresh node takes its place, as a cluster restarts one. Under ddp
+    every rank holds the whole state: the tier makes no copy per step, and the survivor writes its own state (step 2's)
+    once, when its collective fails. The job resumes from step 2, promoted from the memory of the node left, none
+    replayed; every loss is one process's; no shared memory is left. (The scale tier loses one node of
     four under ddp, fsdp and zero2 and goes on at three, and loses two adjacent ones.)"""
     shape = ["batch.global_size=4", "trainer.max_steps=4"]  # accumulation 2
     (tmp_path / "kill").touch()  # rank 1 kills its node mid-step 3 (its second forward), once
@@ -165,6 +166,8 @@ def test_a_lost_node_replaced_costs_no_step_and_every_loss_is_one_process_s(tmp_
     assert codes == [0, 0], out[-4000:]
     said = RESUMED.search(out)
     assert said and said.groups() == ("2", "memory", "0"), out[-4000:]
+    # ddp: the survivor's own state was the copy, written once when the step in flight failed (no per-step copy)
+    assert "launch: memory tier: rank 0: step 2 written" in out, out[-4000:]
     rows = _rows(run_dir)
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4], rows  # no step trained twice
     assert one.returncode == 0, one.stderr
@@ -219,11 +222,15 @@ def test_a_lost_node_costs_no_step_and_the_job_goes_on_exactly_at_3_nodes(
 def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(
     tmp_path: Path, uninterrupted: dict[int, float]
 ) -> None:
-    """Ranks 2 and 3 are adjacent in the ring: rank 2's state lived on its node and on rank 3's, both lost. The two
-    nodes left say which rank's state no node holds, resume from the disk tier, and go on exactly."""
+    """Ranks 2 and 3 are adjacent in the ring: under fsdp (each rank holds a shard no other does) rank 2's state
+    lived on its node and on rank 3's, both lost. The two nodes left say which rank's state no node holds, resume
+    from the disk tier, and go on exactly."""
     (tmp_path / "kill").touch()  # slow steps until the test kills
     nodes, run_dir = _job(
-        tmp_path, "adjacent", "2:4", ["trainer.checkpoint_every=2", "trainer.memory_replicas=1", "+model.bad_rank=9"]
+        tmp_path,
+        "adjacent",
+        "2:4",
+        ["trainer.checkpoint_every=2", "trainer.memory_replicas=1", "+model.bad_rank=9", "strategy=fsdp"],
     )
     try:
         until(lambda: sum(r["world_size"] == 4 for r in _rows(run_dir)) >= 3, *nodes, what="three steps at 4 nodes")
@@ -307,6 +314,13 @@ def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Pa
     assert line.endswith(
         "MB free; enlarge /dev/shm, lower trainer.memory_replicas, or set trainer.memory_checkpoint_every=0"
     ), line
+    with pytest.raises(ConfigError) as e:  # ddp: every rank holds the whole state, written once on a failure
+        check_memory_tier(trainer, 2, 2, 2 * 10**15, whole=True)
+    assert str(e.value).startswith(
+        "the memory tier needs 2000000000.0 MB of shared memory on each node (the whole "
+        "state, which every rank holds, written once on a failure), but /dev/shm has "
+    )
+    assert str(e.value).endswith("MB free; enlarge /dev/shm, or set trainer.memory_checkpoint_every=0")
 
 
 @pytest.mark.unit
@@ -326,6 +340,7 @@ def test_launch_plan_shows_the_host_memory_the_tier_takes_per_node(tmp_path: Pat
     }
     job = state["ddp"]  # DDP's ranks hold the job's state alike: DCP writes it once, spread over the ranks
     assert state["fsdp"] * 4 == pytest.approx(job)  # FSDP's 4 ranks hold a quarter each
-    for name in ("ddp", "fsdp"):  # each node: two steps of half the job's state, and a replica of a peer's
-        assert f"{name} {_size(2 * -(-int(job) // 2) * (1 + 1))}" in line, (line, name)
-    assert "(2 steps x the job's state / 2 node(s) x (1 + 1 replica(s)))" in line, line
+    # fsdp, each node: two steps of half the job's state, and a replica of a peer's; ddp: the whole state, once
+    assert f"fsdp {_size(2 * -(-int(job) // 2) * (1 + 1))}" in line, line
+    assert f"ddp {_size(int(job))} (the whole state, once, on a failure)" in line, line
+    assert "(2 steps x the job's state / 2 node(s) x (1 + 1 replica(s)), where ranks shard it)" in line, line

@@ -39,6 +39,7 @@ from launcher.parent.rendezvous import Rendezvous, rendezvous
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
 from launcher.parent.workers import Outcome, Prepared, start_workers
+from launcher.recovery.replicas import holds_whole_state
 from launcher.recovery.shm import check_memory_tier, tier_on
 
 
@@ -83,7 +84,8 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     peak = planned_peak(frozen, derived, size, strategy)
     if tier_on(frozen.trainer):  # its replicas' nodes, and its room in shared memory
         job_bytes = planned_state(frozen, derived, size, strategy)
-        check_memory_tier(frozen.trainer, derived.nodes, derived.min_nodes, job_bytes)
+        whole = holds_whole_state(strategy.layout())  # ddp: the state itself is the copy
+        check_memory_tier(frozen.trainer, derived.nodes, derived.min_nodes, job_bytes, whole)
     resolved["derived"] = {
         **derived.as_dict(),
         "model": size.as_dict(),

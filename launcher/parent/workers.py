@@ -27,6 +27,7 @@ from launcher.config import EXIT_FAILED, Derived
 from launcher.parent.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
 from launcher.parent.rendezvous import LOOPBACK, JobFull, Rendezvous, reachable, refuse_spare_nodes
 from launcher.parent.rundir import Ownership
+from launcher.recovery.leftovers import remove_left_over
 from launcher.recovery.node import memory_tier
 from strategies.declarations import Requirements
 
@@ -109,6 +110,8 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
         refuse_spare_nodes()
     except LibraryChanged as e:
         return Outcome(EXIT_FAILED, str(e))
+    if removed := remove_left_over():  # the tier folders of this host's launchers that were killed
+        print(removed, flush=True)
     _worker_environment(derived, rdzv, run_dir)
     tier = memory_tier(resolved, os.environ[NODE_ID_ENV])  # this node's folder in shared memory, removed at the end
     agent_logs_to_file(run_dir)

@@ -259,13 +259,19 @@ def planned_state(frozen: DictConfig, derived: Derived, size: Any, strategy: Str
 def tier_line(plan: Any, trainer: DictConfig) -> str:
     """What `launch plan` says of the memory tier: the host memory (shared memory) it takes on each node."""
     from launcher.plan.render import _size
+    from launcher.recovery.replicas import holds_whole_state
     from launcher.recovery.shm import replicas, tier_bytes
 
     count, nodes = replicas(trainer, plan.derived.nodes), plan.derived.min_nodes
-    each = ", ".join(f"{sp.name} {_size(tier_bytes(job_state(plan, sp), count, nodes))}" for sp in plan.strategies)
+    each = ", ".join(
+        f"{sp.name} {_size(tier_bytes(job_state(plan, sp), count, nodes, whole := holds_whole_state(sp.layout)))}"
+        + (" (the whole state, once, on a failure)" if whole else "")
+        for sp in plan.strategies
+    )
     return (
         f"memory tier (trainer.memory_checkpoint_every={trainer.memory_checkpoint_every}): host memory per node, in "
-        f"/dev/shm (2 steps x the job's state / {nodes} node(s) x (1 + {count} replica(s))): {each}"
+        f"/dev/shm (2 steps x the job's state / {nodes} node(s) x (1 + {count} replica(s)), where ranks shard it): "
+        f"{each}"
     )
 
 

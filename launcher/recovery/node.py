@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from launcher.recovery.leftovers import claim
 from launcher.recovery.shm import TIER_ENV, node_folder, tier_on
 
 
@@ -20,5 +21,6 @@ def memory_tier(resolved: Path, node: str) -> Path | None:
         os.environ.pop(TIER_ENV, None)
         return None
     folder = node_folder(str(OmegaConf.select(cfg, "job.run_id", default=None) or "run"), node)
+    claim(folder)  # made now, with this launcher's identity: the next launcher on this host knows when it is left over
     os.environ[TIER_ENV] = str(folder)
     return folder

@@ -104,6 +104,8 @@ def choose(views: dict[str, dict[str, Any]]) -> tuple[int | None, dict[str, str]
     steps = sorted({s for view in views.values() for s in view["steps"]}, reverse=True)
     why = "no node holds a step" if not steps else ""
     for step in steps:
+        if whole := whole_marker(views, step):  # a replica's whole state (`launcher.recovery.replicas`)
+            return step, {str(whole[1]["rank"]): whole[0]}, ""
         holders: dict[int, str] = {}
         world = None
         for node, view in sorted(views.items()):
@@ -118,6 +120,13 @@ def choose(views: dict[str, dict[str, Any]]) -> tuple[int | None, dict[str, str]
             lost = ", ".join(map(str, missing[:4])) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             why = f"step {step} lacks the state of rank{'s' if len(missing) > 1 else ''} {lost} on every node left"
     return None, {}, why
+
+
+def whole_marker(views: dict[str, dict[str, Any]], step: int) -> tuple[str, dict[str, Any]] | None:
+    """(node, marker) of the lowest rank that wrote the whole state of `step` on a node left, if any did."""
+    found = [(int(r), node, m) for node, view in sorted(views.items()) for r, m in view["steps"].get(step, {}).items()]
+    whole = sorted((r, node, m) for r, node, m in found if m.get("whole"))
+    return (whole[0][1], whole[0][2]) if whole else None
 
 
 def last_trained(views: dict[str, dict[str, Any]]) -> tuple[int, float] | None:
@@ -146,10 +155,11 @@ def clear(tier: Path, keep: set[int] | None = None) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def tier_bytes(job_bytes: int, replicas: int, nodes: int) -> int:
+def tier_bytes(job_bytes: int, replicas: int, nodes: int, whole: bool = False) -> int:
     """Host memory a node's folder takes at its fullest: two steps of its share of the job's checkpoint (`job_bytes`,
-    each tensor once, spread over the nodes as DCP spreads the ranks' writes) and of its replicas'."""
-    return 2 * -(-job_bytes // nodes) * (1 + replicas)
+    each tensor once, spread over the nodes as DCP spreads the ranks' writes) and of its replicas'; where every rank
+    holds the whole state (`whole`: ddp, `launcher.recovery.replicas`), that state once, written on a failure."""
+    return job_bytes if whole else 2 * -(-job_bytes // nodes) * (1 + replicas)
 
 
 def tier_on(trainer: Any) -> bool:
@@ -163,7 +173,9 @@ def replicas(trainer: DictConfig, nodes: int) -> int:
     return int(wanted) if wanted is not None else (1 if nodes > 1 else 0)
 
 
-def check_memory_tier(trainer: DictConfig, nodes: int, min_nodes: int, job_bytes: int | None) -> None:
+def check_memory_tier(
+    trainer: DictConfig, nodes: int, min_nodes: int, job_bytes: int | None, whole: bool = False
+) -> None:
     """The memory tier's settings against the job: replicas it has nodes for, and room in shared memory for two
     steps of a node's share of the job's state (`job_bytes`, if known) and its replicas', both at its fewest nodes."""
     if not tier_on(trainer):
@@ -183,7 +195,13 @@ def check_memory_tier(trainer: DictConfig, nodes: int, min_nodes: int, job_bytes
     if job_bytes is None or not SHM.is_dir():
         return
     stat = os.statvfs(SHM)
-    free, need = stat.f_bavail * stat.f_frsize, tier_bytes(job_bytes, count, min_nodes)
+    free, need = stat.f_bavail * stat.f_frsize, tier_bytes(job_bytes, count, min_nodes, whole)
+    if need > free and whole:
+        raise ConfigError(
+            f"the memory tier needs {need / 1e6:.1f} MB of shared memory on each node (the whole state, which every "
+            f"rank holds, written once on a failure), but {SHM} has {free / 1e6:.1f} MB free; enlarge {SHM}, or set "
+            "trainer.memory_checkpoint_every=0"
+        )
     if need > free:
         raise ConfigError(
             f"the memory tier needs {need / 1e6:.1f} MB of shared memory on each node (2 steps x "

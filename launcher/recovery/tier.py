@@ -45,6 +45,7 @@ from launcher.checkpoint.format import (
 from launcher.checkpoint.hashing import hashing_writer
 from launcher.checkpoint.saving import _same_containers
 from launcher.recovery import shm as memory
+from launcher.recovery.replicas import Replica
 
 
 class MemoryTier:
@@ -65,6 +66,9 @@ class MemoryTier:
         self.pending: Future[None] | None = None
         self._buffers: Any = None
         self._previous: int | None = None
+        self.replica: Replica | None | bool = False
+        """Where every rank holds the whole state (ddp), the state itself is the copy (`launcher.recovery.replicas`):
+        decided at the first step."""
         if not self.every:
             return
         timeout = datetime.timedelta(seconds=float(cfg.trainer.collective_timeout))
@@ -84,6 +88,11 @@ class MemoryTier:
             memory.mark_last(self.folder, step, time.time())
         if self.resumed is not None:
             self._tell(step)
+        if self.replica is False:
+            self.replica = Replica.of(strategy)
+        if isinstance(self.replica, Replica):  # replicas are the copy: none made, the step noted
+            self.replica.ended(position, rng_state())
+            return
         if step % self.every:
             return
         self.wait()
@@ -98,6 +107,19 @@ class MemoryTier:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.result()
+
+    def on_failure(self, strategy: Any) -> None:
+        """The job failed: where the state is the tier's copy (replicas), this rank's written into its node's folder
+        once, as the step it last completed, for the restart to promote."""
+        if not self.every or not isinstance(self.replica, Replica):
+            return
+        import logging
+
+        try:
+            said = self.replica.write(self.folder, strategy, self.rank, self.world, self.manifest)
+        except Exception as e:  # the failure being reported is the job's, not this write's
+            said = f"writing its state failed ({type(e).__name__}: {e})"
+        logging.getLogger(__name__).warning("launch: memory tier: rank %d: %s", self.rank, said)
 
     def close(self) -> None:
         if self.every:
@@ -236,6 +258,8 @@ class MemoryTier:
         """Rank 0: the manifest of the promoted step (its files' sizes and checksums, as each rank wrote them), the
         folder renamed into place, `latest` moved."""
         markers = {r: m for v in nodes.values() for r, m in v["steps"].get(step, {}).items()}
+        if whole := memory.whole_marker(nodes, step):  # a replica's state: its files alone
+            markers = {0: whole[1]}
         files = {n: s for m in markers.values() for n, s in m["files"].items()}
         sums = {n: m["sums"][n] for m in markers.values() for n in m["files"]}
         first = markers[0]

@@ -63,8 +63,9 @@ def train(
         trainer.memory_snapshot, trainer.memory_snapshot_step, run_dir, ctx.rank, ctx.device_type
     )
     snapshots.start()  # before the model exists: its allocations are in the history
+    run = Trainer(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase, snapshots)
     try:
-        return Trainer(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase, snapshots).run()
+        return run.run()
     except torch.OutOfMemoryError as e:
         phase.try_flush()
         after_out_of_memory(cfg, ctx, run_dir, phase.now)  # batch.micro_size=auto: the restarted group halves it
@@ -73,6 +74,8 @@ def train(
         raise error from e
     except Exception as e:
         phase.try_flush()  # where this rank was, for the other ranks' messages
+        if (tier := getattr(run, "tier", None)) is not None:  # replicas: the survivor's state written once
+            tier.on_failure(strategy)
         stuck = stuck_in_collective(e, phase, ctx, float(cfg.trainer.collective_timeout))
         if stuck is not None:  # who is stuck and where, not only that a collective gave up
             raise stuck from e
