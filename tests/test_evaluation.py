@@ -670,14 +670,14 @@ def test_a_run_s_config_is_read_as_data_and_its_code_only_where_the_command_name
 @pytest.mark.unit
 def test_a_run_written_before_the_rooms_moved_names_its_optimizer_at_the_new_path(tmp_path: Path) -> None:
     """A resolved.yaml that names a `_target_` of the launcher's own at the path it had before it moved (optim=muon's
-    `launcher.optim.muon.MuonAdamW`) is read with the new path, which imports; other targets are left as they are."""
+    `launcher.worker.muon.MuonAdamW`) is read with the new path, which imports; other targets are left as they are."""
     from hydra.utils import get_class
 
     from launcher.parent.run_config import MOVED, read_run
 
-    old = "launcher.optim.muon.MuonAdamW"
+    old = "launcher.worker.muon.MuonAdamW"
     (tmp_path / "resolved.yaml").write_text(
-        f"optim: {{_target_: {old}, lr: 0.01}}\nlogger: [{{_target_: launcher.loggers.base.WandbLogger}}]\n"
+        f"optim: {{_target_: {old}, lr: 0.01}}\nlogger: [{{_target_: launcher.worker.logs.WandbLogger}}]\n"
         "model: {_target_: my_pkg.Net}\njob: {choices: {optim: muon}}\n"
     )
     run = read_run(tmp_path / "resolved.yaml")

@@ -48,10 +48,10 @@ GROUPS = ("model", "data", "optim")
 CODE_KEYS = ("_target_", "inputs")
 """Keys whose value names code to import (a metric's `inputs` is a function)."""
 MOVED = {
-    "launcher.optim.muon.MuonAdamW": "launcher.optim.muon.MuonAdamW",
-    "launcher.loggers.base.WandbLogger": "launcher.loggers.wandb.WandbLogger",
-    "launcher.loggers.mlflow.MlflowLogger": "launcher.loggers.mlflow.MlflowLogger",
-    "launcher.loggers.tensorboard.TensorBoardLogger": "launcher.loggers.tensorboard.TensorBoardLogger",
+    "launcher.worker.muon.MuonAdamW": "launcher.optim.muon.MuonAdamW",
+    "launcher.worker.logs.WandbLogger": "launcher.loggers.wandb.WandbLogger",
+    "launcher.worker.mlflow_logger.MlflowLogger": "launcher.loggers.mlflow.MlflowLogger",
+    "launcher.worker.tensorboard_logger.TensorBoardLogger": "launcher.loggers.tensorboard.TensorBoardLogger",
 }
 """The launcher's own `_target_`s that moved to the rooms of their concern (the CHANGELOG lists them): a run written
 before names the old path in its resolved.yaml, read as the new one."""
