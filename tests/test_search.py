@@ -13,9 +13,10 @@ from conftest import launch_here
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from launcher.parent.report import collect, trials, trials_table
+from launcher.search.claims import Claims, pick
 from launcher.search.objective import lineage, objective, read_metrics
 from launcher.search.space import SpaceError, low_end, parse
-from launcher.search.study import StudyError, finished, hold, open_study, orphans, storage_url, tell
+from launcher.search.study import StudyError, finished, hold, open_study, storage_url, tell
 
 pytestmark = pytest.mark.unit
 
@@ -100,16 +101,21 @@ def test_a_run_started_again_counts_only_the_steps_its_final_state_descends_from
 def test_a_study_is_held_by_one_sweeper_and_is_the_study_its_command_describes(tmp_path: Path) -> None:
     url = storage_url(None, tmp_path)
     assert url == f"sqlite:///{tmp_path / 'study.db'}"
-    lock = hold(tmp_path)
-    with pytest.raises(StudyError, match="is being run by another launch"):
+    claims = Claims(tmp_path, url)  # a SQLite study: held for the sweeper's life
+    with pytest.raises(StudyError, match="is being run by another launch.*hydra.sweeper.storage=journal"):
         hold(tmp_path)
     definition = parse(["optim.lr=tag(log,interval(1e-4,1e-2))", "trainer.max_steps=8"]).definition()
     study = open_study("s", url, "minimize", optuna.samplers.RandomSampler(seed=0), None, definition)
-    trial = study.ask(parse(["optim.lr=tag(log,interval(1e-4,1e-2))"]).distributions)
-    trial.set_user_attr("sweep_dir", str(tmp_path))
-    assert [t.number for t in orphans(study, tmp_path)] == [0]  # this sweeper holds the lock: its sweeper is gone
-    assert tell(study, trial, {"state": "complete", "objective": 2.5}) == ("complete", False)
-    assert finished(study) == 1 and orphans(study, tmp_path) == []
+    space = parse(["optim.lr=tag(log,interval(1e-4,1e-2))"]).distributions
+    picked = pick(study, claims, space, 2, lambda made: None)
+    assert picked is not None and picked[1] is False
+    claims.close()  # its sweeper is gone: the next one continues its trial first
+    claims = Claims(tmp_path, url)
+    again = pick(study, claims, space, 2, lambda made: None)
+    assert again is not None and again[1] is True and again[0].number == 0
+    assert tell(study, again[0], {"state": "complete", "objective": 2.5}) == ("complete", False)
+    claims.let_go(0)
+    assert finished(study) == 1
     watched = parse(["optim.lr=tag(log,interval(1e-4,1e-2))", "trainer.max_steps=8", "logger=wandb"]).definition()
     again = open_study("s", url, "minimize", None, None, watched)  # the same study, continued (logged elsewhere)
     assert again.best_value == 2.5
@@ -118,7 +124,7 @@ def test_a_study_is_held_by_one_sweeper_and_is_the_study_its_command_describes(t
         StudyError, match=r"study 's' in .* searched optim.lr: .*0\.01.*, this command optim.lr: .*0\.1"
     ):
         open_study("s", url, "minimize", None, None, other)
-    lock.close()
+    claims.close()
 
 
 def test_a_failed_trial_is_told_as_failed_and_a_sampler_with_no_point_left_ends_the_study(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ class SweepConfig:
     study: str | None = None
     """Set by the search sweeper: the study this run is a trial of."""
     storage: str | None = None
-    """Set by the search sweeper: the study's storage URL (rank 0 reports the objective there as the run goes)."""
+    """Set by the search sweeper: the study's storage, a database URL or `journal:<file>` (rank 0 reports the objective
+    there as the run goes)."""
     trial: int | None = ranged(None, COUNT)
     """Set by the search sweeper: the trial's number in its study."""

@@ -42,7 +42,10 @@ class TrialReport:
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             pruner = instantiate(self.sweep.pruner) if self.sweep.pruner is not None else optuna.pruners.NopPruner()
-            study = optuna.load_study(study_name=str(self.sweep.study), storage=str(self.sweep.storage), pruner=pruner)
+            from launcher.search.claims import storage
+
+            spelled = storage(str(self.sweep.storage))
+            study = optuna.load_study(study_name=str(self.sweep.study), storage=spelled, pruner=pruner)
             number = int(self.sweep.trial)
             (frozen,) = [t for t in study.get_trials(deepcopy=False) if t.number == number]
             self._trial = optuna.trial.Trial(study, frozen._trial_id)
