@@ -162,19 +162,36 @@ class LaunchOptunaSweeper(Sweeper):
     def _check_objective(self, sweep: dict[str, Any]) -> None:
         """Any figure the run logs, by name: a declared one, or the evaluation's (val/<metric>: trainer.metrics)."""
         from launcher.base.metrics import METRICS, logged_figures
+        from launcher.search.objective import ObjectiveError, figures
         from launcher.search.space import SpaceError
 
         assert self.config is not None
-        name = sweep["objective"]
-        if name.startswith("val") and not self.config.trainer.eval_every:
+        try:
+            objectives = figures(sweep)
+        except ObjectiveError as e:
+            raise SpaceError(str(e)) from None
+        if len(objectives) > 1 and (pruner := sweep["pruner"]) is not None:
+            named = pruner.get("_target_") if isinstance(pruner, dict) else pruner
             raise SpaceError(
-                f"sweep.objective={name} but trainer.eval_every=0 never evaluates; set trainer.eval_every=N "
-                "(each evaluation is also where a trial may be pruned)"
+                f"sweep.pruner={named} cannot prune a study of {len(objectives)} objectives "
+                "(Optuna prunes single-objective studies only); add sweep.pruner=null"
+            )
+        if len(objectives) > 1 and sweep["objective_at"] != "last":
+            raise SpaceError(
+                f"sweep.objective_at={sweep['objective_at']} with {len(objectives)} objectives would take each at "
+                "another step, of another model; a multi-objective study takes them at the run's last step: "
+                "sweep.objective_at=last"
             )
         logged = logged_figures(self.config)
-        if name not in logged and not any(name.startswith(f"{figure}/") for figure in logged):
-            names = [n for n in METRICS if n in logged] + sorted(logged - set(METRICS))
-            raise SpaceError(f"sweep.objective={name} is not a logged figure; use one of: {', '.join(names)}")
+        for name, _ in objectives:
+            if name.startswith("val") and not self.config.trainer.eval_every:
+                raise SpaceError(
+                    f"sweep.objective={name} but trainer.eval_every=0 never evaluates; set trainer.eval_every=N "
+                    "(each evaluation is also where a trial may be pruned)"
+                )
+            if name not in logged and not any(name.startswith(f"{figure}/") for figure in logged):
+                names = [n for n in METRICS if n in logged] + sorted(logged - set(METRICS))
+                raise SpaceError(f"sweep.objective={name} is not a logged figure; use one of: {', '.join(names)}")
 
     def _check_composes(self, space: Any) -> None:
         """One trial's overrides at the low end of every distribution compose (unknown keys, wrong types)."""
@@ -209,8 +226,9 @@ class LaunchOptunaSweeper(Sweeper):
                   file=sys.stderr, flush=True)  # fmt: skip
             raise SystemExit(int(record.get("code") or 1))
         state, exhausted = tell(study, trial, record)
-        value = record.get("objective")
-        shown = f"{record.get('objective_name')} {value:.6g}" if value is not None else record.get("reason", "")
+        names, values = record.get("objective_name"), record.get("objective")
+        pairs = zip(names, values) if isinstance(values, list) else [(names, values)]
+        shown = ", ".join(f"{n} {v:.6g}" for n, v in pairs) if values is not None else record.get("reason", "")
         print(f"launch: trial {trial.number} {state}: {shown}", flush=True)
         returns.extend([result] if result is not None else [])
         return exhausted
@@ -230,6 +248,14 @@ class LaunchOptunaSweeper(Sweeper):
 
         if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             print("launch: no trial of the study completed", file=sys.stderr, flush=True)
+            return
+        if len(study.directions) > 1:  # several objectives: the trials no other beats on every one
+            names = self.objective["objective_name"]
+            front = ", ".join(
+                f"trial {t.number} ({', '.join(f'{n} {v:.6g}' for n, v in zip(names, t.values))})"
+                for t in sorted(study.best_trials, key=lambda t: t.number)
+            )
+            print(f"launch: Pareto front: {front}", flush=True)
             return
         best = study.best_trial
         params = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.params.items())

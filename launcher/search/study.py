@@ -86,7 +86,9 @@ def check_file(url: str) -> None:
         raise StudyError(f"{path} is a SQLite database of something else (its tables: {shown}), not a study; {fix}")
 
 
-def open_study(name: str, url: str, direction: str, sampler: Any, pruner: Any, definition: list[str]) -> Any:
+def open_study(
+    name: str, url: str, direction: str | list[str], sampler: Any, pruner: Any, definition: list[str]
+) -> Any:
     """The study `name` in `url` (a storage spec, `launcher.search.claims.spec`), made if new; StudyError if it exists
     and searched something else, or if `url` holds no study optuna can read. Lines name the URL masked."""
     import optuna
@@ -102,7 +104,8 @@ def open_study(name: str, url: str, direction: str, sampler: Any, pruner: Any, d
         study = optuna.create_study(
             study_name=name,
             storage=storage(url),
-            direction=direction,
+            direction=direction if isinstance(direction, str) else None,
+            directions=direction if isinstance(direction, list) else None,
             sampler=sampler,
             pruner=pruner,
             load_if_exists=True,
@@ -151,8 +154,9 @@ def ended(run_dir: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or record.get("state") not in ("complete", "pruned", "failed"):
         return None
-    value = record.get("objective")
-    if record["state"] == "complete" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+    values = record.get("objective")
+    values = values if isinstance(values, list) else [values]  # several objectives: a value each
+    if record["state"] == "complete" and not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
         return None
     return record
 

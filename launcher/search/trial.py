@@ -21,6 +21,7 @@ class TrialReport:
     def __init__(self, cfg: DictConfig, rank: int) -> None:
         sweep = OmegaConf.select(cfg, "sweep", default=None)
         self.active = rank == 0 and sweep is not None and sweep.get("trial") is not None and bool(sweep.storage)
+        self.active = self.active and isinstance(sweep.objective, str)  # several objectives: Optuna prunes none
         self.sweep = sweep
         self._trial: Any = None
 
