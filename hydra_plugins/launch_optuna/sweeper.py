@@ -23,7 +23,8 @@ class LaunchOptunaSweeperConf:
     _recursive_: bool = False
     """The sampler is built by the sweeper when the search starts, so that a bad one is one line."""
     n_trials: int = 20
-    """The study's budget: trials complete, pruned or failed, counted over every run of the same command."""
+    """The study's budget: every trial the study has made (complete, pruned, failed or running), by every sweeper and
+    every run of the same command."""
     study_name: str = "search"
     storage: str | None = None
     """Where the study lives. Unset: sqlite:///<sweep dir>/study.db, for one sweeper at a time. For several sweepers on
