@@ -44,7 +44,8 @@ def steps_of(folder: Path) -> list[tuple[int, int]]:
 def storage_spec(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
     if kind == "journal":
         return spec("journal", tmp_path / "sweep")
-    return request.getfixturevalue("postgres").database(f"t{os.getpid()}_{kind}_{request.node.name[-20:]}".lower())
+    name = re.sub(r"\W", "_", f"t{os.getpid()}_{request.node.name[-30:]}").lower()  # one database per test
+    return request.getfixturevalue("postgres").database(name)
 
 
 def pg_env(request: pytest.FixtureRequest, env: dict[str, str], kind: str) -> dict[str, str]:
@@ -229,7 +230,7 @@ def raw_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.long  # ~2 min each on 2 cores: 6 real trials; the claims are the default tier's two-sweepers test
+@pytest.mark.long  # ~3 min each on 2 cores: 6 real trials; the claims are the default tier's two-sweepers test
 @pytest.mark.parametrize("kind", ["journal", "postgres"])
 def test_two_launch_sweepers_run_a_study_of_six_trials_each_once_through_a_kill(
     tmp_path: Path, kind: str, request: pytest.FixtureRequest

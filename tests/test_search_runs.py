@@ -169,7 +169,7 @@ def test_a_pruned_trial_stops_at_its_first_evaluation_on_every_rank(tmp_path: Pa
     assert "| pruned | at step 2 |" in (sweep / "summary.md").read_text() and "| pruned | at step 2 |" in run.stdout
 
 
-@pytest.mark.long  # ~30 s: 3 real trials; the front, the outcome of several figures and the refusals are test_search's
+@pytest.mark.long  # ~80 s: 3 real trials; the front, the outcome of several figures and the refusals are test_search's
 def test_a_multi_objective_study_tells_each_trial_its_figures_and_reports_its_pareto_front(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     multi = ["sweep.objective=[val_loss,tokens_per_s]", "sweep.direction=[minimize,maximize]", "sweep.pruner=null"]
