@@ -29,12 +29,27 @@ LAUNCH = str(Path(sys.executable).parent / "launch")
 
 
 def run(name: str, asynchronous: bool, a: argparse.Namespace, out: Path) -> dict[str, float]:
-    overrides = ["model=gpt_124m", "data=synthetic", "data.vocab_size=50304", f"data.seq_len={a.seq_len}",
-                 "batch.micro_size=1", "batch.global_size=2", "gpus=2", "device=cpu", "strategy=ddp",
-                 f"trainer.max_steps={a.steps}", "trainer.log_every=1", "trainer.eval_every=0", "logger=none",
-                 "trainer.progress=false", "trainer.save_at_end=false", f"trainer.checkpoint_every={a.every}",
-                 "trainer.keep_last=0", f"trainer.async_checkpoint={str(asynchronous).lower()}",
-                 f"hydra.run.dir={out / name}"]  # fmt: skip
+    overrides = [
+        "model=gpt_124m",
+        "data=synthetic",
+        "data.vocab_size=50304",
+        f"data.seq_len={a.seq_len}",
+        "batch.micro_size=1",
+        "batch.global_size=2",
+        "gpus=2",
+        "device=cpu",
+        "strategy=ddp",
+        f"trainer.max_steps={a.steps}",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "logger=none",
+        "trainer.progress=false",
+        "trainer.save_at_end=false",
+        f"trainer.checkpoint_every={a.every}",
+        "trainer.keep_last=0",
+        f"trainer.async_checkpoint={str(asynchronous).lower()}",
+        f"hydra.run.dir={out / name}",
+    ]
     proc = subprocess.run([LAUNCH, *overrides], capture_output=True, text=True, cwd=out)
     if proc.returncode:
         sys.exit(f"{name} failed:\n{proc.stderr[-2000:]}")
@@ -92,12 +107,16 @@ def main() -> None:
         asyn = run("async", True, a, Path(tmp))
         hashing = checksum_cost(next((Path(tmp) / "sync" / "checkpoints").glob("step_*")))
     print(f"gpt_124m, DDP on 2 CPU ranks, {sync['bytes'] / 1e9:.2f} GB per checkpoint, {sync['saves']} saves per run\n")
-    print("| trainer.async_checkpoint | first save's stall (s) | stall per later save (s) | finalisation later (s) "
-          "| MB/s written | step time (s) |")  # fmt: skip
+    print(
+        "| trainer.async_checkpoint | first save's stall (s) | stall per later save (s) | finalisation later (s) "
+        "| MB/s written | step time (s) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, r in (("false", sync), ("true", asyn)):
-        print(f"| {name} | {r['first']:.3f} | {r['stall']:.3f} | {r['finalise']:.3f} | {r['rate'] / 1e6:,.0f} "
-              f"| {r['step']:.3f} |")  # fmt: skip
+        print(
+            f"| {name} | {r['first']:.3f} | {r['stall']:.3f} | {r['finalise']:.3f} | {r['rate'] / 1e6:,.0f} "
+            f"| {r['step']:.3f} |"
+        )
     print(
         f"\nchecksums: xxh3-128 hashes {hashing['memory'] / 1e9:.2f} GB/s in memory, so hashing a checkpoint as it is "
         f"written adds {sync['bytes'] / hashing['memory']:.3f} s to a synchronous save (in the background writer "

@@ -4,7 +4,7 @@ python bench/evaluation.py [--batches 8] [--repeats 5] [--seq-len 128]
 
 One process (a gloo group of one), the built-in GPT (model=gpt_tiny's sizes: 4 layers, 128 wide, 256 ids) on random
 tokens, `--batches` global batches of 32 samples in micro-batches of 8: the evaluation's own pass
-(`launcher.worker.evaluation.validate`: forward, the loss by the training step's rule, and the metrics, reduced over
+(`launcher.evaluation.passes.validate`: forward, the loss by the training step's rule, and the metrics, reduced over
 ranks), timed `--repeats` times in turns after one warm-up, on one thread. The two metrics: torchmetrics'
 `Perplexity` over the logits, and a function of sums and counts (next-token accuracy). Printed: the median seconds
 of each, and their ratio.
@@ -47,8 +47,8 @@ class Plain:
 def timed(strategy: Plain, source: Any, ctx: Any, batches: int, two: dict[str, Any], repeats: int) -> list[float]:
     """The median seconds of a pass without metrics and with `two`, measured in turns (a load that drifts over the
     run weighs on both alike), after one warm-up of each."""
+    from launcher.evaluation.passes import validate
     from launcher.models.loss import LabelRule
-    from launcher.worker.evaluation import validate
 
     times: list[list[float]] = [[], []]
     for repeat in range(repeats + 1):
@@ -75,13 +75,20 @@ def main() -> None:
     from launcher.data.builtin import build_dataset
     from launcher.data.collate import build_collate
     from launcher.data.sources import source_of
+    from launcher.evaluation.metrics import build_metrics
     from launcher.models.gpt import GPT
-    from launcher.worker.eval_metrics import build_metrics
 
     torch.manual_seed(0)
     model = GPT(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=a.seq_len)
-    data = OmegaConf.create({"_target_": "launcher.data.builtin.Synthetic", "seq_len": a.seq_len, "vocab_size": 256,
-                             "num_samples": 4096, "format": "tuple"})  # fmt: skip
+    data = OmegaConf.create(
+        {
+            "_target_": "launcher.data.builtin.Synthetic",
+            "seq_len": a.seq_len,
+            "vocab_size": 256,
+            "num_samples": 4096,
+            "format": "tuple",
+        }
+    )
     source = source_of(build_dataset(data, "val"), 32, 0, build_collate(None), "the val split")
     ctx = SimpleNamespace(device="cpu", rank=0, world_size=1, accumulation=4)
     two = build_metrics({"ppl": {"_target_": "torchmetrics.text.Perplexity"}, "right": {"_target_": "__main__.right"}})

@@ -95,10 +95,22 @@ def run(name: str, data: list[str], steps: int, out: Path) -> tuple[float, float
     """The median step time after the first step, and the median samples/s, of one launch with `data` overrides."""
     env_path = str(Path(__file__).parent)
     chosen = data if any(d.startswith("data=") for d in data) else ["data=custom", *data]
-    overrides = ["model=gpt_tiny", "model.block_size=128", *chosen, "batch.micro_size=8",
-                 "batch.global_size=32", "gpus=2", "device=cpu",
-                 f"trainer.max_steps={steps}", "trainer.log_every=1", "trainer.eval_every=0", "logger=none",
-                 "trainer.progress=false", "trainer.save_at_end=false", f"hydra.run.dir={out / name}"]  # fmt: skip
+    overrides = [
+        "model=gpt_tiny",
+        "model.block_size=128",
+        *chosen,
+        "batch.micro_size=8",
+        "batch.global_size=32",
+        "gpus=2",
+        "device=cpu",
+        f"trainer.max_steps={steps}",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "logger=none",
+        "trainer.progress=false",
+        "trainer.save_at_end=false",
+        f"hydra.run.dir={out / name}",
+    ]
     import os
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [env_path, os.environ.get("PYTHONPATH")]))}
@@ -140,19 +152,24 @@ def main() -> None:
                 (
                     f"slow, data.workers={a.workers}",
                     run("slow-loader", [*slow, f"+data.workers={a.workers}"], a.steps, out),
-                ),  # fmt: skip
+                ),
             ]
-            table(f"2 CPU ranks, 16 samples per rank per step, {a.cost_ms:g} ms per sample (goal: the loader <= 1.10 x "
-                  "free)", rows)  # fmt: skip
+            table(
+                f"2 CPU ranks, 16 samples per rank per step, {a.cost_ms:g} ms per sample (goal: the loader <= 1.10 x "
+                "free)",
+                rows,
+            )
         if a.only != "slow":
             kinds = [
                 ("map-style", ["data._target_=loader.Slow", "+data.cost_ms=0"]),
                 ("stream, read in the loop", ["data._target_=loader.Stream"]),
                 ("stream, a reader process (data.workers=1)", ["data._target_=loader.Stream", "+data.workers=1"]),
                 ("rows of lists, the default collate", ["data._target_=loader.Rows"]),
-                ("rows of lists, a collate of one's own",
-                 ["data._target_=loader.Rows", "data.collate._target_=loader.pad"]),
-            ]  # fmt: skip
+                (
+                    "rows of lists, a collate of one's own",
+                    ["data._target_=loader.Rows", "data.collate._target_=loader.pad"],
+                ),
+            ]
             # Each kind `--repeats` times, the kinds interleaved (a machine's load drifts), its fastest median kept.
             found: dict[str, list[tuple[float, float]]] = {}
             for r in range(a.repeats):
@@ -164,25 +181,33 @@ def main() -> None:
             mix(a, out)
 
 
-MIX = ("data.sources={one:{weight:0.5,_target_:loader.Slow,cost_ms:0},two:{weight:0.3,_target_:loader.Stream},"
-       "three:{weight:0.2,_target_:loader.Rows}}")  # fmt: skip
-SAME = ("data.sources={one:{weight:0.5,_target_:loader.Slow,cost_ms:0},two:{weight:0.3,_target_:loader.Slow,"
-        "cost_ms:0},three:{weight:0.2,_target_:loader.Slow,cost_ms:0}}")  # fmt: skip
+MIX = (
+    "data.sources={one:{weight:0.5,_target_:loader.Slow,cost_ms:0},two:{weight:0.3,_target_:loader.Stream},"
+    "three:{weight:0.2,_target_:loader.Rows}}"
+)
+SAME = (
+    "data.sources={one:{weight:0.5,_target_:loader.Slow,cost_ms:0},two:{weight:0.3,_target_:loader.Slow,"
+    "cost_ms:0},three:{weight:0.2,_target_:loader.Slow,cost_ms:0}}"
+)
 """Three map-style sources of the kind the single source is: the cost of mixing alone."""
 
 
 def mix(a: argparse.Namespace, out: Path) -> None:
     """One map-style source against a mixture of three kinds, interleaved `--repeats` times, each one's fastest."""
-    kinds = [("one map-style source", ["data._target_=loader.Slow", "+data.cost_ms=0"]),
-             ("data=mix, three map-style sources, read in the loop", ["data=mix", SAME]),
-             ("data=mix, map-style + stream + rows, read in the loop", ["data=mix", MIX]),
-             ("data=mix, map-style + stream + rows, a reader", ["data=mix", MIX, "data.workers=1"])]  # fmt: skip
+    kinds = [
+        ("one map-style source", ["data._target_=loader.Slow", "+data.cost_ms=0"]),
+        ("data=mix, three map-style sources, read in the loop", ["data=mix", SAME]),
+        ("data=mix, map-style + stream + rows, read in the loop", ["data=mix", MIX]),
+        ("data=mix, map-style + stream + rows, a reader", ["data=mix", MIX, "data.workers=1"]),
+    ]
     found: dict[str, list[tuple[float, float]]] = {}
     for r in range(a.repeats):
         for i, (name, data) in enumerate(kinds):
             found.setdefault(name, []).append(run(f"mix{i}-{r}", data, a.steps, out))
-    table("2 CPU ranks, one source against a mixture of three (goal: the mixture <= 1.05 x one source)",
-          [(name, min(found[name])) for name, _ in kinds])  # fmt: skip
+    table(
+        "2 CPU ranks, one source against a mixture of three (goal: the mixture <= 1.05 x one source)",
+        [(name, min(found[name])) for name, _ in kinds],
+    )
     allocation()
 
 

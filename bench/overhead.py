@@ -42,8 +42,17 @@ def run_launch(steps: int, out: Path, log_every: int = WINDOW) -> tuple[float, l
     """Start to the end of the first optimizer step, the windows' step times, and the start-up's parts (`startup`)."""
     run_dir = out / f"launch-{time.monotonic_ns()}"
     started = time.time()
-    rows = launch_rows(["strategy=ddp", "data.seq_len=128", "batch.global_size=32", "batch.micro_size=4",
-                        f"trainer.max_steps={steps}", f"trainer.log_every={log_every}"], run_dir)  # fmt: skip
+    rows = launch_rows(
+        [
+            "strategy=ddp",
+            "data.seq_len=128",
+            "batch.global_size=32",
+            "batch.micro_size=4",
+            f"trainer.max_steps={steps}",
+            f"trainer.log_every={log_every}",
+        ],
+        run_dir,
+    )
     # The runner always logs step 1; the next row covers steps 2-5, then windows of 5 (or one row per step).
     windows = [r["step_time_s"] for r in rows[2 if log_every == WINDOW else WINDOW + 1 :]]
     return rows[0]["time"] - started, windows, startup(run_dir, started, rows[0])
@@ -138,12 +147,15 @@ def report(med: dict[str, dict[str, float]]) -> str:
     base = med["torchrun"]
     for name in ("launch", "launch, every step logged"):
         m = med[name]
-        lines.append(f"\n{name} / torchrun: step time {m['step'] / base['step']:.3f} (goal <= 1.02), start-up "
-                     f"{m['start'] / base['start']:.3f}, whole process {m['wall'] / base['wall']:.3f} wall and "
-                     f"{m['cpu'] / base['cpu']:.3f} CPU (goal <= 1.05)")  # fmt: skip
+        lines.append(
+            f"\n{name} / torchrun: step time {m['step'] / base['step']:.3f} (goal <= 1.02), start-up "
+            f"{m['start'] / base['start']:.3f}, whole process {m['wall'] / base['wall']:.3f} wall and "
+            f"{m['cpu'] / base['cpu']:.3f} CPU (goal <= 1.05)"
+        )
     m = med["launch"]
-    lines.append(f"\nlaunch's start-up ({m['start']:.2f} s to the end of the first step; torchrun's: "
-                 f"{base['start']:.2f} s):")  # fmt: skip
+    lines.append(
+        f"\nlaunch's start-up ({m['start']:.2f} s to the end of the first step; torchrun's: {base['start']:.2f} s):"
+    )
     lines += [f"  {m[key]:6.2f} s  {what}" for what, key in STARTUP.items()]
     return "\n".join(lines)
 

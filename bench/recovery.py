@@ -34,11 +34,28 @@ from pathlib import Path
 
 from scale_job import LAUNCH, ROOT, free_port, rows
 
-MODEL = ["model=gpt_tiny", "model._target_=faulty.KilledOnceGPT", "model.n_layer=4", "model.n_embd=192",
-         "model.n_head=4", "data=synthetic", "data.seq_len=64", "logger=none", "trainer.progress=false", "device=cpu",
-         "trainer.log_every=1", "trainer.eval_every=0", "trainer.warmup_steps=2", "batch.micro_size=1",
-         "rdzv.join_timeout=900", "rdzv.last_call_timeout=5", "trainer.collective_timeout=300",
-         "trainer.max_restarts=3", "trainer.checkpoint_every=50", "trainer.save_at_end=false"]  # fmt: skip
+MODEL = [
+    "model=gpt_tiny",
+    "model._target_=faulty.KilledOnceGPT",
+    "model.n_layer=4",
+    "model.n_embd=192",
+    "model.n_head=4",
+    "data=synthetic",
+    "data.seq_len=64",
+    "logger=none",
+    "trainer.progress=false",
+    "device=cpu",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.warmup_steps=2",
+    "batch.micro_size=1",
+    "rdzv.join_timeout=900",
+    "rdzv.last_call_timeout=5",
+    "trainer.collective_timeout=300",
+    "trainer.max_restarts=3",
+    "trainer.checkpoint_every=50",
+    "trainer.save_at_end=false",
+]
 
 
 def job(n: int, steps: int, kill_at: int, tier: bool, out: Path) -> dict[str, float]:
@@ -48,18 +65,31 @@ def job(n: int, steps: int, kill_at: int, tier: bool, out: Path) -> dict[str, fl
     global_batch = math.lcm(n, n - 1)
     k = global_batch // n  # micro-steps a step at n nodes: the kill comes mid-step kill_at + 1, after half of them
     kill.touch()
-    args = [LAUNCH, *MODEL, f"batch.global_size={global_batch}", f"trainer.max_steps={steps}", f"nodes={n - 1}:{n}",
-            "gpus=1", f"rdzv.endpoint=127.0.0.1:{port}", f"rdzv.id={name}", f"hydra.run.dir={run_dir}",
-            f"+model.while_there={kill}", "+model.sleep_s=0", f"+model.bad_rank={n - 1}",
-            f"+model.at_call={kill_at * k + k // 2 + 1}", "+model.whole_node=true",
-            f"trainer.memory_checkpoint_every={1 if tier else 0}"]  # fmt: skip
+    args = [
+        LAUNCH,
+        *MODEL,
+        f"batch.global_size={global_batch}",
+        f"trainer.max_steps={steps}",
+        f"nodes={n - 1}:{n}",
+        "gpus=1",
+        f"rdzv.endpoint=127.0.0.1:{port}",
+        f"rdzv.id={name}",
+        f"hydra.run.dir={run_dir}",
+        f"+model.while_there={kill}",
+        "+model.sleep_s=0",
+        f"+model.bad_rank={n - 1}",
+        f"+model.at_call={kill_at * k + k // 2 + 1}",
+        "+model.whole_node=true",
+        f"trainer.memory_checkpoint_every={1 if tier else 0}",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "OMP_"))}
     env |= {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
     nodes = []
     for i in range(n):
         log = open(out / f"{name}.node{i}.out", "w")
-        nodes.append(subprocess.Popen(args, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))  # fmt: skip
+        nodes.append(
+            subprocess.Popen(args, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
         time.sleep(2.0 if i == 0 else 0.0)  # the first hosts the rendezvous store
     try:
         codes = [node.wait(timeout=3600) for node in nodes]
@@ -83,9 +113,15 @@ def job(n: int, steps: int, kill_at: int, tier: bool, out: Path) -> dict[str, fl
     resumed = int(after[0]["step"]) - 1
     past = next(r for r in after if int(r["step"]) > last)
     times = [r["step_time_s"] for r in before if 5 <= int(r["step"]) <= kill_at]  # the mean: saves every N steps
-    return {"lost": last - resumed, "resumed": resumed, "last": last, "first_s": float(after[0]["time"]) - failed,
-            "back_s": float(past["time"]) - failed, "step_s": statistics.mean(times),
-            "world_after": int(after[-1]["world_size"])}  # fmt: skip
+    return {
+        "lost": last - resumed,
+        "resumed": resumed,
+        "last": last,
+        "first_s": float(after[0]["time"]) - failed,
+        "back_s": float(past["time"]) - failed,
+        "step_s": statistics.mean(times),
+        "world_after": int(after[-1]["world_size"]),
+    }
 
 
 def main() -> int:
@@ -99,8 +135,10 @@ def main() -> int:
     out = a.out or Path(tempfile.mkdtemp(prefix="recovery-"))
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    print("| nodes | tier | steps lost | s to first step trained again | s to the step past the failure | "
-          "step s | cost per step |")  # fmt: skip
+    print(
+        "| nodes | tier | steps lost | s to first step trained again | s to the step past the failure | "
+        "step s | cost per step |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n in map(int, a.nodes.split(",")):
         disk = job(n, a.steps, a.kill_at, False, out)
@@ -108,8 +146,11 @@ def main() -> int:
         results[n] = {"disk": disk, "memory": mem}
         for label, r in (("disk", disk), ("memory", mem)):
             ratio = f"{mem['step_s'] / disk['step_s']:.3f}x" if label == "memory" else "1x"
-            print(f"| {n} | {label} | {r['lost']} (resumed {r['resumed']}, last {r['last']}) | {r['first_s']:.1f} | "
-                  f"{r['back_s']:.1f} | {r['step_s']:.3f} | {ratio} |", flush=True)  # fmt: skip
+            print(
+                f"| {n} | {label} | {r['lost']} (resumed {r['resumed']}, last {r['last']}) | {r['first_s']:.1f} | "
+                f"{r['back_s']:.1f} | {r['step_s']:.3f} | {ratio} |",
+                flush=True,
+            )
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -81,8 +81,12 @@ def measure(nodes: int, steps: int, out: Path) -> dict[str, float]:
     from launcher.checkpoint.format import MANIFEST, by_time, damage, newest_intact
 
     run_dir, port = out / f"nodes{nodes}", free_port()
-    overrides = [*SHAPE, f"batch.micro_size={GLOBAL // nodes}", f"trainer.max_steps={steps}",
-                 "trainer.checkpoint_every=2"]  # fmt: skip
+    overrides = [
+        *SHAPE,
+        f"batch.micro_size={GLOBAL // nodes}",
+        f"trainer.max_steps={steps}",
+        "trainer.checkpoint_every=2",
+    ]
     with StoreHost(port, out) as store, Job(nodes, run_dir, overrides, port, f"scale{nodes}") as job:
         codes = job.wait(timeout=1800)
         if any(codes):

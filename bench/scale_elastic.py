@@ -22,17 +22,31 @@ def elastic(steps: int, out: Path) -> int:
     """nodes=14:16: 16 one-rank nodes train; a 17th that joins the full job is refused in one line; 2 nodes are
     killed whole (launcher and worker); the other 14 go on after a restart from the last checkpoint. Every logged
     loss, the redone steps' too, is one process's at the same global batch (within 1e-6). Exit status 0 when it is."""
-    shape = [f"batch.global_size={ELASTIC_GLOBAL}", "data.seq_len=8", "data.num_samples=65536",
-             "trainer.collective_timeout=120", f"trainer.max_steps={steps}"]  # fmt: skip
-    one = subprocess.run([LAUNCH, *JOB, *shape, "gpus=1", f"batch.micro_size={ELASTIC_GLOBAL // MOST}",
-                          f"hydra.run.dir={out / 'one'}"], cwd=out, capture_output=True, text=True)  # fmt: skip
+    shape = [
+        f"batch.global_size={ELASTIC_GLOBAL}",
+        "data.seq_len=8",
+        "data.num_samples=65536",
+        "trainer.collective_timeout=120",
+        f"trainer.max_steps={steps}",
+    ]
+    one = subprocess.run(
+        [LAUNCH, *JOB, *shape, "gpus=1", f"batch.micro_size={ELASTIC_GLOBAL // MOST}", f"hydra.run.dir={out / 'one'}"],
+        cwd=out,
+        capture_output=True,
+        text=True,
+    )
     if one.returncode:
         print(f"one process failed:\n{one.stderr[-3000:]}")
         return 1
     reference = {r["step"]: r["loss"] for r in rows(out / "one")}
     run_dir, port, started = out / "elastic", free_port(), time.time()
-    overrides = [*shape, "batch.micro_size=1", "trainer.checkpoint_every=1", "trainer.max_restarts=3",
-                 "rdzv.last_call_timeout=5"]  # fmt: skip
+    overrides = [
+        *shape,
+        "batch.micro_size=1",
+        "trainer.checkpoint_every=1",
+        "trainer.max_restarts=3",
+        "rdzv.last_call_timeout=5",
+    ]
     nodes = f"{LEAST}:{MOST}"
     with StoreHost(port, out, trace=False), Job(nodes, run_dir, overrides, port, "elastic16", count=MOST) as job:
         until(lambda: sum(r["world_size"] == MOST for r in rows(run_dir)) >= 2, job, f"two steps at {MOST} nodes")
@@ -59,9 +73,13 @@ def elastic(steps: int, out: Path) -> int:
     worlds = sorted({int(r["world_size"]) for r in logged})
     worst = max(abs(r["loss"] - reference[r["step"]]) for r in logged)
     steps_done = sorted({int(r["step"]) for r in logged})
-    print(f"world sizes {worlds}, steps {steps_done[0]}-{steps_done[-1]} ({len(logged)} logged, redone ones too), "
-          f"largest difference from one process {worst:.2e}; {time.time() - started:.0f} s")  # fmt: skip
+    print(
+        f"world sizes {worlds}, steps {steps_done[0]}-{steps_done[-1]} ({len(logged)} logged, redone ones too), "
+        f"largest difference from one process {worst:.2e}; {time.time() - started:.0f} s"
+    )
     ok = worlds == [LEAST, MOST] and steps_done == list(range(1, steps + 1)) and worst <= 1e-6
-    print(f"{'exact' if ok else 'NOT EXACT'}: nodes={LEAST}:{MOST}, {MOST} nodes then {LEAST} after {MOST - LEAST} "
-          f"were killed, global batch {ELASTIC_GLOBAL}, against one process")  # fmt: skip
+    print(
+        f"{'exact' if ok else 'NOT EXACT'}: nodes={LEAST}:{MOST}, {MOST} nodes then {LEAST} after {MOST - LEAST} "
+        f"were killed, global batch {ELASTIC_GLOBAL}, against one process"
+    )
     return 0 if ok else 1

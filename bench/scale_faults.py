@@ -8,11 +8,14 @@ from pathlib import Path
 from scale_job import GLOBAL, Job, free_port
 
 FAULTS = {
-    "a rank that fails at its first step": ["model._target_=faulty.RaisingGPT", "+model.bad_rank=20",
-                                            "+model.at_call=1"],
+    "a rank that fails at its first step": [
+        "model._target_=faulty.RaisingGPT",
+        "+model.bad_rank=20",
+        "+model.at_call=1",
+    ],
     "a rank that hangs": ["model._target_=faulty.HangingGPT", "+model.bad_rank=20", "+model.at_call=3"],
     "a node whose run directory is its own": [],
-}  # fmt: skip
+}
 
 
 def faults(nodes: int, out: Path) -> int:
@@ -22,8 +25,14 @@ def faults(nodes: int, out: Path) -> int:
     bad = 0
     for what, extra in FAULTS.items():
         run_dir, port, started = out / f"fault{len(what)}", free_port(), time.time()
-        overrides = [*extra, f"batch.global_size={GLOBAL}", "batch.micro_size=1", "trainer.max_steps=6",
-                     "trainer.collective_timeout=60", "rdzv.join_timeout=600"]  # fmt: skip
+        overrides = [
+            *extra,
+            f"batch.global_size={GLOBAL}",
+            "batch.micro_size=1",
+            "trainer.max_steps=6",
+            "trainer.collective_timeout=60",
+            "rdzv.join_timeout=600",
+        ]
         own = {20: [f"hydra.run.dir={out / 'apart'}"]} if not extra else {}
         with Job(nodes, run_dir, overrides, port, f"fault{len(what)}", own=own) as job:
             codes = job.wait(timeout=1800)

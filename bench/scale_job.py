@@ -20,10 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = str(Path(sys.executable).parent / "launch")
 GLOBAL = 32
 JOB = [
-    "model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data=synthetic", "data.seq_len=32",
-    "logger=none", "trainer.progress=false", "device=cpu", "trainer.log_every=1", "trainer.eval_every=0",
-    "trainer.warmup_steps=2", "trainer.keep_last=0", "rdzv.join_timeout=900",
-]  # fmt: skip
+    "model=gpt_tiny",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "data=synthetic",
+    "data.seq_len=32",
+    "logger=none",
+    "trainer.progress=false",
+    "device=cpu",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.warmup_steps=2",
+    "trainer.keep_last=0",
+    "rdzv.join_timeout=900",
+]
 SHAPE = [f"batch.global_size={GLOBAL}", "trainer.collective_timeout=900"]
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -133,8 +144,15 @@ class Job:
         self.nodes = self.count
         self.logs = run_dir.parent / f"{run_dir.name}.logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.argv = [LAUNCH, *JOB, *overrides, f"nodes={nodes}", "gpus=1", f"rdzv.endpoint=127.0.0.1:{port}",
-                     f"rdzv.id={name}"]  # fmt: skip
+        self.argv = [
+            LAUNCH,
+            *JOB,
+            *overrides,
+            f"nodes={nodes}",
+            "gpus=1",
+            f"rdzv.endpoint=127.0.0.1:{port}",
+            f"rdzv.id={name}",
+        ]
         self.members: list[Node] = []
         self.samples: list[Sample] = []
         self.started = 0.0
@@ -158,9 +176,15 @@ class Job:
         n = len(self.members)
         if not any(o.startswith("hydra.run.dir=") for o in extra):
             extra = [*extra, f"hydra.run.dir={self.run_dir}"]
-        proc = subprocess.Popen([*self.argv, *extra], cwd=self.logs, env=env, stdout=subprocess.PIPE,
-                                stderr=open(self.logs / f"node{n}.err", "w"), text=True,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [*self.argv, *extra],
+            cwd=self.logs,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=open(self.logs / f"node{n}.err", "w"),
+            text=True,
+            start_new_session=True,
+        )
         node = Node(proc, self.logs / f"node{n}.out")
         threading.Thread(target=node.read, daemon=True).start()
         self.members.append(node)
@@ -222,9 +246,14 @@ class StoreHost:
         env = (
             {**os.environ, "TORCH_CPP_LOG_LEVEL": "INFO", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if self.traced else None
         )
-        self.proc = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(self.port)], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(self.trace, "w"))  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", STORE_HOST, str(self.port)],
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.trace, "w"),
+        )
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
         return self
 

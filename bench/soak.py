@@ -22,20 +22,40 @@ from pathlib import Path
 
 LAUNCH = str(Path(sys.executable).parent / "launch")
 JOB = [
-    "strategy=ddp", "model=gpt_tiny", "model.n_layer=2", "model.n_embd=64", "data=synthetic", "data.seq_len=32",
-    "gpus=2", "device=cpu", "batch.global_size=16", "batch.micro_size=4", "trainer.log_every=1",
-    "trainer.eval_every=0", "trainer.progress=false", "logger=none", "trainer.keep_last=2",
-]  # fmt: skip
+    "strategy=ddp",
+    "model=gpt_tiny",
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "data=synthetic",
+    "data.seq_len=32",
+    "gpus=2",
+    "device=cpu",
+    "batch.global_size=16",
+    "batch.micro_size=4",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    "logger=none",
+    "trainer.keep_last=2",
+]
 WARM_UP = 10
 
 
 def run(steps: int, checkpoint_every: int, out: Path, overrides: list[str]) -> list[dict[str, float]]:
     run_dir = out / f"soak-{time.monotonic_ns()}"
     subprocess.run(
-        [LAUNCH, *JOB, f"trainer.max_steps={steps}", f"trainer.checkpoint_every={checkpoint_every}", *overrides,
-         f"hydra.run.dir={run_dir}"],
-        check=True, capture_output=True, cwd=out,
-    )  # fmt: skip
+        [
+            LAUNCH,
+            *JOB,
+            f"trainer.max_steps={steps}",
+            f"trainer.checkpoint_every={checkpoint_every}",
+            *overrides,
+            f"hydra.run.dir={run_dir}",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=out,
+    )
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

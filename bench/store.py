@@ -51,9 +51,20 @@ def corpus(root: Path, megabytes: int) -> tuple[Path, Path]:
 
 def prepare(files: Path, tokenizer: Path, out: str, workers: int, env: dict[str, str]) -> float:
     """tokens/s of one build (as `launch prepare` reports it)."""
-    proc = subprocess.run([LAUNCH, "prepare", "data=text", f"data.files={files}", f"data.tokenizer={tokenizer}",
-                           f"out={out}", f"data.tokenize_workers={workers}"], capture_output=True, text=True,
-                          env=env)  # fmt: skip
+    proc = subprocess.run(
+        [
+            LAUNCH,
+            "prepare",
+            "data=text",
+            f"data.files={files}",
+            f"data.tokenizer={tokenizer}",
+            f"out={out}",
+            f"data.tokenize_workers={workers}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode:
         sys.exit(f"prepare failed:\n{proc.stderr[-2000:]}")
     line = next(line for line in proc.stdout.splitlines() if "tokens/s" in line)
@@ -61,10 +72,22 @@ def prepare(files: Path, tokenizer: Path, out: str, workers: int, env: dict[str,
 
 
 def train(name: str, data: list[str], steps: int, out: Path, env: dict[str, str]) -> tuple[float, float]:
-    overrides = ["model=gpt_tiny", "batch.micro_size=8", "batch.global_size=32", "gpus=2", "device=cpu",
-                 "data.seq_len=256", f"trainer.max_steps={steps}", "trainer.log_every=1", "trainer.eval_every=0",
-                 "logger=none", "trainer.progress=false", "trainer.save_at_end=false", *data,
-                 f"hydra.run.dir={out / name}"]  # fmt: skip
+    overrides = [
+        "model=gpt_tiny",
+        "batch.micro_size=8",
+        "batch.global_size=32",
+        "gpus=2",
+        "device=cpu",
+        "data.seq_len=256",
+        f"trainer.max_steps={steps}",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "logger=none",
+        "trainer.progress=false",
+        "trainer.save_at_end=false",
+        *data,
+        f"hydra.run.dir={out / name}",
+    ]
     proc = subprocess.run([LAUNCH, *overrides], capture_output=True, text=True, env=env, cwd=out)
     if proc.returncode:
         sys.exit(f"{name} failed:\n{proc.stderr[-2000:]}")
@@ -86,8 +109,14 @@ def main() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION":
-           "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
     import s3fs
 
@@ -100,27 +129,53 @@ def main() -> None:
         began = time.monotonic()
         prepare(files, tokenizer, "s3://bench/tokens", 2, env)
         to_s3 = time.monotonic() - began
-        text = ["data=text", f"data.files={files}", f"data.tokenizer={tokenizer}", f"data.cache_dir={root / 'text'}",
-                "data.val_fraction=0.01"]  # fmt: skip
-        subprocess.run([LAUNCH, *text, "trainer.max_steps=1", "logger=none", "gpus=1", "device=cpu",
-                        f"hydra.run.dir={root / 'warmup'}"], capture_output=True, env=env, cwd=root)  # fmt: skip
+        text = [
+            "data=text",
+            f"data.files={files}",
+            f"data.tokenizer={tokenizer}",
+            f"data.cache_dir={root / 'text'}",
+            "data.val_fraction=0.01",
+        ]
+        subprocess.run(
+            [
+                LAUNCH,
+                *text,
+                "trainer.max_steps=1",
+                "logger=none",
+                "gpus=1",
+                "device=cpu",
+                f"hydra.run.dir={root / 'warmup'}",
+            ],
+            capture_output=True,
+            env=env,
+            cwd=root,
+        )
         # Each `--repeats` times, interleaved (a machine's load drifts), the fastest median kept; each cold run with
         # an empty cache of its own, its warm run after it with what it left.
         runs: dict[str, list[tuple[float, float]]] = {"text": [], "cold": [], "warm": []}
         for r in range(a.repeats):
-            store = ["data=store", "data.url=s3://bench/tokens", f"data.cache_dir={root / f'cache-{r}'}",
-                     "data.cache_limit=2GB"]  # fmt: skip
+            store = [
+                "data=store",
+                "data.url=s3://bench/tokens",
+                f"data.cache_dir={root / f'cache-{r}'}",
+                "data.cache_limit=2GB",
+            ]
             runs["text"].append(train(f"text-{r}", text, a.steps, root, env))
             runs["cold"].append(train(f"cold-{r}", store, a.steps, root, env))
             runs["warm"].append(train(f"warm-{r}", store, a.steps, root, env))
         local, cold, warm = (min(runs[k]) for k in ("text", "cold", "warm"))
     server.stop()
-    print(f"\nbuild: {one:,.0f} tokens/s with 1 worker, {two:,.0f} with 2 ({two / one:.2f}x); into S3 with 2: "
-          f"{to_s3:.1f} s\n")  # fmt: skip
+    print(
+        f"\nbuild: {one:,.0f} tokens/s with 1 worker, {two:,.0f} with 2 ({two / one:.2f}x); into S3 with 2: "
+        f"{to_s3:.1f} s\n"
+    )
     print("| data | step time (s) | samples/s | x data=text |")
     print("|---|---|---|---|")
-    for name, (t, rate) in (("data=text, local cache", local), ("data=store on S3, cold cache", cold),
-                            ("data=store on S3, warm cache", warm)):  # fmt: skip
+    for name, (t, rate) in (
+        ("data=text, local cache", local),
+        ("data=store on S3, cold cache", cold),
+        ("data=store on S3, warm cache", warm),
+    ):
         print(f"| {name} | {t:.4f} | {rate:.0f} | {t / local[0]:.3f} |")
 
 

@@ -24,9 +24,22 @@ from pathlib import Path
 
 LAUNCH = str(Path(sys.executable).parent / "launch")
 ROWS = {"DP=2 (fsdp)": ["strategy=fsdp"], "TP=2 x DP=1 (fsdp_tp)": ["strategy=fsdp_tp"]}
-JOB = ["model=gpt_tiny", "model.n_layer=4", "model.n_embd=256", "model.n_head=4", "data=synthetic", "data.seq_len=64",
-       "gpus=2", "device=cpu", "batch.global_size=8", "batch.micro_size=2", "trainer.log_every=1",
-       "trainer.eval_every=0", "trainer.progress=false", "logger=none"]  # fmt: skip
+JOB = [
+    "model=gpt_tiny",
+    "model.n_layer=4",
+    "model.n_embd=256",
+    "model.n_head=4",
+    "data=synthetic",
+    "data.seq_len=64",
+    "gpus=2",
+    "device=cpu",
+    "batch.global_size=8",
+    "batch.micro_size=2",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    "logger=none",
+]
 
 
 def run(overrides: list[str], steps: int, out: Path) -> dict[str, float]:

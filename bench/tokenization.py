@@ -40,19 +40,29 @@ def main() -> None:
         docs = documents(2_000, words=(3, 600))
         per_doc = sum(len(d) for d in docs) / len(docs)
         count = int(a.mb * 1e6 / per_doc)
-        files = [write_jsonl(root / "corpus" / f"part-{i:02d}.jsonl", documents(count // 8, seed=i, words=(3, 600)))
-                 for i in range(8)]  # fmt: skip
+        files = [
+            write_jsonl(root / "corpus" / f"part-{i:02d}.jsonl", documents(count // 8, seed=i, words=(3, 600)))
+            for i in range(8)
+        ]
         size = sum(f.stat().st_size for f in files) / 1e6
         tokenizer = train_tokenizer(root / "tokenizer", docs, vocab_size=a.vocab)
-        print(f"corpus: {len(files)} jsonl files, {size:.1f} MB, {count // 8 * 8:,} documents; tokenizer: "
-              f"byte-level BPE of {a.vocab} ids\n")  # fmt: skip
+        print(
+            f"corpus: {len(files)} jsonl files, {size:.1f} MB, {count // 8 * 8:,} documents; tokenizer: "
+            f"byte-level BPE of {a.vocab} ids\n"
+        )
         print("| data.tokenize_workers | tokens | seconds | tokens/s |")
         print("|---|---|---|---|")
         for workers in a.workers:
             cache = root / f"cache-{workers}"
             with contextlib.redirect_stdout(io.StringIO()):
-                folder = prepare(**text_settings(files=[str(root / "corpus")], tokenizer=str(tokenizer),
-                                                 tokenize_workers=workers, cache_dir=str(cache)))  # fmt: skip
+                folder = prepare(
+                    **text_settings(
+                        files=[str(root / "corpus")],
+                        tokenizer=str(tokenizer),
+                        tokenize_workers=workers,
+                        cache_dir=str(cache),
+                    )
+                )
             m = json.loads((folder / "manifest.json").read_text())
             tokens = sum(s["tokens"] for s in m["splits"].values())
             print(f"| {workers} | {tokens:,} | {m['seconds']:.2f} | {m['tokens_per_second']:,.0f} |")

@@ -11,28 +11,16 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from strategies.base import (
-    ModelFactory,
-    OptimizerFactory,
-    RunContext,
-    autocast_dtype,
-    averaged,
-    call_model,
-    compile_units,
-    ema_of,
-    load_torch_state_dict,
-    optimizer_step,
-    scaler_scale,
-    step_figures,
-    torch_state_dict,
-    unit_classes,
-    unit_modules,
-)
+from strategies.base import ModelFactory, OptimizerFactory, RunContext, call_model
 from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
 from strategies.declarations import WIRE_BYTES, Collective, Conformance, Layout, Placement, Requirements, Transients
+from strategies.ema import averaged, ema_of
 from strategies.moe import SameModulesCheck, check_moe_blocks, moe_blocks, use_every_parameter
 from strategies.no_grad import AbsentGradients, count, ddp_unused, grouped
+from strategies.state import load_torch_state_dict, torch_state_dict
+from strategies.stepping import autocast_dtype, optimizer_step, scaler_scale, step_figures
+from strategies.units import compile_units, unit_classes, unit_modules
 
 UNUSED = "Expected to have finished reduction in the prior iteration"
 """The start of torch's error when a parameter got no gradient on a rank and find_unused_parameters was off."""

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,20 @@ class EMA:
             with torch.no_grad():
                 for n, live in self.live.items():
                     live.copy_(saved[n])
+
+
+@contextmanager
+def averaged(ema: EMA | None) -> Iterator[bool]:
+    """A strategy's `averaged` over its EMA (or none)."""
+    if ema is None:
+        yield False
+        return
+    with ema.swapped():
+        yield True
+
+
+def ema_of(module: nn.Module, settings: EMASettings | None) -> EMA | None:
+    """The EMA of a module's trainable parameters (by their checkpoint names), held as the parameters are."""
+    if settings is None:
+        return None
+    return EMA({n: p for n, p in module.named_parameters() if p.requires_grad}, settings)

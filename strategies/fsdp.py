@@ -20,27 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.base import (
-    ModelFactory,
-    OptimizerFactory,
-    RunContext,
-    autocast_dtype,
-    averaged,
-    call_model,
-    compile_units,
-    ema_of,
-    load_torch_state_dict,
-    optimizer_step,
-    scaler_scale,
-    step_figures,
-    tied_unit_lines,
-    torch_state_dict,
-    unit_classes,
-    unit_modules,
-)
+from strategies.base import ModelFactory, OptimizerFactory, RunContext, call_model
 from strategies.batchnorm import sync_batchnorm
 from strategies.comm import CommCounter
 from strategies.declarations import Collective, Conformance, Layout, Mesh, Placement, Requirements, Transients
+from strategies.ema import averaged, ema_of
 from strategies.held import check_held, fill_held, held_tensors
 from strategies.moe import (
     SameModulesCheck,
@@ -50,7 +34,11 @@ from strategies.moe import (
     units_inside,
     use_every_parameter,
 )
+from strategies.parallelize import apply_ac, apply_compile, apply_fsdp, apply_tp
+from strategies.state import load_torch_state_dict, torch_state_dict
+from strategies.stepping import autocast_dtype, optimizer_step, scaler_scale, step_figures
 from strategies.tensor_parallel import TensorParallel
+from strategies.units import tied_unit_lines, unit_classes, unit_modules
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 UNIT_WEIGHT_BUFFERS = 2
@@ -77,8 +65,9 @@ def _counting_collectives(counter: CommCounter) -> tuple[Any, Any]:
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return self.inner.allocate(size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                     async_op: bool = False) -> Any:  # fmt: skip
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+        ) -> Any:
             counter.record(input_tensor, "reduce_scatter")  # the unit's whole (padded) gradient, in reduce_dtype
             return self.inner(output_tensor, input_tensor, group, op, async_op)
 
@@ -89,8 +78,9 @@ def _counting_collectives(counter: CommCounter) -> tuple[Any, Any]:
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return self.inner.allocate(size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                     async_op: bool = False) -> Any:  # fmt: skip
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+        ) -> Any:
             counter.record(output_tensor, "all_gather", sync=False)  # the unit's whole (padded) parameters
             return self.inner(output_tensor, input_tensor, group, async_op)
 
@@ -235,14 +225,7 @@ class FSDP:
         )
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
-        from torch.distributed._composable import checkpoint
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            FSDPModule,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-        )
+        from torch.distributed.fsdp import FSDPModule
 
         self.ctx = ctx
         replicate, shard = self.mesh.groups(ctx.world_size, ctx.local_world_size)
@@ -255,40 +238,30 @@ class FSDP:
         held = held_tensors(model)  # a scheduler's noise schedule, a lookup table: neither parameters nor buffers
         units = unit_modules(model, unit_classes(model, self.shard_units))
         mesh, tp_mesh = self.tp.meshes(ctx.device_type, replicate, shard)
-        if tp_mesh is not None:  # first (torchtitan's order): checkpointing, compile and FSDP wrap what it split
-            self.tp.apply(model, tp_mesh)
+        # torchtitan's order, one step after another (`strategies.parallelize`): tensor parallel, then activation
+        # checkpointing and compile of what it split, then data-parallel sharding around them.
+        apply_tp(model, self.tp, tp_mesh)
         # Inside a unit, FSDP2 reduce-scatters only the gradients its rank has: an expert a rank skipped must still
         # get one (zero), or the ranks' reduce-scatters differ in size.
         blocks = moe_blocks(model, self.moe_blocks)
         use_every_parameter(blocks)
         self._same_modules = SameModulesCheck(model, blocks)
         if self.activation_checkpointing:
-            # Before sharding (torchtitan's order): FSDP's hooks then surround the checkpointed unit, so its
-            # parameters are gathered again when backward recomputes it. The composable form keeps
-            # parameter names and classes, so checkpoints load with or without it.
-            for unit in units:
-                checkpoint(unit)
+            apply_ac(units)
         if ctx.compile:
-            # After checkpointing, before sharding (torchtitan's order): the compiled graph then holds the unit's
-            # forward with its recomputation boundary already in place, and FSDP's all-gather/reduce-scatter hooks
-            # stay outside the graph, around the compiled unit, where they can overlap with compute.
-            compile_units(units)
+            apply_compile(units)
         if self.sync_batchnorm:  # over every rank (HSDP: every replica's too): the statistics of the global micro-batch
             model = sync_batchnorm(model, ctx.device_type)
-        precision = MixedPrecisionPolicy(
-            param_dtype=autocast_dtype(ctx.precision), reduce_dtype=DTYPES[self.reduce_dtype]
+        apply_fsdp(
+            model,
+            units,
+            mesh,
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=autocast_dtype(ctx.precision),
+            reduce_dtype=DTYPES[self.reduce_dtype],
+            offload=self.offload == "cpu",
+            device_type=ctx.device_type,
         )
-        # Pinned host memory needs CUDA; without it, pinning fails ("Cannot access accelerator device").
-        offload = CPUOffloadPolicy(pin_memory=ctx.device_type == "cuda") if self.offload == "cpu" else OffloadPolicy()
-        # Innermost first: a unit nested in another must be sharded before its parent claims its parameters.
-        for module in [*reversed(units), model]:
-            fully_shard(
-                module,
-                mesh=mesh,
-                reshard_after_forward=self.reshard_after_forward,
-                mp_policy=precision,
-                offload_policy=offload,
-            )
         model.to_empty(device="cpu" if self.offload == "cpu" else ctx.device)
         _fill_from_rank0(model, whole)
         fill_held(held, model, whole, ctx.device)  # what to_empty and the state dict never reach: rank 0's values

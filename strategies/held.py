@@ -20,8 +20,22 @@ INTERNAL = frozenset(vars(nn.Module()))
 """A module's own bookkeeping (its parameters, buffers, children, hooks): not what its constructor made."""
 MAX_DEPTH = 6
 """Objects within objects followed from a module's attribute: deep enough for a scheduler's config, never a cycle."""
-SKIPPED = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType, types.FunctionType,
-           types.MethodType, types.BuiltinFunctionType, torch.dtype, torch.device)  # fmt: skip
+SKIPPED = (
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    torch.dtype,
+    torch.device,
+)
 """Values that hold no tensor of the model's."""
 
 Step = tuple[str, Any]

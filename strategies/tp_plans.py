@@ -146,8 +146,9 @@ def check_plan(model: nn.Module, explicit: Mapping[str, str] | None, tp_size: in
             )
     resolved = resolve(model, plan)
     if not any(style != "replicate" for style in resolved.values()):
-        some = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n, m in model.named_modules()
-                                  if isinstance(m, nn.Linear)))[:3]  # fmt: skip
+        some = list(
+            dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n, m in model.named_modules() if isinstance(m, nn.Linear))
+        )[:3]
         raise ValueError(
             f"{where} names no module of {type(model).__name__} to split (patterns {', '.join(plan)}); name its "
             f"modules by their full names, with * for a layer's index (e.g. {', '.join(some) or 'blocks.*.fc'})"

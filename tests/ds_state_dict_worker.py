@@ -20,7 +20,7 @@ from torch import nn
 
 from launcher.config.context import preset_strategy
 from launcher.models.gpt import GPT
-from launcher.worker.optimizers import build_optimizer
+from launcher.optim.build import build_optimizer
 from strategies import RunContext
 
 KW = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=16)
@@ -143,6 +143,6 @@ if __name__ == "__main__":
 
     schema.register()
     main(sys.argv[1])  # a preset of conf/strategy/, built as a run builds it
-    from launcher.worker.lifecycle import exit_now
+    from launcher.base.process import exit_now
 
     exit_now(0)  # as the launcher's own workers end: a gloo thread can abort the interpreter's teardown (SIGABRT)

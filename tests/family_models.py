@@ -26,10 +26,15 @@ class Denoiser(nn.Module):
         from diffusers import DDPMScheduler, UNet2DModel
 
         self.unet = UNet2DModel(
-            sample_size=SIZE, in_channels=1, out_channels=1, layers_per_block=1, block_out_channels=(width, 2 * width),
-            down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+            sample_size=SIZE,
+            in_channels=1,
+            out_channels=1,
+            layers_per_block=1,
+            block_out_channels=(width, 2 * width),
+            down_block_types=("DownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "UpBlock2D"),
             norm_num_groups=4,
-        )  # fmt: skip
+        )
         self.scheduler = DDPMScheduler(num_train_timesteps=STEPS)
 
     def forward(self, image: torch.Tensor, noise: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
@@ -68,10 +73,24 @@ def llava() -> nn.Module:
     so CLIP's `post_layernorm` gets no gradient."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=IMAGE, patch_size=PATCH, projection_dim=32)  # fmt: skip
-    text = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE,
+        patch_size=PATCH,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     config = LlavaConfig(
         vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, image_seq_length=PATCHES
     )
@@ -107,12 +126,27 @@ def whisper() -> nn.Module:
     """A tiny Whisper (an audio encoder-decoder) from a config."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    return WhisperForConditionalGeneration(WhisperConfig(
-        vocab_size=VOCAB, num_mel_bins=MELS, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, d_model=16, max_source_positions=FRAMES // 2,
-        max_target_positions=32, decoder_start_token_id=1, pad_token_id=0, eos_token_id=2, bos_token_id=1,
-        begin_suppress_tokens=None, suppress_tokens=None,
-    ))  # fmt: skip
+    return WhisperForConditionalGeneration(
+        WhisperConfig(
+            vocab_size=VOCAB,
+            num_mel_bins=MELS,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            d_model=16,
+            max_source_positions=FRAMES // 2,
+            max_target_positions=32,
+            decoder_start_token_id=1,
+            pad_token_id=0,
+            eos_token_id=2,
+            bos_token_id=1,
+            begin_suppress_tokens=None,
+            suppress_tokens=None,
+        )
+    )
 
 
 class Speech(Dataset):

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_module
 from launcher.config import freeze, schema
 from launcher.config.context import make_strategy
 from launcher.models.meta import build_on_meta, measure
-from launcher.worker.memory import StepMemory
+from launcher.telemetry.peak_memory import StepMemory
 from strategies import RunContext
 
 
@@ -32,9 +32,15 @@ def main(overrides: list[str]) -> None:
     size = measure(build_on_meta(cfg.model))
     memory = StepMemory(torch.device("cpu"))
     ctx = RunContext(
-        device="cpu", rank=rank, local_rank=rank, world_size=world, precision="fp32", grad_clip=1.0,
-        accumulation=1, micro_size=1,
-    )  # fmt: skip
+        device="cpu",
+        rank=rank,
+        local_rank=rank,
+        world_size=world,
+        precision="fp32",
+        grad_clip=1.0,
+        accumulation=1,
+        micro_size=1,
+    )
     strategy = make_strategy(cfg.strategy)
 
     def build_model(meta: bool = False) -> torch.nn.Module:
@@ -53,6 +59,6 @@ def main(overrides: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    from launcher.worker.lifecycle import exit_now
+    from launcher.base.process import exit_now
 
     exit_now(0)  # as the launcher's own workers end: a gloo thread can abort the interpreter's teardown (SIGABRT)

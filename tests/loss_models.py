@@ -20,18 +20,31 @@ MASK, PAD = 1, 0
 def masked_lm(seed: int = 0) -> BertForMaskedLM:
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForMaskedLM(config)
 
 
 def seq2seq(seed: int = 0) -> T5ForConditionalGeneration:
     torch.manual_seed(seed)
     config = T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2, dropout_rate=0.0,
-        decoder_start_token_id=PAD, pad_token_id=PAD,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=PAD,
+        pad_token_id=PAD,
+    )
     return T5ForConditionalGeneration(config)
 
 

@@ -80,10 +80,20 @@ def points(split: str, count: int = 64, dim: int = DIM) -> Points:
     return Points(split, count if split == "train" else count // 4, dim)
 
 
-MIXTRAL = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
-           "max_position_embeddings": 64, "router_jitter_noise": 0.0, "attention_dropout": 0.0,
-           "output_router_logits": False}  # fmt: skip
+MIXTRAL = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+    "router_jitter_noise": 0.0,
+    "attention_dropout": 0.0,
+    "output_router_logits": False,
+}
 
 
 def mixtral(**overrides: object) -> nn.Module:

@@ -122,5 +122,10 @@ def metrics(job: Path) -> list[dict]:
     return [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
 
 
-CLASSIFIER = ["model=custom", "model._target_=user_models.Classifier", "+model.width=8", "data=custom",
-              "data._target_=user_models.images"]  # fmt: skip
+CLASSIFIER = [
+    "model=custom",
+    "model._target_=user_models.Classifier",
+    "+model.width=8",
+    "data=custom",
+    "data._target_=user_models.images",
+]

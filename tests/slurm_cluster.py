@@ -104,10 +104,19 @@ class Cluster:
         key = folder / "munge.key"
         subprocess.run(["/usr/sbin/mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
         # --force: as root, with the socket in a folder under the test's private (0700) temporary folders
-        self._daemon(["/usr/sbin/munged", "--foreground", "--force", f"--socket={folder / 'munge' / 'munge.sock'}",
-                      f"--key-file={key}", f"--log-file={folder / 'munged.log'}",
-                      f"--pid-file={folder / 'munged.pid'}", f"--seed-file={folder / 'munged.seed'}"],
-                     "munged")  # fmt: skip
+        self._daemon(
+            [
+                "/usr/sbin/munged",
+                "--foreground",
+                "--force",
+                f"--socket={folder / 'munge' / 'munge.sock'}",
+                f"--key-file={key}",
+                f"--log-file={folder / 'munged.log'}",
+                f"--pid-file={folder / 'munged.pid'}",
+                f"--seed-file={folder / 'munged.seed'}",
+            ],
+            "munged",
+        )
         self._wait(lambda: (folder / "munge" / "munge.sock").exists(), "munged's socket")
         self._daemon(["slurmctld", "-D", "-i"], "slurmctld")
         for node in NODES:
@@ -117,8 +126,9 @@ class Cluster:
 
     def _daemon(self, argv: list[str], name: str) -> None:
         log = open(self.folder / f"{name}.out", "wb")  # noqa: SIM115 (the daemon's, closed with it)
-        self.daemons.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True))  # fmt: skip
+        self.daemons.append(
+            subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
         log.close()
 
     def _wait(self, ready, what: str, timeout: float = 60) -> None:

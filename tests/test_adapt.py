@@ -1,4 +1,4 @@
-"""Runs that adapt without changing their result (`launcher.worker.adapt`): batch.micro_size=auto, halved after an
+"""Runs that adapt without changing their result (`launcher.recovery.adapt`): batch.micro_size=auto, halved after an
 out-of-memory error by a restart of the worker group, trains the trajectory of a run that used the smaller
 micro-batch from the start."""
 
@@ -45,9 +45,12 @@ def test_an_out_of_memory_error_halves_the_micro_batch_and_keeps_the_trajectory(
     assert "auto: batch.micro_size=8 (accumulation 1 at world size 2)" in run.stdout, run.stdout
     for before, after in ((8, 4), (4, 2)):  # each change said in a line, by the rank that ran out of memory
         said = "ran out of memory in forward/backward of step"
-        assert any(said in line and f"at micro-batch {before}; the worker group restarts at micro-batch {after}" in line
-                   for line in (run.stdout + "".join(p.read_text() for p in (run.run_dir / "logs").rglob("*.log"))
-                                ).splitlines()), run.stdout  # fmt: skip
+        assert any(
+            said in line and f"at micro-batch {before}; the worker group restarts at micro-batch {after}" in line
+            for line in (
+                run.stdout + "".join(p.read_text() for p in (run.run_dir / "logs").rglob("*.log"))
+            ).splitlines()
+        ), run.stdout
     metrics = run.metrics
     sizes = [(int(m["micro_size"]), int(m["accumulation"])) for m in metrics]
     assert sizes[0] == (8, 1) and sizes[-1] == (2, 4) and (4, 2) in sizes, sizes  # carried across later restarts
@@ -74,13 +77,30 @@ def _node(tmp_path: Path, port: int, name: str, data: list[str]) -> subprocess.P
     whole); its output in files (a pipe nobody reads would stall it). Each forward sleeps 0.25 s while the file
     `tmp_path/slow` exists (a step of the survivor alone takes a second: time for a node to join before the run
     ends), and none once the test removes it."""
-    overrides = [*ELASTIC, *data, "+model.sleep_s=0.25", "+model.slow_rank=null",
-                 f"+model.while_there={tmp_path / 'slow'}", "nodes=1:2", "gpus=1", "trainer.max_restarts=3",
-                 f"rdzv.endpoint=127.0.0.1:{port}", "rdzv.id=elastic", "rdzv.last_call_timeout=2",
-                 f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    overrides = [
+        *ELASTIC,
+        *data,
+        "+model.sleep_s=0.25",
+        "+model.slow_rank=null",
+        f"+model.while_there={tmp_path / 'slow'}",
+        "nodes=1:2",
+        "gpus=1",
+        "trainer.max_restarts=3",
+        f"rdzv.endpoint=127.0.0.1:{port}",
+        "rdzv.id=elastic",
+        "rdzv.last_call_timeout=2",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     out = open(tmp_path / f"{name}.out", "w")
-    return subprocess.Popen([LAUNCH, *overrides], cwd=tmp_path, env=clean_env(tmp_path), stdout=out,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [LAUNCH, *overrides],
+        cwd=tmp_path,
+        env=clean_env(tmp_path),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.long  # ~60 s: three launchers; the memory tier's nodes=3:4 and the scale tier's elastic 16 resize too
@@ -95,14 +115,25 @@ def test_an_elastic_job_goes_on_at_the_nodes_it_has_and_keeps_its_trajectory(tmp
     for i in range(2):
         write_jsonl(tmp_path / "corpus" / f"{i}.jsonl", documents(60, seed=i))
     tokenizer = train_tokenizer(tmp_path / "tokenizer", documents(100))
-    built = cli_here(tmp_path, "prepare", "data=text", f"data.files={tmp_path / 'corpus'}",
-                     f"data.tokenizer={tokenizer}", f"out={tmp_path / 'store'}", "block_size=4KiB")  # fmt: skip
+    built = cli_here(
+        tmp_path,
+        "prepare",
+        "data=text",
+        f"data.files={tmp_path / 'corpus'}",
+        f"data.tokenizer={tokenizer}",
+        f"out={tmp_path / 'store'}",
+        "block_size=4KiB",
+    )
     assert built.returncode == 0, built.stderr
     data = ["data=store", f"data.url={tmp_path / 'store'}", "data.seq_len=32"]
     reference = subprocess.Popen(
         [LAUNCH, *ELASTIC, *data, "+model.sleep_s=0", "gpus=2", f"hydra.run.dir={tmp_path / 'reference'}"],
-        cwd=tmp_path, env=clean_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=clean_env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     (tmp_path / "slow").touch()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,8 +199,13 @@ def test_an_elastic_range_is_refused_where_a_cluster_fixes_the_number_of_nodes()
                 ],
             )
         )
-    slurm = {"SLURM_JOB_ID": "5", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "h[1-2]",
-             "SLURM_NTASKS_PER_NODE": "1"}  # fmt: skip
+    slurm = {
+        "SLURM_JOB_ID": "5",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NODELIST": "h[1-2]",
+        "SLURM_NTASKS_PER_NODE": "1",
+    }
     with pytest.raises(ConfigError, match=r"^nodes=1:2 is an elastic range, but a slurm job has a fixed number of"):
         rendezvous(cfg, derive(cfg, cuda_devices=0), slurm)
     local = rendezvous(cfg, derive(cfg, cuda_devices=0), {})  # by hand: the c10d rendezvous, with its last call
@@ -181,13 +217,17 @@ def test_an_elastic_range_is_refused_where_a_cluster_fixes_the_number_of_nodes()
     "record, micro, words",
     [
         ("{micro_size: 2", "auto", "adapted.json cannot be read (Expecting property name"),
-        ('{"micro_size": 3}', "auto", "adapted.json holds micro_size 3, which this job never runs at (the sizes that "
-                                      "divide its global batch over each world size: 1, 2, 4, 8)"),
+        (
+            '{"micro_size": 3}',
+            "auto",
+            "adapted.json holds micro_size 3, which this job never runs at (the sizes that "
+            "divide its global batch over each world size: 1, 2, 4, 8)",
+        ),
         ('{"micro_size": 1000}', "auto", "adapted.json holds micro_size 1000, which this job never runs at"),
         ('{"micro_size": "2"}', "auto", "adapted.json holds no positive micro_size"),
         ("not json", "4", "adapted.json cannot be read"),  # data of the run directory, whatever the micro-batch
     ],
-)  # fmt: skip
+)
 def test_a_damaged_adapted_record_is_refused_in_one_line_and_left_as_it_is(
     tmp_path: Path, record: str, micro: str, words: str
 ) -> None:
@@ -198,8 +238,9 @@ def test_a_damaged_adapted_record_is_refused_in_one_line_and_left_as_it_is(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "adapted.json").write_text(record)
-    proc = cli_here(tmp_path, *TINY, "gpus=2", "batch.global_size=16", f"batch.micro_size={micro}",
-                    f"hydra.run.dir={run_dir}")  # fmt: skip
+    proc = cli_here(
+        tmp_path, *TINY, "gpus=2", "batch.global_size=16", f"batch.micro_size={micro}", f"hydra.run.dir={run_dir}"
+    )
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"launch: error: {run_dir / 'adapted.json'}") and words in line, line

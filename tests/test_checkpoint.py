@@ -257,8 +257,10 @@ def test_a_raising_rank_ends_the_job_with_its_own_error_first(tmp_path: Path) ->
     lines = run.stderr.strip().splitlines()
     # The rank that raised, where it was, its traceback in its own log file; rank 0's echo of it (gloo's "Connection
     # closed by peer") is no failure of its own, and not printed.
-    assert lines[0].startswith("launch: error: rank 1 failed while in forward/backward of step 2, micro-step 1/2: "
-                               "RuntimeError: rank 1 broke on purpose (traceback: "), run.stderr  # fmt: skip
+    assert lines[0].startswith(
+        "launch: error: rank 1 failed while in forward/backward of step 2, micro-step 1/2: "
+        "RuntimeError: rank 1 broke on purpose (traceback: "
+    ), run.stderr
     assert len(lines) == 1 and "closed by peer" not in run.stderr.lower(), run.stderr
     assert "Traceback (most recent call last)" not in run.stderr + run.stdout
     log = Path(lines[0].split("(traceback: ")[1].rstrip(")"))
@@ -327,8 +329,11 @@ def test_a_checkpoint_of_a_model_laid_out_otherwise_names_what_it_holds_instead(
     state = {k: v for k, v in model.state_dict().items() if ".attn." not in k or ".attn.proj." in k}
     state |= {"blocks.0.attn.qkv.weight": torch.zeros(96, 32), "blocks.0.attn.qkv.bias": torch.zeros(96)}
     dcp.save({"model": state}, checkpoint_id=str(tmp_path / "fused"), no_dist=True)
-    with pytest.raises(CheckpointError, match=r"has no tensor blocks.0.attn.q.weight of the model \(it holds "
-                                              r"blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight there\)"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"has no tensor blocks.0.attn.q.weight of the model \(it holds "
+        r"blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight there\)",
+    ):
         check_fits(tmp_path / "fused", model)
 
 

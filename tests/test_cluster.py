@@ -126,8 +126,9 @@ def test_submission_adds_a_rendezvous_secret() -> None:
     first, second = (submitit_overrides(["hydra/launcher=submitit_slurm", "nodes=2"]) for _ in range(2))
     secrets = [o for o in first + second if o.startswith("rdzv.secret=")]
     assert len(secrets) == 2 and secrets[0] != secrets[1] and len(secrets[0]) > len("rdzv.secret=") + 8
-    assert not any(o.startswith("rdzv.secret=") for o in submitit_overrides(["hydra/launcher=submitit_slurm",
-                                                                             "rdzv.secret=mine"]))  # fmt: skip
+    assert not any(
+        o.startswith("rdzv.secret=") for o in submitit_overrides(["hydra/launcher=submitit_slurm", "rdzv.secret=mine"])
+    )
 
 
 @pytest.mark.parametrize(
@@ -190,8 +191,9 @@ def test_two_nodes_on_loopback_match_one_node_and_resume_from_their_shared_direc
     one_node = _one_node(conformance_dir)
     assert max(abs(a - b) for a, b in zip(one_node, two, strict=True)) <= 1e-6, (one_node, two)
     # The same job, longer: both nodes continue from the checkpoint they wrote together.
-    again = _two_nodes(tmp_path, env, f"rdzv.endpoint=127.0.0.1:{free_port()}", "rdzv.id=loopback2",
-                       "trainer.max_steps=7")  # fmt: skip
+    again = _two_nodes(
+        tmp_path, env, f"rdzv.endpoint=127.0.0.1:{free_port()}", "rdzv.id=loopback2", "trainer.max_steps=7"
+    )
     assert [r[0] for r in again] == [0, 0], again
     out = "".join(r[1] for r in again)
     assert f"resuming from {tmp_path / 'shared' / 'checkpoints' / 'step_00000005'} (step 5" in out, out
@@ -200,8 +202,13 @@ def test_two_nodes_on_loopback_match_one_node_and_resume_from_their_shared_direc
 
 def test_nodes_without_a_shared_directory_stop_at_start(tmp_path: Path) -> None:
     """Each node with a folder of its own: rank 1 cannot see what rank 0 writes, so no checkpoint would be whole."""
-    results = _two_nodes(tmp_path, lambda n: clean_env(tmp_path), f"rdzv.endpoint=127.0.0.1:{free_port()}",
-                         "rdzv.id=apart", dirs=("node0", "node1"))  # fmt: skip
+    results = _two_nodes(
+        tmp_path,
+        lambda n: clean_env(tmp_path),
+        f"rdzv.endpoint=127.0.0.1:{free_port()}",
+        "rdzv.id=apart",
+        dirs=("node0", "node1"),
+    )
     assert [r[0] for r in results] == [1, 1], results
     err = "".join(r[2] for r in results)
     assert "rank 1 (on " in err and "does not see" in err and "shared run directory" in err, err
@@ -214,8 +221,9 @@ def test_nodes_without_a_shared_directory_stop_at_start(tmp_path: Path) -> None:
 def test_a_slurm_allocation_needs_no_rendezvous_settings(conformance_dir: Path, tmp_path: Path) -> None:
     """Two launchers with the environment SLURM gives each node's task; nothing set by hand."""
     env = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NTASKS_PER_NODE": "1"}
-    results = _two_nodes(tmp_path, lambda n: clean_env(tmp_path) | env | {"SLURM_NODEID": str(n)},
-                         f"rdzv.port={free_port()}")  # fmt: skip
+    results = _two_nodes(
+        tmp_path, lambda n: clean_env(tmp_path) | env | {"SLURM_NODEID": str(n)}, f"rdzv.port={free_port()}"
+    )
     assert [r[0] for r in results] == [0, 0], results
     two, one_node = list(_losses(tmp_path / "shared").values()), _one_node(conformance_dir)
     assert max(abs(a - b) for a, b in zip(one_node, two, strict=True)) <= 1e-6, (one_node, two)
@@ -247,8 +255,17 @@ def test_the_sbatch_script_asks_for_the_runs_shape(tmp_path: Path) -> None:
     for tool in ("sbatch", "srun"):
         (bin_dir / tool).chmod(0o755)
     env = clean_env(tmp_path) | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SBATCH_COPY": str(script)}
-    argv = ["-m", "hydra/launcher=submitit_slurm", *TINY, "device=auto", "nodes=2", "gpus=8", "batch.global_size=64",
-            "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    argv = [
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        *TINY,
+        "device=auto",
+        "nodes=2",
+        "gpus=8",
+        "batch.global_size=64",
+        "hydra.launcher.partition=gpu",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
     proc = subprocess.run([LAUNCH, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert script.exists(), proc.stderr
     text = script.read_text()

@@ -32,8 +32,12 @@ def _compose(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-CUSTOM = {"model": "user_models.Classifier", "data": "user_models.images", "logger": "user_models.RecordingLogger",
-          "optim": "torch.optim.Adagrad"}  # fmt: skip
+CUSTOM = {
+    "model": "user_models.Classifier",
+    "data": "user_models.images",
+    "logger": "user_models.RecordingLogger",
+    "optim": "torch.optim.Adagrad",
+}
 
 
 @pytest.mark.unit
@@ -101,10 +105,16 @@ def test_help_and_cfg_import_no_heavy_module(tmp_path: Path) -> None:
         "heavy += ['hydra', 'omegaconf'] if '--help' in sys.argv else []\n"
         "print('HEAVY', [m for m in sys.modules if m.split('.')[0] in heavy], file=sys.stderr)\n"
     )
-    cases = (["--help"], ["model=gpt_124m", "--help"], ["--cfg", "job"], ["strategy=ddp", "--cfg", "job"],
-             ["+sweep=search", "--cfg", "hydra"], ["data=text", "--cfg", "job"],
-             ["logger=[wandb,mlflow,tensorboard]", "--cfg", "job"],
-             ["logger=[mlflow,tensorboard]", "--help"])  # fmt: skip
+    cases = (
+        ["--help"],
+        ["model=gpt_124m", "--help"],
+        ["--cfg", "job"],
+        ["strategy=ddp", "--cfg", "job"],
+        ["+sweep=search", "--cfg", "hydra"],
+        ["data=text", "--cfg", "job"],
+        ["logger=[wandb,mlflow,tensorboard]", "--cfg", "job"],
+        ["logger=[mlflow,tensorboard]", "--help"],
+    )
     for args in cases:
         proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True)
         assert "HEAVY []" in proc.stderr, (args, proc.stderr)
@@ -355,17 +365,25 @@ def test_the_known_keys_are_the_schema_dataclasses_own() -> None:
 VALID_ADDED = [  # keys the suite and the docs add with `+`: each taken by a target, or by a node typed dict
     ("optim=sgd", "+optim.nesterov=true"),
     ("+model.at_call=1",),
-    ("model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
-     "+model.config._target_=transformers.GPT2Config", "+model.config.n_layer=2"),
+    (
+        "model=custom",
+        "model._target_=transformers.AutoModelForCausalLM.from_config",
+        "+model.config._target_=transformers.GPT2Config",
+        "+model.config.n_layer=2",
+    ),
     ("data=custom", "data._target_=user_models.images", "model.block_size=32", "+data.root=corpus"),
     ("+data._check_=false",),
-    ("data=hf", "data.path=corpus", "model.block_size=32",
-     "+data.collate.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
-     "+data.collate.tokenizer.pretrained_model_name_or_path=models/gpt2"),
+    (
+        "data=hf",
+        "data.path=corpus",
+        "model.block_size=32",
+        "+data.collate.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
+        "+data.collate.tokenizer.pretrained_model_name_or_path=models/gpt2",
+    ),
     ("logger=custom", "logger.custom._target_=user_models.RecordingLogger", "+logger.custom.file=log.jsonl"),
     ("strategy=zero1", "+strategy.ds_config.zero_optimization.reduce_bucket_size=1000"),
     ("+sweep.pruner.upper=1.0",),
-]  # fmt: skip
+]
 
 
 @pytest.mark.unit

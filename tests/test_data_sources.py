@@ -146,32 +146,57 @@ def test_a_map_style_dataset_of_graphs_goes_through_the_collate_it_is_given() ->
 
 # ---------------------------------------------------------------- refusals, before any worker starts
 
-TINY_DATA = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.block_size=16", "logger=none",
-             "trainer.eval_every=0", "device=cpu", "batch.global_size=16", "batch.micro_size=4"]  # fmt: skip
+TINY_DATA = [
+    "model=gpt_tiny",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.block_size=16",
+    "logger=none",
+    "trainer.eval_every=0",
+    "device=cpu",
+    "batch.global_size=16",
+    "batch.micro_size=4",
+]
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "case,overrides,expected",
     [
-        ("collate that does not import", ["data=synthetic", "data.seq_len=16", "data.collate._target_=no_such.collate"],
-         "data.collate._target_=no_such.collate cannot be imported"),
-        ("collate that does not build", ["data=synthetic", "data.seq_len=16",
-                                         "data.collate._target_=torch_geometric.loader.dataloader.Collater"],
-         "data.collate._target_=torch_geometric.loader.dataloader.Collater does not build: "),
-        ("collate with no tensors", ["data=synthetic", "data.seq_len=16",
-                                     "data.collate._target_=data_sources.no_tensors"],
-         "data: data.collate._target_=data_sources.no_tensors returned a list of 4 for the first micro-batch of the "
-         "train split, with no tensor in it"),
-        ("empty stream", ["data=custom", "data._target_=data_sources.token_stream", "+data.count=0"],
-         "data: the train split is a stream that yields no sample (batch.global_size=16); give it samples"),
-        ("short stream", ["data=custom", "data._target_=data_sources.token_stream", "+data.count=9"],
-         "data: the train split is a stream that yields 9 sample(s), fewer than one global batch"),
+        (
+            "collate that does not import",
+            ["data=synthetic", "data.seq_len=16", "data.collate._target_=no_such.collate"],
+            "data.collate._target_=no_such.collate cannot be imported",
+        ),
+        (
+            "collate that does not build",
+            ["data=synthetic", "data.seq_len=16", "data.collate._target_=torch_geometric.loader.dataloader.Collater"],
+            "data.collate._target_=torch_geometric.loader.dataloader.Collater does not build: ",
+        ),
+        (
+            "collate with no tensors",
+            ["data=synthetic", "data.seq_len=16", "data.collate._target_=data_sources.no_tensors"],
+            "data: data.collate._target_=data_sources.no_tensors returned a list of 4 for the first micro-batch of the "
+            "train split, with no tensor in it",
+        ),
+        (
+            "empty stream",
+            ["data=custom", "data._target_=data_sources.token_stream", "+data.count=0"],
+            "data: the train split is a stream that yields no sample (batch.global_size=16); give it samples",
+        ),
+        (
+            "short stream",
+            ["data=custom", "data._target_=data_sources.token_stream", "+data.count=9"],
+            "data: the train split is a stream that yields 9 sample(s), fewer than one global batch",
+        ),
         ("one-shot stream", ["data=custom", "data._target_=data_sources.one_shot"], "is a one-shot iterator"),
-        ("string field", ["data=custom", "data._target_=data_sources.strings"],
-         "field 'text' is a str ('hello'), neither a number, a list of numbers nor a tensor"),
+        (
+            "string field",
+            ["data=custom", "data._target_=data_sources.strings"],
+            "field 'text' is a str ('hello'), neither a number, a list of numbers nor a tensor",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_data_is_one_line_before_any_worker(case: str, overrides: list, expected: str, tmp_path: Path) -> None:
     line = launch_here(tmp_path, *TINY_DATA, *overrides).refused()
     assert expected in line, line
@@ -193,25 +218,47 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     "case,overrides,expected",
     [
         ("split", ["data.split=nope"], "data.split=nope is not a split of data.path=json: it has train, test"),
-        ("val split", ["data.val_split=validation"], "data.val_split=validation is not a split of data.path=json: "
-                                                     "it has train, test"),
-        ("text field", ["data.text_field=body"], "data.text_field: the rows of data.path=json (split train) have no "
-                                                 "field 'body'; they have text, label"),
+        (
+            "val split",
+            ["data.val_split=validation"],
+            "data.val_split=validation is not a split of data.path=json: it has train, test",
+        ),
+        (
+            "text field",
+            ["data.text_field=body"],
+            "data.text_field: the rows of data.path=json (split train) have no field 'body'; they have text, label",
+        ),
         ("no tokenizer, text left in", ["data.tokenizer=null"], "field 'text' is a str"),
         ("ragged, no collate", ["data.collate._target_=null"], "field 'input_ids' of one micro-batch have lengths"),
     ],
-)  # fmt: skip
+)
 def test_bad_hf_data_is_one_line_naming_what_there_is(case, overrides, expected, rows, tmp_path: Path) -> None:
     files = f"data.data_files={{train:{rows['train']},test:{rows['test']}}}"
-    line = launch_here(tmp_path, *TINY_DATA, "data=hf", "data.path=json", files, f"data.tokenizer={rows['tokenizer']}",
-                       f"data.cache_dir={tmp_path / 'cache'}", *overrides).refused()  # fmt: skip
+    line = launch_here(
+        tmp_path,
+        *TINY_DATA,
+        "data=hf",
+        "data.path=json",
+        files,
+        f"data.tokenizer={rows['tokenizer']}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *overrides,
+    ).refused()
     assert expected in line, line
 
 
 # ---------------------------------------------------------------- real runs: G=2, K=2 against one process, K=4
 
-RUN = ["logger=none", "device=cpu", "trainer.progress=false", "trainer.log_every=1", "trainer.warmup_steps=2",
-       "batch.global_size=16", "batch.micro_size=4", "optim.lr=3e-3"]  # fmt: skip
+RUN = [
+    "logger=none",
+    "device=cpu",
+    "trainer.progress=false",
+    "trainer.log_every=1",
+    "trainer.warmup_steps=2",
+    "batch.global_size=16",
+    "batch.micro_size=4",
+    "optim.lr=3e-3",
+]
 TOLERANCE = 1e-6
 
 
@@ -227,10 +274,19 @@ def test_a_gcn_graph_classifier_with_pyg_collater_matches_one_process(tmp_path: 
     2 ranks with K=2 under ddp, fsdp and zero2, every step's loss is one process's with K=4."""
     from runs import jobs, metrics
 
-    pyg = ["model=custom", "model._target_=data_sources.GraphClassifier", "data=custom",
-           "data._target_=data_sources.graphs", "data.collate._target_=torch_geometric.loader.dataloader.Collater",
-           "+data.collate.dataset=null", "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_batches=1",
-           "trainer.save_at_end=false", *RUN]  # fmt: skip
+    pyg = [
+        "model=custom",
+        "model._target_=data_sources.GraphClassifier",
+        "data=custom",
+        "data._target_=data_sources.graphs",
+        "data.collate._target_=torch_geometric.loader.dataloader.Collater",
+        "+data.collate.dataset=null",
+        "trainer.max_steps=6",
+        "trainer.eval_every=3",
+        "trainer.eval_batches=1",
+        "trainer.save_at_end=false",
+        *RUN,
+    ]
     sweep = launch(tmp_path, "-m", *pyg, "strategy=ddp,fsdp,zero2", "gpus=2", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     one = launch(tmp_path, *pyg, "gpus=1", name="one").check()
     assert sweep.returncode == 0, sweep.stderr
@@ -251,18 +307,43 @@ def test_a_transformers_classifier_on_text_of_any_length_with_data_collator_with
     from runs import metrics, sweep_parts
 
     tok = rows["tokenizer"]
-    bert = ["model=custom", "model._target_=transformers.AutoModelForSequenceClassification.from_config",
-            "+model.config._target_=transformers.BertConfig", "+model.config.vocab_size=320",
-            "+model.config.hidden_size=32", "+model.config.num_hidden_layers=2", "+model.config.num_attention_heads=2",
-            "+model.config.intermediate_size=64", "+model.config.max_position_embeddings=64",
-            "+model.config.hidden_dropout_prob=0", "+model.config.attention_probs_dropout_prob=0"]  # fmt: skip
-    hf = ["data=hf", "data.path=json", f"data.data_files={{train:{rows['train']},test:{rows['test']}}}",
-          "data.val_split=test", f"data.tokenizer={tok}", "data.max_length=48", f"data.cache_dir={tmp_path / 'cache'}",
-          "data.collate._target_=transformers.DataCollatorWithPadding",
-          "+data.collate.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
-          f"+data.collate.tokenizer.pretrained_model_name_or_path={tok}"]  # fmt: skip
-    run = launch(tmp_path, "-m", *bert, *hf, *RUN, "trainer.max_steps=6", "trainer.eval_every=6",
-                 "trainer.eval_batches=1", "gpus=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    bert = [
+        "model=custom",
+        "model._target_=transformers.AutoModelForSequenceClassification.from_config",
+        "+model.config._target_=transformers.BertConfig",
+        "+model.config.vocab_size=320",
+        "+model.config.hidden_size=32",
+        "+model.config.num_hidden_layers=2",
+        "+model.config.num_attention_heads=2",
+        "+model.config.intermediate_size=64",
+        "+model.config.max_position_embeddings=64",
+        "+model.config.hidden_dropout_prob=0",
+        "+model.config.attention_probs_dropout_prob=0",
+    ]
+    hf = [
+        "data=hf",
+        "data.path=json",
+        f"data.data_files={{train:{rows['train']},test:{rows['test']}}}",
+        "data.val_split=test",
+        f"data.tokenizer={tok}",
+        "data.max_length=48",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.collate._target_=transformers.DataCollatorWithPadding",
+        "+data.collate.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
+        f"+data.collate.tokenizer.pretrained_model_name_or_path={tok}",
+    ]
+    run = launch(
+        tmp_path,
+        "-m",
+        *bert,
+        *hf,
+        *RUN,
+        "trainer.max_steps=6",
+        "trainer.eval_every=6",
+        "trainer.eval_batches=1",
+        "gpus=1,2",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )
     assert run.returncode == 0, run.stderr
     # Tokenized once (by the sweep's check of its jobs, before the first starts); each job found the rows cached.
     (cached,) = (tmp_path / "cache").iterdir()
@@ -283,22 +364,41 @@ def test_a_streamed_datasets_corpus_resumes_at_world_size_1_after_a_stop_at_2(ro
     loaded from its state rather than read again."""
 
     tok = rows["tokenizer"]
-    gpt2 = ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
-            "+model.config._target_=transformers.GPT2Config", "+model.config.vocab_size=320",
-            "+model.config.n_layer=1", "+model.config.n_embd=32", "+model.config.n_head=2",
-            "+model.config.n_positions=64", "+model.config.resid_pdrop=0", "+model.config.embd_pdrop=0",
-            "+model.config.attn_pdrop=0"]  # fmt: skip
-    stream = ["data=hf", "data.path=json", f"data.data_files={rows['train']}", "data.streaming=true",
-              f"data.tokenizer={tok}", "data.max_length=48",
-              "data.collate._target_=transformers.DataCollatorForLanguageModeling", "+data.collate.mlm=false",
-              "+data.collate.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
-              f"+data.collate.tokenizer.pretrained_model_name_or_path={tok}",
-              "trainer.eval_every=0", "trainer.max_steps=6", "trainer.checkpoint_every=3", *RUN]  # fmt: skip
+    gpt2 = [
+        "model=custom",
+        "model._target_=transformers.AutoModelForCausalLM.from_config",
+        "+model.config._target_=transformers.GPT2Config",
+        "+model.config.vocab_size=320",
+        "+model.config.n_layer=1",
+        "+model.config.n_embd=32",
+        "+model.config.n_head=2",
+        "+model.config.n_positions=64",
+        "+model.config.resid_pdrop=0",
+        "+model.config.embd_pdrop=0",
+        "+model.config.attn_pdrop=0",
+    ]
+    stream = [
+        "data=hf",
+        "data.path=json",
+        f"data.data_files={rows['train']}",
+        "data.streaming=true",
+        f"data.tokenizer={tok}",
+        "data.max_length=48",
+        "data.collate._target_=transformers.DataCollatorForLanguageModeling",
+        "+data.collate.mlm=false",
+        "+data.collate.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
+        f"+data.collate.tokenizer.pretrained_model_name_or_path={tok}",
+        "trainer.eval_every=0",
+        "trainer.max_steps=6",
+        "trainer.checkpoint_every=3",
+        *RUN,
+    ]
     first = launch(tmp_path, *gpt2, *stream, "gpus=2", name="two").check()
     manifest = json.loads((first.run_dir / "checkpoints" / "step_00000003" / "manifest.json").read_text())
     assert manifest["samples"] == 48 and isinstance(manifest["stream"], dict), manifest
-    resumed = launch(tmp_path, *gpt2, *stream, "gpus=1", f"resume={first.run_dir / 'checkpoints' / 'step_00000003'}",
-                     name="one").check()  # fmt: skip
+    resumed = launch(
+        tmp_path, *gpt2, *stream, "gpus=1", f"resume={first.run_dir / 'checkpoints' / 'step_00000003'}", name="one"
+    ).check()
     assert "reading past" not in resumed.stdout and "resuming from" in resumed.stdout, resumed.stdout
     assert [m["step"] for m in resumed.metrics] == [4, 5, 6]
     _same_losses(resumed.metrics, first.metrics, range(4, 7))
@@ -309,16 +409,27 @@ def test_a_user_stream_that_ends_early_ends_the_run_on_every_rank_and_resumes_by
     the run ends after step 7 on every rank (exit 0), saying so, with step 7's checkpoint. Resumed from step 4 on 1
     rank, the stream is read past its first 64 samples (said in one line), and steps 5 to 7 log the same losses."""
 
-    job = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.block_size=16", "data=custom",
-           "data._target_=data_sources.token_stream", "+data.count=120", "trainer.eval_every=0",
-           "trainer.max_steps=12", "trainer.checkpoint_every=4", *RUN]  # fmt: skip
+    job = [
+        "model=gpt_tiny",
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "data=custom",
+        "data._target_=data_sources.token_stream",
+        "+data.count=120",
+        "trainer.eval_every=0",
+        "trainer.max_steps=12",
+        "trainer.checkpoint_every=4",
+        *RUN,
+    ]
     first = launch(tmp_path, *job, "+data.workers=1", "gpus=2", name="two").check()
     assert [m["step"] for m in first.metrics] == list(range(1, 8)), first.metrics
     ended = "launch: data: the stream ended after 112 samples: step 7 trained its last full global batch of 16"
     assert ended in first.stdout, first.stdout
     assert (first.run_dir / "checkpoints" / "step_00000007" / "manifest.json").is_file()
-    resumed = launch(tmp_path, *job, "gpus=1", f"resume={first.run_dir / 'checkpoints' / 'step_00000004'}",
-                     name="one").check()  # fmt: skip
+    resumed = launch(
+        tmp_path, *job, "gpus=1", f"resume={first.run_dir / 'checkpoints' / 'step_00000004'}", name="one"
+    ).check()
     assert "launch: data: the stream resumed at sample 64 by reading past the 64 before it" in resumed.stdout
     assert [m["step"] for m in resumed.metrics] == [5, 6, 7]
     _same_losses(resumed.metrics, first.metrics, range(5, 8))
@@ -335,11 +446,25 @@ def test_a_snapshot_of_the_local_hub_cache_is_read_as_it_is(tmp_path: Path) -> N
 
     snapshot = tmp_path / "hub" / "datasets--acme--tiny" / "snapshots" / ("0" * 40)
     (snapshot / "data").mkdir(parents=True)
-    pq.write_table(pa.table({"input_ids": [[i, i + 1] for i in range(40)], "label": [i % 2 for i in range(40)]}),
-                   snapshot / "data" / "train-00000-of-00001.parquet")  # fmt: skip
-    keys = {"path": str(snapshot), "name": None, "split": "train", "val_split": None, "val_fraction": 0.1,
-            "split_seed": 0, "data_files": None, "streaming": False, "tokenizer": None, "text_field": "text",
-            "max_length": None, "columns": None, "cache_dir": str(tmp_path / "cache")}  # fmt: skip
+    pq.write_table(
+        pa.table({"input_ids": [[i, i + 1] for i in range(40)], "label": [i % 2 for i in range(40)]}),
+        snapshot / "data" / "train-00000-of-00001.parquet",
+    )
+    keys = {
+        "path": str(snapshot),
+        "name": None,
+        "split": "train",
+        "val_split": None,
+        "val_fraction": 0.1,
+        "split_seed": 0,
+        "data_files": None,
+        "streaming": False,
+        "tokenizer": None,
+        "text_field": "text",
+        "max_length": None,
+        "columns": None,
+        "cache_dir": str(tmp_path / "cache"),
+    }
     train, val = HF("train", **keys), HF("val", **keys)
     assert len(train) == 36 and len(val) == 4
     assert sorted([r["input_ids"][0] for r in train] + [r["input_ids"][0] for r in val]) == list(range(40))

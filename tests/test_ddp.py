@@ -75,15 +75,30 @@ def test_the_readme_user_path_end_to_end(tmp_path: Path) -> None:
     lr, clip, steps = 0.05, 0.05, 4
     run = launch(
         tmp_path,
-        "--config-dir", str(tmp_path / "my_conf"), "strategy=mine",
+        "--config-dir",
+        str(tmp_path / "my_conf"),
+        "strategy=mine",
         *(o for o in TINY if not o.startswith(("data", "logger=", "trainer.warmup_steps"))),
-        "data=tokens", f"data.path={tmp_path / 'tokens.bin'}", "data.seq_len=32",
-        "optim=sgd", f"optim.lr={lr}", "optim.momentum=0", "trainer.schedule=linear", "trainer.warmup_steps=1",
-        "trainer.min_lr_ratio=0", "precision=bf16", f"trainer.grad_clip={clip}",
-        "logger=wandb", "logger.wandb.mode=disabled", "rdzv.backend=static",
-        "gpus=2", "batch.global_size=8", f"trainer.max_steps={steps}", "trainer.checkpoint_every=1",
+        "data=tokens",
+        f"data.path={tmp_path / 'tokens.bin'}",
+        "data.seq_len=32",
+        "optim=sgd",
+        f"optim.lr={lr}",
+        "optim.momentum=0",
+        "trainer.schedule=linear",
+        "trainer.warmup_steps=1",
+        "trainer.min_lr_ratio=0",
+        "precision=bf16",
+        f"trainer.grad_clip={clip}",
+        "logger=wandb",
+        "logger.wandb.mode=disabled",
+        "rdzv.backend=static",
+        "gpus=2",
+        "batch.global_size=8",
+        f"trainer.max_steps={steps}",
+        "trainer.checkpoint_every=1",
         "trainer.keep_last=0",
-    ).check()  # fmt: skip
+    ).check()
     resolved = OmegaConf.load(run.run_dir / "resolved.yaml")
     assert resolved.strategy._target_ == "strategies.ddp.DDP" and resolved.strategy.bucket_cap_mb == 1  # the user's
     assert resolved.optim._target_ == "torch.optim.SGD" and resolved.rdzv.backend == "static"

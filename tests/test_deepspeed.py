@@ -346,7 +346,7 @@ import torch, torch.distributed as dist
 from launcher.config import schema
 from launcher.config.context import preset_strategy
 from launcher.models.gpt import GPT
-from launcher.worker.optimizers import build_optimizer
+from launcher.optim.build import build_optimizer
 from strategies import RunContext
 schema.register()
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
@@ -366,7 +366,7 @@ for stage, optimizer in ((2, torch.optim.AdamW), (1, torch.optim.Adam)):
                       "moved": max((a - b).abs().max().item() for a, b in zip(after, before, strict=True)),
                       "moment": max(t.abs().max().item() for t in moments)}), flush=True)
     strategy.teardown()
-from launcher.worker.lifecycle import exit_now
+from launcher.base.process import exit_now
 exit_now(0)
 """
 
@@ -382,8 +382,12 @@ def test_a_template_before_the_first_step_moves_no_weight_and_no_moment(tmp_path
     env = clean_env(tmp_path) | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"} | one_rank
     proc = subprocess.run(
         [sys.executable, "-c", TEMPLATE, str(tmp_path / "pg")],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == 2, proc.stdout

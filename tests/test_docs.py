@@ -22,8 +22,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SUBCOMMANDS = ("plan", "prepare", "convert", "export")
-OWN_KEYS = {"prepare": ("out", "data.shard_index", "data.num_shards", "block_size"),
-            "convert": ("out", "merge", "ema"), "export": ("image", "name", "namespace")}  # fmt: skip
+OWN_KEYS = {
+    "prepare": ("out", "data.shard_index", "data.num_shards", "block_size"),
+    "convert": ("out", "merge", "ema"),
+    "export": ("image", "name", "namespace"),
+}
 
 
 def commands() -> list[tuple[str, list[str], bool]]:
@@ -133,7 +136,7 @@ def test_every_command_composes_and_validates(where: str, args: list[str], refus
                 check_keys(frozen)
                 if frozen.model._target_ == "launcher.models.gpt.GPT":  # the optimizer over the model's parameters
                     from launcher.models.meta import build_on_meta
-                    from launcher.parent.optim_checks import check_optimizer
+                    from launcher.optim.checks import check_optimizer
 
                     check_optimizer(frozen, build_on_meta(frozen.model))
     except ConfigError as e:

@@ -98,8 +98,16 @@ def test_launch_eval_with_ema_gives_the_run_s_average_at_one_process(conformance
 
     full = _run(conformance_dir, "fsdp", 2)
     checkpoint = full.run_dir / "checkpoints" / "step_00000006"
-    proc = launch_once(conformance_dir, "eval", str(checkpoint), "ema=true", *EMA_JOB, "strategy=ddp", "gpus=1",
-                       name="eval-ema-of-fsdp")  # fmt: skip
+    proc = launch_once(
+        conformance_dir,
+        "eval",
+        str(checkpoint),
+        "ema=true",
+        *EMA_JOB,
+        "strategy=ddp",
+        "gpus=1",
+        name="eval-ema-of-fsdp",
+    )
     proc.check()
     evaluated = json.loads((conformance_dir / "eval-ema-of-fsdp" / "eval.json").read_text())
     assert evaluated["step"] == 6 and sorted(evaluated["figures"]) == ["val_ema_loss"], evaluated
@@ -114,8 +122,7 @@ def test_launch_eval_with_ema_of_a_checkpoint_without_an_average_is_one_line(
     and ema=true of a checkpoint moved away from its run (no resolved.yaml beside it) without the run's
     trainer.ema.decay, too."""
     no_decay = [o for o in EMA_JOB if "ema" not in o]
-    plain = launch_once(conformance_dir, *no_decay, "strategy=ddp", "gpus=1",
-                        "trainer.max_steps=3", name="ema-none")  # fmt: skip
+    plain = launch_once(conformance_dir, *no_decay, "strategy=ddp", "gpus=1", "trainer.max_steps=3", name="ema-none")
     checkpoint = plain.check().run_dir / "checkpoints" / "step_00000003"
     line = launch_here(tmp_path, "eval", str(checkpoint), "ema=true", *EMA_JOB).refused()
     assert "holds no EMA weights" in line and str(checkpoint) in line, line

@@ -11,15 +11,33 @@ import pytest
 from conftest import Run, launch_here, launch_once
 from runs import PARITY_TOLERANCE, jobs, metrics, smoke
 
-NANO = ["model=custom", "model._target_=eval_models.NanoClassifier", "+model.config._target_=eval_models.NanoConfig",
-        "+model.config.channels=4", "+model.config.width=16", "data=custom", "data._target_=eval_models.images",
-        "+data.channels=4"]  # fmt: skip
+NANO = [
+    "model=custom",
+    "model._target_=eval_models.NanoClassifier",
+    "+model.config._target_=eval_models.NanoConfig",
+    "+model.config.channels=4",
+    "+model.config.width=16",
+    "data=custom",
+    "data._target_=eval_models.images",
+    "+data.channels=4",
+]
 """A classifier in nanoGPT's shape, on 64 training images and 13 validation images (an odd number)."""
-METRICS = ["+trainer.metrics.accuracy._target_=torchmetrics.classification.MulticlassAccuracy",
-           "+trainer.metrics.accuracy.num_classes=4", "+trainer.metrics.accuracy.average=micro",
-           "+trainer.metrics.right._target_=eval_models.correct"]  # fmt: skip
-JOB = ["batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=4", "trainer.eval_every=2",
-       "trainer.eval_batches=2", "optim.lr=0.1", "trainer.warmup_steps=1", "trainer.save_at_end=true"]  # fmt: skip
+METRICS = [
+    "+trainer.metrics.accuracy._target_=torchmetrics.classification.MulticlassAccuracy",
+    "+trainer.metrics.accuracy.num_classes=4",
+    "+trainer.metrics.accuracy.average=micro",
+    "+trainer.metrics.right._target_=eval_models.correct",
+]
+JOB = [
+    "batch.global_size=8",
+    "batch.micro_size=2",
+    "trainer.max_steps=4",
+    "trainer.eval_every=2",
+    "trainer.eval_batches=2",
+    "optim.lr=0.1",
+    "trainer.warmup_steps=1",
+    "trainer.save_at_end=true",
+]
 """The 13 validation samples each once per evaluation: fewer than 2 global batches of 8, so the set is read whole, its
 second batch partial (5 samples: 3 and 2 at 2 ranks, micro-batches of 2, 1, 1 and 1)."""
 EXACT = 1e-7
@@ -99,9 +117,18 @@ def test_each_validation_set_is_logged_under_its_name(conformance_dir: Path) -> 
         assert {"val/small/accuracy", "val/small/right"} <= set(ours), ours
 
 
-STOPPING = ["gpus=2", "trainer.max_steps=20", "trainer.eval_every=1", "trainer.eval_batches=1", "optim.lr=0",
-            "trainer.save_at_end=true", "trainer.keep_last=1", "+trainer.early_stop.metric=val/accuracy",
-            "trainer.early_stop.mode=max", "trainer.early_stop.patience=2"]  # fmt: skip
+STOPPING = [
+    "gpus=2",
+    "trainer.max_steps=20",
+    "trainer.eval_every=1",
+    "trainer.eval_batches=1",
+    "optim.lr=0",
+    "trainer.save_at_end=true",
+    "trainer.keep_last=1",
+    "+trainer.early_stop.metric=val/accuracy",
+    "trainer.early_stop.mode=max",
+    "trainer.early_stop.patience=2",
+]
 """A planted plateau: at lr 0 the accuracy never changes, so the best is step 1 and the run stops after step 3."""
 
 
@@ -122,9 +149,18 @@ def test_early_stop_ends_every_rank_at_a_plateau_and_keeps_the_best(conformance_
     seen = [[json.loads(x) for x in (folder / f"calls{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
     assert seen[0] == seen[1]
     hooks = [(c["hook"], c["step"]) for c in seen[0]]
-    assert hooks == [("on_train_start", 0), ("on_step_end", 1), ("on_eval_end", 1), ("on_save", 1),
-                     ("on_step_end", 2), ("on_eval_end", 2), ("on_step_end", 3), ("on_eval_end", 3), ("on_save", 3),
-                     ("on_train_end", 3)], hooks  # fmt: skip
+    assert hooks == [
+        ("on_train_start", 0),
+        ("on_step_end", 1),
+        ("on_eval_end", 1),
+        ("on_save", 1),
+        ("on_step_end", 2),
+        ("on_eval_end", 2),
+        ("on_step_end", 3),
+        ("on_eval_end", 3),
+        ("on_save", 3),
+        ("on_train_end", 3),
+    ], hooks
     assert "val/accuracy" in seen[0][2]["figures"] and "loss" not in seen[0][2]["figures"]
     # A resume of it says that it stopped early, and goes on.
     more = ["trainer.max_steps=4", "trainer.early_stop.patience=5", f"resume={run.run_dir}"]
@@ -134,8 +170,12 @@ def test_early_stop_ends_every_rank_at_a_plateau_and_keeps_the_best(conformance_
 
 
 def test_a_callback_that_raises_ends_the_run_in_one_line_with_its_last_checkpoint(conformance_dir: Path) -> None:
-    raising = ["+trainer.callbacks=[{_target_: eval_models.Raising, at: 3}]", "trainer.checkpoint_every=2",
-               "trainer.max_steps=6", "trainer.save_at_end=true"]  # fmt: skip
+    raising = [
+        "+trainer.callbacks=[{_target_: eval_models.Raising, at: 3}]",
+        "trainer.checkpoint_every=2",
+        "trainer.max_steps=6",
+        "trainer.save_at_end=true",
+    ]
     run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *JOB, *raising, name="eval-raising")
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("launch: error:")]
@@ -151,20 +191,30 @@ def test_a_callback_that_raises_ends_the_run_in_one_line_with_its_last_checkpoin
 @pytest.mark.parametrize(
     "overrides,says",
     [
-        (["+trainer.metrics.acc._target_=torchmetrics.classification.NoSuchAccuracy"],
-         "trainer.metrics.acc._target_=torchmetrics.classification.NoSuchAccuracy does not import"),
-        (["+trainer.metrics.acc._target_=torchmetrics.classification.MulticlassAccuracy"],
-         "MulticlassAccuracy does not build (ValueError: Argument `num_classes`"),
+        (
+            ["+trainer.metrics.acc._target_=torchmetrics.classification.NoSuchAccuracy"],
+            "trainer.metrics.acc._target_=torchmetrics.classification.NoSuchAccuracy does not import",
+        ),
+        (
+            ["+trainer.metrics.acc._target_=torchmetrics.classification.MulticlassAccuracy"],
+            "MulticlassAccuracy does not build (ValueError: Argument `num_classes`",
+        ),
         (["+trainer.metrics.loss._target_=eval_models.correct"], "trainer.metrics.loss: `loss` is the validation loss"),
-        ([*METRICS, "+trainer.early_stop.metric=val/acuracy"],
-         "trainer.early_stop.metric=val/acuracy is no figure this run logs; it logs: "),
-        (["+trainer.metrics.avg._target_=eval_models.Averaged"],
-         "trainer.metrics.avg: Averaged's state 'value' is reduced over ranks by dim_zero_mean, which is exact only"),
-        (["trainer.eval_batches=every"],
-         "trainer.eval_batches=every is invalid: it must be a positive integer, or all (every sample of each set)"),
+        (
+            [*METRICS, "+trainer.early_stop.metric=val/acuracy"],
+            "trainer.early_stop.metric=val/acuracy is no figure this run logs; it logs: ",
+        ),
+        (
+            ["+trainer.metrics.avg._target_=eval_models.Averaged"],
+            "trainer.metrics.avg: Averaged's state 'value' is reduced over ranks by dim_zero_mean, which is exact only",
+        ),
+        (
+            ["trainer.eval_batches=every"],
+            "trainer.eval_batches=every is invalid: it must be a positive integer, or all (every sample of each set)",
+        ),
     ],
     ids=["does-not-import", "does-not-build", "named-loss", "early-stop-figure", "averaged-state", "eval-batches"],
-)  # fmt: skip
+)
 def test_bad_evaluation_input_is_one_line_before_any_worker_starts(tmp_path: Path, overrides, says) -> None:
     line = launch_here(tmp_path, "+sweep=smoke", *NANO, *JOB, *overrides).refused()
     assert says in line, line
@@ -234,9 +284,9 @@ def test_301_points_are_one_plain_process_s_at_1_to_4_ranks_under_ddp_fsdp_and_z
         "trainer.save_at_end=true",
     ]
     sweep = conformance_dir / "eval-301"
-    # Workers started afresh: the sweep's checks build the 301 images in the launcher with a multi-threaded torch op,
-    # after which a forked worker's own such op waits for ever on the launcher's OpenMP threads.
-    shapes = ["strategy=ddp,fsdp,zero3", "gpus=1,2,3,4", f"hydra.sweep.dir={sweep}", "trainer.fork_workers=false"]
+    # Workers forked (the default): the sweep's checks build the 301 images in the launcher, single-threaded where
+    # its jobs fork (`single_threaded_before_fork`), so a forked worker's own multi-threaded op has its own threads.
+    shapes = ["strategy=ddp,fsdp,zero3", "gpus=1,2,3,4", f"hydra.sweep.dir={sweep}"]
     run = launch_once(conformance_dir, "-m", "+sweep=smoke", *wide, *shapes, name="eval-301", timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     from omegaconf import OmegaConf
@@ -252,7 +302,7 @@ def test_301_points_are_one_plain_process_s_at_1_to_4_ranks_under_ddp_fsdp_and_z
     assert sorted(seen) == [(s, g) for s in ("ddp", "fsdp", "zero3") for g in (1, 2, 3, 4)], sorted(seen)
     checkpoint = seen[("zero3", 3)] / "checkpoints" / "step_00000003"
     code = [o for o in CODE if "right" not in o]
-    shape = ["strategy=fsdp", "gpus=4", "trainer.fork_workers=false"]
+    shape = ["strategy=fsdp", "gpus=4"]
     proc = launch_once(conformance_dir, "eval", str(checkpoint), *code, *shape, name="eval-301-of-zero3", timeout=900)
     figures = json.loads((proc.check().run_dir / "eval.json").read_text())["figures"]
     plain = plain_figures(checkpoint, count=301, classes=5)
@@ -292,9 +342,10 @@ def plain_gpt_loss(run_dir: Path, checkpoint: Path | None = None) -> tuple[float
     from omegaconf import OmegaConf
 
     from launcher.base.storage import location
+    from launcher.checkpoint.format import find_checkpoint
     from launcher.data.builtin import build_dataset
     from launcher.models.gpt import GPT
-    from launcher.parent.convert import find_checkpoint, weights
+    from launcher.parent.convert import weights
 
     cfg = OmegaConf.load(run_dir / "resolved.yaml")
     model = GPT(**{k: v for k, v in cfg.model.items() if k != "_target_"})
@@ -337,8 +388,16 @@ def test_the_gpt_s_loss_over_a_whole_text_split_is_a_plain_loop_s_and_eval_and_c
     converted = cli_here(tmp_path, "convert", str(run.run_dir), f"out={tmp_path / 'gpt'}")
     assert converted.returncode == 0, converted.stderr
     from omegaconf import OmegaConf
+    from transformers import AutoConfig, AutoTokenizer
 
-    assert OmegaConf.load(tmp_path / "gpt" / "model.yaml").block_size == 32
+    config = AutoConfig.from_pretrained(str(tmp_path / "gpt"))
+    assert config.n_positions == 32
+    # The run's tokenizer in the folder, its end-of-document token the run's (and the config's).
+    assert f"with the run's tokenizer {corpus['tokenizer']}:" in converted.stdout, converted.stdout
+    ours, theirs = (AutoTokenizer.from_pretrained(str(folder)) for folder in (tmp_path / "gpt", corpus["tokenizer"]))
+    text = json.loads(corpus["val"].read_text().splitlines()[0])["text"]
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert ours.eos_token == theirs.eos_token and config.eos_token_id == theirs.eos_token_id is not None
     # The checkpoint copied under a folder whose resolved.yaml is another run's (another config hash): not taken.
     import shutil
 
@@ -366,8 +425,16 @@ def test_perplexity_of_padded_samples_is_the_exponential_of_the_validation_loss(
     from conftest import TINY
 
     ppl = ["+trainer.metrics.ppl._target_=torchmetrics.text.Perplexity", "+trainer.metrics.ppl.ignore_index=-100"]
-    job = ["data=pysource", "data.packing=false", "gpus=2", "trainer.max_steps=2", "trainer.eval_every=2",
-           "trainer.eval_batches=1", "batch.global_size=16", "batch.micro_size=4"]  # fmt: skip
+    job = [
+        "data=pysource",
+        "data.packing=false",
+        "gpus=2",
+        "trainer.max_steps=2",
+        "trainer.eval_every=2",
+        "trainer.eval_batches=1",
+        "batch.global_size=16",
+        "batch.micro_size=4",
+    ]
     run = launch_once(conformance_dir, *TINY, *job, "trainer.save_at_end=false", *ppl, name="eval-ppl").check()
     logged = run.metrics[-1]
     assert logged["val/ppl"] == pytest.approx(math.exp(logged["val_loss"]), rel=1e-6), logged
@@ -382,8 +449,15 @@ def test_an_optuna_search_maximises_a_metric_by_name(tmp_path: Path) -> None:
     from conftest import LAUNCH, clean_env
 
     sweep = tmp_path / "sweep"
-    search = ["-m", "hydra/sweeper=launch_optuna", "optim.lr=tag(log,interval(1e-3,0.3))", "hydra.sweeper.n_trials=2",
-              "sweep.objective=val/accuracy", "sweep.direction=maximize", "sweep.pruner=null"]  # fmt: skip
+    search = [
+        "-m",
+        "hydra/sweeper=launch_optuna",
+        "optim.lr=tag(log,interval(1e-3,0.3))",
+        "hydra.sweeper.n_trials=2",
+        "sweep.objective=val/accuracy",
+        "sweep.direction=maximize",
+        "sweep.pruner=null",
+    ]
     cmd = [LAUNCH, *search, "+sweep=smoke", *NANO, *METRICS, *JOB, "gpus=1", f"hydra.sweep.dir={sweep}"]
     run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -404,12 +478,30 @@ def test_a_transformers_seq2seq_model_logs_bleu_exactly_at_two_ranks(conformance
     from torch.utils.data import default_collate
     from torchmetrics.text import BLEUScore
 
-    bleu = ["+trainer.metrics.bleu._target_=torchmetrics.text.BLEUScore", "+trainer.metrics.bleu.n_gram=2",
-            "+trainer.metrics.bleu.smooth=true", "+trainer.metrics.bleu.inputs=eval_models.sentences"]  # fmt: skip
-    job = ["device=cpu", "logger=none", "data=custom", "batch.global_size=8", "batch.micro_size=2", "gpus=2",
-           "trainer.eval_batches=1", "trainer.progress=false", "trainer.save_at_end=false", "model=custom",
-           "model._target_=loss_models.seq2seq", "data._target_=loss_models.reversal", "optim.lr=0",
-           "trainer.max_steps=1", "trainer.eval_every=1", "strategy=zero3"]  # fmt: skip
+    bleu = [
+        "+trainer.metrics.bleu._target_=torchmetrics.text.BLEUScore",
+        "+trainer.metrics.bleu.n_gram=2",
+        "+trainer.metrics.bleu.smooth=true",
+        "+trainer.metrics.bleu.inputs=eval_models.sentences",
+    ]
+    job = [
+        "device=cpu",
+        "logger=none",
+        "data=custom",
+        "batch.global_size=8",
+        "batch.micro_size=2",
+        "gpus=2",
+        "trainer.eval_batches=1",
+        "trainer.progress=false",
+        "trainer.save_at_end=false",
+        "model=custom",
+        "model._target_=loss_models.seq2seq",
+        "data._target_=loss_models.reversal",
+        "optim.lr=0",
+        "trainer.max_steps=1",
+        "trainer.eval_every=1",
+        "strategy=zero3",
+    ]
     run = launch_once(conformance_dir, *job, *bleu, name="eval-bleu").check()
     dataset, model = loss_models.reversal("val"), loss_models.seq2seq()
     batch = default_collate([dataset[i] for i in range(8)])
@@ -421,8 +513,10 @@ def test_a_transformers_seq2seq_model_logs_bleu_exactly_at_two_ranks(conformance
 
 
 def test_a_metric_that_fails_on_the_first_batch_ends_the_run_before_its_first_step(conformance_dir: Path) -> None:
-    two = ["+trainer.metrics.accuracy._target_=torchmetrics.classification.MulticlassAccuracy",
-           "+trainer.metrics.accuracy.num_classes=2"]  # fmt: skip
+    two = [
+        "+trainer.metrics.accuracy._target_=torchmetrics.classification.MulticlassAccuracy",
+        "+trainer.metrics.accuracy.num_classes=2",
+    ]
     run = launch_once(conformance_dir, "+sweep=smoke", *NANO, *JOB, *two, name="eval-fails-first")
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("launch: error:")]
@@ -486,8 +580,8 @@ def test_the_loss_weighs_a_micro_batch_by_its_targets_or_by_its_samples() -> Non
     counts weighs by the micro-batch's samples, and the start says so; a sum and its count are added as they are."""
     import torch
 
+    from launcher.evaluation.passes import unweighed, weighed
     from launcher.models.loss import LabelRule
-    from launcher.worker.evaluation import unweighed, weighed
 
     rule, mean = LabelRule(), torch.tensor(2.0)
     labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
@@ -571,3 +665,24 @@ def test_a_run_s_config_is_read_as_data_and_its_code_only_where_the_command_name
     check_code(run_overrides(mix, [], ["data"]), mixed, tmp_path / "resolved.yaml", package_targets)
     with pytest.raises(ConfigError, match=r"chose model=\.\./evil, which is no model option here"):
         run_overrides({"job": {"choices": {"model": "../evil"}}}, [], ["model"])
+
+
+@pytest.mark.unit
+def test_a_run_written_before_the_rooms_moved_names_its_optimizer_at_the_new_path(tmp_path: Path) -> None:
+    """A resolved.yaml that names a `_target_` of the launcher's own at the path it had before it moved (optim=muon's
+    `launcher.worker.muon.MuonAdamW`) is read with the new path, which imports; other targets are left as they are."""
+    from hydra.utils import get_class
+
+    from launcher.parent.run_config import MOVED, read_run
+
+    old = "launcher.worker.muon.MuonAdamW"
+    (tmp_path / "resolved.yaml").write_text(
+        f"optim: {{_target_: {old}, lr: 0.01}}\nlogger: [{{_target_: launcher.worker.logs.WandbLogger}}]\n"
+        "model: {_target_: my_pkg.Net}\njob: {choices: {optim: muon}}\n"
+    )
+    run = read_run(tmp_path / "resolved.yaml")
+    assert run["optim"] == {"_target_": "launcher.optim.muon.MuonAdamW", "lr": 0.01}
+    assert run["logger"] == [{"_target_": "launcher.loggers.wandb.WandbLogger"}]
+    assert run["model"]["_target_"] == "my_pkg.Net"
+    for new in MOVED.values():  # every new path imports
+        assert get_class(new).__name__ == new.rsplit(".", 1)[1]

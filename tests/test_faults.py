@@ -112,9 +112,8 @@ def test_space_is_counted_as_written(saved: tuple[Path, int]) -> None:
 def test_a_damaged_checkpoint_is_never_used_and_each_fallback_says_why(
     saved: tuple[Path, int], tmp_path: Path, harm: str, file: str, why: str
 ) -> None:
-    from launcher.checkpoint.format import CheckpointError, newest_intact
+    from launcher.checkpoint.format import CheckpointError, find_checkpoint, newest_intact
     from launcher.checkpoint.loading import find_resume
-    from launcher.parent.convert import find_checkpoint
 
     checkpoints = _copy(saved, tmp_path)
     newest, older = checkpoints / "step_00000002", checkpoints / "step_00000001"
@@ -185,8 +184,15 @@ def test_room_is_asked_for_the_checkpoints_the_run_holds_at_once() -> None:
     assert held_at_once(0, 0, every=4, keep_last=0) == 3  # steps 4, 8 and the last, 10
 
 
-RESUMED = [*TINY, "gpus=2", "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6",
-           "trainer.checkpoint_every=2", "trainer.keep_last=0"]  # fmt: skip
+RESUMED = [
+    *TINY,
+    "gpus=2",
+    "batch.global_size=8",
+    "batch.micro_size=2",
+    "trainer.max_steps=6",
+    "trainer.checkpoint_every=2",
+    "trainer.keep_last=0",
+]
 
 
 def test_a_run_resumes_from_the_newest_checkpoint_that_verifies(tmp_path: Path) -> None:
@@ -269,8 +275,8 @@ def _state_bytes(world_size: int) -> int:
     from launcher.checkpoint.space import checkpoint_bytes
     from launcher.config.optim_schema import AdamWConfig
     from launcher.models.gpt import GPT
-    from launcher.worker.optimizers import rules_for
-    from launcher.worker.param_groups import param_groups
+    from launcher.optim.build import rules_for
+    from launcher.optim.groups import param_groups
 
     model = GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
     rules = rules_for(OmegaConf.structured(AdamWConfig), torch.optim.AdamW)  # the launcher's groups: its entries too
@@ -289,11 +295,21 @@ def test_room_for_exactly_two_checkpoints_and_a_disk_that_fills_during_the_run(t
     disk = tmpfs(2 * size + (512 << 10))
     filler = disk / "filler"
     run = launch(
-        tmp_path, *TINY, "gpus=2", "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6",
-        "trainer.checkpoint_every=2", "trainer.keep_last=1", "model._target_=faulty.DiskFillingGPT",
-        f"+model.fill={filler}", "+model.leave=262144", "+model.bad_rank=0", "+model.at_call=9",
+        tmp_path,
+        *TINY,
+        "gpus=2",
+        "batch.global_size=8",
+        "batch.micro_size=2",
+        "trainer.max_steps=6",
+        "trainer.checkpoint_every=2",
+        "trainer.keep_last=1",
+        "model._target_=faulty.DiskFillingGPT",
+        f"+model.fill={filler}",
+        "+model.leave=262144",
+        "+model.bad_rank=0",
+        "+model.at_call=9",
         name=f"{disk.name}/run",
-    )  # fmt: skip
+    )
     ck = run.run_dir / "checkpoints"
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1, run.stderr
@@ -312,8 +328,17 @@ def test_no_room_at_start_for_the_checkpoints_a_run_holds_is_one_refusal(tmp_pat
     the first step refuses it once, naming the check, not as each rank's failure while building the model."""
     size = _state_bytes(2)
     disk = tmpfs(size + (512 << 10))
-    run = launch(tmp_path, *TINY, "gpus=2", "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=4",
-                 "trainer.checkpoint_every=2", "trainer.keep_last=1", name=f"{disk.name}/run")  # fmt: skip
+    run = launch(
+        tmp_path,
+        *TINY,
+        "gpus=2",
+        "batch.global_size=8",
+        "batch.micro_size=2",
+        "trainer.max_steps=4",
+        "trainer.checkpoint_every=2",
+        "trainer.keep_last=1",
+        name=f"{disk.name}/run",
+    )
     (line,) = run.stderr.strip().splitlines()
     assert run.returncode == 1 and run.metrics == [], run.stderr
     assert line.startswith(f"launch: error: the check for room before the first save: no room on tmpfs at {disk} ("), (
@@ -359,13 +384,28 @@ def test_a_failure_report_the_run_directory_cannot_hold_reaches_the_launcher(tmp
 
 def _node(tmp_path: Path, port: int, name: str, *extra: str) -> subprocess.Popen[str]:
     """One node of a two-node job on loopback, one rank, in a session of its own (to be killed whole)."""
-    overrides = [*TINY, "batch.global_size=8", "trainer.max_steps=100000", "trainer.checkpoint_every=0",
-                 "trainer.save_at_end=false", "nodes=2", "gpus=1", f"rdzv.endpoint=127.0.0.1:{port}", f"rdzv.id={name}",
-                 f"hydra.run.dir={tmp_path / name}", *extra]  # fmt: skip
+    overrides = [
+        *TINY,
+        "batch.global_size=8",
+        "trainer.max_steps=100000",
+        "trainer.checkpoint_every=0",
+        "trainer.save_at_end=false",
+        "nodes=2",
+        "gpus=1",
+        f"rdzv.endpoint=127.0.0.1:{port}",
+        f"rdzv.id={name}",
+        f"hydra.run.dir={tmp_path / name}",
+        *extra,
+    ]
     return subprocess.Popen(
-        [LAUNCH, *overrides], cwd=tmp_path, env=clean_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+        [LAUNCH, *overrides],
+        cwd=tmp_path,
+        env=clean_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 ELASTIC_STORE = pytest.param("the store's node of an elastic job", marks=pytest.mark.long)  # ~10 s, the same path
@@ -397,8 +437,11 @@ def test_a_lost_node_is_named_by_the_survivor(tmp_path: Path, lost: str) -> None
     killed.communicate()
     out, err = survivor.communicate(timeout=300)
     records = {p.name: json.loads(p.read_text()) for p in (run_dir / "logs" / "ranks").glob("rank*.json")}
-    gone = [int(n.removeprefix("rank").removesuffix(".json")) for n, r in records.items()
-            if r["launcher"].split(":")[1] == str(killed.pid)]  # fmt: skip
+    gone = [
+        int(n.removeprefix("rank").removesuffix(".json"))
+        for n, r in records.items()
+        if r["launcher"].split(":")[1] == str(killed.pid)
+    ]
     lines = err.strip().splitlines()
     assert survivor.returncode == 1 and len(lines) == 1, err
     assert f"; rank {gone[0]}) went away at step " in lines[0] and lines[0].startswith("launch: error: node "), err
@@ -429,8 +472,12 @@ def test_a_rank_hung_outside_a_collective_ends_with_the_job_it_stopped(tmp_path:
     store = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdin=subprocess.PIPE)
     try:
         until(lambda: listening(port), store, what="the rendezvous store")  # type: ignore[arg-type]
-        hang = ["model._target_=faulty.HangingGPT", "+model.bad_rank=1", "+model.at_call=3",
-                "trainer.collective_timeout=10"]  # fmt: skip
+        hang = [
+            "model._target_=faulty.HangingGPT",
+            "+model.bad_rank=1",
+            "+model.at_call=3",
+            "trainer.collective_timeout=10",
+        ]
         nodes = [_node(tmp_path, port, "hung", *hang) for _ in range(2)]
         try:
             said = [node.communicate(timeout=600) for node in nodes]
@@ -499,8 +546,13 @@ def test_a_disk_that_fills_during_a_write_is_one_line_and_keeps_the_intact_check
 
     disk = tmpfs(1 << 20)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", FULL_PROBE, str(tmp_path), str(disk / "ckpt")], capture_output=True,
-                          text=True, env=env, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_PROBE, str(tmp_path), str(disk / "ckpt")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     ck = disk / "ckpt"
     assert proc.stdout.startswith(f"REFUSED no space left on tmpfs at {disk} ("), (proc.stdout, proc.stderr)
     assert proc.stdout.strip().endswith(
@@ -662,8 +714,10 @@ def test_a_killed_launchers_empty_failure_folder_is_removed_by_the_next_and_noth
     dead = subprocess.Popen(["true"])
     dead.wait()
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(__import__("tempfile").gettempdir())
-    empty, report, running = (shm / f"launch-failures-{pid}-{tag}" for pid, tag in
-                              ((dead.pid, "test0"), (dead.pid, "test1"), (os.getpid(), "test2")))  # fmt: skip
+    empty, report, running = (
+        shm / f"launch-failures-{pid}-{tag}"
+        for pid, tag in ((dead.pid, "test0"), (dead.pid, "test1"), (os.getpid(), "test2"))
+    )
     for folder in (empty, report, running):
         folder.mkdir()
     (report / "rank0.json").write_text("{}")
@@ -696,11 +750,15 @@ def test_a_failure_is_told_by_its_cause_and_its_echoes_without_the_collective_li
             failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file=str(file))
         return ChildFailedError("launcher.worker.main", failures)
 
-    cause = ("while saving the checkpoint of step 4: EndpointConnectionError: Could not connect to the endpoint URL: "
-             '"http://127.0.0.1:1/b/x" (traceback: logs/rank0.traceback)')  # fmt: skip
-    echo = ("while saving the checkpoint of step 4: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534]"
-            " Connection closed by peer [127.0.0.1]:5 This is typically caused by a remote worker crashing. GLHF! "
-            "(traceback: logs/rank1.traceback)")  # fmt: skip
+    cause = (
+        "while saving the checkpoint of step 4: EndpointConnectionError: Could not connect to the endpoint URL: "
+        '"http://127.0.0.1:1/b/x" (traceback: logs/rank0.traceback)'
+    )
+    echo = (
+        "while saving the checkpoint of step 4: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534]"
+        " Connection closed by peer [127.0.0.1]:5 This is typically caused by a remote worker crashing. GLHF! "
+        "(traceback: logs/rank1.traceback)"
+    )
     lines = rank_lines(failed({1: echo, 0: cause}), 0)
     assert lines == [
         f"rank 0 failed {cause}",
@@ -722,24 +780,51 @@ def test_an_object_store_that_goes_away_mid_run_is_told_by_its_cause(tmp_path: P
     from object_store import BUCKET, SECRET
 
     port = free_port()
-    env = clean_env(tmp_path) | {"AWS_ACCESS_KEY_ID": "launch-test", "AWS_SECRET_ACCESS_KEY": SECRET,
-                                 "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_DEFAULT_REGION": "us-east-1",
-                                 "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
-    store = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    env = clean_env(tmp_path) | {
+        "AWS_ACCESS_KEY_ID": "launch-test",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    store = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         until(lambda: listening(port), store, what="the S3 server")  # type: ignore[arg-type]
         import s3fs
 
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, key="launch-test", secret=SECRET,
-                               endpoint_url=f"http://127.0.0.1:{port}")  # fmt: skip
+        fs = s3fs.S3FileSystem(
+            skip_instance_cache=True,
+            use_listings_cache=False,
+            key="launch-test",
+            secret=SECRET,
+            endpoint_url=f"http://127.0.0.1:{port}",
+        )
         fs.mkdir(BUCKET)
-        job = [*(o for o in TINY if not o.startswith("model.n_embd")), "model.n_embd=256", "batch.global_size=16",
-               "batch.micro_size=4", "gpus=2", "trainer.max_steps=40", "trainer.checkpoint_every=1",
-               "trainer.keep_last=2", f"trainer.checkpoint_dir=s3://{BUCKET}/gone"]  # fmt: skip
+        job = [
+            *(o for o in TINY if not o.startswith("model.n_embd")),
+            "model.n_embd=256",
+            "batch.global_size=16",
+            "batch.micro_size=4",
+            "gpus=2",
+            "trainer.max_steps=40",
+            "trainer.checkpoint_every=1",
+            "trainer.keep_last=2",
+            f"trainer.checkpoint_dir=s3://{BUCKET}/gone",
+        ]
         run_dir = tmp_path / "run"
-        proc = subprocess.Popen([LAUNCH, *job, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [LAUNCH, *job, f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         while proc.poll() is None and not fs.exists(f"{BUCKET}/gone/latest"):  # a save complete: the store works
             time.sleep(0.05)
             fs.invalidate_cache()

@@ -20,8 +20,16 @@ from conftest import LAUNCH, TINY, clean_env, launch_once, saved_gpt2
 from runs import PARITY_TOLERANCE, jobs, metrics
 
 # 126,456 parameters with the adapters: params // 8 = 15,807, odd.
-BASE = {"n_layer": 2, "n_embd": 66, "n_head": 3, "vocab_size": 256, "n_positions": 16,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
+BASE = {
+    "n_layer": 2,
+    "n_embd": 66,
+    "n_head": 3,
+    "vocab_size": 256,
+    "n_positions": 16,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
 STRATEGIES = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
 RESUMED = ["ddp", "fsdp", "zero2", "zero3"]
 CHECKPOINT_STEP, STEPS = 2, 4
@@ -35,21 +43,47 @@ def base_folder(conformance_dir: Path) -> Path:
 
 def lora(folder: Path) -> list[str]:
     """A LoRA of rank 4 over the folder's model (tests/frozen_models.py), on padded Hugging Face batches."""
-    return ["model=custom", "model._target_=frozen_models.lora", f"+model.path={folder}", "+model.r=4",
-            "data=pysource", "data.packing=false", "data.seq_len=16", "data.format=hf", "optim.lr=0.01"]  # fmt: skip
+    return [
+        "model=custom",
+        "model._target_=frozen_models.lora",
+        f"+model.path={folder}",
+        "+model.r=4",
+        "data=pysource",
+        "data.packing=false",
+        "data.seq_len=16",
+        "data.format=hf",
+        "optim.lr=0.01",
+    ]
 
 
 def lora_run(tmp: Path, folder: Path, name: str, *overrides: str, multirun: bool = False):  # type: ignore[no-untyped-def]
-    return launch_once(tmp, *(["-m"] if multirun else []), "+sweep=smoke", *lora(folder), f"trainer.max_steps={STEPS}",
-                       f"trainer.checkpoint_every={CHECKPOINT_STEP}", "trainer.save_at_end=true", *overrides,
-                       name=name, timeout=300 * (1 + multirun * len(STRATEGIES)))  # fmt: skip
+    return launch_once(
+        tmp,
+        *(["-m"] if multirun else []),
+        "+sweep=smoke",
+        *lora(folder),
+        f"trainer.max_steps={STEPS}",
+        f"trainer.checkpoint_every={CHECKPOINT_STEP}",
+        "trainer.save_at_end=true",
+        *overrides,
+        name=name,
+        timeout=300 * (1 + multirun * len(STRATEGIES)),
+    )
 
 
 def lora_sweep(tmp: Path, folder: Path, name: str, strategies: list[str], *overrides: str) -> dict[str, Path]:
     """A multirun of the LoRA over `strategies`, once per session; strategy -> job folder (named by its strategy)."""
     sweep = tmp / name
-    run = lora_run(tmp, folder, name, f"strategy={','.join(strategies)}", *overrides, f"hydra.sweep.dir={sweep}",
-                   "hydra.sweep.subdir=${hydra:runtime.choices.strategy}", multirun=True)  # fmt: skip
+    run = lora_run(
+        tmp,
+        folder,
+        name,
+        f"strategy={','.join(strategies)}",
+        *overrides,
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweep.subdir=${hydra:runtime.choices.strategy}",
+        multirun=True,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     found = jobs(sweep)
     assert sorted(found) == sorted(strategies), run.stdout
@@ -131,8 +165,12 @@ def test_convert_writes_the_adapters_peft_loads_and_merged_the_whole_model(train
     adapters, merged = tmp_path / "adapters", tmp_path / "merged"
     said = []
     for out, extra in ((adapters, []), (merged, ["merge=true"])):
-        proc = subprocess.run([LAUNCH, "convert", str(checkpoint(trained["zero3"], STEPS)), f"out={out}", *extra,
-                               *model], capture_output=True, text=True, env=clean_env(tmp_path))  # fmt: skip
+        proc = subprocess.run(
+            [LAUNCH, "convert", str(checkpoint(trained["zero3"], STEPS)), f"out={out}", *extra, *model],
+            capture_output=True,
+            text=True,
+            env=clean_env(tmp_path),
+        )
         assert proc.returncode == 0, proc.stderr
         said.append(proc.stdout.strip().splitlines()[-1])
     # Each says what it wrote and how to load it.
@@ -178,7 +216,7 @@ def test_bucket_sizes_are_multiples_of_deepspeeds_alignment_for_any_parameter_co
 @pytest.mark.unit
 def test_the_optimizer_holds_the_trainable_parameters_with_the_kernel_they_take() -> None:
     """On plain tensors every fused kernel; on DTensors (FSDP's shards) only where DTensor dispatches it."""
-    from launcher.worker.optimizers import _dtensor_fuses, build_optimizer
+    from launcher.optim.build import _dtensor_fuses, build_optimizer
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2), requires_grad=False)]
     for optimizer in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adagrad):
@@ -197,10 +235,23 @@ def test_sgd_and_adagrad_train_under_fsdp_and_zero2(conformance_dir: Path) -> No
     second step on each optimizer's losses are its own (its updates were applied). AdamW is the LoRA's optimizer
     above, under every strategy."""
     sweep = conformance_dir / "optimizers"
-    run = launch_once(conformance_dir, "-m", *TINY, "gpus=2", "batch.global_size=8", "batch.micro_size=2",
-                      "trainer.max_steps=4", "trainer.save_at_end=false", "optim=custom", "optim.lr=0.05",
-                      f"optim._target_={','.join(OPTIMIZERS)}", "strategy=fsdp,zero2", f"hydra.sweep.dir={sweep}",
-                      name="optimizers", timeout=1200)  # fmt: skip
+    run = launch_once(
+        conformance_dir,
+        "-m",
+        *TINY,
+        "gpus=2",
+        "batch.global_size=8",
+        "batch.micro_size=2",
+        "trainer.max_steps=4",
+        "trainer.save_at_end=false",
+        "optim=custom",
+        "optim.lr=0.05",
+        f"optim._target_={','.join(OPTIMIZERS)}",
+        "strategy=fsdp,zero2",
+        f"hydra.sweep.dir={sweep}",
+        name="optimizers",
+        timeout=1200,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     found: dict[tuple[str, str], list[float]] = {}
     for job in (d for d in sweep.iterdir() if d.is_dir()):
@@ -217,8 +268,10 @@ def test_sgd_and_adagrad_train_under_fsdp_and_zero2(conformance_dir: Path) -> No
 
 
 def test_convert_refuses_merge_without_a_folder(tmp_path: Path) -> None:
-    for args, said in ((["out=model.safetensors", "merge=true"], "merge=true writes a model folder; use out=DIR"),
-                       ([f"out={tmp_path / 'out'}", "merge=yes"], "merge=yes is not a boolean")):  # fmt: skip
+    for args, said in (
+        (["out=model.safetensors", "merge=true"], "merge=true writes a model folder; use out=DIR"),
+        ([f"out={tmp_path / 'out'}", "merge=yes"], "merge=yes is not a boolean"),
+    ):
         proc = subprocess.run([LAUNCH, "convert", str(tmp_path), *args], capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode == 2 and proc.stderr.startswith(f"launch: error: {said}"), proc.stderr
         assert sorted(tmp_path.iterdir()) == [], sorted(tmp_path.iterdir())

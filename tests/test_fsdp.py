@@ -133,7 +133,7 @@ with strategy.sync(True):
 print(len(calls))
 strategy.teardown()
 dist.destroy_process_group()
-from launcher.worker.lifecycle import exit_now
+from launcher.base.process import exit_now
 exit_now(0)  # as the launcher's own workers end: a gloo thread can abort the interpreter's teardown
 """
 

@@ -11,9 +11,16 @@ import pytest
 from conftest import TINY, Run, launch_here, launch_once
 from runs import PARITY_TOLERANCE
 
-GROUPED_JOB = [*TINY, "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3",
-               "trainer.keep_last=0", "optim.lr=3e-3",
-               "optim.groups=[{name: 'blocks.*', _target_: torch.optim.SGD, momentum: 0.9, lr_scale: 10}]"]  # fmt: skip
+GROUPED_JOB = [
+    *TINY,
+    "batch.global_size=8",
+    "batch.micro_size=2",
+    "trainer.max_steps=6",
+    "trainer.checkpoint_every=3",
+    "trainer.keep_last=0",
+    "optim.lr=3e-3",
+    "optim.groups=[{name: 'blocks.*', _target_: torch.optim.SGD, momentum: 0.9, lr_scale: 10}]",
+]
 """SGD with momentum over the blocks (their norms and biases too, without decay), AdamW over the embeddings."""
 
 

@@ -25,8 +25,17 @@ def _strict(path: Path) -> list[dict[str, Any]]:
 
 def _nan_run(tmp_path: Path, calls: str, *overrides: str, name: str = "run") -> Run:
     env = clean_env(tmp_path) | {"GUARD_NAN_CALLS": calls}
-    return launch(tmp_path, *TINY, "gpus=2", NAN_MODEL, "trainer.checkpoint_every=1", "trainer.keep_last=0",
-                  *overrides, name=name, env=env)  # fmt: skip
+    return launch(
+        tmp_path,
+        *TINY,
+        "gpus=2",
+        NAN_MODEL,
+        "trainer.checkpoint_every=1",
+        "trainer.keep_last=0",
+        *overrides,
+        name=name,
+        env=env,
+    )
 
 
 def _state(checkpoint: Path, out: Path) -> dict[str, Any]:
@@ -70,8 +79,17 @@ def test_a_nan_step_stops_the_run_and_the_last_finite_checkpoint_resumes(tmp_pat
     assert tensors and all(bool(t.isfinite().all()) for t in tensors)  # every weight and moment of it is finite
     assert [m["step"] for m in _strict(run.run_dir / "metrics.jsonl")] == [1, 2]
 
-    resumed = launch(tmp_path, *TINY, "gpus=2", "strategy=fsdp", "batch.global_size=8", "batch.micro_size=2",
-                     "trainer.max_steps=4", f"resume={run.run_dir}", name="resumed").check()  # fmt: skip
+    resumed = launch(
+        tmp_path,
+        *TINY,
+        "gpus=2",
+        "strategy=fsdp",
+        "batch.global_size=8",
+        "batch.micro_size=2",
+        "trainer.max_steps=4",
+        f"resume={run.run_dir}",
+        name="resumed",
+    ).check()
     assert "resuming from" in resumed.stdout and "step_00000002" in resumed.stdout
     records = _strict(resumed.run_dir / "metrics.jsonl")
     assert [m["step"] for m in records] == [3, 4] and all(math.isfinite(m["loss"]) for m in records)
@@ -86,8 +104,16 @@ def test_a_skipped_step_changes_nothing_and_too_many_in_a_row_stop(strategy: str
     """One micro-step per step: rank 1's loss is NaN in step 2, then in steps 4 and 5. Step 2 is dropped: its
     checkpoint (model and optimizer state, every tensor) equals step 1's, while step 3 moves on; step 4 is dropped
     too, and the second NaN in a row (trainer.max_skipped=2) ends the run."""
-    run = _nan_run(tmp_path, "2,4,5", f"strategy={strategy}", "batch.global_size=4", "batch.micro_size=2",
-                   "trainer.max_steps=6", "trainer.nonfinite=skip", "trainer.max_skipped=2")  # fmt: skip
+    run = _nan_run(
+        tmp_path,
+        "2,4,5",
+        f"strategy={strategy}",
+        "batch.global_size=4",
+        "batch.micro_size=2",
+        "trainer.max_steps=6",
+        "trainer.nonfinite=skip",
+        "trainer.max_skipped=2",
+    )
     assert run.returncode == 1, run.stderr
     assert "launch: skipped step 2: the loss is nan on rank 1 (micro-step 1/1)" in run.stdout, run.stdout
     assert "2 steps in a row were not finite (trainer.max_skipped=2), the last step 5" in run.stderr, run.stderr
@@ -110,10 +136,18 @@ def test_a_sweep_is_checked_whole_before_its_first_job(tmp_path: Path) -> None:
     from conftest import LAUNCH
 
     sweep_dir = tmp_path / "sweep"
-    for bad, said in (("optim.lr=1e-3,-1", "(optim.lr=-1): optim.lr=-1.0 is invalid"),
-                      ("precision=fp32,fp8", "(precision=fp8): ")):  # fmt: skip
-        proc = subprocess.run([LAUNCH, "-m", *TINY, bad, f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path,
-                              env=clean_env(tmp_path), capture_output=True, text=True, timeout=300)  # fmt: skip
+    for bad, said in (
+        ("optim.lr=1e-3,-1", "(optim.lr=-1): optim.lr=-1.0 is invalid"),
+        ("precision=fp32,fp8", "(precision=fp8): "),
+    ):
+        proc = subprocess.run(
+            [LAUNCH, "-m", *TINY, bad, f"hydra.sweep.dir={sweep_dir}"],
+            cwd=tmp_path,
+            env=clean_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert lines[0].startswith("launch: error: sweep job 2 of 2 ") and said in lines[0], lines[0]
@@ -141,15 +175,22 @@ def test_token_ids_beyond_the_vocabulary(tmp_path: Path) -> None:
         "data.val_fraction=0.5",
         "trainer.eval_every=0",
         "batch.global_size=8",
-    ).refused()  # fmt: skip (12 samples: a global batch)
+    ).refused()  # 12 samples: a global batch
     assert f"data.path={path} holds token id 300, but the model's vocabulary has 256 ids" in line, line
     np.array([*range(200), 400, *range(200)], dtype=np.uint16).tofile(path)  # same size: a new time, a new scan
     os.utime(path, ns=(1, 1))
     assert largest_id(path) == 400
 
-    run = launch(tmp_path, *[o for o in TINY if not o.startswith("data")], "data=custom",
-                 "data._target_=guard_models.WideTokens", "model.block_size=32", "gpus=2", "trainer.max_steps=2",
-                 name="user")  # fmt: skip
+    run = launch(
+        tmp_path,
+        *[o for o in TINY if not o.startswith("data")],
+        "data=custom",
+        "data._target_=guard_models.WideTokens",
+        "model.block_size=32",
+        "gpus=2",
+        "trainer.max_steps=2",
+        name="user",
+    )
     assert run.returncode == 1, run.stderr
     assert "token id 300 in a batch of step 1 is outside the model's vocabulary of 256 ids" in run.stderr, run.stderr
     assert "IndexError" not in run.stderr

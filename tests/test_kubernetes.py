@@ -64,12 +64,16 @@ def test_a_pytorchjob_pod_takes_its_shape_and_rendezvous_from_the_operator() -> 
 @pytest.mark.parametrize(
     "given,env,message",
     [
-        (["nodes=4"], _pod(0, 1), "nodes=4 on the command line, but this kubernetes job's PET_NNODES=2; drop nodes= "
-                                  "(it is taken from PET_NNODES) or make them agree"),
+        (
+            ["nodes=4"],
+            _pod(0, 1),
+            "nodes=4 on the command line, but this kubernetes job's PET_NNODES=2; drop nodes= "
+            "(it is taken from PET_NNODES) or make them agree",
+        ),
         (["gpus=2"], _pod(0, 1), "gpus=2 on the command line, but this kubernetes job's PET_NPROC_PER_NODE=8"),
         ([], _pod(0, 1) | {"PET_NNODES": "1:4"}, "PET_NNODES=1:4 is not a number of the kind a fixed-size job has"),
     ],
-)  # fmt: skip
+)
 def test_what_the_command_line_says_must_agree_with_the_pod(
     given: list[str], env: dict[str, str], message: str
 ) -> None:
@@ -93,13 +97,17 @@ def test_a_jobset_pod_meets_the_first_pod_by_its_name() -> None:
 @pytest.mark.parametrize(
     "env,command",
     [
-        ({"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
-         "launch gpus=2 ...your overrides"),
-        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"},
-         "launch nodes=2 gpus=4 rdzv.endpoint=n0:29500 rdzv.id=NAME ...your overrides"),
+        (
+            {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
+            "launch gpus=2 ...your overrides",
+        ),
+        (
+            {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"},
+            "launch nodes=2 gpus=4 rdzv.endpoint=n0:29500 rdzv.id=NAME ...your overrides",
+        ),
     ],
     ids=["torchrun", "a lone RANK"],
-)  # fmt: skip
+)
 def test_a_launch_inside_torchrun_is_refused_with_the_command_to_use(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], command: str
 ) -> None:
@@ -150,8 +158,11 @@ def _pods(tmp_path: Path, command: list[str], extra_env: dict[str, str] | None =
         loopback = {"PET_MASTER_ADDR": "127.0.0.1", "MASTER_ADDR": "127.0.0.1"}  # the master pod's address, here
         env = clean_env(tmp_path) | _pod(rank, port, nproc="1") | loopback | (extra_env or {})
         args = [*command[1:-1], f"hydra.run.dir={tmp_path / f'pod{rank}'}"]  # the manifest's, on this pod's disk
-        procs.append(subprocess.Popen([LAUNCH, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [LAUNCH, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     return [(p.wait(timeout=300), *p.communicate()) for p in procs]
 
 
@@ -165,8 +176,9 @@ def test_the_exported_pytorchjob_runs_as_two_pods_that_match_one_node(conformanc
 
     with s3_server() as s3:
         url = s3.url("k8s/tiny")
-        job = _manifest("image=registry.local/train:1", "name=tiny", *JOB, "nodes=2", "gpus=1",
-                        f"trainer.checkpoint_dir={url}")  # fmt: skip
+        job = _manifest(
+            "image=registry.local/train:1", "name=tiny", *JOB, "nodes=2", "gpus=1", f"trainer.checkpoint_dir={url}"
+        )
         assert (job["apiVersion"], job["kind"], job["metadata"]["name"]) == ("kubeflow.org/v1", "PyTorchJob", "tiny")
         specs = job["spec"]["pytorchReplicaSpecs"]
         assert (specs["Master"]["replicas"], specs["Worker"]["replicas"], job["spec"]["nprocPerNode"]) == (1, 1, "1")
@@ -191,6 +203,10 @@ def test_the_exported_pytorchjob_runs_as_two_pods_that_match_one_node(conformanc
     results = _pods(apart, ["launch", *JOB, "nodes=2", "gpus=1", "hydra.run.dir=/workspace/run"])
     assert [r[0] for r in results] == [1, 1], results
     err = "".join(r[2] for r in results)
-    assert "does not see" in err and "the nodes of one run need one checkpoint folder; set trainer.checkpoint_dir to " \
-        "an object-store URL (s3://bucket/prefix)" in err, err  # fmt: skip
+    assert (
+        "does not see" in err
+        and "the nodes of one run need one checkpoint folder; set trainer.checkpoint_dir to "
+        "an object-store URL (s3://bucket/prefix)"
+        in err
+    ), err
     assert not (apart / "pod0" / "metrics.jsonl").exists()  # stopped before the first step

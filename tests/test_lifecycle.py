@@ -58,8 +58,9 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def reference(conformance_dir: Path) -> Run:
     """The uninterrupted 30-step run, made once per session whichever test process asks first; steps 3 and 4 are
     profiled (which changes no loss)."""
-    return launch_once(conformance_dir, *JOB, f"trainer.profile_steps=[{PROFILED[0]},{PROFILED[1]}]",
-                       name="lifecycle-reference").check()  # fmt: skip
+    return launch_once(
+        conformance_dir, *JOB, f"trainer.profile_steps=[{PROFILED[0]},{PROFILED[1]}]", name="lifecycle-reference"
+    ).check()
 
 
 PROFILED = (3, 4)
@@ -265,7 +266,8 @@ def test_a_rank_that_gives_up_names_the_ranks_that_never_came_to_the_collective(
     """Among many ranks every one is in the same phase while one is stuck (a gradient all-reduce runs inside the
     backward): the ranks at fault are those whose phase does not say they gave up too; an earlier attempt's file
     says nothing of this one."""
-    from launcher.worker.lifecycle import WAITING, Phase
+    from launcher.base.run_files import WAITING
+    from launcher.worker.lifecycle import Phase
 
     (tmp_path / "logs" / "phase").mkdir(parents=True)
     stale = tmp_path / "logs" / "phase" / "rank4"
@@ -315,7 +317,7 @@ def test_an_out_of_memory_error_says_how_to_see_where_the_memory_went(tmp_path: 
 @pytest.mark.unit
 def test_nccl_s_flight_recorder_is_on_unless_the_user_chose(tmp_path: Path) -> None:
     """What the launcher puts in a CUDA run's worker environment (there is no GPU here: the function it calls)."""
-    from launcher.worker.lifecycle import flight_recorder_env
+    from launcher.base.run_files import flight_recorder_env
 
     folder = tmp_path / "logs" / "flight_recorder"
     assert flight_recorder_env(tmp_path, {}) == {

@@ -94,7 +94,7 @@ def test_wandb_offline_logs_the_runners_losses(logged: Run) -> None:
 def test_mlflow_holds_every_figure_the_config_and_the_status(logged: Run) -> None:
     """Every figure of every line of metrics.jsonl is an MLflow metric at its step, with the same value; every leaf of
     resolved.yaml a param; resolved.yaml an artifact; the run FINISHED, tagged with the job's run id."""
-    from launcher.worker.mlflow_logger import flatten
+    from launcher.loggers.mlflow import flatten
 
     run_dir = logged.run_dir
     mlflow_run = _mlflow_run(_store(run_dir), run_dir)
@@ -157,8 +157,14 @@ def test_one_run_per_job_in_every_logger_across_kills_restarts_and_resumes(logge
     store = _store(logged.run_dir)
     kill = tmp_path / "kill"
     kill.touch()
-    base = [*(o for o in TINY if not o.startswith("logger=")), ALL, "gpus=2", "trainer.checkpoint_every=3",
-            f"logger.mlflow.tracking_uri=sqlite:///{store}", "logger.mlflow.experiment=continuity"]  # fmt: skip
+    base = [
+        *(o for o in TINY if not o.startswith("logger=")),
+        ALL,
+        "gpus=2",
+        "trainer.checkpoint_every=3",
+        f"logger.mlflow.tracking_uri=sqlite:///{store}",
+        "logger.mlflow.experiment=continuity",
+    ]
     job = [
         *base,
         "model._target_=faulty.KilledGPT",
@@ -261,7 +267,7 @@ def test_several_loggers_each_under_its_name_over_its_own_schema(tmp_path: Path)
     assert "logger has: wandb" in line and "logger.wandb.mode=offline" in line, line
     mine = tmp_path / "my_conf" / "logger"  # a logger option of one's own, written without its name
     mine.mkdir(parents=True)
-    (mine / "mine.yaml").write_text("_target_: launcher.worker.logs.WandbLogger\nmode: disabled\n")
+    (mine / "mine.yaml").write_text("_target_: launcher.loggers.wandb.WandbLogger\nmode: disabled\n")
     line = launch_here(tmp_path, "--config-dir", str(mine.parent), "logger=mine", *TINY[:5], name="c").refused()
     assert "start your option's file with '# @package logger.<its name>'" in line, line
 
@@ -296,7 +302,7 @@ def test_an_mlflow_store_that_cannot_be_used_is_one_line_naming_it(
     """Refused before start, in one line naming the URI, its credentials never shown: a server that refuses the
     connection, one that never answers (MLflow's own client, one try, CHECK_TIMEOUT seconds: here 1), credentials in
     the config, a SQLite store whose folder cannot be made."""
-    from launcher.worker import mlflow_store
+    from launcher.loggers import mlflow_store
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     (tmp_path / "keep").write_text("")  # a refused run removes the empty folders it leaves: not this one
@@ -338,7 +344,7 @@ def test_a_tensorboard_folder_that_cannot_be_made_is_refused(tmp_path: Path) -> 
 
 @pytest.mark.unit
 def test_an_mlflow_run_id_file_that_holds_no_id_is_refused_not_replaced(tmp_path: Path) -> None:
-    from launcher.worker.mlflow_logger import _read_run_id
+    from launcher.loggers.mlflow import _read_run_id
 
     assert _read_run_id(tmp_path / "mlflow_run_id") is None
     (tmp_path / "mlflow_run_id").write_text("0123456789abcdef0123456789abcdef\n")
@@ -350,8 +356,8 @@ def test_an_mlflow_run_id_file_that_holds_no_id_is_refused_not_replaced(tmp_path
 
 @pytest.mark.unit
 def test_the_loggers_get_the_config_without_the_rendezvous_secret_and_urls_without_credentials() -> None:
-    from launcher.worker.logs import HIDDEN, run_config
-    from launcher.worker.mlflow_store import redact
+    from launcher.loggers.base import HIDDEN, run_config
+    from launcher.loggers.mlflow_store import redact
 
     config = run_config(OmegaConf.create({"rdzv": {"secret": "t0ken", "port": 1}, "seed": 3}))
     assert config == {"rdzv": {"secret": HIDDEN, "port": 1}, "seed": 3}
@@ -370,7 +376,7 @@ def test_a_node_with_a_new_run_directory_continues_the_jobs_mlflow_run_and_a_los
     shares): it finds the job's MLflow run by its tag and logs none of the steps MLflow holds again. A tracking store
     that stops answering mid-run is said once; the step goes on. (In the shared run's store, in an experiment of its
     own: a new store's tables take seconds to make.)"""
-    from launcher.worker.mlflow_logger import MlflowLogger
+    from launcher.loggers.mlflow import MlflowLogger
 
     store = f"sqlite:///{logged.run_dir / 'mlflow' / 'mlflow.db'}"
     settings = {"tracking_uri": store, "experiment": "pods", "group": None, "name": None, "tags": {"team": "a"}}

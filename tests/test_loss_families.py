@@ -28,23 +28,46 @@ PLAIN, PLAIN_NORM = 1e-6, 1e-5
 relatively: the launcher sums the loss over micro-steps and ranks, and the norm's squares over every parameter, in
 other orders of fp32 sums (the strategies' own tolerances, `Conformance`, for the same reason)."""
 GLOBAL = 8
-COMMON = ["device=cpu", "logger=none", "data=custom", f"batch.global_size={GLOBAL}", "batch.micro_size=2",
-          "trainer.log_every=1", "trainer.eval_batches=1", "trainer.warmup_steps=1", "trainer.progress=false",
-          "trainer.save_at_end=false"]  # fmt: skip
-MASKED_LM = ["model=custom", "model._target_=loss_models.masked_lm", "data._target_=loss_models.masked_text",
-             "trainer.max_steps=3", "trainer.eval_every=3", *COMMON]  # fmt: skip
+COMMON = [
+    "device=cpu",
+    "logger=none",
+    "data=custom",
+    f"batch.global_size={GLOBAL}",
+    "batch.micro_size=2",
+    "trainer.log_every=1",
+    "trainer.eval_batches=1",
+    "trainer.warmup_steps=1",
+    "trainer.progress=false",
+    "trainer.save_at_end=false",
+]
+MASKED_LM = [
+    "model=custom",
+    "model._target_=loss_models.masked_lm",
+    "data._target_=loss_models.masked_text",
+    "trainer.max_steps=3",
+    "trainer.eval_every=3",
+    *COMMON,
+]
 # lr 0: the weights stay the initial ones, so every step's loss and gradient, and the validation loss, are those of
 # one plain forward that the test can make.
-SEQ2SEQ = ["model=custom", "model._target_=loss_models.seq2seq", "data._target_=loss_models.reversal",
-           "optim.lr=0", "trainer.max_steps=2", "trainer.eval_every=2", *COMMON]  # fmt: skip
+SEQ2SEQ = [
+    "model=custom",
+    "model._target_=loss_models.seq2seq",
+    "data._target_=loss_models.reversal",
+    "optim.lr=0",
+    "trainer.max_steps=2",
+    "trainer.eval_every=2",
+    *COMMON,
+]
 
 
 def _runs(base: Path, name: str, overrides: list[str], strategies: str) -> dict[str, Run]:
     """One process (K=4), and 2 ranks (K=2) under each of `strategies`, in one multirun: strategy -> run."""
     one = launch_once(base, *overrides, "strategy=ddp", "gpus=1", name=f"{name}-one").check()
     sweep = base / f"{name}-sweep"
-    many = launch_once(base, "-m", *overrides, f"strategy={strategies}", "gpus=2", f"hydra.sweep.dir={sweep}",
-                       name=f"{name}-two").check()  # fmt: skip
+    many = launch_once(
+        base, "-m", *overrides, f"strategy={strategies}", "gpus=2", f"hydra.sweep.dir={sweep}", name=f"{name}-two"
+    ).check()
     jobs = {}
     for job in sorted(p for p in sweep.iterdir() if p.is_dir()):
         strategy = yaml.safe_load((job / "resolved.yaml").read_text())["job"]["choices"]["strategy"]
@@ -129,9 +152,16 @@ def test_a_model_whose_mean_stays_a_mean_is_named_once(conformance_dir: Path) ->
     from runs import CLASSIFIER
 
     # test_user_models' run, shared with it
-    one = launch_once(conformance_dir, "+sweep=smoke", *CLASSIFIER, "gpus=1", "logger=custom",
-                      "logger.custom._target_=user_models.RecordingLogger", "+logger.custom.file=recorded.jsonl",
-                      name="smoke-classifier-one").check()  # fmt: skip
+    one = launch_once(
+        conformance_dir,
+        "+sweep=smoke",
+        *CLASSIFIER,
+        "gpus=1",
+        "logger=custom",
+        "logger.custom._target_=user_models.RecordingLogger",
+        "+logger.custom.file=recorded.jsonl",
+        name="smoke-classifier-one",
+    ).check()
     lines = [line for line in one.stdout.splitlines() if "usual recipe" in line]
     assert len(lines) == 1, one.stdout
     assert lines[0].startswith("launch: loss: the model returns a mean and the launcher does not know"), lines
@@ -153,11 +183,24 @@ def test_how_a_model_counts_its_labels_is_decided_from_the_model() -> None:
     assert _rule("loss_models.seq2seq") == LabelRule(takes_num_items=False, label_shift=0)
     gpt2 = {"_target_": "transformers.GPT2Config", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64}
     assert _rule("transformers.AutoModelForCausalLM.from_config", config=gpt2) == LabelRule(True, 1)
-    llama = {"_target_": "transformers.LlamaConfig", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}  # fmt: skip
+    llama = {
+        "_target_": "transformers.LlamaConfig",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+    }
     assert _rule("transformers.AutoModelForCausalLM.from_config", config=llama) == LabelRule(True, 1)
-    bert = {"_target_": "transformers.BertConfig", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "intermediate_size": 64}  # fmt: skip
+    bert = {
+        "_target_": "transformers.BertConfig",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+    }
     # A label per sample, over a loss the launcher cannot measure: not known, so its mean stays a mean.
     assert _rule("transformers.BertForSequenceClassification", config=bert) == LabelRule()
     assert _rule("user_models.Classifier") == LabelRule()  # a model of one's own counts as it likes

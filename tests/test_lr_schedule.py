@@ -1,4 +1,4 @@
-"""The learning-rate schedule (`launcher.worker.schedules`): warmup, then cosine, linear, constant, warmup-stable-decay,
+"""The learning-rate schedule (`launcher.optim.schedules`): warmup, then cosine, linear, constant, warmup-stable-decay,
 inverse square root or a function of the step of the user's own, down to the floor, as a function and as a run logs
 it; phases that do not fit refused before start."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 from conftest import Run
 
-from launcher.worker.schedules import lr_at
+from launcher.optim.schedules import lr_at
 
 
 @pytest.mark.unit
@@ -60,7 +60,7 @@ def test_wsd_holds_the_rate_until_the_decay_and_reaches_the_floor_at_the_last_st
 def test_wsd_decays_over_a_fraction_of_max_steps_and_inverse_sqrt_falls_as_one_over_root_step() -> None:
     from omegaconf import OmegaConf
 
-    from launcher.worker.schedules import schedule_lr
+    from launcher.optim.schedules import schedule_lr
 
     trainer = OmegaConf.create({"schedule": "wsd", "warmup_steps": 0, "min_lr_ratio": 0.0, "decay_fraction": 0.25})
     assert schedule_lr(trainer, 1.0, 74, 100) == 1.0 and schedule_lr(trainer, 1.0, 75, 100) == pytest.approx(0.96)
@@ -72,24 +72,38 @@ def test_wsd_decays_over_a_fraction_of_max_steps_and_inverse_sqrt_falls_as_one_o
 def test_a_function_of_the_users_own_is_the_schedule() -> None:
     from omegaconf import OmegaConf
 
-    from launcher.worker.schedules import schedule_lr
+    from launcher.optim.schedules import schedule_lr
 
-    trainer = OmegaConf.create({"schedule": "custom", "warmup_steps": 0, "min_lr_ratio": 0.0,
-                                "schedule_fn": {"_target_": "user_models.step_halving", "every": 3}})  # fmt: skip
+    trainer = OmegaConf.create(
+        {
+            "schedule": "custom",
+            "warmup_steps": 0,
+            "min_lr_ratio": 0.0,
+            "schedule_fn": {"_target_": "user_models.step_halving", "every": 3},
+        }
+    )
     assert [schedule_lr(trainer, 0.8, s, 12) for s in range(7)] == [0.8, 0.8, 0.8, 0.4, 0.4, 0.4, 0.2]
 
 
 REFUSED = [
-    (["trainer.schedule=wsd", "trainer.max_steps=30", "trainer.warmup_steps=10", "trainer.decay_steps=25"],
-     "trainer.schedule=wsd: trainer.warmup_steps=10 + trainer.decay_steps=25 exceed trainer.max_steps=30"),
-    (["trainer.schedule=wsd", "trainer.max_steps=10", "trainer.warmup_steps=9", "trainer.decay_fraction=0.5"],
-     "trainer.warmup_steps=9 + trainer.decay_fraction=0.5 (5 steps) exceed trainer.max_steps=10"),
+    (
+        ["trainer.schedule=wsd", "trainer.max_steps=30", "trainer.warmup_steps=10", "trainer.decay_steps=25"],
+        "trainer.schedule=wsd: trainer.warmup_steps=10 + trainer.decay_steps=25 exceed trainer.max_steps=30",
+    ),
+    (
+        ["trainer.schedule=wsd", "trainer.max_steps=10", "trainer.warmup_steps=9", "trainer.decay_fraction=0.5"],
+        "trainer.warmup_steps=9 + trainer.decay_fraction=0.5 (5 steps) exceed trainer.max_steps=10",
+    ),
     (["trainer.schedule=custom"], "trainer.schedule=custom needs trainer.schedule_fn={_target_: "),
-    (["trainer.schedule=custom", "trainer.schedule_fn={_target_: user_models.nowhere}"],
-     "trainer.schedule_fn._target_=user_models.nowhere: "),
-    (["trainer.schedule=custom", "trainer.schedule_fn={_target_: user_models.step_halving, every: 0}"],
-     "trainer.schedule_fn._target_=user_models.step_halving: ZeroDivisionError"),
-]  # fmt: skip
+    (
+        ["trainer.schedule=custom", "trainer.schedule_fn={_target_: user_models.nowhere}"],
+        "trainer.schedule_fn._target_=user_models.nowhere: ",
+    ),
+    (
+        ["trainer.schedule=custom", "trainer.schedule_fn={_target_: user_models.step_halving, every: 0}"],
+        "trainer.schedule_fn._target_=user_models.step_halving: ZeroDivisionError",
+    ),
+]
 
 
 @pytest.mark.unit

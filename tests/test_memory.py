@@ -30,8 +30,12 @@ ISAS = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
 """The processor's own kernels (the shared runs), and AVX2's where the processor has more (AVX-512)."""
-SHORT = {"trainer.max_steps": "3", "trainer.checkpoint_every": "0", "trainer.eval_every": "0",
-         "trainer.save_at_end": "false"}  # fmt: skip
+SHORT = {
+    "trainer.max_steps": "3",
+    "trainer.checkpoint_every": "0",
+    "trainer.eval_every": "0",
+    "trainer.save_at_end": "false",
+}
 """The tiny job cut to what its peak needs: the optimizer's state made in step 1, held from then on."""
 
 LARGE = [
@@ -64,8 +68,17 @@ def _isa_jobs(tmp: Path, isa: str) -> dict[str, Path]:
     """The tiny job of every strategy in one multirun, with `isa`'s kernels: strategy -> job folder."""
     sweep = tmp / f"isa-{isa}"
     job = [o for o in JOB if o.partition("=")[0] not in SHORT]
-    launch_once(tmp, "-m", *job, *(f"{k}={v}" for k, v in SHORT.items()), f"strategy={','.join(PEAKED)}", "gpus=2",
-                f"hydra.sweep.dir={sweep}", name=f"isa-{isa}", env=clean_env(tmp) | ISAS[isa]).check()  # fmt: skip
+    launch_once(
+        tmp,
+        "-m",
+        *job,
+        *(f"{k}={v}" for k, v in SHORT.items()),
+        f"strategy={','.join(PEAKED)}",
+        "gpus=2",
+        f"hydra.sweep.dir={sweep}",
+        name=f"isa-{isa}",
+        env=clean_env(tmp) | ISAS[isa],
+    ).check()
     return jobs(sweep)
 
 
@@ -141,10 +154,23 @@ def test_fsdp_setup_never_holds_the_whole_model_off_rank_0(tmp_path: Path) -> No
     parameters plus one unit (rank 0 builds the whole model once, in host memory, to broadcast it)."""
     model = [o for o in LARGE if o.startswith("model.")]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(Path(__file__).parent / "fsdp_setup_worker.py"), "model=gpt_tiny", *model],
-        env=clean_env(tmp_path), capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(Path(__file__).parent / "fsdp_setup_worker.py"),
+            "model=gpt_tiny",
+            *model,
+        ],
+        env=clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     rank0, rank1 = result["peaks"]

@@ -18,7 +18,7 @@ import pytest
 from conftest import LAUNCH, TINY, clean_env, launch, launch_here
 from processes import listening, until
 
-from launcher.checkpoint import memory
+from launcher.recovery import shm as memory
 
 RESUMED = re.compile(r"launch: resumed from step (\d+) \((memory|disk) tier[^)]*\): (\d+) step\(s\) replayed")
 
@@ -43,9 +43,15 @@ def test_a_rank_killed_alone_resumes_from_its_own_node_s_memory_exactly(tmp_path
     and the node's folder in /dev/shm gone once the job ends."""
     (tmp_path / "kill").touch()
     shape = [*TINY, "gpus=2", "batch.global_size=8", "trainer.max_steps=10", "trainer.save_at_end=false"]
-    faulty = ["model._target_=faulty.KilledOnceGPT", "+model.sleep_s=0.3", f"+model.while_there={tmp_path / 'kill'}",
-              "+model.bad_rank=1", "+model.at_call=6", "trainer.max_restarts=1",
-              "trainer.memory_checkpoint_every=1"]  # fmt: skip
+    faulty = [
+        "model._target_=faulty.KilledOnceGPT",
+        "+model.sleep_s=0.3",
+        f"+model.while_there={tmp_path / 'kill'}",
+        "+model.bad_rank=1",
+        "+model.at_call=6",
+        "trainer.max_restarts=1",
+        "trainer.memory_checkpoint_every=1",
+    ]
     run = launch(tmp_path, *shape, *faulty, name="killed")
     assert run.returncode == 0, run.stderr[-3000:]
     reference = launch(tmp_path, *shape, name="reference")
@@ -59,8 +65,14 @@ def test_a_rank_killed_alone_resumes_from_its_own_node_s_memory_exactly(tmp_path
     assert _left_in_shm(tmp_path / "killed") == []
 
 
-ELASTIC = [*TINY, "model._target_=faulty.KilledOnceGPT", "batch.global_size=12",
-           "batch.micro_size=1", "trainer.max_steps=8", "trainer.collective_timeout=60"]  # fmt: skip
+ELASTIC = [
+    *TINY,
+    "model._target_=faulty.KilledOnceGPT",
+    "batch.global_size=12",
+    "batch.micro_size=1",
+    "trainer.max_steps=8",
+    "trainer.collective_timeout=60",
+]
 """lcm(3, 4) samples a step: the same global batch at world size 4 (accumulation 3) and 3 (accumulation 4)."""
 
 
@@ -73,10 +85,21 @@ def _job(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run_dir = tmp_path / name
-    argv = [LAUNCH, *ELASTIC, "+model.sleep_s=0.2", f"+model.while_there={tmp_path / 'kill'}", f"nodes={nodes}",
-            "gpus=1", f"rdzv.endpoint=127.0.0.1:{port}",
-            f"rdzv.id={name}", "rdzv.last_call_timeout=5", "trainer.max_restarts=3",
-            "trainer.memory_checkpoint_every=1", f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
+    argv = [
+        LAUNCH,
+        *ELASTIC,
+        "+model.sleep_s=0.2",
+        f"+model.while_there={tmp_path / 'kill'}",
+        f"nodes={nodes}",
+        "gpus=1",
+        f"rdzv.endpoint=127.0.0.1:{port}",
+        f"rdzv.id={name}",
+        "rdzv.last_call_timeout=5",
+        "trainer.max_restarts=3",
+        "trainer.memory_checkpoint_every=1",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
     nodes_ = []
     for n in range(count):
         nodes_.append(_node(tmp_path, f"{name}{n}", argv))
@@ -199,8 +222,9 @@ def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(
     """Ranks 2 and 3 are adjacent in the ring: rank 2's state lived on its node and on rank 3's, both lost. The two
     nodes left say which rank's state no node holds, resume from the disk tier, and go on exactly."""
     (tmp_path / "kill").touch()  # slow steps until the test kills
-    nodes, run_dir = _job(tmp_path, "adjacent", "2:4", ["trainer.checkpoint_every=2", "trainer.memory_replicas=1",
-                                                        "+model.bad_rank=9"])  # fmt: skip
+    nodes, run_dir = _job(
+        tmp_path, "adjacent", "2:4", ["trainer.checkpoint_every=2", "trainer.memory_replicas=1", "+model.bad_rank=9"]
+    )
     try:
         until(lambda: sum(r["world_size"] == 4 for r in _rows(run_dir)) >= 3, *nodes, what="three steps at 4 nodes")
         _kill(tmp_path, run_dir, nodes, [2, 3])
@@ -213,8 +237,11 @@ def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(
     out = _output(tmp_path, "adjacent")
     assert codes == [0, 0], out[-4000:]
     # rank 2's state, and rank 3's too where its copy of the newest step had not reached node 0 before the kill
-    assert re.search(r"launch: memory tier: step \d+ lacks the state of (rank 2|ranks 2, 3) on every node left; "
-                     r"resuming from the disk tier", out), out[-4000:]  # fmt: skip
+    assert re.search(
+        r"launch: memory tier: step \d+ lacks the state of (rank 2|ranks 2, 3) on every node left; "
+        r"resuming from the disk tier",
+        out,
+    ), out[-4000:]
     said = RESUMED.search(out)
     assert said and said.group(2) == "disk", out[-4000:]
     rows = _rows(run_dir)
@@ -225,15 +252,19 @@ def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(
 
 def _view(steps: dict[int, dict[int, str]], last: list[float] | None = None) -> dict[str, object]:
     """A node's `held`: {step: {rank: the node that wrote the rank's files}}, each of a world of 4."""
-    return {"steps": {s: {r: {"world_size": 4, "node": n} for r, n in ranks.items()} for s, ranks in steps.items()},
-            "last": last}  # fmt: skip
+    return {
+        "steps": {s: {r: {"world_size": 4, "node": n} for r, n in ranks.items()} for s, ranks in steps.items()},
+        "last": last,
+    }
 
 
 @pytest.mark.unit
 def test_the_newest_step_complete_across_the_nodes_left_is_chosen_each_rank_from_its_own_node_first() -> None:
     # a ring of 4 one-rank nodes with one replica: node i keeps rank i and rank i-1; node 3 is lost
-    views = {f"n{i}": _view({6: {i: f"n{i}", (i - 1) % 4: f"n{(i - 1) % 4}"}, 7: {i: f"n{i}"}}, [7, 100.0 + i])
-             for i in range(3)}  # fmt: skip
+    views = {
+        f"n{i}": _view({6: {i: f"n{i}", (i - 1) % 4: f"n{(i - 1) % 4}"}, 7: {i: f"n{i}"}}, [7, 100.0 + i])
+        for i in range(3)
+    }
     step, holders, why = memory.choose(views)
     assert (step, why) == (6, "") and holders == {"0": "n0", "1": "n1", "2": "n2", "3": "n0"}
     assert memory.last_trained(views) == (7, 102.0)
@@ -245,8 +276,8 @@ def test_the_newest_step_complete_across_the_nodes_left_is_chosen_each_rank_from
 def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from launcher.checkpoint.memory import check_memory_tier
     from launcher.config import ConfigError
+    from launcher.recovery.shm import check_memory_tier
 
     on = [*TINY, "trainer.memory_checkpoint_every=1"]
     two = ["nodes=2", "gpus=1", "rdzv.endpoint=127.0.0.1:29999", "rdzv.id=x"]
@@ -269,11 +300,13 @@ def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Pa
     with pytest.raises(ConfigError) as e:
         check_memory_tier(trainer, 2, 2, 2 * 10**15)  # 2 PB of state: no /dev/shm holds its half
     line = str(e.value)
-    assert line.startswith("the memory tier needs 4000000000.0 MB of shared memory on each node (2 steps x "
-                           "2000000000.0 MB of state / 2 node(s) x (1 + 1 replica(s))), but /dev/shm has "), \
-        line  # fmt: skip
-    assert line.endswith("MB free; enlarge /dev/shm, lower trainer.memory_replicas, or set "
-                         "trainer.memory_checkpoint_every=0"), line  # fmt: skip
+    assert line.startswith(
+        "the memory tier needs 4000000000.0 MB of shared memory on each node (2 steps x "
+        "2000000000.0 MB of state / 2 node(s) x (1 + 1 replica(s))), but /dev/shm has "
+    ), line
+    assert line.endswith(
+        "MB free; enlarge /dev/shm, lower trainer.memory_replicas, or set trainer.memory_checkpoint_every=0"
+    ), line
 
 
 @pytest.mark.unit

@@ -41,23 +41,53 @@ def parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for i in range(2):
         write_jsonl(root / "corpus" / f"part-{i}.jsonl", documents(60, seed=10 + i))
     tok = train_tokenizer(root / "tokenizer", documents(200))
-    proc = cli_here(root, "prepare", "data=text", f"data.files={root / 'corpus'}", f"data.tokenizer={tok}",
-                    f"out={root / 'store'}", "block_size=2KiB")  # fmt: skip
+    proc = cli_here(
+        root,
+        "prepare",
+        "data=text",
+        f"data.files={root / 'corpus'}",
+        f"data.tokenizer={tok}",
+        f"out={root / 'store'}",
+        "block_size=2KiB",
+    )
     assert proc.returncode == 0, proc.stderr
     return {"rows": root / "rows.jsonl", "store": root / "store", "cache": root / "cache"}
 
 
 def _hf(parts: dict[str, Path], streaming: bool, weight: float) -> dict:
-    return {"_target_": "launcher.data.hf.HF", "path": "json", "name": None, "split": "train", "val_split": None,
-            "val_fraction": 0.1, "split_seed": 0, "data_files": str(parts["rows"]), "tokenizer": None,
-            "text_field": "text", "max_length": None, "columns": None, "cache_dir": str(parts["cache"]),
-            "streaming": streaming, "weight": weight}  # fmt: skip
+    return {
+        "_target_": "launcher.data.hf.HF",
+        "path": "json",
+        "name": None,
+        "split": "train",
+        "val_split": None,
+        "val_fraction": 0.1,
+        "split_seed": 0,
+        "data_files": str(parts["rows"]),
+        "tokenizer": None,
+        "text_field": "text",
+        "max_length": None,
+        "columns": None,
+        "cache_dir": str(parts["cache"]),
+        "streaming": streaming,
+        "weight": weight,
+    }
 
 
 def _sources(parts: dict[str, Path], weights=(0.5, 0.3, 0.2)) -> dict:
-    store = {"_target_": "launcher.data.store.Store", "url": str(parts["store"]), "seq_len": 16, "packing": True,
-             "format": "hf", "vocab_size": None, "tokenizer": None, "cache_dir": None, "cache_limit": "10GB",
-             "shuffle_blocks": 4, "weight": weights[2]}  # fmt: skip
+    store = {
+        "_target_": "launcher.data.store.Store",
+        "url": str(parts["store"]),
+        "seq_len": 16,
+        "packing": True,
+        "format": "hf",
+        "vocab_size": None,
+        "tokenizer": None,
+        "cache_dir": None,
+        "cache_limit": "10GB",
+        "shuffle_blocks": 4,
+        "weight": weights[2],
+    }
     return {"maps": _hf(parts, False, weights[0]), "stream": _hf(parts, True, weights[1]), "store": store}
 
 
@@ -185,8 +215,10 @@ def test_a_scheduled_change_of_weights_shows_in_the_counts_at_its_step(parts) ->
     """The store weighs 0 until step 4, then 1 from step 6 on (linear in between): it gives no sample at steps 1 to
     4, some at 5, and every sample from step 6 on."""
     sources = _sources(parts, (1.0, 1.0, 0.0))
-    schedule = [{"step": 4, "weights": {"store": 0.0}}, {"step": 6, "weights": {"maps": 0.0, "stream": 0.0,
-                                                                              "store": 1.0}}]  # fmt: skip
+    schedule = [
+        {"step": 4, "weights": {"store": 0.0}},
+        {"step": 6, "weights": {"maps": 0.0, "stream": 0.0, "store": 1.0}},
+    ]
     _, states = _read(sources, Position(0, 0), 8, 2, 2, schedule=schedule)
     store = [s["sources"]["store"]["samples"] for s in states]
     per_step = np.diff([0, *store])
@@ -220,9 +252,12 @@ def test_a_source_that_ends_stops_the_run_or_leaves_the_mixture(parts, on_end: s
 def _mix_args(parts: dict[str, Path], **weights: float) -> list[str]:
     hf = f"_target_:launcher.data.hf.HF,path:json,data_files:{parts['rows']},cache_dir:{parts['cache']}"
     w = {"maps": 0.5, "stream": 0.3, "store": 0.2} | weights
-    return ["data=mix", f"data.sources={{maps:{{weight:{w['maps']},streaming:false,{hf}}},stream:{{weight:"
-            f"{w['stream']},streaming:true,{hf}}},store:{{weight:{w['store']},_target_:launcher.data.store.Store,"
-            f"url:{parts['store']},seq_len:16,format:hf}}}}"]  # fmt: skip
+    return [
+        "data=mix",
+        f"data.sources={{maps:{{weight:{w['maps']},streaming:false,{hf}}},stream:{{weight:"
+        f"{w['stream']},streaming:true,{hf}}},store:{{weight:{w['store']},_target_:launcher.data.store.Store,"
+        f"url:{parts['store']},seq_len:16,format:hf}}}}",
+    ]
 
 
 @pytest.mark.unit
@@ -233,7 +268,7 @@ def _mix_args(parts: dict[str, Path], **weights: float) -> list[str]:
         ("nan", {"store": "nan"}, "data.sources.store.weight=nan is not a weight"),
         ("zero sum", {"maps": 0, "stream": 0, "store": 0}, "data.sources: the weights sum to 0"),
     ],
-)  # fmt: skip
+)
 def test_bad_weights_are_one_line_before_any_worker(parts, case, extra, expected, tmp_path: Path) -> None:
     line = launch_here(tmp_path, *RUN, *_mix_args(parts, **extra)).refused()
     assert expected in line, line
@@ -243,14 +278,20 @@ def test_bad_weights_are_one_line_before_any_worker(parts, case, extra, expected
 @pytest.mark.parametrize(
     "case,override,expected",
     [
-        ("unknown name", "+data.schedule=[{step:5,weights:{books:1}}]",
-         "data.schedule[0].weights.books names no source; the sources are maps, stream, store"),
-        ("out of order", "+data.schedule=[{step:5,weights:{maps:1}},{step:3,weights:{maps:0}}]",
-         "data.schedule[1].step=3 does not come after step 5"),
+        (
+            "unknown name",
+            "+data.schedule=[{step:5,weights:{books:1}}]",
+            "data.schedule[0].weights.books names no source; the sources are maps, stream, store",
+        ),
+        (
+            "out of order",
+            "+data.schedule=[{step:5,weights:{maps:1}},{step:3,weights:{maps:0}}]",
+            "data.schedule[1].step=3 does not come after step 5",
+        ),
         ("ragged sources", "data.sources.store.seq_len=8", "data.sources.maps and data.sources.store give samples"),
         ("epochs of a stream", "+data.sources.stream.epochs=2", "data.sources.stream.epochs=2: stream is a stream"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_schedule_or_sources_that_do_not_batch_are_one_line(parts, case, override, expected, tmp_path) -> None:
     line = launch_here(tmp_path, *RUN, *_mix_args(parts), override.replace("+data.schedule", "data.schedule")).refused()
     assert expected in line, line
@@ -258,12 +299,31 @@ def test_a_bad_schedule_or_sources_that_do_not_batch_are_one_line(parts, case, o
 
 # ---------------------------------------------------------------- real runs: G=2, K=2 against one process, K=4
 
-GPT2 = ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
-        "+model.config._target_=transformers.GPT2Config", "+model.config.vocab_size=320", "+model.config.n_layer=1",
-        "+model.config.n_embd=32", "+model.config.n_head=2", "+model.config.n_positions=64",
-        "+model.config.resid_pdrop=0", "+model.config.embd_pdrop=0", "+model.config.attn_pdrop=0"]  # fmt: skip
-RUN = ["logger=none", "device=cpu", "trainer.progress=false", "trainer.log_every=1", "trainer.warmup_steps=2",
-       f"batch.global_size={B}", "batch.micro_size=4", "optim.lr=3e-3", "trainer.eval_every=0", *GPT2]  # fmt: skip
+GPT2 = [
+    "model=custom",
+    "model._target_=transformers.AutoModelForCausalLM.from_config",
+    "+model.config._target_=transformers.GPT2Config",
+    "+model.config.vocab_size=320",
+    "+model.config.n_layer=1",
+    "+model.config.n_embd=32",
+    "+model.config.n_head=2",
+    "+model.config.n_positions=64",
+    "+model.config.resid_pdrop=0",
+    "+model.config.embd_pdrop=0",
+    "+model.config.attn_pdrop=0",
+]
+RUN = [
+    "logger=none",
+    "device=cpu",
+    "trainer.progress=false",
+    "trainer.log_every=1",
+    "trainer.warmup_steps=2",
+    f"batch.global_size={B}",
+    "batch.micro_size=4",
+    "optim.lr=3e-3",
+    "trainer.eval_every=0",
+    *GPT2,
+]
 TOLERANCE = 1e-6
 
 
@@ -352,8 +412,14 @@ def test_a_state_written_before_the_bound_was_recorded_still_resumes(parts, caps
 
 def _ending(on_end: str) -> dict:
     """A user's stream of 40 samples (no state_dict) and the built-in random tokens, half and half."""
-    synthetic = {"_target_": "launcher.data.builtin.Synthetic", "seq_len": 16, "vocab_size": 256, "num_samples": 512,
-                 "format": "tuple", "weight": 0.5}  # fmt: skip
+    synthetic = {
+        "_target_": "launcher.data.builtin.Synthetic",
+        "seq_len": 16,
+        "vocab_size": 256,
+        "num_samples": 512,
+        "format": "tuple",
+        "weight": 0.5,
+    }
     return {"stream": {"_target_": "data_sources.token_stream", "count": 40, "weight": 0.5}, "synthetic": synthetic}
 
 

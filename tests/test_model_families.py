@@ -15,19 +15,43 @@ import torch
 from conftest import Run, launch_once
 from runs import jobs, metrics, smoke
 
-DENOISER = ["model=custom", "model._target_=family_models.Denoiser", "data=custom",
-            "data._target_=family_models.noisy_images", "trainer.max_steps=4"]  # fmt: skip
+DENOISER = [
+    "model=custom",
+    "model._target_=family_models.Denoiser",
+    "data=custom",
+    "data._target_=family_models.noisy_images",
+    "trainer.max_steps=4",
+]
 # Adam's eps at 1e-6: softmax ignores a bias added to every key of a query, so the gradient of CLIP's key biases is
 # rounding noise (1e-11), which at torch's eps of 1e-8 Adam turns into moves of 1e-6 per step that follow the
 # summation order (up to 5e-6 apart after 4 steps, on one tensor and what it touches).
-LLAVA = ["model=custom", "model._target_=family_models.llava", "data=custom", "data._target_=family_models.image_text",
-         "trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.keep_last=0", "optim.eps=1e-6"]  # fmt: skip
-WHISPER = ["model=custom", "model._target_=family_models.whisper", "data=custom", "data._target_=family_models.speech",
-           "trainer.max_steps=4"]  # fmt: skip
+LLAVA = [
+    "model=custom",
+    "model._target_=family_models.llava",
+    "data=custom",
+    "data._target_=family_models.image_text",
+    "trainer.max_steps=6",
+    "trainer.checkpoint_every=3",
+    "trainer.keep_last=0",
+    "optim.eps=1e-6",
+]
+WHISPER = [
+    "model=custom",
+    "model._target_=family_models.whisper",
+    "data=custom",
+    "data._target_=family_models.speech",
+    "trainer.max_steps=4",
+]
 # Accumulation 1 (2 ranks of 1 sample, one process of 2): the branch runs in every even step on every rank.
-BRANCH = ["model=custom", "model._target_=family_models.EvenStepBranch", "data=custom",
-          "data._target_=moe_models.points", "batch.global_size=2", "trainer.max_steps=4",
-          "trainer.save_at_end=true"]  # fmt: skip
+BRANCH = [
+    "model=custom",
+    "model._target_=family_models.EvenStepBranch",
+    "data=custom",
+    "data._target_=moe_models.points",
+    "batch.global_size=2",
+    "trainer.max_steps=4",
+    "trainer.save_at_end=true",
+]
 EXACT = 1e-6
 """Losses and final weights under a strategy against one process's: every strategy these families run declares 1e-6
 (`Conformance.tolerance`), the same gradients in another order of fp32 sums."""
@@ -38,7 +62,8 @@ def one_process(conformance_dir: Path, name: str, *overrides: str) -> Run:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from launcher.parent.convert import find_checkpoint, weights
+    from launcher.checkpoint.format import find_checkpoint
+    from launcher.parent.convert import weights
 
     return weights(find_checkpoint(run_dir))
 
@@ -72,8 +97,10 @@ def test_a_vision_language_model_keeps_the_parameters_it_never_uses_under_every_
     run, sweep = smoke(conformance_dir, "smoke-llava", *LLAVA, "strategy=ddp,fsdp,zero2,zero3")
     assert run.returncode == 0, run.stderr[-3000:]
     one = one_process(conformance_dir, "smoke-llava-one", *LLAVA)
-    named = ("got no gradient from the first micro-batch: model.vision_tower.encoder.layers.1.*, "
-             "model.vision_tower.post_layernorm.{weight,bias}")  # fmt: skip
+    named = (
+        "got no gradient from the first micro-batch: model.vision_tower.encoder.layers.1.*, "
+        "model.vision_tower.post_layernorm.{weight,bias}"
+    )
     lines = [line for line in run.stdout.splitlines() if named in line]
     assert len(lines) == 4 and lines[0].startswith("launch: 18 parameters got no gradient"), run.stdout
     assert sum("ddp leaves them out of its buckets" in line for line in lines) == 1, lines
@@ -192,8 +219,13 @@ def test_tensors_a_model_holds_are_found_and_get_rank_0s_values_where_they_are_h
     with torch.device("meta"):
         meta = _Holder()
     held = held_tensors(meta)
-    paths = ["model.schedule.betas", "model.schedule.pair[0]", "model.schedule.config['scale']", "model.tables[0]",
-             "model.alias"]  # fmt: skip  # not the buffer, not the parameters
+    paths = [
+        "model.schedule.betas",
+        "model.schedule.pair[0]",
+        "model.schedule.config['scale']",
+        "model.tables[0]",
+        "model.alias",
+    ]  # not the buffer, not the parameters
     assert [h.path for h in held] == paths
     assert all(h.tensor.is_meta for h in held)
     check_held(meta, "fsdp")
@@ -249,7 +281,7 @@ def test_ddps_error_names_the_parameters_that_got_no_gradient_and_guesses_no_exp
     import functools
 
     from launcher.config.context import preset_strategy
-    from launcher.worker.optimizers import build_optimizer
+    from launcher.optim.build import build_optimizer
     from strategies import RunContext
 
     ctx = RunContext("cpu", 0, 0, 1, "fp32", 0.0, 1, 1)
@@ -270,7 +302,7 @@ def test_ddp_synchronises_parameters_named_before_start_only_in_steps_that_use_t
     import functools
 
     from launcher.config.context import preset_strategy
-    from launcher.worker.optimizers import build_optimizer
+    from launcher.optim.build import build_optimizer
     from strategies import RunContext
 
     ctx = RunContext("cpu", 0, 0, 1, "fp32", 0.0, 1, 1, no_grad=("spare.weight", "spare.bias"))

@@ -16,10 +16,21 @@ import torch
 from conftest import launch, launch_here, launch_once
 from runs import PARITY_TOLERANCE, jobs, metrics, smoke, sweep_parts
 
-MOE = ["model=custom", "model._target_=moe_models.TopOneMoE", "data=custom", "data._target_=moe_models.points",
-       "trainer.max_steps=3"]  # fmt: skip
-MIXTRAL = ["model=custom", "model._target_=moe_models.mixtral", "data=pysource", "data.packing=false",
-           "data.seq_len=16", "data.format=hf"]  # fmt: skip
+MOE = [
+    "model=custom",
+    "model._target_=moe_models.TopOneMoE",
+    "data=custom",
+    "data._target_=moe_models.points",
+    "trainer.max_steps=3",
+]
+MIXTRAL = [
+    "model=custom",
+    "model._target_=moe_models.mixtral",
+    "data=pysource",
+    "data.packing=false",
+    "data.seq_len=16",
+    "data.format=hf",
+]
 STRATEGIES = "strategy=ddp,fsdp,zero2,zero3"
 CANNOT_CHECK = "launch: could not check the model's forward on the meta device"
 
@@ -73,8 +84,9 @@ def test_zero_reduces_routed_experts_in_one_order_at_accumulation_1_too(conforma
     step1 = GlobalBatches(len(data), 4, 1337).at(0)
     routed = [set(model.route(data.x[rank_micro_batches(step1, r, 2, 1)[0]]).tolist()) for r in range(2)]
     assert routed[0] != routed[1], routed
-    run = launch_once(conformance_dir, "+sweep=smoke", *MOE, "strategy=zero2", "batch.micro_size=2",
-                      name="smoke-moe-zero2-k1").check()  # fmt: skip
+    run = launch_once(
+        conformance_dir, "+sweep=smoke", *MOE, "strategy=zero2", "batch.micro_size=2", name="smoke-moe-zero2-k1"
+    ).check()
     one = launch_once(conformance_dir, "+sweep=smoke", *MOE, "strategy=ddp", "gpus=1", name="smoke-moe-one").check()
     assert run.losses() == pytest.approx(one.losses(), abs=PARITY_TOLERANCE["zero2"]), (run.losses(), one.losses())
 
@@ -116,8 +128,13 @@ def test_a_module_that_one_rank_skips_is_named_not_a_collective_that_aborts(tmp_
     assert "strategy.moe_blocks" in errors[0] and "SIGABRT" not in run.stderr, run.stderr
 
 
-BATCHNORM = ["model=custom", "model._target_=units_models.BatchNormNet", "data=custom",
-             "data._target_=units_models.images", "+data.size=1"]  # fmt: skip  # 1 x 1 images: one value per sample
+BATCHNORM = [
+    "model=custom",
+    "model._target_=units_models.BatchNormNet",
+    "data=custom",
+    "data._target_=units_models.images",
+    "+data.size=1",
+]  # 1 x 1 images: one value per sample
 
 
 def test_a_batchnorm_cnn_starts_and_a_micro_batch_of_one_is_refused(tmp_path: Path) -> None:

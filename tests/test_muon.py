@@ -11,8 +11,17 @@ import torch
 from conftest import TINY, Run, cli_here, launch_once
 from runs import DECLARED, PARITY_TOLERANCE
 
-MUON_JOB = [*TINY, "batch.global_size=8", "batch.micro_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3",
-            "trainer.keep_last=0", "optim=muon", "optim.muon_lr=0.05", "optim.lr=3e-3"]  # fmt: skip
+MUON_JOB = [
+    *TINY,
+    "batch.global_size=8",
+    "batch.micro_size=2",
+    "trainer.max_steps=6",
+    "trainer.checkpoint_every=3",
+    "trainer.keep_last=0",
+    "optim=muon",
+    "optim.muon_lr=0.05",
+    "optim.lr=3e-3",
+]
 
 
 @functools.cache
@@ -96,7 +105,7 @@ def test_launch_plan_adds_no_muon_gathers_to_the_presets_that_refuse_muon(tmp_pa
     refusing = sorted(name for name, s in DECLARED.items() if type(s).__name__ == "DeepSpeed")
     for name in refusing:  # each refuses it: the check its launch runs
         with pytest.raises(ValueError, match="optim=muon under ZeRO"):
-            check_recipe(None, DECLARED[name].stage, "none", {}, "launcher.worker.muon.MuonAdamW")  # type: ignore[arg-type]
+            check_recipe(None, DECLARED[name].stage, "none", {}, "launcher.optim.muon.MuonAdamW")  # type: ignore[arg-type]
         assert muon[name] == adamw[name], (name, muon[name], adamw[name])
     assert {"zero3", "zero3_offload"} <= set(refusing) and DECLARED["zero3"].layout().params.sharded
 
@@ -108,11 +117,17 @@ def test_the_hidden_matrices_take_muon_and_the_rest_adamw() -> None:
     from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from launcher.worker.muon import MuonAdamW, orthogonalised
-    from launcher.worker.optimizers import build_optimizer, rules_for
+    from launcher.optim.build import build_optimizer, rules_for
+    from launcher.optim.muon import MuonAdamW, orthogonalised
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
     model = LlamaForCausalLM(config)
     rules = rules_for(OmegaConf.create({"lr": 1e-3, "muon_lr": 0.02}), MuonAdamW)
     optimizer = build_optimizer(MuonAdamW, model, rules=rules, lr=1e-3)
@@ -174,14 +189,15 @@ def _launchers_muon(ns_dtype: str) -> tuple[torch.nn.Module, torch.optim.Optimiz
     from hydra import compose, initialize_config_module
 
     from launcher.config import freeze, schema
-    from launcher.worker.optimizers import optimizer_factory
+    from launcher.optim.build import optimizer_factory
     from strategies import RunContext
 
     schema.register()
     with initialize_config_module("launcher.conf", version_base="1.3"):
         cfg = freeze(compose("config", overrides=["optim=muon", "optim.lr=1e-2", f"optim.ns_dtype={ns_dtype}"]))
-    ctx = RunContext(device="cpu", rank=0, local_rank=0, world_size=1, precision="fp32", grad_clip=0.0,
-                     accumulation=1, micro_size=4)  # fmt: skip
+    ctx = RunContext(
+        device="cpu", rank=0, local_rank=0, world_size=1, precision="fp32", grad_clip=0.0, accumulation=1, micro_size=4
+    )
     torch.manual_seed(0)
     model = _Small()
     return model, optimizer_factory(cfg, ctx)(model)
@@ -190,11 +206,23 @@ def _launchers_muon(ns_dtype: str) -> tuple[torch.nn.Module, torch.optim.Optimiz
 def _torch_optimizers(model: torch.nn.Module, groups: list[dict], muon: type) -> list[torch.optim.Optimizer]:
     """`muon` over the launcher's Muon groups of `model` (its parameters by the launcher's order), torch.optim.AdamW
     over its other groups: each group's own rate, weight decay and hyperparameters."""
-    muon_groups = [{"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"],
-                    "momentum": g["momentum"], "nesterov": g["nesterov"], "ns_steps": g["ns_steps"]}
-                   for g in groups if g.get("muon")]  # fmt: skip
-    adamw_groups = [{"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"], "betas": g["betas"],
-                     "eps": g["eps"]} for g in groups if not g.get("muon")]  # fmt: skip
+    muon_groups = [
+        {
+            "params": g["params"],
+            "lr": g["lr"],
+            "weight_decay": g["weight_decay"],
+            "momentum": g["momentum"],
+            "nesterov": g["nesterov"],
+            "ns_steps": g["ns_steps"],
+        }
+        for g in groups
+        if g.get("muon")
+    ]
+    adamw_groups = [
+        {"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"], "betas": g["betas"], "eps": g["eps"]}
+        for g in groups
+        if not g.get("muon")
+    ]
     return [muon(muon_groups, adjust_lr_fn="original"), torch.optim.AdamW(adamw_groups, foreach=False)]
 
 

@@ -143,8 +143,13 @@ def test_a_kill_mid_save_leaves_a_partial_prefix_and_the_next_pod_resumes_exactl
     partial = None
     for attempt in range(4):  # until a kill lands inside a save (one may finish between the look and the kill)
         run_dir = tmp_path / f"pod{attempt}"
-        proc = subprocess.Popen([LAUNCH, *JOB, *flags, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        proc = subprocess.Popen(
+            [LAUNCH, *JOB, *flags, f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         writing = _partial_save(fs, "killed", proc)
         if writing is not None:
             os.kill(worker_pids(run_dir)[0], signal.SIGKILL)
@@ -315,8 +320,13 @@ def _checkpoint(folder, step: int, at: float) -> None:  # type: ignore[no-untype
 
     folder.mkdir(parents=True, exist_ok=True)
     write_file(folder / "rng_0.pt", bytes(range(256)) * 4)
-    manifest = record({"world_size": 1, "config_hash": "0" * 16}, Position(step, 16 * step), at,
-                      {"rng_0.pt": 1024}, {"rng_0.pt": checksum(folder / "rng_0.pt")})  # fmt: skip
+    manifest = record(
+        {"world_size": 1, "config_hash": "0" * 16},
+        Position(step, 16 * step),
+        at,
+        {"rng_0.pt": 1024},
+        {"rng_0.pt": checksum(folder / "rng_0.pt")},
+    )
     write_durably(folder / MANIFEST, json.dumps(manifest))
 
 

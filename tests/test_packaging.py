@@ -25,8 +25,11 @@ def test_a_wheel_install_finds_its_configs_and_runs(tmp_path: Path) -> None:
     shipped = {f"launcher/conf/{p.relative_to(ROOT / 'conf').as_posix()}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert shipped <= names, sorted(shipped - names)  # every config group, present and future
     assert "strategies/ddp.py" in names
-    packages = {p.relative_to(ROOT).as_posix() for top in ("launcher", "strategies", "hydra_plugins")
-                for p in (ROOT / top).rglob("__init__.py")}  # fmt: skip
+    packages = {
+        p.relative_to(ROOT).as_posix()
+        for top in ("launcher", "strategies", "hydra_plugins")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
     assert packages <= names, sorted(packages - names)  # every package, present and future
     site = tmp_path / "site"
     subprocess.run(
@@ -76,3 +79,39 @@ def test_a_wheel_install_finds_its_configs_and_runs(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert len((work / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def _imports(folder: Path) -> dict[str, set[str]]:
+    """Each module below `folder` -> the `launcher.*`/`strategies.*` modules it imports (lazily or not)."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+        found[module] = {n for n in names if n.split(".")[0] in ("launcher", "strategies")}
+    return found
+
+
+@pytest.mark.unit
+def test_the_rooms_import_downwards_and_the_parent_knows_the_worker_by_its_entry_alone() -> None:
+    """The house's rules (docs/contributing.md): the parent imports nothing of the worker but its entry point; no
+    room of a concern imports the worker or the parent; the strategies import nothing of the launcher."""
+    modules = _imports(ROOT / "launcher") | _imports(ROOT / "strategies")
+    broken = []
+    for module, names in modules.items():
+        side = module.split(".")[1] if module.startswith("launcher.") else "strategies"
+        for name in names:
+            if side == "parent" and name.startswith("launcher.worker") and name != "launcher.worker.main":
+                if name != "launcher.worker" or not {"launcher.worker.main"} <= names:
+                    broken.append(f"{module} imports {name}")
+            elif side not in ("parent", "worker") and name.startswith(("launcher.worker", "launcher.parent")):
+                broken.append(f"{module} imports {name}")
+            elif side == "strategies" and name.startswith("launcher"):
+                broken.append(f"{module} imports {name}")
+    assert not broken, broken

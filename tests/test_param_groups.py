@@ -26,14 +26,20 @@ def _gpt() -> torch.nn.Module:
 def _llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 
 
 def _decayed(module: torch.nn.Module, **optim: object) -> set[str]:
-    from launcher.worker.optimizers import build_optimizer, rules_for
+    from launcher.optim.build import build_optimizer, rules_for
 
     built = build_optimizer(torch.optim.AdamW, module, rules=rules_for(optim, torch.optim.AdamW), lr=1e-3)
     names = {id(p): n for n, p in module.named_parameters()}
@@ -46,8 +52,15 @@ def test_the_default_decays_only_hidden_matrices_of_the_gpt_and_a_llama() -> Non
     class name) and embeddings take no decay; every other matrix does. `optim.no_decay=false` decays all, as before."""
     gpt, llama = _gpt(), _llama()
     assert _decayed(gpt) == GPT_DECAYED
-    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                   "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+    projections = (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
     hidden = {f"model.layers.{i}.{p}.weight" for i in range(2) for p in projections}
     assert not isinstance(llama.model.norm, torch.nn.RMSNorm)  # the rule is by class name here, not torch's type
     assert _decayed(llama) == hidden | {"lm_head.weight"}  # an untied output head is a matrix like any other
@@ -59,7 +72,7 @@ def test_the_default_decays_only_hidden_matrices_of_the_gpt_and_a_llama() -> Non
 def test_a_norm_gain_with_zero_gradient_keeps_its_value_under_the_default_and_moved_under_the_old_rule() -> None:
     """A zero gradient (DeepSpeed's flat buffers give one to a parameter no token reached): zero moments, and no
     weight decay under the default, so the gain stays; the old rule (optim.no_decay=false) decayed it toward 0."""
-    from launcher.worker.optimizers import build_optimizer, rules_for
+    from launcher.optim.build import build_optimizer, rules_for
 
     for no_decay, moves in ((True, False), (False, True)):
         torch.manual_seed(0)
@@ -80,11 +93,17 @@ def test_layer_wise_learning_rates_on_a_transformers_bert() -> None:
     biases and LayerNorm gains keep no decay in a group of the rule's own."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from launcher.worker.optimizers import build_optimizer, rules_for
+    from launcher.optim.build import build_optimizer, rules_for
 
     torch.manual_seed(0)
-    config = BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
-                        vocab_size=100, max_position_embeddings=32)  # fmt: skip
+    config = BertConfig(
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=100,
+        max_position_embeddings=32,
+    )
     model = BertForMaskedLM(config)
     scales = {i: 0.5 ** (2 - i) for i in range(3)}
     groups = [{"name": f"bert.encoder.layer.{i}.*", "lr_scale": s} for i, s in scales.items()]
@@ -97,8 +116,11 @@ def test_layer_wise_learning_rates_on_a_transformers_bert() -> None:
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     for i, scale in scales.items():
-        change = max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters()
-                     if n.startswith(f"bert.encoder.layer.{i}."))  # fmt: skip
+        change = max(
+            float((p.detach() - before[n]).abs().max())
+            for n, p in model.named_parameters()
+            if n.startswith(f"bert.encoder.layer.{i}.")
+        )
         assert change == pytest.approx(1e-2 * scale, rel=1e-3), (i, change)
     for group in optimizer.param_groups:
         if group["group"].endswith("no_decay"):
@@ -120,17 +142,23 @@ def test_every_strategy_holds_the_same_groups(strategy: str, suite: Run, tmp_pat
 
 
 REFUSED = [
-    ("optim.groups=[{name: 'blocks.9.*', lr_scale: 0.5}]", "optim.groups[0] (name=blocks.9.*, module=None) matches no "
-     "trainable parameter"),
+    (
+        "optim.groups=[{name: 'blocks.9.*', lr_scale: 0.5}]",
+        "optim.groups[0] (name=blocks.9.*, module=None) matches no trainable parameter",
+    ),
     ("optim.groups=[{module: Conv2d}]", "optim.groups[0] (name=None, module=Conv2d) matches no trainable parameter"),
     ("optim.groups=[{lr_scale: 0.5}]", "optim.groups: optim.groups[0]={'lr_scale': 0.5} names no parameters"),
     ("optim.groups=[{name: '*', lr_scale: -1}]", "optim.groups[0].lr_scale=-1 is not a number >= 0"),
     ("optim.groups=[{name: '*', momentum: 0.9}]", "optim.groups[0].momentum: torch.optim.AdamW takes no such key"),
-    ("optim.groups=[{name: 'blocks.*', _target_: torch.optim.NoSuchOptimizer}]",
-     "optim.groups[0]._target_=torch.optim.NoSuchOptimizer does not import"),
-    ("optim.groups=[{name: 'blocks.*', _target_: torch.optim.SGD, betas: [0.9, 0.9]}]",
-     "optim.groups[0].betas: torch.optim.SGD takes no such key"),
-]  # fmt: skip
+    (
+        "optim.groups=[{name: 'blocks.*', _target_: torch.optim.NoSuchOptimizer}]",
+        "optim.groups[0]._target_=torch.optim.NoSuchOptimizer does not import",
+    ),
+    (
+        "optim.groups=[{name: 'blocks.*', _target_: torch.optim.SGD, betas: [0.9, 0.9]}]",
+        "optim.groups[0].betas: torch.optim.SGD takes no such key",
+    ),
+]
 
 
 @pytest.mark.unit

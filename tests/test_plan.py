@@ -318,8 +318,11 @@ def test_every_no_says_which_limit_and_by_how_much(tmp_path: Path, laptop: None)
     assert short["fsdp"] == short["hsdp"] == set(), short  # nothing on the host: any host will do
     # Nothing fits: the one line says the host's limit too, where the strategy that needs the least device is over it.
     none = _cli(tmp_path, *README_PLAN, "plan.host_memory_gb=1", "plan.device_memory_gb=12", "nodes=1").stdout
-    assert re.search(r"no strategy fits 10\.80 GB per device \(the least any needs, \w+'s, is [\d.]+ GB; it is "
-                     r"[\d.]+ GB over the host memory per node of 8 ranks\)", none), none.splitlines()[-1]  # fmt: skip
+    assert re.search(
+        r"no strategy fits 10\.80 GB per device \(the least any needs, \w+'s, is [\d.]+ GB; it is "
+        r"[\d.]+ GB over the host memory per node of 8 ranks\)",
+        none,
+    ), none.splitlines()[-1]
 
 
 @pytest.mark.unit
@@ -359,8 +362,14 @@ def test_plan_of_one_strategy(tmp_path: Path) -> None:
 def test_plan_of_an_auto_micro_batch_is_the_largest_whose_peak_fits(tmp_path: Path) -> None:
     """batch.micro_size=auto in `launch plan strategy=NAME`: the pick, said on stderr, is planned; its need fits the
     device with plan.headroom, and the next larger micro-batch that divides the global batch does not."""
-    job = ["model=gpt_7b", "gpus=8", "precision=bf16", "strategy=zero3", "plan.device_memory_gb=40",
-           "batch.global_size=512"]  # fmt: skip
+    job = [
+        "model=gpt_7b",
+        "gpus=8",
+        "precision=bf16",
+        "strategy=zero3",
+        "plan.device_memory_gb=40",
+        "batch.global_size=512",
+    ]
     proc = _cli(tmp_path, "plan", *job, "batch.micro_size=auto", "plan.format=json")
     assert proc.returncode == 0, proc.stderr
     picked = int(proc.stderr.split("auto: batch.micro_size=")[1].split()[0])
@@ -547,9 +556,13 @@ def test_auto_skips_what_its_checks_refuse(tmp_path: Path) -> None:
     small, large = pairs[0]
     budget = (need[small] + need[large]) / 2
     run = _auto(
-        tmp_path, "optim=sgd", f"strategy.candidates=[{small},{large}]", f"plan.device_memory_gb={budget / GB}",
-        "plan.headroom=0", runs=False,
-    )  # fmt: skip
+        tmp_path,
+        "optim=sgd",
+        f"strategy.candidates=[{small},{large}]",
+        f"plan.device_memory_gb={budget / GB}",
+        "plan.headroom=0",
+        runs=False,
+    )
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert "refused: strategy.offload_optimizer=cpu runs DeepSpeed's CPU Adam" in run.stdout
     assert "their own checks refuse them here" in run.stderr and "no runnable strategy fits" in run.stderr

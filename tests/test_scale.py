@@ -17,8 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def bench(tmp_path: Path, *args: str) -> str:
     """bench/scale.py with `args`, its runs in `tmp_path`: its output, once it exited 0 (its checks passed)."""
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), *args, "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=3500)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "scale.py"), *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=3500,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     return run.stdout
 

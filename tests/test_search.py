@@ -42,8 +42,14 @@ def test_each_sweep_of_hydras_grammar_is_an_optuna_distribution(override: str, e
 
 
 def test_a_key_given_again_wins_as_in_hydra() -> None:
-    space = parse(["optim.lr=tag(log,interval(1e-4,1e-2))", "optim.weight_decay=0.1", "optim.lr=0.003",
-                   "optim.weight_decay=interval(0.0,0.2)"])  # fmt: skip
+    space = parse(
+        [
+            "optim.lr=tag(log,interval(1e-4,1e-2))",
+            "optim.weight_decay=0.1",
+            "optim.lr=0.003",
+            "optim.weight_decay=interval(0.0,0.2)",
+        ]
+    )
     assert space.fixed == ["optim.lr=0.003"] and list(space.distributions) == ["optim.weight_decay"]
 
 
@@ -51,8 +57,12 @@ def test_a_trials_values_come_back_as_overrides_that_hydra_reads_as_those_values
     space = parse(["+optim.foo=choice(true,false)", "optim.lr=tag(log,interval(1e-4,1e-2))", "seed=3"])
     overrides = space.overrides({"+optim.foo": False, "optim.lr": 0.0012345678901234567})
     assert overrides == ["seed=3", "+optim.foo=false", "optim.lr=0.0012345678901234567"]
-    back = {o.key_or_group: o.value() for o in __import__("hydra").core.override_parser.overrides_parser
-            .OverridesParser.create().parse_overrides(overrides)}  # fmt: skip
+    back = {
+        o.key_or_group: o.value()
+        for o in __import__("hydra")
+        .core.override_parser.overrides_parser.OverridesParser.create()
+        .parse_overrides(overrides)
+    }
     assert back == {"seed": 3, "optim.foo": False, "optim.lr": 0.0012345678901234567}
 
 
@@ -130,8 +140,14 @@ def test_a_study_is_held_by_one_sweeper_and_is_the_study_its_command_describes(t
 
 def test_a_failed_trial_is_told_as_failed_and_a_sampler_with_no_point_left_ends_the_study(tmp_path: Path) -> None:
     space = parse(["batch.global_size=choice(16,20)"])
-    study = open_study("g", storage_url(None, tmp_path), "minimize", optuna.samplers.BruteForceSampler(seed=0), None,
-                       space.definition())  # fmt: skip
+    study = open_study(
+        "g",
+        storage_url(None, tmp_path),
+        "minimize",
+        optuna.samplers.BruteForceSampler(seed=0),
+        None,
+        space.definition(),
+    )
     first = study.ask(space.distributions)
     assert tell(study, first, {"state": "failed", "reason": "refused"}) == ("failed", False)
     second = study.ask(space.distributions)
@@ -146,10 +162,17 @@ def test_the_report_lists_trials_in_the_order_they_ran_and_marks_the_best(tmp_pa
     outcomes = [(0, "complete", 3.0), (1, "pruned", 4.0), (2, "failed", None), (10, "complete", 2.0)]
     for n, state, value in outcomes:
         (tmp_path / str(n)).mkdir()
-        record = {"code": 0 if state != "failed" else 2, "overrides": [f"optim.lr={n / 100}", f"sweep.trial={n}"],
-                  "trial": n, "params": {"optim.lr": n / 100}, "state": state, "objective": value,
-                  "objective_name": "val_loss",
-                  "direction": "minimize", **({"pruned_at": 2} if state == "pruned" else {})}  # fmt: skip
+        record = {
+            "code": 0 if state != "failed" else 2,
+            "overrides": [f"optim.lr={n / 100}", f"sweep.trial={n}"],
+            "trial": n,
+            "params": {"optim.lr": n / 100},
+            "state": state,
+            "objective": value,
+            "objective_name": "val_loss",
+            "direction": "minimize",
+            **({"pruned_at": 2} if state == "pruned" else {}),
+        }
         (tmp_path / str(n) / "outcome.json").write_text(json.dumps(record))
     ran, best = trials(collect(tmp_path))
     assert [t["trial"] for t in ran] == [0, 1, 2, 10] and best is not None and best["trial"] == 10
@@ -270,8 +293,15 @@ def test_a_study_file_that_holds_no_study_is_one_line_and_left_as_it_is(
 def _trial_cfg(url: str, trial: int | None, pruner: dict | None) -> object:
     from omegaconf import OmegaConf
 
-    sweep = {"objective": "val_loss", "objective_at": "last", "direction": "minimize", "pruner": pruner,
-             "study": "s", "storage": url, "trial": trial}  # fmt: skip
+    sweep = {
+        "objective": "val_loss",
+        "objective_at": "last",
+        "direction": "minimize",
+        "pruner": pruner,
+        "study": "s",
+        "storage": url,
+        "trial": trial,
+    }
     return OmegaConf.create({"sweep": sweep})
 
 
@@ -308,8 +338,13 @@ def test_a_trials_outcome_is_its_state_and_objective(tmp_path: Path) -> None:
     assert trial_outcome(_trial_cfg("sqlite://", None, None), tmp_path, 0, "") == {}  # no trial: no search
     record_pruned(tmp_path, 2, "val_loss", 3.0)
     assert trial_outcome(cfg, tmp_path, 0, "") | {"objective_name": None} == {
-        "trial": 7, "objective_name": None, "objective": 3.0, "direction": "minimize", "state": "pruned", "pruned_at": 2
-    }  # fmt: skip
+        "trial": 7,
+        "objective_name": None,
+        "objective": 3.0,
+        "direction": "minimize",
+        "state": "pruned",
+        "pruned_at": 2,
+    }
     (tmp_path / "pruned.json").unlink()
     (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 3.1}\n')
     assert trial_outcome(cfg, tmp_path, 0, "")["reason"] == "no objective: the run logged no val_loss"

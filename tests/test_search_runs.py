@@ -64,9 +64,13 @@ def continued(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]
     sweep, env = tmp / "sweep", clean_env(tmp)
     cmd = command(sweep, "hydra.sweeper.n_trials=4", "trainer.checkpoint_every=4")
     outputs = []
-    for sig, ready in ((signal.SIGTERM, lambda: (sweep / "1" / "checkpoints" / "latest").exists()),
-                       (signal.SIGKILL, lambda: bool((sweep / "2" / "metrics.jsonl").exists()
-                                                     and (sweep / "2" / "metrics.jsonl").read_text()))):  # fmt: skip
+    for sig, ready in (
+        (signal.SIGTERM, lambda: (sweep / "1" / "checkpoints" / "latest").exists()),
+        (
+            signal.SIGKILL,
+            lambda: bool((sweep / "2" / "metrics.jsonl").exists() and (sweep / "2" / "metrics.jsonl").read_text()),
+        ),
+    ):
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         until(proc, ready)
         proc.send_signal(sig)
@@ -125,9 +129,16 @@ def test_each_trials_value_is_the_last_val_loss_its_run_logged(continued) -> Non
     assert (sweep / "summary.png").stat().st_size > 0
 
 
-GPT2 = ["model=custom", "model._target_=transformers.GPT2LMHeadModel", "+model.config._target_=transformers.GPT2Config",
-        *(f"+model.config.{k}={v}" for k, v in {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256,
-                                                "n_positions": 32}.items()), "data.format=hf"]  # fmt: skip
+GPT2 = [
+    "model=custom",
+    "model._target_=transformers.GPT2LMHeadModel",
+    "+model.config._target_=transformers.GPT2Config",
+    *(
+        f"+model.config.{k}={v}"
+        for k, v in {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 32}.items()
+    ),
+    "data.format=hf",
+]
 """A transformers GPT-2, built from its config (nothing downloaded), on the same synthetic tokens."""
 
 
@@ -135,9 +146,16 @@ GPT2 = ["model=custom", "model._target_=transformers.GPT2LMHeadModel", "+model.c
 def test_a_refused_trial_is_failed_and_the_study_goes_on(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     # Every point once: the global batch of 20 does not divide over micro 4 x 2 ranks, and is refused.
-    cmd = command(sweep, "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
-                  "optim.lr=0.003", "batch.global_size=choice(16,20)", "trainer.max_steps=4", *GPT2,
-                  base=[o for o in SEARCH if not o.startswith("model")])  # fmt: skip
+    cmd = command(
+        sweep,
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
+        "optim.lr=0.003",
+        "batch.global_size=choice(16,20)",
+        "trainer.max_steps=4",
+        *GPT2,
+        base=[o for o in SEARCH if not o.startswith("model")],
+    )
     run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     by_size = {t.params["batch.global_size"]: t for t in study(sweep).get_trials()}

@@ -54,14 +54,16 @@ def test_a_target_that_takes_any_key_is_held_to_its_schema(group: str, schema: t
 @pytest.mark.parametrize(
     "overrides,expected",
     [
-        (["data=hf", "data.path=json", "model.block_size=32", "+data.pathh=x"],
-         "does not take data.pathh (it takes: cache_dir, columns, data_files, max_length, name, path, split_seed, "
-         "streaming, text_field, tokenizer, val_fraction, val_split)"),
+        (
+            ["data=hf", "data.path=json", "model.block_size=32", "+data.pathh=x"],
+            "does not take data.pathh (it takes: cache_dir, columns, data_files, max_length, name, path, split_seed, "
+            "streaming, text_field, tokenizer, val_fraction, val_split)",
+        ),
         (["data=hf", "data.path=json", "model.block_size=32", "+data.pathh=x"], "did you mean data.path?"),
         (["data=tokens", "data.path=t.bin", "+data.seq_lenn=8"], "did you mean data.seq_len?"),
         (["logger=mlflow", "+logger.mlflow.experiments=x"], "did you mean logger.mlflow.experiment?"),
     ],
-)  # fmt: skip
+)
 def test_a_key_a_built_in_target_does_not_take_is_one_line(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError) as refused:
         check_keys(_frozen(*overrides))

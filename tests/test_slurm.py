@@ -64,8 +64,7 @@ def _sbatch(cluster: Cluster, tmp_path: Path, script: str, *options: str, wait: 
     path = tmp_path / "job.sh"
     path.write_text(f"#!/bin/bash\n#SBATCH --output={tmp_path}/slurm-%j.out\n#SBATCH --open-mode=append\n{script}\n")
     argv = ["sbatch", "--parsable", *(["--wait"] if wait else []), *options, str(path)]
-    proc = subprocess.run(argv, cwd=tmp_path, env=_env(cluster, tmp_path), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(argv, cwd=tmp_path, env=_env(cluster, tmp_path), capture_output=True, text=True, timeout=600)
     output = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert (proc.returncode == 0) == ok, (proc.stdout, proc.stderr, output)
     return proc.stdout.strip().split(";")[0]
@@ -88,8 +87,11 @@ def test_submitit_slurm_runs_on_both_nodes_as_one_process(
 def test_an_sbatch_script_that_calls_srun_launch(slurm: Cluster, conformance_dir: Path, tmp_path: Path) -> None:
     """The form of docs/clusters.md: `srun launch ...` in a batch script of two nodes, one task each."""
     run_dir = tmp_path / "run"
-    job = _sbatch(slurm, tmp_path, f"#SBATCH --nodes=2 --ntasks-per-node=1\n"
-                  f"srun {LAUNCH} {' '.join(JOB + TWO_NODES)} hydra.run.dir={run_dir}")  # fmt: skip
+    job = _sbatch(
+        slurm,
+        tmp_path,
+        f"#SBATCH --nodes=2 --ntasks-per-node=1\nsrun {LAUNCH} {' '.join(JOB + TWO_NODES)} hydra.run.dir={run_dir}",
+    )
     output = (tmp_path / f"slurm-{job}.out").read_text()
     assert "node 0 of a slurm job" in output and "node 1 of a slurm job" in output, output
     _exact(run_dir, conformance_dir)
@@ -102,8 +104,12 @@ LONGER = [*JOB[:-1], f"trainer.max_steps={STEPS}"]
 
 
 def _slow(slow: Path) -> list[str]:
-    return ["model._target_=faulty.SlowGPT", "+model.sleep_s=0.5", "+model.slow_rank=null",
-            f"+model.while_there={slow}"]  # fmt: skip
+    return [
+        "model._target_=faulty.SlowGPT",
+        "+model.sleep_s=0.5",
+        "+model.slow_rank=null",
+        f"+model.while_there={slow}",
+    ]
 
 
 def _reference(conformance_dir: Path) -> dict[int, float]:
@@ -247,8 +253,15 @@ def test_a_sweep_of_two_jobs_through_submitit_slurm(slurm: Cluster, conformance_
     """Two jobs of two nodes each (a SLURM job array), micro-batches of 2 and 4 for one global batch: both log one
     process's losses, and the sweep's report lists both as done."""
     sweep = tmp_path / "sweep"
-    argv = [LAUNCH, "-m", "hydra/launcher=submitit_slurm", *JOB, *TWO_NODES, "batch.micro_size=2,4",
-            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    argv = [
+        LAUNCH,
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        *JOB,
+        *TWO_NODES,
+        "batch.micro_size=2,4",
+        f"hydra.sweep.dir={sweep}",
+    ]
     proc = subprocess.run(argv, cwd=tmp_path, env=_env(slurm, tmp_path), capture_output=True, text=True, timeout=900)
     logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*.out"))
     assert proc.returncode == 0, (proc.stdout, proc.stderr, logs)
@@ -268,10 +281,18 @@ def test_a_requeued_submitit_job_resumes_by_itself(slurm: Cluster, conformance_d
 
     sweep, slow = tmp_path / "sweep", tmp_path / "slow"
     slow.touch()
-    argv = [LAUNCH, "-m", "hydra/launcher=submitit_slurm", *LONGER, *_slow(slow), *TWO_NODES,
-            f"hydra.sweep.dir={sweep}"]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(slurm, tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    argv = [
+        LAUNCH,
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        *LONGER,
+        *_slow(slow),
+        *TWO_NODES,
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=_env(slurm, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         while not (sweep / "0" / "metrics.jsonl").exists() or max(_losses(sweep / "0"), default=0) < 2:
             assert proc.poll() is None, proc.communicate()

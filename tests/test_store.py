@@ -18,8 +18,17 @@ from text_corpus import documents, train_tokenizer, write_jsonl
 
 from launcher.data.store import Store, StoreError
 
-TINY = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "logger=none", "device=cpu", "trainer.progress=false",
-        "trainer.log_every=1", "batch.global_size=16", "batch.micro_size=4"]  # fmt: skip
+TINY = [
+    "model=gpt_tiny",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "logger=none",
+    "device=cpu",
+    "trainer.progress=false",
+    "trainer.log_every=1",
+    "batch.global_size=16",
+    "batch.micro_size=4",
+]
 
 
 def _corpus(root: Path, files: int = 3, per_file: int = 60) -> dict[str, Path]:
@@ -30,8 +39,16 @@ def _corpus(root: Path, files: int = 3, per_file: int = 60) -> dict[str, Path]:
 
 
 def _prepare(corpus: dict[str, Path], out: str, *extra: str, cwd: Path) -> tuple[int, str, str]:
-    proc = cli_here(cwd, "prepare", "data=text", f"data.files={corpus['corpus']}",
-                    f"data.tokenizer={corpus['tokenizer']}", f"out={out}", "block_size=2KiB", *extra)  # fmt: skip
+    proc = cli_here(
+        cwd,
+        "prepare",
+        "data=text",
+        f"data.files={corpus['corpus']}",
+        f"data.tokenizer={corpus['tokenizer']}",
+        f"out={out}",
+        "block_size=2KiB",
+        *extra,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -97,8 +114,17 @@ def store(corpus, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _store(url: str, tmp: Path, **given) -> Store:
-    keys = {"url": url, "seq_len": 32, "packing": True, "format": "tuple", "vocab_size": None, "tokenizer": None,
-            "cache_dir": str(tmp / "cache"), "cache_limit": "64KiB", "shuffle_blocks": 4}  # fmt: skip
+    keys = {
+        "url": url,
+        "seq_len": 32,
+        "packing": True,
+        "format": "tuple",
+        "vocab_size": None,
+        "tokenizer": None,
+        "cache_dir": str(tmp / "cache"),
+        "cache_limit": "64KiB",
+        "shuffle_blocks": 4,
+    }
     return Store("train", **(keys | given))
 
 
@@ -145,14 +171,23 @@ def test_a_flipped_byte_or_a_truncated_shard_is_refused_naming_it(store: Path, t
 @pytest.mark.parametrize(
     "case,overrides,expected",
     [
-        ("no manifest", ["data.url={tmp}"], "holds no manifest.json: not a token store, or one whose build has not "
-                                            "finished"),
-        ("another tokenizer", ["data.url={store}", "data.tokenizer={other}"],
-         "was built with another tokenizer than data.tokenizer="),
-        ("a cache limit that is no size", ["data.url={store}", "data.cache_limit=lots"],
-         "data.cache_limit=lots is not a size"),
+        (
+            "no manifest",
+            ["data.url={tmp}"],
+            "holds no manifest.json: not a token store, or one whose build has not finished",
+        ),
+        (
+            "another tokenizer",
+            ["data.url={store}", "data.tokenizer={other}"],
+            "was built with another tokenizer than data.tokenizer=",
+        ),
+        (
+            "a cache limit that is no size",
+            ["data.url={store}", "data.cache_limit=lots"],
+            "data.cache_limit=lots is not a size",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_store_that_cannot_be_read_is_one_line_before_start(case, overrides, expected, store, tmp_path) -> None:
     other = train_tokenizer(tmp_path / "other", documents(50, seed=3))
     given = [o.format(tmp=tmp_path, store=store, other=other) for o in overrides]
@@ -177,12 +212,26 @@ def test_a_corpus_five_times_the_cache_trains_from_s3_and_resumes_at_another_wor
         for file in sorted(corpus["corpus"].iterdir()):  # a bucket of jsonl, read where it is
             s3.fs().put_file(str(file), f"{s3.url('jsonl')}/{file.name}")
         parts = [
-            subprocess.Popen([LAUNCH, "prepare", "data=text", f"data.files={s3.url('jsonl')}/*.jsonl",
-                              f"data.tokenizer={corpus['tokenizer']}", f"out={url}", "block_size=2KiB",
-                              f"data.shard_index={i}", "data.num_shards=2"], cwd=tmp_path, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [
+                    LAUNCH,
+                    "prepare",
+                    "data=text",
+                    f"data.files={s3.url('jsonl')}/*.jsonl",
+                    f"data.tokenizer={corpus['tokenizer']}",
+                    f"out={url}",
+                    "block_size=2KiB",
+                    f"data.shard_index={i}",
+                    "data.num_shards=2",
+                ],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             for i in range(2)
-        ]  # fmt: skip
+        ]
         outs = [p.communicate(timeout=300) for p in parts]
         assert all(p.returncode == 0 for p in parts), outs
         assert s3.fs().exists(f"{url}/manifest.json"), outs
@@ -190,9 +239,19 @@ def test_a_corpus_five_times_the_cache_trains_from_s3_and_resumes_at_another_wor
         size = sum(s["splits"]["train"]["tokens"] * 2 for s in manifest["shards"])
         limit = size // 5
         cache = tmp_path / "cache"
-        job = [*TINY, "data=store", f"data.url={url}", "data.seq_len=128", f"data.cache_dir={cache}",
-               f"data.cache_limit={limit}", "data.shuffle_blocks=2", "trainer.eval_every=0",
-               "trainer.checkpoint_every=4", "trainer.keep_last=0", "trainer.warmup_steps=2"]  # fmt: skip
+        job = [
+            *TINY,
+            "data=store",
+            f"data.url={url}",
+            "data.seq_len=128",
+            f"data.cache_dir={cache}",
+            f"data.cache_limit={limit}",
+            "data.shuffle_blocks=2",
+            "trainer.eval_every=0",
+            "trainer.checkpoint_every=4",
+            "trainer.keep_last=0",
+            "trainer.warmup_steps=2",
+        ]
         held, done = [0], threading.Event()
 
         def watch() -> None:
@@ -217,12 +276,15 @@ def test_a_corpus_five_times_the_cache_trains_from_s3_and_resumes_at_another_wor
         a, b = {m["step"]: m["loss"] for m in first.metrics}, {m["step"]: m["loss"] for m in resumed.metrics}
         assert max(abs(a[s] - b[s]) for s in b) <= 1e-6
         secret = url.replace("s3://", f"s3://launch-test:{SECRET}@")
-        line = launch_here(tmp_path, *TINY, "data=store", f"data.url={secret}", "data.seq_len=32",
-                           name="secret").refused()  # fmt: skip
+        line = launch_here(
+            tmp_path, *TINY, "data=store", f"data.url={secret}", "data.seq_len=32", name="secret"
+        ).refused()
         assert "carries credentials" in line and SECRET not in line, line
-        line = launch_here(tmp_path, *TINY, "data=store", f"data.url={url}", "data.seq_len=32", "data.cache_limit=3KiB",
-                           name="small").refused()  # fmt: skip
+        line = launch_here(
+            tmp_path, *TINY, "data=store", f"data.url={url}", "data.seq_len=32", "data.cache_limit=3KiB", name="small"
+        ).refused()
         assert "data.cache_limit=3KiB holds fewer than two of the store's blocks of 2,048 bytes" in line, line
-        line = launch_here(tmp_path, *TINY, "data=store", "data.url=s3://no-such-bucket/tokens", "data.seq_len=32",
-                           name="nobucket").refused()  # fmt: skip
+        line = launch_here(
+            tmp_path, *TINY, "data=store", "data.url=s3://no-such-bucket/tokens", "data.seq_len=32", name="nobucket"
+        ).refused()
         assert "s3://no-such-bucket does not exist (or these credentials cannot see it)" in line, line

@@ -1,4 +1,4 @@
-"""Stragglers, named (`launcher/worker/stragglers.py`): each logged step's compute and wait per rank, and one line
+"""Stragglers, named (`launcher/telemetry/stragglers.py`): each logged step's compute and wait per rank, and one line
 naming a rank that keeps the others waiting for several logged steps."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY, Run, launch
 
-from launcher.worker.stragglers import Stragglers
+from launcher.telemetry.stragglers import Stragglers
 
 SLEEP_S = 0.2
 """Seconds rank 1's model sleeps in each training forward."""
@@ -75,10 +75,19 @@ def test_a_rank_slow_reading_its_batches_is_told_so() -> None:
 def _slow_run(tmp_path: Path, sleep_s: float, name: str) -> Run:
     """2 CPU ranks (gloo) of the tiny GPT whose training forward sleeps `sleep_s` on rank 1; 4 logged steps."""
     return launch(
-        tmp_path, *TINY, "gpus=2", "batch.global_size=8", "batch.micro_size=4", "trainer.max_steps=4",
-        "trainer.save_at_end=false", "model._target_=faulty.SlowGPT", f"+model.sleep_s={sleep_s}",
-        f"trainer.straggler_fraction={FRACTION}", "trainer.straggler_steps=3", name=name,
-    ).check()  # fmt: skip
+        tmp_path,
+        *TINY,
+        "gpus=2",
+        "batch.global_size=8",
+        "batch.micro_size=4",
+        "trainer.max_steps=4",
+        "trainer.save_at_end=false",
+        "model._target_=faulty.SlowGPT",
+        f"+model.sleep_s={sleep_s}",
+        f"trainer.straggler_fraction={FRACTION}",
+        "trainer.straggler_steps=3",
+        name=name,
+    ).check()
 
 
 def _straggler_lines(run: Run) -> list[str]:
@@ -87,8 +96,10 @@ def _straggler_lines(run: Run) -> list[str]:
 
 def test_a_rank_that_sleeps_in_forward_is_named_once_and_the_others_wait_for_it(tmp_path: Path) -> None:
     run = _slow_run(tmp_path, SLEEP_S, "slow")
-    figures = {m["step"]: {k: m[k] for k in ("compute_s_max", "compute_s_rank", "wait_s_max", "wait_s_rank")}
-               for m in run.metrics}  # fmt: skip
+    figures = {
+        m["step"]: {k: m[k] for k in ("compute_s_max", "compute_s_rank", "wait_s_max", "wait_s_rank")}
+        for m in run.metrics
+    }
     assert list(figures) == [1, 2, 3, 4]
     assert all(f["compute_s_rank"] == 1 and f["wait_s_rank"] == 0 for f in figures.values()), figures
     # Lower bounds the sleep itself sets: rank 1 computes at least that long, and rank 0, done with its forward

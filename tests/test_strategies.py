@@ -114,8 +114,10 @@ def test_a_strategy_makes_the_collectives_it_declares(strategy: str, one_process
     held = tensor_rank_params(params, resolved.derived.model.tensor_split, ran.layout().mesh.tensor_size)  # fsdp_tp
     declared = ran.collectives(held, "fp32", last["accumulation"], last["world_size"], resolved.derived.gpus)
     synced, slack = sum(c.payload_bytes for c in declared if c.sync), ran.conformance().comm_slack
-    print(f"{strategy}: synced/declared {last['comm_bytes'] / synced:.4f}, sent/formula "
-          f"{last['comm_sent_bytes'] / last['comm_bytes_formula']:.4f}")  # fmt: skip
+    print(
+        f"{strategy}: synced/declared {last['comm_bytes'] / synced:.4f}, sent/formula "
+        f"{last['comm_sent_bytes'] / last['comm_bytes_formula']:.4f}"
+    )
     assert last["comm_bytes"] == pytest.approx(synced, rel=slack), (last, declared)
     assert last["comm_sent_bytes"] == pytest.approx(last["comm_bytes_formula"], rel=slack), (last, declared)
 

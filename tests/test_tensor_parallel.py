@@ -28,8 +28,14 @@ def _gpt(**sizes: int) -> GPT:
 def _llama(kv_heads: int = 2) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv_heads)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+    )
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 
@@ -50,8 +56,11 @@ def test_the_gpts_plan_splits_attention_mlp_embedding_and_head_with_the_norms_se
 def test_a_sequence_the_group_cannot_split_is_refused_before_start_and_where_it_enters() -> None:
     """Sequence parallel splits each row's tokens over the group: data.seq_len=30 over 4 ranks is one line before
     start; a plan without sequence styles takes it; a row of 30 tokens reaching the first layer is refused there."""
-    with pytest.raises(ValueError, match="data.seq_len=30 does not split over strategy.tp_size=4: GPT's own plan runs "
-                                         "sequence parallel .* use a data.seq_len that 4 divides"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="data.seq_len=30 does not split over strategy.tp_size=4: GPT's own plan runs "
+        "sequence parallel .* use a data.seq_len that 4 divides",
+    ):
         TensorParallel(4, None, False).check(4, 4, _gpt(), seq_len=30)
     TensorParallel(4, {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}, False).check(4, 4, _gpt(), 30)
     TensorParallel(4, None, False).check(4, 4, _gpt(), seq_len=32)
@@ -92,20 +101,27 @@ def test_a_model_without_a_plan_is_one_line() -> None:
 @pytest.mark.unit
 def test_a_tied_weight_split_two_ways_is_refused() -> None:
     """The GPT's embedding is its head: split on the vocabulary by one, on the width by the other, it is refused."""
-    with pytest.raises(ValueError, match="splits a tied weight two ways: tok_emb.weight \\(split on dim 0\\), "
-                                         "head.weight \\(split on dim 1\\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="splits a tied weight two ways: tok_emb.weight \\(split on dim 0\\), head.weight \\(split on dim 1\\)",
+    ):
         check_plan(_gpt(), {"tok_emb": "embedding_rowwise", "head": "rowwise"}, 2)
 
 
 @pytest.mark.unit
 def test_a_group_across_nodes_is_refused_unless_the_flag_says_why(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ValueError, match="strategy.tp_size=4 spans nodes of gpus=2: .* use strategy.tp_size=2 or "
-                                         "less, or strategy.tp_across_nodes=true"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="strategy.tp_size=4 spans nodes of gpus=2: .* use strategy.tp_size=2 or "
+        "less, or strategy.tp_across_nodes=true",
+    ):
         TensorParallel(4, None, False).check(8, 2, _gpt())
     TensorParallel(4, None, True).check(8, 2, _gpt())
     out = capsys.readouterr().out
-    assert "tensor parallel over 4 ranks: GPT's own plan splits 14 modules of GPT and runs 10 on each rank's part of " \
-           "the sequence" in out, out  # fmt: skip
+    assert (
+        "tensor parallel over 4 ranks: GPT's own plan splits 14 modules of GPT and runs 10 on each rank's part of "
+        "the sequence" in out
+    ), out
 
 
 def test_measured_tp_traffic_is_the_planned(conformance_dir: Path) -> None:
@@ -151,8 +167,7 @@ def test_hsdp_with_tensor_parallel_is_a_3d_mesh_that_logs_one_process_losses(con
     gradient norms are one process's, its TP traffic the plan's, and its replicas' all-reduce is made."""
     from runs import reference, run_of
 
-    run = run_of(conformance_dir, "hsdp", 4, "strategy.tp_size=2", "strategy.replicate_size=2",
-                 "strategy.shard_size=1")  # fmt: skip
+    run = run_of(conformance_dir, "hsdp", 4, "strategy.tp_size=2", "strategy.replicate_size=2", "strategy.shard_size=1")
     one = reference(conformance_dir)
     assert "tensor parallel over 2 ranks: GPT's own plan splits" in run.stdout
     diff = max(abs(a - b) for a, b in zip(run.losses(), one.losses(), strict=True))
@@ -164,12 +179,24 @@ def test_hsdp_with_tensor_parallel_is_a_3d_mesh_that_logs_one_process_losses(con
     assert run.metrics[-1]["comm_calls"] > 0  # the replicas' all-reduce of each gradient
 
 
-LLAMA = ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
-         "+model.config._target_=transformers.LlamaConfig", "+model.config.vocab_size=128",
-         "+model.config.hidden_size=64", "+model.config.intermediate_size=128", "+model.config.num_hidden_layers=2",
-         "+model.config.num_attention_heads=4", "+model.config.num_key_value_heads=2",
-         "data=synthetic", "data.format=hf", "data.vocab_size=128", "batch.global_size=16", "batch.micro_size=2",
-         "trainer.max_steps=6", *(o for o in TINY if not o.startswith(("model", "data")))]  # fmt: skip
+LLAMA = [
+    "model=custom",
+    "model._target_=transformers.AutoModelForCausalLM.from_config",
+    "+model.config._target_=transformers.LlamaConfig",
+    "+model.config.vocab_size=128",
+    "+model.config.hidden_size=64",
+    "+model.config.intermediate_size=128",
+    "+model.config.num_hidden_layers=2",
+    "+model.config.num_attention_heads=4",
+    "+model.config.num_key_value_heads=2",
+    "data=synthetic",
+    "data.format=hf",
+    "data.vocab_size=128",
+    "batch.global_size=16",
+    "batch.micro_size=2",
+    "trainer.max_steps=6",
+    *(o for o in TINY if not o.startswith(("model", "data"))),
+]
 
 
 @pytest.mark.long  # 4 ranks of a Llama and one process, ~60 s on 2 busy cores; the GPT's TP=2 x DP=2 parity is the
@@ -195,8 +222,11 @@ def test_plan_shows_tp_1_2_4_8_and_the_activations_traffic(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr
     rows = {int(line.split()[0]): line.split() for line in proc.stdout.splitlines() if line[:4].strip().isdigit()}
     assert sorted(rows) == [1, 2, 4, 8] and [rows[t][1:3] for t in (1, 2, 4, 8)] == [
-        ["8", "1"], ["4", "2"], ["2", "4"], ["1", "8"]
-    ]  # fmt: skip
+        ["8", "1"],
+        ["4", "2"],
+        ["2", "4"],
+        ["1", "8"],
+    ]
     tokens, hidden, vocab = 4 * 128, 4096, 50304
     # sequence parallel: per layer 4 all-gathers and 4 reduce-scatters (half the buffer each in a ring of 2); outside
     # the layers 2 all-reduces (embedding, head's input) and 2 all-gathers (first layer's gradient, final norm's input)
@@ -230,8 +260,16 @@ def test_sequence_parallel_splits_every_activation_of_a_layer() -> None:
 def test_an_auto_micro_batch_divides_the_global_batch_over_the_data_parallel_ranks(tmp_path: Path) -> None:
     """Under TP=2 on 4 ranks two groups read the global batch of 8: batch.micro_size=auto may take 4 (K = 1), which the
     4 ranks alone would not divide; the line's accumulation is the run's, micro x K x data ranks = the global batch."""
-    proc = cli_here(tmp_path, "plan", *TINY, "strategy=fsdp_tp", "gpus=4", "batch.global_size=8",
-                    "batch.micro_size=auto", "plan.device_memory_gb=40")  # fmt: skip
+    proc = cli_here(
+        tmp_path,
+        "plan",
+        *TINY,
+        "strategy=fsdp_tp",
+        "gpus=4",
+        "batch.global_size=8",
+        "batch.micro_size=auto",
+        "plan.device_memory_gb=40",
+    )
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stderr.splitlines() if x.startswith("auto: batch.micro_size="))
     micro, accumulation = int(line.split("=")[1].split()[0]), int(line.split("(accumulation ")[1].split()[0])

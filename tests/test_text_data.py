@@ -247,18 +247,34 @@ NOT_DATA = [o for o in TINY if not o.startswith("data")]
 
 
 def _text(corpus: dict[str, Path], tmp_path: Path, *extra: str) -> list[str]:
-    return [*NOT_DATA, "data=text", f"data.files={corpus['corpus']}", f"data.tokenizer={corpus['tokenizer']}",
-            "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}", "batch.global_size=8", "batch.micro_size=4",
-            *extra]  # fmt: skip
+    return [
+        *NOT_DATA,
+        "data=text",
+        f"data.files={corpus['corpus']}",
+        f"data.tokenizer={corpus['tokenizer']}",
+        "data.seq_len=16",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "batch.global_size=8",
+        "batch.micro_size=4",
+        *extra,
+    ]
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "case",
-    ["no such field", "no such column", "matches nothing", "tokenizer too large for the model",
-     "too small for a global batch", "tokenizer that does not load", "no tokenizer there", "no EOS token",
-     "vocab_size below the tokenizer's"],
-)  # fmt: skip
+    [
+        "no such field",
+        "no such column",
+        "matches nothing",
+        "tokenizer too large for the model",
+        "too small for a global batch",
+        "tokenizer that does not load",
+        "no tokenizer there",
+        "no EOS token",
+        "vocab_size below the tokenizer's",
+    ],
+)
 def test_bad_text_input_is_one_line_before_any_worker(case: str, corpus: dict[str, Path], tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -266,22 +282,32 @@ def test_bad_text_input_is_one_line_before_any_worker(case: str, corpus: dict[st
     bare = tmp_path / "bare.json"  # a tokenizer.json alone: no tokenizer_config.json to name its EOS token
     shutil.copy(corpus["tokenizer"] / "tokenizer.json", bare)
     overrides, expected = {
-        "no such field": (["data.text_field=body"], f"{corpus['jsonl']} has no field 'body' (its fields: id, text); "
-                                                    "name the one that holds the text with data.text_field=..."),
-        "no such column": ([f"data.files={corpus['parquet']}", "data.text_field=body"],
-                           f"{corpus['parquet']} has no field 'body' (its fields: id, text)"),
+        "no such field": (
+            ["data.text_field=body"],
+            f"{corpus['jsonl']} has no field 'body' (its fields: id, text); "
+            "name the one that holds the text with data.text_field=...",
+        ),
+        "no such column": (
+            [f"data.files={corpus['parquet']}", "data.text_field=body"],
+            f"{corpus['parquet']} has no field 'body' (its fields: id, text)",
+        ),
         "matches nothing": ([f"data.files={tmp_path}/nowhere/*.jsonl"], "/nowhere/*.jsonl matches no file"),
-        "tokenizer too large for the model": (["model.vocab_size=64"],
-                                              "the model embeds 64 ids but data.tokenizer="),
-        "too small for a global batch": (["batch.global_size=4096", "batch.micro_size=4"],
-                                         "fewer than one global batch (batch.global_size=4096)"),
-        "tokenizer that does not load": ([f"data.tokenizer={broken}"], f"data.tokenizer={broken} does not load as a "
-                                                                       "tokenizer"),
+        "tokenizer too large for the model": (["model.vocab_size=64"], "the model embeds 64 ids but data.tokenizer="),
+        "too small for a global batch": (
+            ["batch.global_size=4096", "batch.micro_size=4"],
+            "fewer than one global batch (batch.global_size=4096)",
+        ),
+        "tokenizer that does not load": (
+            [f"data.tokenizer={broken}"],
+            f"data.tokenizer={broken} does not load as a tokenizer",
+        ),
         "no tokenizer there": ([f"data.tokenizer={tmp_path}/none"], "does not exist; point it at a local tokenizer"),
         "no EOS token": ([f"data.tokenizer={bare}"], f"names no EOS token (its added tokens: {EOS}); name the token"),
-        "vocab_size below the tokenizer's": (["data.vocab_size=100"], "data.vocab_size=100 is smaller than the 320 "
-                                                                     "ids of data.tokenizer="),
-    }[case]  # fmt: skip
+        "vocab_size below the tokenizer's": (
+            ["data.vocab_size=100"],
+            "data.vocab_size=100 is smaller than the 320 ids of data.tokenizer=",
+        ),
+    }[case]
     run = launch_here(tmp_path, *_text(corpus, tmp_path, *overrides))
     line = run.refused()
     assert expected in line, line
@@ -334,16 +360,16 @@ def test_two_ranks_match_one_process_and_resume_exactly_on_another_world_size(
     """The batch contract on your text: G=2 K=2 logs the losses of one process with K=4 (fp32, to 1e-6), padded (each
     sample holds its own number of targets; packed samples, all full, train in the store and elastic tests); a resume
     on one process of the 2-rank run's step-3 checkpoint continues with its losses."""
-    job = [*_text(corpus, tmp_path, "data.packing=false"), *RUN, "trainer.checkpoint_every=3",
-           "trainer.keep_last=0"]  # fmt: skip
+    job = [*_text(corpus, tmp_path, "data.packing=false"), *RUN, "trainer.checkpoint_every=3", "trainer.keep_last=0"]
     two = launch(tmp_path, *job, "gpus=2", name="two").check()
     assert "launch: data: tokenized" in two.stdout
     one = launch(tmp_path, *job, "gpus=1", name="one").check()
     assert "launch: data: found the tokens" in one.stdout
     a, b = two.losses(), one.losses()
     assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
-    resumed = launch(tmp_path, *job, "gpus=1", f"resume={two.run_dir / 'checkpoints' / 'step_00000003'}",
-                     name="resumed").check()  # fmt: skip
+    resumed = launch(
+        tmp_path, *job, "gpus=1", f"resume={two.run_dir / 'checkpoints' / 'step_00000003'}", name="resumed"
+    ).check()
     steps = {m["step"]: m["loss"] for m in resumed.metrics}
     assert sorted(steps) == [4, 5, 6] and max(abs(steps[s] - a[s - 1]) for s in steps) <= 1e-6, (steps, a)
 
@@ -354,10 +380,16 @@ def test_a_transformers_model_trains_on_it_as_it_is(corpus: dict[str, Path], tmp
     """GPT-2 from transformers, built from a config of the tokenizer's vocabulary, on padded documents in its own
     batch form (data.format=hf); its loss falls. Its workers are started afresh (as on CUDA, not forked) and read
     through a DataLoader process each: both find the launcher's cache by its key and map it."""
-    gpt2 = ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_config",
-            "+model.config._target_=transformers.GPT2Config", "+model.config.n_layer=2", "+model.config.n_embd=64",
-            "+model.config.n_head=4", "+model.config.n_positions=16",
-            "+model.config.vocab_size=${data.vocab_size}"]  # fmt: skip
+    gpt2 = [
+        "model=custom",
+        "model._target_=transformers.AutoModelForCausalLM.from_config",
+        "+model.config._target_=transformers.GPT2Config",
+        "+model.config.n_layer=2",
+        "+model.config.n_embd=64",
+        "+model.config.n_head=4",
+        "+model.config.n_positions=16",
+        "+model.config.vocab_size=${data.vocab_size}",
+    ]
     job = [o for o in _text(corpus, tmp_path, "data.packing=false", "data.format=hf") if not o.startswith("model")]
     fresh = ["trainer.fork_workers=false", "data.workers=1"]
     run = launch(tmp_path, *job, *gpt2, *RUN, *fresh, "trainer.max_steps=12", "gpus=2").check()

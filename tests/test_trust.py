@@ -91,8 +91,10 @@ def test_a_crafted_entry_never_runs_on_resume_or_convert(tmp_path: Path, ddp_run
     model = {
         name: torch.zeros(tuple(md.size)) for name, md in _tensor_entries(source).items() if name.startswith("model.")
     }
-    state = {"model": {k.removeprefix("model."): v for k, v in model.items()},
-             "optim": {"param_groups": [{"lr": _Payload(marker), "params": []}]}}  # fmt: skip
+    state = {
+        "model": {k.removeprefix("model."): v for k, v in model.items()},
+        "optim": {"param_groups": [{"lr": _Payload(marker), "params": []}]},
+    }
     for stale in crafted.glob("__*.distcp"):
         stale.unlink()
     dcp.save(state, checkpoint_id=str(crafted), no_dist=True)
@@ -147,8 +149,13 @@ def test_resume_auto_in_a_sweep_resumes_only_each_jobs_own_run(tmp_path: Path) -
 def test_a_directory_of_another_run_is_refused_and_left_as_it_was(tmp_path: Path, ddp_run: Run) -> None:
     owner = ddp_run
     before = _digest(owner.run_dir)
-    other = subprocess.run([LAUNCH, *JOB, "gpus=2", "optim.lr=0.5", f"hydra.run.dir={owner.run_dir}"],
-                           cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True)  # fmt: skip
+    other = subprocess.run(
+        [LAUNCH, *JOB, "gpus=2", "optim.lr=0.5", f"hydra.run.dir={owner.run_dir}"],
+        cwd=tmp_path,
+        env=clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+    )
     line = _one_line(other)
     assert f"hydra.run.dir={owner.run_dir} belongs to another run (config hash" in line, line
     assert _digest(owner.run_dir) == before

@@ -16,15 +16,24 @@ from conftest import launch_here, launch_once
 from runs import PARITY_TOLERANCE
 
 from launcher.config import schema
-from strategies.base import RunContext, split_ties, tied_unit_lines, unit_classes
+from strategies.base import RunContext
+from strategies.units import split_ties, tied_unit_lines, unit_classes
 
 schema.register()  # the presets' schemas, for launcher.config.context.preset_strategy
 
-BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-        "vocab_size": 256, "max_position_embeddings": 32, "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0}  # fmt: skip
-CTX = RunContext(device="cpu", rank=0, local_rank=0, world_size=2, precision="fp32", grad_clip=1.0,
-                 accumulation=1, micro_size=1)  # fmt: skip
+BERT = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 256,
+    "max_position_embeddings": 32,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+CTX = RunContext(
+    device="cpu", rank=0, local_rank=0, world_size=2, precision="fp32", grad_clip=1.0, accumulation=1, micro_size=1
+)
 
 
 def on_meta(build):  # type: ignore[no-untyped-def]
@@ -85,9 +94,20 @@ def test_tied_lms_whose_ties_stay_in_the_root_keep_their_blocks() -> None:
     from launcher.models.gpt import GPT
 
     gpt2 = on_meta(lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)))
-    llama = on_meta(lambda: LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                                         intermediate_size=64, vocab_size=64, tie_word_embeddings=True,
-                                                         bos_token_id=1, eos_token_id=2)))  # fmt: skip
+    llama = on_meta(
+        lambda: LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=64,
+                vocab_size=64,
+                tie_word_embeddings=True,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
+    )
     ours = on_meta(lambda: GPT(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16))
     for model, block in ((gpt2, "GPT2Block"), (llama, "LlamaDecoderLayer"), (ours, "Block")):
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
@@ -101,8 +121,10 @@ def test_ties_between_two_units_of_a_class_and_between_a_unit_and_the_root_drop_
 
     model = on_meta(TiedAcrossBlocks)
     ties = split_ties(model, ["Block", "Embedding", "Plain"])
-    assert sorted(t.names for t in ties) == [("blocks.0.linear.weight", "blocks.1.linear.weight"),
-                                             ("embed.table.weight", "head.weight")]  # fmt: skip
+    assert sorted(t.names for t in ties) == [
+        ("blocks.0.linear.weight", "blocks.1.linear.weight"),
+        ("embed.table.weight", "head.weight"),
+    ]
     classes, lines = unit_classes(model, None), tied_unit_lines(model, None)
     assert classes == ["Plain"]
     assert [line.split()[0] for line in lines] == ["Block", "Embedding"], lines
@@ -139,10 +161,16 @@ def test_all_reduce_batchnorm_is_plain_batchnorm_in_one_process_and_keeps_its_st
 
 # ---------------------------------------------------------------- launches
 
-BERT_RUN = ["model=custom", "model._target_=transformers.BertForMaskedLM",
-            "+model.config._target_=transformers.BertConfig",
-            *(f"+model.config.{k}={v}" for k, v in BERT.items()),
-            "data=synthetic", "data.seq_len=16", "data.format=hf", "trainer.max_steps=3"]  # fmt: skip
+BERT_RUN = [
+    "model=custom",
+    "model._target_=transformers.BertForMaskedLM",
+    "+model.config._target_=transformers.BertConfig",
+    *(f"+model.config.{k}={v}" for k, v in BERT.items()),
+    "data=synthetic",
+    "data.seq_len=16",
+    "data.format=hf",
+    "trainer.max_steps=3",
+]
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -153,10 +181,18 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_bert_trains_under_fsdp_from_its_own_units_as_one_process(conformance_dir: Path) -> None:
     """K=1 in both runs, so that the comparison rests on the units alone, not on how a masked LM's loss is counted
     over micro-steps."""
-    run = launch_once(conformance_dir, "+sweep=smoke", *BERT_RUN, "strategy=fsdp", "batch.micro_size=2",
-                      name="units-bert-fsdp").check()  # fmt: skip
-    one = launch_once(conformance_dir, "+sweep=smoke", *BERT_RUN, "strategy=ddp", "gpus=1", "batch.micro_size=4",
-                      name="units-bert-one")  # fmt: skip
+    run = launch_once(
+        conformance_dir, "+sweep=smoke", *BERT_RUN, "strategy=fsdp", "batch.micro_size=2", name="units-bert-fsdp"
+    ).check()
+    one = launch_once(
+        conformance_dir,
+        "+sweep=smoke",
+        *BERT_RUN,
+        "strategy=ddp",
+        "gpus=1",
+        "batch.micro_size=4",
+        name="units-bert-one",
+    )
     assert "launch: fsdp: BertEmbeddings is not a unit, though" in run.stdout, run.stdout
     assert run.losses() == pytest.approx(one.check().losses(), abs=PARITY_TOLERANCE["fsdp"]), (
         run.losses(),
@@ -168,8 +204,9 @@ def test_bert_trains_under_fsdp_from_its_own_units_as_one_process(conformance_di
 
 @pytest.mark.unit
 def test_bert_with_explicit_units_that_split_its_tie_is_refused_before_start(tmp_path: Path) -> None:
-    line = launch_here(tmp_path, "+sweep=smoke", *BERT_RUN, "strategy=fsdp",
-                  "strategy.shard_units=[BertEmbeddings,BertLayer]").refused()  # fmt: skip
+    line = launch_here(
+        tmp_path, "+sweep=smoke", *BERT_RUN, "strategy=fsdp", "strategy.shard_units=[BertEmbeddings,BertLayer]"
+    ).refused()
     assert "launch: error: strategy.shard_units=[BertEmbeddings,BertLayer] splits tied parameters" in line, line
     assert "use strategy.shard_units=[BertLayer]" in line, line
 
@@ -179,9 +216,15 @@ STATISTICS = 1e-6
 """BatchNorm's running mean and variance after 4 steps against one process's, as the losses (`Conformance.tolerance`):
 each step's from the statistics of the global batch, which synchronised BatchNorm sums over the ranks in another
 order of fp32 sums, of activations of weights that moved by the losses' ulps (2.4e-7 measured under ddp and fsdp)."""
-BATCHNORM = ["model=custom", "model._target_=units_models.BatchNormNet", "data=custom",
-             "data._target_=units_models.images", "trainer.max_steps=4", "trainer.save_at_end=true",
-             f"batch.global_size={2 * MICRO}"]  # fmt: skip
+BATCHNORM = [
+    "model=custom",
+    "model._target_=units_models.BatchNormNet",
+    "data=custom",
+    "data._target_=units_models.images",
+    "trainer.max_steps=4",
+    "trainer.save_at_end=true",
+    f"batch.global_size={2 * MICRO}",
+]
 
 
 def test_sync_batchnorm_on_2_ranks_is_one_process_with_both_micro_batches(conformance_dir: Path) -> None:
@@ -189,15 +232,31 @@ def test_sync_batchnorm_on_2_ranks_is_one_process_with_both_micro_batches(confor
     samples as one process with micro-batch 2m does: the same losses (each strategy's declared tolerance), and the
     checkpoint's running statistics are that process's (`STATISTICS`), under DDP and FSDP. (At K > 1 no one-process
     run equals it: each of its micro-steps normalises the G micro-batches of that micro-step together.)"""
-    from launcher.parent.convert import find_checkpoint, weights
+    from launcher.checkpoint.format import find_checkpoint
+    from launcher.parent.convert import weights
 
     sweep = conformance_dir / "units-batchnorm"
-    run = launch_once(conformance_dir, "-m", "+sweep=smoke", *BATCHNORM, f"batch.micro_size={MICRO}",
-                      "strategy=ddp,fsdp", "strategy.sync_batchnorm=true", f"hydra.sweep.dir={sweep}",
-                      name="units-batchnorm")  # fmt: skip
+    run = launch_once(
+        conformance_dir,
+        "-m",
+        "+sweep=smoke",
+        *BATCHNORM,
+        f"batch.micro_size={MICRO}",
+        "strategy=ddp,fsdp",
+        "strategy.sync_batchnorm=true",
+        f"hydra.sweep.dir={sweep}",
+        name="units-batchnorm",
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    one = launch_once(conformance_dir, "+sweep=smoke", *BATCHNORM, f"batch.micro_size={2 * MICRO}", "gpus=1",
-                      "strategy=ddp", name="units-batchnorm-one").check()  # fmt: skip
+    one = launch_once(
+        conformance_dir,
+        "+sweep=smoke",
+        *BATCHNORM,
+        f"batch.micro_size={2 * MICRO}",
+        "gpus=1",
+        "strategy=ddp",
+        name="units-batchnorm-one",
+    ).check()
     expected = weights(find_checkpoint(one.run_dir))
     stats = sorted(k for k in expected if "running" in k or "num_batches" in k)
     assert len(stats) == 6 and int(expected["features.1.num_batches_tracked"]) == 4, stats

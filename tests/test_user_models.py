@@ -31,9 +31,15 @@ def gpt2_folder(conformance_dir: Path) -> Path:
 
 def hf(folder: Path) -> list[str]:
     """The overrides that train a transformers causal LM from a folder, with no wrapper: its batches in HF form."""
-    return ["model=custom", "model._target_=transformers.AutoModelForCausalLM.from_pretrained",
-            f"+model.pretrained_model_name_or_path={folder}", "data=pysource", "data.packing=false",
-            "data.seq_len=16", "data.format=hf"]  # fmt: skip
+    return [
+        "model=custom",
+        "model._target_=transformers.AutoModelForCausalLM.from_pretrained",
+        f"+model.pretrained_model_name_or_path={folder}",
+        "data=pysource",
+        "data.packing=false",
+        "data.seq_len=16",
+        "data.format=hf",
+    ]
 
 
 @pytest.fixture
@@ -83,8 +89,9 @@ def test_labels_are_shifted_once_and_every_strategy_starts_from_the_folders_weig
 
 def test_every_strategy_matches_one_process_on_a_transformers_model(hf_sweep, conformance_dir, gpt2_folder) -> None:
     _, sweep = hf_sweep
-    one = launch_once(conformance_dir, "+sweep=smoke", *hf(gpt2_folder), "strategy=ddp", "gpus=1",
-                      name="smoke-gpt2-one-process").check()  # fmt: skip
+    one = launch_once(
+        conformance_dir, "+sweep=smoke", *hf(gpt2_folder), "strategy=ddp", "gpus=1", name="smoke-gpt2-one-process"
+    ).check()
     for strategy, job in jobs(sweep).items():
         losses = [m["loss"] for m in metrics(job)]
         assert losses == pytest.approx(one.losses(), abs=PARITY_TOLERANCE[strategy]), (strategy, losses, one.losses())
@@ -102,13 +109,15 @@ def test_convert_writes_a_folder_that_from_pretrained_loads(hf_sweep, gpt2_folde
 
     from transformers import AutoModelForCausalLM
 
-    from launcher.parent.convert import find_checkpoint, weights
+    from launcher.checkpoint.format import find_checkpoint
+    from launcher.parent.convert import weights
 
     _, sweep = hf_sweep
     checkpoint = find_checkpoint(jobs(sweep)["zero3"])
     out = tmp_path / "exported"
-    proc = subprocess.run([LAUNCH, "convert", str(checkpoint), f"out={out}", *hf(gpt2_folder)[:3]],
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [LAUNCH, "convert", str(checkpoint), f"out={out}", *hf(gpt2_folder)[:3]], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     loaded = AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
     saved = weights(checkpoint)

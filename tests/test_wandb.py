@@ -69,9 +69,12 @@ def test_nodes_that_share_no_run_directory_derive_one_run_id_from_their_job(tmp_
 
     def run_id(pod: str, checkpoints: str = "s3://bucket/run") -> str:
         frozen = OmegaConf.create(
-            {"job": {"config_hash": "0" * 16}, "trainer": {"checkpoint_dir": checkpoints},
-             "derived": {"shared_run_dir": False}}
-        )  # fmt: skip
+            {
+                "job": {"config_hash": "0" * 16},
+                "trainer": {"checkpoint_dir": checkpoints},
+                "derived": {"shared_run_dir": False},
+            }
+        )
         claim_run(frozen, tmp_path / pod, None, "k8s-master-29500").release()
         return frozen.job.run_id
 
@@ -107,7 +110,7 @@ def test_a_manifest_records_its_run_id_checked_and_older_ones_without_it_load(tm
 def test_the_last_logged_step_is_the_highest_in_metrics_jsonl_not_its_last(tmp_path: Path) -> None:
     """Attempts append from the step they resumed at: 1..9, then 7..8 (killed before it passed 9), then a line torn
     by a kill. The next attempt must not log 9 again."""
-    from launcher.worker.logs import JsonlLogger, last_logged_step
+    from launcher.loggers.base import JsonlLogger, last_logged_step
 
     path = tmp_path / "metrics.jsonl"
     assert last_logged_step(path) == 0

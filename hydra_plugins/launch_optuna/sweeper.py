@@ -38,13 +38,15 @@ class LaunchOptunaSweeperConf:
     it."""
 
 
-ConfigStore.instance().store(group="hydra/sweeper", name="launch_optuna", node=LaunchOptunaSweeperConf,
-                             provider="launch")  # fmt: skip
+ConfigStore.instance().store(
+    group="hydra/sweeper", name="launch_optuna", node=LaunchOptunaSweeperConf, provider="launch"
+)
 
 
 class LaunchOptunaSweeper(Sweeper):
-    def __init__(self, n_trials: int, study_name: str, storage: str | None, sampler: Any,
-                 params: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, n_trials: int, study_name: str, storage: str | None, sampler: Any, params: dict[str, str] | None = None
+    ) -> None:
         self.n_trials, self.study_name, self.storage = n_trials, study_name, storage
         self.sampler, self.params = sampler, dict(params or {})
         self.hydra_context: Any = None
@@ -95,8 +97,11 @@ class LaunchOptunaSweeper(Sweeper):
                 exhausted = self._run(study, trial, space, returns)
             self.claims.let_go(trial.number)
         if exhausted:
-            print(f"launch: the sampler has tried every point of the space: the study ends at {len(study.trials)} "
-                  "trial(s)", flush=True)  # fmt: skip
+            print(
+                f"launch: the sampler has tried every point of the space: the study ends at {len(study.trials)} "
+                "trial(s)",
+                flush=True,
+            )
         self._say_best(study)
         return returns
 
@@ -133,8 +138,10 @@ class LaunchOptunaSweeper(Sweeper):
             raise SpaceError(f"hydra.sweeper.sampler or sweep.pruner cannot be built: {_one_line(e)}") from e
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
         url = spec(self.storage, sweep_dir)
-        definition = [*space.definition(), *(f"sweep.{k}={sweep[k]}" for k in ("objective", "objective_at",
-                                                                                "direction"))]  # fmt: skip
+        definition = [
+            *space.definition(),
+            *(f"sweep.{k}={sweep[k]}" for k in ("objective", "objective_at", "direction")),
+        ]
         claims = Claims(sweep_dir, url)  # a SQLite study: held for this sweeper's life
         try:
             with claims.study():  # its first open makes a database's tables: one sweeper at a time
@@ -211,8 +218,12 @@ class LaunchOptunaSweeper(Sweeper):
         True when the sampler has no point left."""
         from launcher.search.study import tell
 
-        overrides = [*space.overrides(trial.params), f"sweep.trial={trial.number}",
-                     f"sweep.study={self.study_name}", f"sweep.storage='{self.url}'"]  # fmt: skip
+        overrides = [
+            *space.overrides(trial.params),
+            f"sweep.trial={trial.number}",
+            f"sweep.study={self.study_name}",
+            f"sweep.storage='{self.url}'",
+        ]
         result = None
         try:  # a value that does not compose (a wrong type) fails in the launcher, one that the run refuses in the job
             (result,) = self.launcher.launch([overrides], initial_job_idx=trial.number)
@@ -223,8 +234,11 @@ class LaunchOptunaSweeper(Sweeper):
             record = {"state": "failed", "reason": f"the job returned {record!r}, not a trial's outcome"}
         record = self._record(trial, record)
         if record["state"] == "stopped":  # a stop signal: the trial stays RUNNING, the same command continues it
-            print(f"launch: the study stopped during trial {trial.number}; run the same command to continue it",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"launch: the study stopped during trial {trial.number}; run the same command to continue it",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(int(record.get("code") or 1))
         state, exhausted = tell(study, trial, record)
         names, values = record.get("objective_name"), record.get("objective")

@@ -41,8 +41,9 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
             script = Path(folder) / "check.sh"
             script.write_text(executor._executor._make_submission_file_text("true", "check"))
             try:
-                said = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True,
-                                      timeout=120)  # fmt: skip
+                said = subprocess.run(
+                    ["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=120
+                )
             except (OSError, subprocess.SubprocessError) as e:
                 return f"sbatch cannot be run here ({e}); submit from a machine of the SLURM cluster"
         if said.returncode == 0:

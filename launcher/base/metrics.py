@@ -77,7 +77,7 @@ METRICS = {
             "s",
             "max",
             "runner",
-            "a rank's seconds in the step out of its timed collectives (`launcher.worker.stragglers`), the most",
+            "a rank's seconds in the step out of its timed collectives (`launcher.telemetry.stragglers`), the most",
         ),
         Metric("compute_s_rank", "", "argmax", "runner", "the rank that computed that long"),
         Metric(
@@ -100,7 +100,7 @@ EVALUATED = Metric(
     "same",
     "evaluation",
     "a validation figure of trainer.metrics or of a set data.val names: reduced over ranks exactly by the evaluation "
-    "(`launcher.worker.eval_metrics`), the same on every rank",
+    "(`launcher.evaluation.metrics`), the same on every rank",
 )
 """The declaration of every figure the evaluation names after the user's metrics and validation sets."""
 
@@ -137,7 +137,7 @@ def over_ranks(
     values, a row per rank, in rank order; every rank passes the same names, in the same order). Figures that are
     the same on every rank, or rank 0's own, are returned as they are. `sums`: values that are no figure (a count the
     figures are computed from), summed over ranks in the same collective and returned beside them; `each`: values
-    returned as every rank's, a row per rank (what `launcher.worker.stragglers` compares ranks by)."""
+    returned as every rank's, a row per rank (what `launcher.telemetry.stragglers` compares ranks by)."""
     out = dict(figures)
     names = [name for name in figures if declared(name).reduction in REDUCERS]
     if not names and not sums and not each:

@@ -7,5 +7,5 @@
 - `loading`: into a strategy of any layout, and the launcher's checks of `resume=`;
 - `policy`: when a run saves and how many it keeps.
 
-The workers' side of a resume (which checkpoint every rank loads) is `launcher.worker.resume`.
+The workers' side of a resume (which checkpoint every rank loads) is `launcher.checkpoint.resume`.
 """

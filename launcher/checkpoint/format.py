@@ -134,8 +134,15 @@ def record(
     """The manifest of a checkpoint at `position`: the run's fields (`manifest_of`), when it was made visible, and
     each file's size and xxh3-128 checksum. `read_manifest` checks what this writes."""
     stream = {"stream": position.stream} if position.stream is not None else {}
-    return {**run, "step": position.step, "samples": position.samples, **stream, "time": time, "files": files,
-            "xxh3_128": sums}  # fmt: skip
+    return {
+        **run,
+        "step": position.step,
+        "samples": position.samples,
+        **stream,
+        "time": time,
+        "files": files,
+        "xxh3_128": sums,
+    }
 
 
 def manifest_of(cfg: Any, world_size: int, precision: str) -> dict[str, Any]:
@@ -273,3 +280,17 @@ def remove_partial(checkpoints: Location) -> None:
     for stale in checkpoints.glob(".step_*.partial" if not is_remote(checkpoints) else "step_*"):
         if is_partial(stale):
             remove(stale)
+
+
+def find_checkpoint(path: Location) -> Location:
+    """A checkpoint folder that verifies, or the newest one that does of a run directory or checkpoints folder (a
+    line for each newer one skipped)."""
+    if (path / MANIFEST).exists():
+        return intact(path)
+    found = newest_intact(path / "checkpoints") if (path / "checkpoints").is_dir() else newest_intact(path)
+    if found is None:
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no valid manifest.json and files); "
+            "give a checkpoints/step_* folder or a run directory"
+        )
+    return found

@@ -70,8 +70,10 @@ def _enum_member(cls: Any, name: str) -> Any:
 
     if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
         return cls[name]
-    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', cls)!r}, {name!r}) is not allowed in checkpoint "
-                                 "metadata (only an enum member by name)")  # fmt: skip
+    raise pickle.UnpicklingError(
+        f"getattr({getattr(cls, '__name__', cls)!r}, {name!r}) is not allowed in checkpoint "
+        "metadata (only an enum member by name)"
+    )
 
 
 def read_metadata(path: Location) -> Any:

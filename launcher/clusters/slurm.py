@@ -76,8 +76,11 @@ class Slurm:
             previous(signum, None)
         env = os.environ
         if env.get("SUBMITIT_EXECUTOR") == "slurm" and requeued(env):
-            print(f"launch: SLURM requeues job {env['SLURM_JOB_ID']}: its next attempt resumes from this checkpoint",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"launch: SLURM requeues job {env['SLURM_JOB_ID']}: its next attempt resumes from this checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(128 + signum)  # not an Exception: neither Hydra's job nor submitit records it
 
 
@@ -107,8 +110,9 @@ def node_address(node: str, env: Mapping[str, str]) -> str:
     if scontrol is None:
         return node
     try:
-        said = subprocess.run([scontrol, "show", "node", node], env=dict(env), capture_output=True, text=True,
-                              timeout=30).stdout  # fmt: skip
+        said = subprocess.run(
+            [scontrol, "show", "node", node], env=dict(env), capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return node
     found = re.search(r"\bNodeAddr=(\S+)", said)
@@ -122,8 +126,9 @@ def requeued(env: Mapping[str, str]) -> bool:
     if scontrol is None or "SLURM_JOB_ID" not in env:
         return False
     try:
-        said = subprocess.run([scontrol, "show", "job", env["SLURM_JOB_ID"]], env=dict(env), capture_output=True,
-                              text=True, timeout=30).stdout  # fmt: skip
+        said = subprocess.run(
+            [scontrol, "show", "job", env["SLURM_JOB_ID"]], env=dict(env), capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return False
     found = re.search(r"\bRestarts=(\d+)", said)

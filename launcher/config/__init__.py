@@ -28,7 +28,22 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AUTO", "CPU_DEFAULT_GPUS", "EXIT_BAD_INPUT", "EXIT_FAILED", "GROUPS", "SEVERAL", "BatchSizeError", "ConfigError",
-    "Derived", "check_world_sizes", "derive", "freeze", "node_range", "one_line", "target_nodes", "valid_micro_sizes",
-    "with_schemas", "world_sizes",
-]  # fmt: skip
+    "AUTO",
+    "CPU_DEFAULT_GPUS",
+    "EXIT_BAD_INPUT",
+    "EXIT_FAILED",
+    "GROUPS",
+    "SEVERAL",
+    "BatchSizeError",
+    "ConfigError",
+    "Derived",
+    "check_world_sizes",
+    "derive",
+    "freeze",
+    "node_range",
+    "one_line",
+    "target_nodes",
+    "valid_micro_sizes",
+    "with_schemas",
+    "world_sizes",
+]

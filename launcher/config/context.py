@@ -19,14 +19,16 @@ from strategies.ema import EMASettings
 
 def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int, micro: int | None = None) -> RunContext:
     """What a strategy may know of the run, for one rank of a frozen config that carries `derived`: at `world_size`
-    and `micro` (an elastic job's size now, the micro-batch an out-of-memory error left: `launcher.worker.adapt`), with
-    the accumulation that keeps the global batch."""
+    and `micro` (an elastic job's size now, the micro-batch an out-of-memory error left:
+    `launcher.recovery.adapt`), with the accumulation that keeps the global batch."""
     derived = cfg.derived
     micro, tensor = micro or int(cfg.batch.micro_size), int(derived.get("tensor_size", 1))
     accumulation, rest = divmod(int(cfg.batch.global_size), micro * (world_size // tensor))
     if rest or not accumulation:
-        raise ValueError(f"batch.global_size={cfg.batch.global_size} does not divide over micro-batch {micro} x "
-                         f"data-parallel ranks {world_size // tensor}")  # fmt: skip
+        raise ValueError(
+            f"batch.global_size={cfg.batch.global_size} does not divide over micro-batch {micro} x "
+            f"data-parallel ranks {world_size // tensor}"
+        )
     return RunContext(
         device=f"cuda:{local_rank}" if derived.device == "cuda" else "cpu",
         rank=rank,

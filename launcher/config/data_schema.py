@@ -38,20 +38,29 @@ def data_format() -> Any:
 
 
 def loader_workers() -> Any:
-    return ranged(0, COUNT, identity=False, doc="DataLoader worker processes reading ahead of the loop (0: read in "
-                  "the loop); the same order either way.")  # fmt: skip
+    return ranged(
+        0,
+        COUNT,
+        identity=False,
+        doc="DataLoader worker processes reading ahead of the loop (0: read in the loop); the same order either way.",
+    )
 
 
 def micro_batch_collate() -> Any:
-    return field(default_factory=CollateConfig, metadata={"doc": "The collate of a rank's micro-batch "
-                                                                 "(launcher/data/collate.py)."})  # fmt: skip
+    return field(
+        default_factory=CollateConfig,
+        metadata={"doc": "The collate of a rank's micro-batch (launcher/data/collate.py)."},
+    )
 
 
 def validation_sets() -> Any:
-    return launch_only(factory=dict, doc="Several validation sets, each under its name (logged as val/<name>/loss, "
-                       "val/<name>/<metric>): a data node of any source (`_target_` and its keys), or keys merged over "
-                       "this one (`+data.val.short.seq_len=64`); unset: the validation split of this data alone "
-                       "(val_loss, val/<metric>).")  # fmt: skip
+    return launch_only(
+        factory=dict,
+        doc="Several validation sets, each under its name (logged as val/<name>/loss, "
+        "val/<name>/<metric>): a data node of any source (`_target_` and its keys), or keys merged over "
+        "this one (`+data.val.short.seq_len=64`); unset: the validation split of this data alone "
+        "(val_loss, val/<metric>).",
+    )
 
 
 @dataclass

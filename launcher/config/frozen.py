@@ -155,7 +155,7 @@ class Derived:
     Equal to `nodes` for a job of a fixed size."""
     micro_auto: bool = False
     """batch.micro_size=auto: the planner chose the micro-batch, and an out-of-memory error halves it
-    (`launcher.worker.adapt`)."""
+    (`launcher.recovery.adapt`)."""
     tensor_size: int = 1
     """strategy.tp_size: consecutive ranks that see the same micro-batches; accumulation is global / (micro x world
     size / tensor_size)."""
@@ -177,7 +177,7 @@ def _nearest_multiples(value: int, unit: int) -> str:
 
 
 AUTO = "auto"
-"""batch.micro_size=auto: the planner picks it (`launcher.plan.commands.choose_micro`, `launcher.worker.adapt`)."""
+"""batch.micro_size=auto: the planner picks it (`launcher.plan.commands.choose_micro`, `launcher.recovery.adapt`)."""
 
 
 class BatchSizeError(ConfigError):

@@ -68,8 +68,11 @@ def with_source_schemas(cfg: DictConfig) -> DictConfig:
         own = OmegaConf.masked_copy(node, [k for k in node if k not in SOURCE_KEYS])
         mixing = {k: node[k] for k in node if k in SOURCE_KEYS}
         prefix = f"${{data.sources.{name}."
-        defaults = {k: v.replace("${data.", prefix) for k, v in OmegaConf.to_container(schema).items()
-                    if isinstance(v, str) and "${data." in v and k not in own}  # fmt: skip
+        defaults = {
+            k: v.replace("${data.", prefix)
+            for k, v in OmegaConf.to_container(schema).items()
+            if isinstance(v, str) and "${data." in v and k not in own
+        }
         try:
             merged = OmegaConf.merge(schema, defaults, own)
         except OmegaConfBaseException as e:

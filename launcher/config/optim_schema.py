@@ -1,5 +1,5 @@
 """The typed schema of the optim group (`optim=adamw|sgd|muon|custom`), which `launcher.config.schema` stores with the
-others, and the keys every optim node has for its param groups (`launcher.worker.param_groups`)."""
+others, and the keys every optim node has for its param groups (`launcher.optim.groups`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ RECIPE_KEYS = ("groups", "no_decay")
 
 @dataclass
 class ParamGroupsConfig:
-    """The param groups every optim choice takes (`launcher.worker.param_groups`)."""
+    """The param groups every optim choice takes (`launcher.optim.groups`)."""
 
     groups: list[dict[str, Any]] = field(default_factory=list)
     """Rules for param groups, the first that matches a parameter wins: each a name pattern (`name`, a glob over
@@ -55,7 +55,7 @@ class MuonConfig(ParamGroupsConfig):
     """optim=muon: Muon over the 2-D hidden matrices, AdamW over the rest (embeddings, the output head, norms,
     biases), each at its own rate; under ddp, fsdp and hsdp (each matrix's update computed whole)."""
 
-    _target_: str = "launcher.worker.muon.MuonAdamW"
+    _target_: str = "launcher.optim.muon.MuonAdamW"
     lr: float = ranged(3e-4, COUNT)
     """AdamW's peak rate (the schedule's)."""
     muon_lr: float = ranged(0.02, COUNT)

@@ -19,6 +19,7 @@ from omegaconf import MISSING, OmegaConf
 from launcher.config import data_schema, mix_schema
 from launcher.config.data_schema import PySourceDataConfig, SyntheticDataConfig, TokensDataConfig
 from launcher.config.groups import choices
+from launcher.config.harness_schema import HarnessConfig
 from launcher.config.optim_schema import AdamWConfig, CustomOptimConfig, MuonConfig, SGDConfig
 from launcher.config.ranges import (
     COUNT,
@@ -57,7 +58,7 @@ class BatchConfig:
     micro_size: Any = ranged(4, MICRO, identity=False)
     """Samples per rank per forward pass; not part of the run's identity (the trajectory depends on the global batch
     alone: `launcher.models.loss`). auto: the largest that divides the global batch and whose planned peak
-    fits the device, halved (accumulation doubled) after an out-of-memory error (`launcher.worker.adapt`)."""
+    fits the device, halved (accumulation doubled) after an out-of-memory error (`launcher.recovery.adapt`)."""
 
 
 @dataclass
@@ -185,7 +186,7 @@ class DeepSpeedStrategyConfig:
 
 @dataclass
 class WandbConfig:
-    _target_: str = "launcher.worker.logs.WandbLogger"
+    _target_: str = "launcher.loggers.wandb.WandbLogger"
     project: str = "launch"
     entity: str | None = None
     group: str | None = None
@@ -197,7 +198,7 @@ class WandbConfig:
 
 @dataclass
 class MlflowConfig:
-    _target_: str = "launcher.worker.mlflow_logger.MlflowLogger"
+    _target_: str = "launcher.loggers.mlflow.MlflowLogger"
     tracking_uri: str | None = None
     """Where MLflow keeps the run: a server (http://host:5000), a database (sqlite:///path/mlflow.db) or any URI MLflow
     takes, credentials never in it (MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN); unset:
@@ -216,7 +217,7 @@ class MlflowConfig:
 
 @dataclass
 class TensorBoardConfig:
-    _target_: str = "launcher.worker.tensorboard_logger.TensorBoardLogger"
+    _target_: str = "launcher.loggers.tensorboard.TensorBoardLogger"
     log_dir: str | None = None
     """Where the event files go: unset, `<run dir>/tensorboard`; set, `<log_dir>/<group>/<name>` (one folder per
     job, kept across its restarts and resumes)."""
@@ -304,7 +305,7 @@ class LaunchConfig:
     """Worker processes per node (one per GPU); unset: every visible GPU, or 2 on CPU."""
     nodes: Any = ranged(1, NODES, identity=False)
     """Machines in the job; world size = nodes x gpus. MIN:MAX: an elastic job, which goes on at any number of nodes
-    in the range (the global batch fixed, accumulation derived again: `launcher.worker.adapt`)."""
+    in the range (the global batch fixed, accumulation derived again: `launcher.recovery.adapt`)."""
     device: Device = launch_only(Device.auto)
     """auto picks cuda when a GPU is visible, else cpu."""
     precision: Precision = Precision.fp32
@@ -317,6 +318,8 @@ class LaunchConfig:
     plan: PlanConfig = launch_only(factory=PlanConfig)
     sweep: SweepConfig = launch_only(factory=SweepConfig)
     """A search's objective, and which trial of which study a run is (`launcher.search`)."""
+    harness: HarnessConfig = launch_only(factory=HarnessConfig)
+    """lm-evaluation-harness tasks `launch eval CHECKPOINT` runs on the checkpoint (`launcher.export.harness`)."""
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

@@ -57,7 +57,7 @@ class Direction(Enum):
 
 @dataclass
 class EarlyStopConfig:
-    """trainer.early_stop: end the run when a logged figure stops improving (`launcher.worker.callbacks`)."""
+    """trainer.early_stop: end the run when a logged figure stops improving (`launcher.evaluation.callbacks`)."""
 
     metric: str | None = None
     """The figure watched (val_loss, val/accuracy, val/<set>/<metric>...); unset: no early stop."""
@@ -85,13 +85,13 @@ class TrainerConfig:
     """Validation metrics, each under its name: a torchmetrics `Metric` by `_target_` with its keys, or a function
     of (output, batch) returning (sum, count); `preds` and `target` say where the metric's inputs are in the model's
     output and in the batch (a key, an attribute or a position; unset: found, and said once). Reduced over ranks
-    exactly (`launcher.worker.eval_metrics`); logged as val/<name>, or val/<set>/<name> with several sets."""
+    exactly (`launcher.evaluation.metrics`); logged as val/<name>, or val/<set>/<name> with several sets."""
     early_stop: EarlyStopConfig = launch_only(factory=EarlyStopConfig)
     """Stop when trainer.early_stop.metric stops improving; the best step's checkpoint is kept and named `best`."""
     callbacks: list[Any] = launch_only(factory=list)
     """Objects of yours (`_target_`s) called at the trainer's phases: any of on_train_start, on_step_end,
     on_eval_end, on_save, on_train_end, each with (step, figures); on rank 0, or on every rank where the class sets
-    `every_rank = True` (`launcher.worker.callbacks`)."""
+    `every_rank = True` (`launcher.evaluation.callbacks`)."""
     eval_only: bool = launch_only(False)
     """Set by `launch eval CHECKPOINT`: the checkpoint evaluated once, no step trained; eval.json in the run dir."""
     eval_ema: bool = launch_only(False)
@@ -172,7 +172,7 @@ class TrainerConfig:
     """trainer.nonfinite=skip: stop after this many non-finite steps in a row."""
     straggler_fraction: float | None = ranged(0.2, COUNT, identity=False)
     """A rank whose seconds computing in a logged step exceed the median of the other ranks' by more than this
-    fraction, in straggler_steps logged steps in a row, is named in one line (`launcher.worker.stragglers`); 0 or null:
-    never named (the logged compute_s and wait_s figures stay)."""
+    fraction, in straggler_steps logged steps in a row, is named in one line (`launcher.telemetry.stragglers`); 0 or
+    null: never named (the logged compute_s and wait_s figures stay)."""
     straggler_steps: int = ranged(3, SIZE, identity=False)
     """Logged steps in a row a rank must straggle in before it is named."""

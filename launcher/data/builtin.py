@@ -153,8 +153,10 @@ def _build_pysource(root: Path, val_fraction: float, out: Path, tag: str) -> Non
                 (offset + m.start(), offset + m.end()) for m in re.finditer(rb"(?:[^\n]|\n(?![ \t]*\n))+", content)
             ]
             offset += len(content) + 1
-        for name, data in ((f"{split}.spans.npy", np.asarray(spans, dtype=np.int64).reshape(-1, 2)),
-                           (f"{split}.bin", b"\n".join(chunks))):  # fmt: skip
+        for name, data in (
+            (f"{split}.spans.npy", np.asarray(spans, dtype=np.int64).reshape(-1, 2)),
+            (f"{split}.bin", b"\n".join(chunks)),
+        ):
             tmp = out / f".pysource-{tag}-{name}.{os.getpid()}.tmp"
             with open(tmp, "wb") as f:
                 np.save(f, data) if isinstance(data, np.ndarray) else f.write(data)

@@ -170,14 +170,15 @@ class _Reader:
         base = self.rows("train")
         return {
             "format": 1,
-            "rows": [base._fingerprint, self.load(self.data.val_split, False)._fingerprint] if self.data.val_split else
-            [base._fingerprint],
+            "rows": [base._fingerprint, self.load(self.data.val_split, False)._fingerprint]
+            if self.data.val_split
+            else [base._fingerprint],
             "split": [self.data.split, self.data.val_split, self.data.val_fraction, self.data.split_seed],
             "tokenizer": tokenizer_hash(Path(os.path.expanduser(str(self.data.tokenizer)))),
             "text_field": self.data.text_field,
             "max_length": self.data.max_length,
             "columns": self.data.columns,
-        }  # fmt: skip
+        }
 
     def folder(self, key: dict[str, Any] | None = None) -> Path:
         digest = hashlib.sha256(json.dumps(key or self.key(), sort_keys=True).encode()).hexdigest()[:24]

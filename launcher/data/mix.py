@@ -79,8 +79,10 @@ class Mixture:
             dataset = build_dataset(_node(node), split)
             epochs, stream = node.get("epochs"), is_stream(dataset)
             if stream and epochs is not None:
-                raise MixError(f"data.sources.{name}.epochs={epochs}: {name} is a stream, which ends when it runs out; "
-                               "unset it (epochs count a map-style source's passes)")  # fmt: skip
+                raise MixError(
+                    f"data.sources.{name}.epochs={epochs}: {name} is a stream, which ends when it runs out; "
+                    "unset it (epochs count a map-style source's passes)"
+                )
             self.parts.append(Part(str(name), dataset, float(node.get("weight")), epochs, stream))
 
     def source_for(self, global_size: int, seed: int, collate: Collate, name: str) -> MixSource:
@@ -132,9 +134,16 @@ class MixSource:
         """Why the mixture ended, once `feed` has (the run's last line names the source: `Trainer.ended`)."""
 
     def feed(
-        self, position: Any, steps: int, rank: int, world_size: int, accumulation: int, workers: int,
-        device: torch.device, check: Callable[[Any, int], None] | None = None,
-    ) -> Iterator[StepData]:  # fmt: skip
+        self,
+        position: Any,
+        steps: int,
+        rank: int,
+        world_size: int,
+        accumulation: int,
+        workers: int,
+        device: torch.device,
+        check: Callable[[Any, int], None] | None = None,
+    ) -> Iterator[StepData]:
         """This rank's micro-batches from `position` on, K per step, each step's with the mixture's state after it;
         read in one DataLoader process ahead of the loop when `workers` > 0, else in the loop."""
         from torch.utils.data import DataLoader
@@ -149,8 +158,14 @@ class MixSource:
                 flush=True,
             )
         reader = _MixReader(self, state, position.step, steps, rank, world_size, accumulation)
-        loader = DataLoader(reader, batch_size=None, collate_fn=_as_is, num_workers=min(workers, 1),
-                            pin_memory=device.type == "cuda", prefetch_factor=4 if workers > 0 else None)  # fmt: skip
+        loader = DataLoader(
+            reader,
+            batch_size=None,
+            collate_fn=_as_is,
+            num_workers=min(workers, 1),
+            pin_memory=device.type == "cuda",
+            prefetch_factor=4 if workers > 0 else None,
+        )
         self.end = None
         for step, (micro, state, which) in enumerate(loader):
             if micro is None:  # the reader's last word: why the mixture ends here
@@ -206,8 +221,11 @@ class MixSource:
         a change of sources or weights said in one line (rank 0); fresh at step 0."""
         state = fresh(self.mixture)
         if rank == 0:
-            print(f"launch: data: the mixture's weights: {self.mixture.weights.describe()}; a source that ends: "
-                  f"data.on_end={self.mixture.on_end}", flush=True)  # fmt: skip
+            print(
+                f"launch: data: the mixture's weights: {self.mixture.weights.describe()}; a source that ends: "
+                f"data.on_end={self.mixture.on_end}",
+                flush=True,
+            )
         saved = (position.stream or {}).get("mix") if isinstance(position.stream, dict) else None
         if position.step == 0:
             return state
@@ -273,8 +291,18 @@ class _MixReader(torch.utils.data.IterableDataset):
     samples of the step read and this rank's kept, its map-style samples read by index, its micro-batches collated,
     the state after the step attached."""
 
-    def __init__(self, source: MixSource, state: dict[str, Any], done: int, steps: int, rank: int, world_size: int,
-                 accumulation: int, quiet: bool = False, partial: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        source: MixSource,
+        state: dict[str, Any],
+        done: int,
+        steps: int,
+        rank: int,
+        world_size: int,
+        accumulation: int,
+        quiet: bool = False,
+        partial: bool = False,
+    ) -> None:
         self.source, self.state, self.done, self.steps = source, state, done, steps
         self.rank, self.world_size, self.accumulation, self.quiet = rank, world_size, accumulation, quiet
         self.partial = partial
@@ -389,9 +417,12 @@ class _MixReader(torch.utils.data.IterableDataset):
         began = time.perf_counter()
         passed = sum(1 for _ in islice(samples, start))
         if self.rank == 0 and not self.quiet:
-            print(f"launch: data: data.sources.{part.name} resumed at sample {start:,} by reading past the {passed:,} "
-                  f"before it in {time.perf_counter() - began:.2f} s ({why or 'the checkpoint records no state of it'}"
-                  "; every resume reads them again)", flush=True)  # fmt: skip
+            print(
+                f"launch: data: data.sources.{part.name} resumed at sample {start:,} by reading past the {passed:,} "
+                f"before it in {time.perf_counter() - began:.2f} s ({why or 'the checkpoint records no state of it'}"
+                "; every resume reads them again)",
+                flush=True,
+            )
         return samples
 
 

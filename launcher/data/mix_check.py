@@ -50,8 +50,9 @@ def check_mixture(frozen: Any, collate: Any) -> Any:
             reader = _MixReader(source, fresh(mixture), 0, 1, 0, 1, B // micro, quiet=True)
             first = next(iter(reader), ([None],))[0][0]
             if first is None:
-                raise ConfigError(f"data: the mixture's {split} split gives no full global batch of {B}; give its "
-                                  "sources samples")  # fmt: skip
+                raise ConfigError(
+                    f"data: the mixture's {split} split gives no full global batch of {B}; give its sources samples"
+                )
     return first
 
 
@@ -62,8 +63,10 @@ def _first(part: Any, split: str) -> Any:
     except Exception as e:
         raise ConfigError(f"data.sources.{part.name}: its {split} split does not read ({e}); fix that source") from e
     if not found:
-        raise ConfigError(f"data.sources.{part.name}: its {split} split holds no sample; give it samples, or leave it "
-                          "out of the mixture")  # fmt: skip
+        raise ConfigError(
+            f"data.sources.{part.name}: its {split} split holds no sample; give it samples, or leave it "
+            "out of the mixture"
+        )
     return found[0]
 
 

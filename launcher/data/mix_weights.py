@@ -258,22 +258,29 @@ def check_sources(sources: Any, schedule: Any, on_end: Any) -> Weights:
     base = {}
     for name, node in sources.items():
         if not hasattr(node, "get") or node.get("_target_") is None:
-            raise MixError(f"data.sources.{name} has no _target_; give it a data config, e.g. "
-                           "_target_: launcher.data.store.Store with its url")  # fmt: skip
+            raise MixError(
+                f"data.sources.{name} has no _target_; give it a data config, e.g. "
+                "_target_: launcher.data.store.Store with its url"
+            )
         if node.get("weight") is None:
             raise MixError(f"data.sources.{name} has no weight; add data.sources.{name}.weight=W (W >= 0)")
         base[str(name)] = _number(node.get("weight"), f"data.sources.{name}.weight")
         collate = node.get("collate")
         if collate is not None and collate.get("_target_") is not None:
-            raise MixError(f"data.sources.{name}.collate is set: one micro-batch holds samples of several sources, so "
-                           "the mixture has one collate; set data.collate instead")  # fmt: skip
+            raise MixError(
+                f"data.sources.{name}.collate is set: one micro-batch holds samples of several sources, so "
+                "the mixture has one collate; set data.collate instead"
+            )
         epochs = node.get("epochs")
         if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
-            raise MixError(f"data.sources.{name}.epochs={epochs!r} is not a positive integer; give one, or leave it "
-                           "unset (a map-style source repeats)")  # fmt: skip
+            raise MixError(
+                f"data.sources.{name}.epochs={epochs!r} is not a positive integer; give one, or leave it "
+                "unset (a map-style source repeats)"
+            )
     if not sum(base.values()) > 0:
-        raise MixError(f"data.sources: the weights sum to {sum(base.values()):g}; give at least one source a weight "
-                       "above 0")  # fmt: skip
+        raise MixError(
+            f"data.sources: the weights sum to {sum(base.values()):g}; give at least one source a weight above 0"
+        )
     if str(on_end) not in ("stop", "drop"):
         raise MixError(f"data.on_end={on_end} is not stop or drop")
     return Weights(base, list(schedule or []))

@@ -125,9 +125,16 @@ class RandomAccess:
         self.batches = GlobalBatches(len(dataset), global_size, seed, getattr(dataset, "epoch_order", None))
 
     def feed(
-        self, position: Any, steps: int, rank: int, world_size: int, accumulation: int, workers: int,
-        device: torch.device, check: Callable[[Any, int], None] | None = None,
-    ) -> Iterator[StepData]:  # fmt: skip
+        self,
+        position: Any,
+        steps: int,
+        rank: int,
+        world_size: int,
+        accumulation: int,
+        workers: int,
+        device: torch.device,
+        check: Callable[[Any, int], None] | None = None,
+    ) -> Iterator[StepData]:
         """This rank's micro-batches from `position` on, K per step, read by `workers` DataLoader processes ahead of
         the loop (0: in the loop), collated, pinned and copied without blocking on CUDA. The order is the sampler's
         whatever `workers` is. `check(batch, n)` sees each host batch and its index before it is copied."""
@@ -230,9 +237,16 @@ class Stream:
         self.dataset, self.global_size, self.collate, self.name = dataset, global_size, collate, name
 
     def feed(
-        self, position: Any, steps: int, rank: int, world_size: int, accumulation: int, workers: int,
-        device: torch.device, check: Callable[[Any, int], None] | None = None,
-    ) -> Iterator[StepData]:  # fmt: skip
+        self,
+        position: Any,
+        steps: int,
+        rank: int,
+        world_size: int,
+        accumulation: int,
+        workers: int,
+        device: torch.device,
+        check: Callable[[Any, int], None] | None = None,
+    ) -> Iterator[StepData]:
         """This rank's micro-batches from `position` on, each step's with the stream's state after it; read in one
         DataLoader process ahead of the loop when `workers` > 0 (a stream has one order: one reader), else in the
         loop. Ends early if the stream does."""

@@ -134,8 +134,17 @@ def parse_bytes(value: Any, key: str) -> int:
     match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", str(value), re.IGNORECASE)
     if match:
         unit = (match[2] or "B").upper()
-        scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-                 "TIB": 2**40}[unit]  # fmt: skip
+        scale = {
+            "B": 1,
+            "KB": 1e3,
+            "MB": 1e6,
+            "GB": 1e9,
+            "TB": 1e12,
+            "KIB": 2**10,
+            "MIB": 2**20,
+            "GIB": 2**30,
+            "TIB": 2**40,
+        }[unit]
         size = int(float(match[1]) * scale)
         if size > 0:
             return size
@@ -151,8 +160,18 @@ class BlockCache:
         self.root, self.limit, self.location = root, limit, location
         root.mkdir(parents=True, exist_ok=True)
 
-    def read(self, file: str, block: int, start: int, offset: int, count: int, dtype: np.dtype, size: int,
-             digest: str, what: str) -> np.ndarray:  # fmt: skip
+    def read(
+        self,
+        file: str,
+        block: int,
+        start: int,
+        offset: int,
+        count: int,
+        dtype: np.dtype,
+        size: int,
+        digest: str,
+        what: str,
+    ) -> np.ndarray:
         """`count` items of `dtype` at `offset` (bytes) within block `block` of `file`, which starts at byte `start`
         of it and is `size` bytes long."""
         path = self.root / f"{file}.{block:06d}"
@@ -315,8 +334,9 @@ class Store(Dataset):
             a, b = max(begin, lo) - lo, min(end, lo + size) - lo
             what = f"shard {shard['name']}'s {self.split} tokens ({file}), block {block}"
             if self.cache is not None:
-                pieces.append(self.cache.read(file, block, lo, a, (b - a) // item, self.dtype, size,
-                                              part["blocks"][block], what))  # fmt: skip
+                pieces.append(
+                    self.cache.read(file, block, lo, a, (b - a) // item, self.dtype, size, part["blocks"][block], what)
+                )
             else:
                 pieces.append(self._local(file, block, a, b, size, part["blocks"][block], what))
         return np.concatenate(pieces)

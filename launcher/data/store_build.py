@@ -49,8 +49,9 @@ def prepare_store(data: Any, out: str, part: tuple[int, int] | None, block_bytes
     where = open_location(out)
     tok = load_tokenizer(data.tokenizer)
     eos = eos_id(tok, data.tokenizer, data.eos_token)
-    key = hashlib.sha256(json.dumps({"format": FORMAT, "corpus": corpus.key(), "block_bytes": block_bytes},
-                                    sort_keys=True).encode()).hexdigest()[:32]  # fmt: skip
+    key = hashlib.sha256(
+        json.dumps({"format": FORMAT, "corpus": corpus.key(), "block_bytes": block_bytes}, sort_keys=True).encode()
+    ).hexdigest()[:32]
     existing = _manifest_key(where)
     if existing == key:
         return f"launch: prepare: the store at {masked(out)} is complete already ({len(corpus.train)} shards)"
@@ -65,9 +66,16 @@ def prepare_store(data: Any, out: str, part: tuple[int, int] | None, block_bytes
     for i in mine:
         check_field(files[i], corpus.reader(files[i]), data.text_field)
     todo = [i for i in mine if _record(where, i, key) is None]
-    settings = {"dtype": "uint16" if len(tok) <= 1 << 16 else "uint32", "eos": eos, "block_bytes": block_bytes,
-                "tokenizer": str(data.tokenizer), "val_fraction": float(data.val_fraction),
-                "split_seed": int(data.split_seed), "key": key, "out": str(out)}  # fmt: skip
+    settings = {
+        "dtype": "uint16" if len(tok) <= 1 << 16 else "uint32",
+        "eos": eos,
+        "block_bytes": block_bytes,
+        "tokenizer": str(data.tokenizer),
+        "val_fraction": float(data.val_fraction),
+        "split_seed": int(data.split_seed),
+        "key": key,
+        "out": str(out),
+    }
     started = time.monotonic()
     tokens = sum(_build(corpus, todo, settings, int(data.tokenize_workers)))
     seconds = time.monotonic() - started
@@ -85,11 +93,18 @@ def prepare_store(data: Any, out: str, part: tuple[int, int] | None, block_bytes
             f"{missing[0]:05d}, part {missing[0] % count}): the manifest is written by the call that finds them all"
         )
     manifest = {
-        "kind": KIND, "format": FORMAT, "key": key, "dtype": settings["dtype"], "vocab_size": len(tok), "eos_id": eos,
-        "tokenizer": tokenizer_hash(corpus.tokenizer), "block_bytes": block_bytes,
-        "settings": {k: corpus.settings[k] for k in sorted(corpus.settings)}, "shards": records,
+        "kind": KIND,
+        "format": FORMAT,
+        "key": key,
+        "dtype": settings["dtype"],
+        "vocab_size": len(tok),
+        "eos_id": eos,
+        "tokenizer": tokenizer_hash(corpus.tokenizer),
+        "block_bytes": block_bytes,
+        "settings": {k: corpus.settings[k] for k in sorted(corpus.settings)},
+        "shards": records,
         "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }  # fmt: skip
+    }
     _write_text(where / MANIFEST, json.dumps(manifest))
     total = sum(r["splits"][s]["tokens"] for r in records for s in ("train", "val"))  # type: ignore[index]
     return (
@@ -144,8 +159,9 @@ def build_shard(corpus: Any, index: int, settings: dict[str, Any]) -> int:
         import datasets
 
         datasets.disable_progress_bars()
-        ids = tokenized((file,), corpus, scratch, Encode(load_tokenizer(settings["tokenizer"]), settings["eos"]), 0,
-                        name)  # fmt: skip
+        ids = tokenized(
+            (file,), corpus, scratch, Encode(load_tokenizer(settings["tokenizer"]), settings["eos"]), 0, name
+        )
         lengths = document_lengths(ids)
         in_val = choose_val(lengths > 0, settings["val_fraction"], [settings["split_seed"], index])
         splits: dict[str, Any] = {}
@@ -163,14 +179,21 @@ def build_shard(corpus: Any, index: int, settings: dict[str, Any]) -> int:
             _put(docs_file, where / SHARDS / f"{name}.{split}.docs")
             splits[split] = {**counts, "max_id": largest, "blocks": sums, "docs_xxh3": xxh3(docs)}
         del ids
-        record = {"name": name, "key": settings["key"], "source": str(file), "splits": splits,
-                  "skipped_documents": int((lengths == 0).sum())}  # fmt: skip
+        record = {
+            "name": name,
+            "key": settings["key"],
+            "source": str(file),
+            "splits": splits,
+            "skipped_documents": int((lengths == 0).sum()),
+        }
         _write_text(where / SHARDS / f"{name}.json", json.dumps(record))  # last: the shard is built
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     tokens = sum(s["tokens"] for s in splits.values())
-    print(f"launch: prepare: shard {name} ({file.name}): {tokens:,} tokens in {time.monotonic() - started:.1f} s",
-          flush=True)  # fmt: skip
+    print(
+        f"launch: prepare: shard {name} ({file.name}): {tokens:,} tokens in {time.monotonic() - started:.1f} s",
+        flush=True,
+    )
     return tokens
 
 

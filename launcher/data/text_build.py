@@ -44,8 +44,13 @@ class Encode:
         real = [i for i, t in enumerate(texts) if isinstance(t, str) and t.strip()]
         ids: list[list[int]] = [[] for _ in texts]
         if real:
-            encoded = self.tok([texts[i] for i in real], add_special_tokens=True, return_attention_mask=False,
-                               return_token_type_ids=False, verbose=False)["input_ids"]  # fmt: skip
+            encoded = self.tok(
+                [texts[i] for i in real],
+                add_special_tokens=True,
+                return_attention_mask=False,
+                return_token_type_ids=False,
+                verbose=False,
+            )["input_ids"]
             for i, seq in zip(real, encoded):
                 ids[i] = seq if seq and seq[-1] == self.eos else [*seq, self.eos]
         return {"ids": ids}
@@ -76,12 +81,16 @@ def _build(corpus: Corpus, partial: Path, tok: Any, eos: int, workers: int) -> d
     if corpus.val:
         val = tokenized(corpus.val, corpus, partial, encode, workers, "val")
         _check_some_text(document_lengths(val), corpus.val, corpus.settings["text_field"], "data.val_files")
-        splits = {"train": write(partial, "train", train, lengths > 0, dtype),
-                  "val": write(partial, "val", val, document_lengths(val) > 0, dtype)}  # fmt: skip
+        splits = {
+            "train": write(partial, "train", train, lengths > 0, dtype),
+            "val": write(partial, "val", val, document_lengths(val) > 0, dtype),
+        }
     else:
         in_val = choose_val(lengths > 0, corpus.settings["val_fraction"], corpus.settings["split_seed"])
-        splits = {"train": write(partial, "train", train, (lengths > 0) & ~in_val, dtype),
-                  "val": write(partial, "val", train, in_val, dtype)}  # fmt: skip
+        splits = {
+            "train": write(partial, "train", train, (lengths > 0) & ~in_val, dtype),
+            "val": write(partial, "val", train, in_val, dtype),
+        }
     skipped = int((lengths == 0).sum()) + (int((document_lengths(val) == 0).sum()) if corpus.val else 0)
     del train
     shutil.rmtree(partial / "hf", ignore_errors=True)  # datasets' own arrow files: read, no longer needed
@@ -90,11 +99,19 @@ def _build(corpus: Corpus, partial: Path, tok: Any, eos: int, workers: int) -> d
     seconds = time.monotonic() - started
     tokens = sum(s["tokens"] for s in splits.values())
     manifest = {
-        "format": key["format"], "key": key, "dtype": dtype.name, "tokenizer": str(corpus.tokenizer),
-        "vocab_size": len(tok), "eos_id": eos, "splits": splits, "skipped_documents": skipped,
-        "seconds": round(seconds, 3), "tokens_per_second": tokens / max(seconds, 1e-9),
-        "tokenize_workers": workers, "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }  # fmt: skip
+        "format": key["format"],
+        "key": key,
+        "dtype": dtype.name,
+        "tokenizer": str(corpus.tokenizer),
+        "vocab_size": len(tok),
+        "eos_id": eos,
+        "splits": splits,
+        "skipped_documents": skipped,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": tokens / max(seconds, 1e-9),
+        "tokenize_workers": workers,
+        "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     return manifest
 
 

@@ -1,5 +1,5 @@
 """The checks of the model, built on the meta device, that the launcher makes before any worker starts (its
-optimizer's are `launcher.parent.optim_checks`, after the first of these): a parameter to train, a forward and
+optimizer's are `launcher.optim.checks`, after the first of these): a parameter to train, a forward and
 backward of the first micro-batch (no memory, no values), the parameters that get no gradient, the sequence length
 against its positions, and the vocabulary it embeds. Each failure is a ConfigError (one line);
 `launcher.parent.checks` runs them in order."""

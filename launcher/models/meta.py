@@ -36,7 +36,7 @@ class ModelSize:
     unknown."""
     gathered: int = 0
     """Elements of the matrices its optimizer updates whole (optim=muon's hidden matrices), which a per-parameter
-    sharding gathers once per step (`launcher.plan.optim_comm`); counted by the launcher, 0 for other optimizers."""
+    sharding gathers once per step (`launcher.optim.plan`); counted by the launcher, 0 for other optimizers."""
     tensor_split: int = 0
     """Parameters its own tensor-parallel plan splits over a group of T ranks (`strategies.tp_plans.split_params`):
     each rank of the group holds 1/T of these and the rest whole (norms, a rowwise layer's bias, what the plan does

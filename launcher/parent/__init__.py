@@ -1,7 +1,8 @@
 """The parent, one per node: the `launch` console script (`cli`) and its subcommands (`convert`; `launch plan` in
 `launcher.plan.commands`, `launch prepare` in `launcher.data.store_build`), the overrides composed once (`overrides`),
-the job checked before any worker starts (`checks`, in order: the optimizer's `optim_checks`, the data's
-`launcher.data.checks`, the model's `launcher.models.checks`, the evaluation's `eval_checks`; everything a run will
+the job checked before any worker starts (`checks`, in order: the optimizer's `launcher.optim.checks`, the
+data's `launcher.data.checks`, the model's `launcher.models.checks`, the evaluation's `launcher.evaluation.checks`, the
+loggers' `launcher.loggers.checks`, the memory tier's `launcher.recovery.shm`; everything a run will
 build, without its memory), its
 workers started through torch's elastic agent (`launch`, `workers`, `agent`, `rendezvous`), its run directory claimed
 and its run id made (`rundir`, `run_id`), a failure told in one line by its cause (`failures`), a sweep's report

@@ -22,10 +22,9 @@ from torch.distributed.elastic.metrics import prof
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest, SignalException, Std
 
 from launcher.adapters.torch_private import check_elastic
+from launcher.base.run_files import FAILED_FLAG, GAVE_UP, RESIZING
 from launcher.parent.failures import STOPPED_BY_LAUNCHER, peer_failure
 from launcher.parent.rendezvous import JobFull, Rendezvous
-from launcher.worker.adapt import RESIZING
-from launcher.worker.lifecycle import FAILED_FLAG, GAVE_UP
 from strategies.declarations import Requirements
 
 MONITOR_INTERVAL = 0.1
@@ -157,7 +156,7 @@ class Agent(LocalElasticAgent):
       debugger), or every one still alive once a rank gave up waiting in a collective (`_end_failed_group`).
     - A healthy group stopped because a node joins (nodes=MIN:MAX) has work worth saving: its ranks get
       `shutdown_timeout` (trainer.stop_timeout) to checkpoint the step they are in, told by `<run dir>/logs/resizing`
-      that this stop is a resize (`launcher.worker.adapt.resizing`), not the user's (`_stop_workers`).
+      that this stop is a resize (`launcher.recovery.adapt.resizing`), not the user's (`_stop_workers`).
     - Any stop: a stopped worker is killed at once (`_shutdown`).
     - A node's workers, all alive, of a job that cannot restart, while another node's rank failed: killed
       (`peer_failed`).

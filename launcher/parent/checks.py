@@ -1,8 +1,8 @@
 """The parent's checks of a frozen config, before any worker starts, in the order they run: each failure is a
 ConfigError (one line). Each concern's checks live beside it: the data's in `launcher.data.checks` (and a mixture's
-in `launcher.data.mix_check`), the model's in `launcher.models.checks`, the optimizer's in `optim_checks`, the
-evaluation's in `eval_checks`, the loggers' in `launcher.worker.logs`, the keys' in `launcher.config.known`, a
-strategy's in its own `check`; the resume's is here.
+in `launcher.data.mix_check`), the model's in `launcher.models.checks`, the optimizer's in `launcher.optim.checks`,
+the evaluation's in `launcher.evaluation.checks`, the loggers' in `launcher.loggers.checks`, the keys' in
+`launcher.config.known`, a strategy's in its own `check`; the resume's is here.
 
 They take the model already built on the meta device (`launcher.models.meta`), so nothing here builds it again.
 """
@@ -17,10 +17,11 @@ from omegaconf import DictConfig
 from launcher.config import ConfigError
 from launcher.config.identity import sweep_identity
 from launcher.data.checks import check_datasets, check_vocabulary, prepare_data
+from launcher.evaluation.checks import check_evaluation
+from launcher.export.harness import check_harness
+from launcher.loggers.checks import check_loggers
 from launcher.models.checks import check_forward, check_trainable, outside_moe_blocks
-from launcher.parent.eval_checks import check_evaluation
-from launcher.parent.optim_checks import check_optimizer
-from launcher.worker.logs import check_loggers
+from launcher.optim.checks import check_optimizer
 
 if TYPE_CHECKING:
     from launcher.base.storage import Location
@@ -82,6 +83,7 @@ def check_built(frozen: DictConfig, model: Any, vocab: int | None) -> list[str] 
     print(check_optimizer(frozen, model), flush=True)  # its param groups, named with their sizes
     check_loggers(frozen)  # the cheap ones first: data=text may tokenize for minutes
     check_evaluation(frozen)  # the metrics build, the early stop's figure is logged
+    check_harness(frozen, model)  # lm-eval's tasks (launch eval): installed, found, the model exportable
     prepare_data(frozen)
     sample = check_datasets(frozen)
     no_grad = check_forward(frozen, model, sample) if sample is not None else None

@@ -19,8 +19,9 @@ HELP = """launch: train a model under any data-parallel strategy (DDP, FSDP2, De
 Usage:
   launch [group=option] [key=value] ...      e.g. launch strategy=zero3 gpus=8 model=gpt_1b
   launch plan [overrides]                    memory and communication per rank; nothing runs
-  launch convert CHECKPOINT out=FILE         consolidated weights as safetensors
+  launch convert CHECKPOINT out=FILE         consolidated weights as safetensors (out=DIR: a transformers folder)
   launch eval CHECKPOINT [overrides]         the validation sets and metrics of a checkpoint, no training: eval.json
+                                             (harness.tasks=[...]: lm-evaluation-harness's tasks too)
   launch prepare data=text [data.*] out=URL  a token store in shards (a folder or s3://...) for data=store
   launch export kubeflow image=IMAGE [overrides]   a Kubeflow PyTorchJob that runs this config on its pods
   launch -m [overrides]                      a sweep, e.g. launch -m +sweep=strategies
@@ -75,7 +76,7 @@ def print_help() -> None:
 
 def console() -> None:
     """The `launch` console script: `main`, then an exit that skips the interpreter's teardown (`exit_now`)."""
-    from launcher.worker.lifecycle import exit_now
+    from launcher.base.process import exit_now
 
     try:
         main()
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return prepare(argv[1:])
     if argv[:1] == ["eval"]:  # the training run's overrides, with the checkpoint resumed and evaluated once
         from launcher.base.errors import ConfigError
-        from launcher.parent.eval_checks import eval_overrides
+        from launcher.parent.eval_command import eval_overrides
 
         try:
             argv = eval_overrides(argv[1:])
@@ -209,7 +210,7 @@ def plan(overrides: list[str]) -> int:
     from hydra import initialize_config_module
 
     from launcher.config import ConfigError
-    from launcher.parent.optim_checks import measure
+    from launcher.optim.checks import measure
     from launcher.parent.overrides import CONFIG_MODULE, check_overrides
     from launcher.plan.commands import plan_command  # imports torch (never deepspeed or wandb)
 
@@ -268,10 +269,13 @@ def export(args: Sequence[str]) -> None:
             fail(str(e))
     name = own["name"][-1] if own["name"] else f"launch-{identity_hash(frozen, composed)[:10]}"
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
-        fail(f"name={name} is not a Kubernetes object name (lower-case letters, digits and '-', at most 63); e.g. "
-             f"name={re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-')[:63] or 'launch'}")  # fmt: skip
-    job = pytorchjob(name, own["image"][-1], derived.nodes, derived.gpus, overrides, derived.device,
-                     (own["namespace"] or [None])[-1])  # fmt: skip
+        fail(
+            f"name={name} is not a Kubernetes object name (lower-case letters, digits and '-', at most 63); e.g. "
+            f"name={re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-')[:63] or 'launch'}"
+        )
+    job = pytorchjob(
+        name, own["image"][-1], derived.nodes, derived.gpus, overrides, derived.device, (own["namespace"] or [None])[-1]
+    )
     print(OmegaConf.to_yaml(OmegaConf.create(job)), end="")
 
 
@@ -309,7 +313,8 @@ def convert(args: Sequence[str]) -> None:
 
     try:
         model, run = None, None
-        if out.suffix != ".safetensors":  # a folder: the run's model (its resolved.yaml), these overrides over it
+        # A folder, or EMA weights (a tied parameter's names): the run's model (its resolved.yaml), overrides over it.
+        if out.suffix != ".safetensors" or emas == ["true"]:
             from hydra import initialize_config_module
 
             from launcher.parent.run_config import MODEL, with_run

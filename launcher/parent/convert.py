@@ -2,7 +2,9 @@
 
     launch convert CHECKPOINT out=model.safetensors             the weights, for model.load_state_dict(...)
     launch convert CHECKPOINT out=DIR [model overrides]         a folder: save_pretrained's (weights + config.json)
-                                                                for a model that has it, else model.safetensors +
+                                                                for a model that has it, the built-in GPT as GPT-2
+                                                                (`launcher.export.transformers_folder`), each with
+                                                                the run's tokenizer, else model.safetensors +
                                                                 model.yaml; for a PEFT model, its adapters
     launch convert CHECKPOINT out=DIR merge=true [overrides]    a PEFT model's adapters merged into its base model:
                                                                 the whole model's folder
@@ -25,27 +27,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.storage import Location, check_url, is_remote, location
-from launcher.checkpoint.format import MANIFEST, CheckpointError, intact, newest_intact
+from launcher.checkpoint.format import CheckpointError, find_checkpoint
 from launcher.checkpoint.untrusted import UntrustedDataError, dcp_load, read_metadata
 
 
-def find_checkpoint(path: Location) -> Location:
-    """A checkpoint folder that verifies, or the newest one that does of a run directory or checkpoints folder (a
-    line for each newer one skipped)."""
-    if (path / MANIFEST).exists():
-        return intact(path)
-    found = newest_intact(path / "checkpoints") if (path / "checkpoints").is_dir() else newest_intact(path)
-    if found is None:
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint (no valid manifest.json and files); "
-            "give a checkpoints/step_* folder or a run directory"
-        )
-    return found
-
-
-def weights(checkpoint: Location, ema: bool = False) -> dict[str, Any]:
+def weights(checkpoint: Location, ema: bool = False, model: Any = None) -> dict[str, Any]:
     """The model's full tensors, whatever layout saved them, read in this process; with `ema`, the EMA weights in
-    place of the trainable parameters' (frozen ones and buffers as the model holds them)."""
+    place of the trainable parameters' (frozen ones and buffers as the model holds them). The average holds a tied
+    parameter once, under one of its names: with the `model` (on the meta device will do), its other names take it
+    too (the built-in GPT's head is its embedding), not the raw weights the checkpoint's model holds under them."""
     import torch
 
     try:
@@ -59,8 +49,10 @@ def weights(checkpoint: Location, ema: bool = False) -> dict[str, Any]:
         if k.startswith(prefix) and hasattr(v, "size")
     }
     if ema and not averaged:
-        raise CheckpointError(f"checkpoint {checkpoint} holds no EMA weights (its run had no trainer.ema.decay); "
-                              "convert it without ema=true")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds no EMA weights (its run had no trainer.ema.decay); "
+            "convert it without ema=true"
+        )
     template = {
         k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
         for k, v in entries.items()
@@ -73,7 +65,19 @@ def weights(checkpoint: Location, ema: bool = False) -> dict[str, Any]:
             raise
         reason = next((line.strip() for line in str(e).splitlines() if "Error" in line), type(e).__name__)
         raise CheckpointError(f"checkpoint {checkpoint} does not load as data ({reason[:200]})") from e
+    if ema and model is not None:
+        for group in _tied(model):
+            source = next((name for name in group if name in averaged), None)
+            averaged |= {name: averaged[source].clone() for name in group if source is not None and name in template}
     return {name: t.contiguous() for name, t in (template | (averaged if ema else {})).items()}
+
+
+def _tied(model: Any) -> list[list[str]]:
+    """The names of each parameter that has more than one."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def write_file(tensors: dict[str, Any], out: Path, checkpoint: Location) -> None:
@@ -102,6 +106,16 @@ def write_folder(
     from launcher.parent.run_config import check_model
 
     check_model(checkpoint, model_cfg, run, command)
+    from launcher.export.transformers_folder import Unmapped, export_gpt, gpt2_config
+    from launcher.models.gpt import GPT
+    from launcher.models.meta import build_on_meta
+
+    meta, unmapped = build_on_meta(model_cfg), ""
+    if isinstance(meta, GPT) and not merge:  # the built-in GPT: GPT-2's folder, where each of its parts maps
+        try:
+            return export_gpt(meta, tensors, out, run)
+        except Unmapped as e:
+            unmapped = str(e)
     try:
         model = instantiate(model_cfg)
     except Exception as e:  # the model's own complaint, in one line
@@ -143,11 +157,22 @@ def write_folder(
             "merge=true writes the whole model, adapters merged"
         )
     if hasattr(model, "save_pretrained"):  # a transformers model: weights and config.json, for from_pretrained
+        from launcher.export.transformers_folder import run_tokenizer
+
+        tokenizer, said = run_tokenizer(run)
         model.save_pretrained(str(out))
-    else:
-        write_file(tensors, out / "model.safetensors", checkpoint)
-        OmegaConf.save(model_cfg, out / "model.yaml")
-    return f"{_count(tensors):,} parameters to {out}"
+        if tokenizer is not None:  # the run's, where it had one
+            tokenizer.save_pretrained(str(out))
+        return f"{_count(tensors):,} parameters to {out}, with {said}"
+    try:  # the launcher's own format, and why it is no transformers folder
+        gpt2_config(meta)
+    except Unmapped as e:
+        unmapped = unmapped or str(e)
+    write_file(tensors, out / "model.safetensors", checkpoint)
+    OmegaConf.save(model_cfg, out / "model.yaml")
+    return (
+        f"{_count(tensors):,} parameters to {out} (model.safetensors, model.yaml); no transformers folder: {unmapped}"
+    )
 
 
 def _first_mismatch(e: RuntimeError) -> str:
@@ -176,8 +201,20 @@ def convert(
     if is_remote(where) and (why := check_url(str(where))):  # credentials, a bucket: one line, not a traceback
         raise CheckpointError(f"{where}: {why}")
     checkpoint = find_checkpoint(where)
-    tensors = weights(checkpoint, ema)
+    meta = None
+    if ema and model_cfg is not None and (run is not None or out.suffix != ".safetensors"):  # tied names
+        from launcher.models.meta import build_on_meta
+        from launcher.parent.run_config import check_model
+
+        check_model(checkpoint, model_cfg, run, command)
+        meta = build_on_meta(model_cfg)
+    tensors = weights(checkpoint, ema, meta)
     if out.suffix == ".safetensors":
+        if ema and meta is None:
+            raise CheckpointError(
+                f"ema=true into {out.name} needs the run's model, to give a tied parameter's every name the average: "
+                "the checkpoint has no run config beside it; write a folder (out=DIR with the run's model overrides)"
+            )
         write_file(tensors, out, checkpoint)
         return f"{_count(tensors):,} parameters to {out}"
     assert model_cfg is not None, "a folder needs the model's config"

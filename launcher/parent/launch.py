@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.durable import disk_error
 from launcher.base.machine import visible_cuda_devices
-from launcher.checkpoint.memory import check_memory_tier
 from launcher.clusters import shaped
 from launcher.config import (
     EXIT_BAD_INPUT,
@@ -33,12 +32,14 @@ from launcher.config import (
 from launcher.config.context import check_protocol, check_strategy
 from launcher.config.identity import identity_hash
 from launcher.config.known import check_keys
+from launcher.export.harness import requested
 from launcher.models.checks import vocabulary
 from launcher.parent.checks import check_built, check_resume
 from launcher.parent.rendezvous import Rendezvous, rendezvous
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
 from launcher.parent.workers import Outcome, Prepared, start_workers
+from launcher.recovery.shm import check_memory_tier, tier_on
 
 
 def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -> Prepared:
@@ -48,11 +49,12 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     `job` carries what Hydra knows of this job (its config-group choices, its overrides, its place in a sweep);
     it is recorded in the frozen config and names the job's wandb group and run.
     """
+    from launcher.export.transformers_folder import tokenizer_record
     from launcher.models.meta import build_on_meta
     from launcher.models.meta import measure as model_size
-    from launcher.parent.optim_checks import measure
+    from launcher.optim.checks import measure
     from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak, planned_state
-    from launcher.worker.adapt import oom_restarts, read_adapted
+    from launcher.recovery.adapt import oom_restarts, read_adapted
 
     frozen = shaped(freeze(cfg), os.environ, (job or {}).get("overrides", []))  # a cluster's nodes and gpus
     cuda = visible_cuda_devices()
@@ -79,7 +81,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(frozen, model)  # with what its optimizer gathers whole
     peak = planned_peak(frozen, derived, size, strategy)
-    if frozen.trainer.memory_checkpoint_every:  # its replicas' nodes, and its room in shared memory
+    if tier_on(frozen.trainer):  # its replicas' nodes, and its room in shared memory
         job_bytes = planned_state(frozen, derived, size, strategy)
         check_memory_tier(frozen.trainer, derived.nodes, derived.min_nodes, job_bytes)
     resolved["derived"] = {
@@ -90,6 +92,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         "no_grad": no_grad,  # parameters without a gradient from the first micro-batch: the strategies' RunContext
         "cluster": rdzv.job.cluster,
         "shared_run_dir": rdzv.job.shared_run_dir,  # the nodes' ranks check that they see one run directory
+        "tokenizer_hash": tokenizer_record(frozen.data),  # an export checks the tokenizer it copies is this one
     }
     resolved["job"] = {**(job or {}), "config_hash": identity_hash(frozen, cfg)}
     _name_logger_run(resolved)
@@ -215,8 +218,13 @@ def run_job(cfg: DictConfig) -> int | dict[str, Any]:
     if "sweep_dir" not in job:
         return outcome.code
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"code": outcome.code, "reason": outcome.reason, "seconds": round(time.monotonic() - started, 1),
-              "strategy": job["choices"].get("strategy"), "overrides": job["overrides"]}  # fmt: skip
+    record = {
+        "code": outcome.code,
+        "reason": outcome.reason,
+        "seconds": round(time.monotonic() - started, 1),
+        "strategy": job["choices"].get("strategy"),
+        "overrides": job["overrides"],
+    }
     from launcher.search.objective import trial_outcome
 
     record |= trial_outcome(cfg, run_dir, outcome.code, outcome.reason)  # {} outside a search
@@ -235,6 +243,12 @@ def _run(cfg: DictConfig, run_dir: Path, job: dict[str, Any]) -> Outcome:
         return Outcome(EXIT_BAD_INPUT, str(e))
     print(describe(cfg, prepared.derived, prepared.rdzv, run_dir), flush=True)
     try:
-        return start_workers(prepared, cfg.trainer, run_dir)
+        outcome = start_workers(prepared, cfg.trainer, run_dir)
+        if outcome.code == 0 and requested(cfg):  # launch eval harness.tasks=[...]: lm-eval, after the validation
+            from launcher.parent.harness import run_harness
+
+            reason = run_harness(cfg, run_dir, prepared.derived.device)
+            return Outcome(EXIT_FAILED, reason) if reason else outcome
+        return outcome
     finally:
         prepared.ownership.release()

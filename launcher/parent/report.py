@@ -222,8 +222,9 @@ def chart(jobs: list[Job], path: Path) -> None:
             if shown:
                 search[0].scatter(*zip(*shown), marker=marker, label=state)
         if best is not None:
-            search[0].scatter([best["trial"]], [best["objective"]], s=160, facecolors="none", edgecolors="tab:red",
-                              label="best")  # fmt: skip
+            search[0].scatter(
+                [best["trial"]], [best["objective"]], s=160, facecolors="none", edgecolors="tab:red", label="best"
+            )
         name = ran[0].get("objective_name")
         search[0].set(title=f"{name} per trial (pruned: when stopped)", xlabel="trial", ylabel=name)
         search[0].set_xlim(-0.5, ran[-1]["trial"] + 0.5)  # every trial's place, the failed ones' too
@@ -272,7 +273,7 @@ def _finish_parent_run(sweep_dir: Path, status: str) -> None:
     """A sweep whose jobs logged to MLflow: its parent run gets the report (summary.md, summary.png) and its status."""
     if not any(sweep_dir.glob("*/mlflow_run_id")):  # no job logged to MLflow: nothing to import
         return
-    from launcher.worker.mlflow_store import finish_sweep, redact
+    from launcher.loggers.mlflow_store import finish_sweep, redact
 
     try:
         parent = finish_sweep(sweep_dir, status, [sweep_dir / "summary.md", sweep_dir / "summary.png"])

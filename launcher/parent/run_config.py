@@ -47,6 +47,14 @@ GROUPS = ("model", "data", "optim")
 """Config groups among them, chosen by name (the run's `job.choices`)."""
 CODE_KEYS = ("_target_", "inputs")
 """Keys whose value names code to import (a metric's `inputs` is a function)."""
+MOVED = {
+    "launcher.worker.muon.MuonAdamW": "launcher.optim.muon.MuonAdamW",
+    "launcher.worker.logs.WandbLogger": "launcher.loggers.wandb.WandbLogger",
+    "launcher.worker.mlflow_logger.MlflowLogger": "launcher.loggers.mlflow.MlflowLogger",
+    "launcher.worker.tensorboard_logger.TensorBoardLogger": "launcher.loggers.tensorboard.TensorBoardLogger",
+}
+"""The launcher's own `_target_`s that moved to the rooms of their concern (the CHANGELOG lists them): a run written
+before names the old path in its resolved.yaml, read as the new one."""
 _KEY = re.compile(r"[A-Za-z_][\w\-]*")
 _WORD = re.compile(r"[A-Za-z_][\w.\-]*")
 MAX_BYTES = 1 << 20
@@ -75,7 +83,16 @@ def read_run(path: Location) -> dict[str, Any]:
         raise ConfigError(f"{path} does not read as a run's config ({type(e).__name__}: {_short(e)})") from e
     if not isinstance(run, dict) or not isinstance((run.get("job") or {}).get("choices", {}), dict):
         raise ConfigError(f"{path} is not a run's config (no mapping of settings and job.choices)")
-    return run
+    return _moved(run)
+
+
+def _moved(node: Any) -> Any:
+    """`node` with each of the launcher's own `_target_`s that moved (`MOVED`) at its new path."""
+    if isinstance(node, dict):
+        return {k: MOVED.get(v, v) if k == "_target_" else _moved(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_moved(v) for v in node]
+    return node
 
 
 def run_overrides(run: dict[str, Any], command: Sequence[str], keys: Sequence[str]) -> list[str]:
@@ -218,8 +235,7 @@ def with_run(checkpoint: str, command: list[str], keys: Sequence[str], what: str
     the command line's, and the run's config (None where its checkpoint has no resolved.yaml beside it: the command
     line's alone, said in one line). ConfigError: one line."""
     from launcher.base.storage import location
-    from launcher.checkpoint.format import CheckpointError, read_manifest
-    from launcher.parent.convert import find_checkpoint
+    from launcher.checkpoint.format import CheckpointError, find_checkpoint, read_manifest
 
     try:
         found = find_checkpoint(location(checkpoint))

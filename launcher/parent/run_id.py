@@ -1,7 +1,7 @@
 """One logger run per job: its id, made once per run directory, and the run a `resume=` into a new directory continues.
 
 `<run dir>/run_id` holds the id (one line). Every launch of the directory reads it: an elastic restart, a resize, a
-SLURM requeue and `resume=<run dir>` all continue one wandb run (`launcher.worker.logs.WandbLogger`). Nodes that share
+SLURM requeue and `resume=<run dir>` all continue one wandb run (`launcher.loggers.wandb.WandbLogger`). Nodes that share
 no run directory derive it from what their job shares instead (`derived_run_id`). The parent records it in resolved.yaml
 as `job.run_id`, the workers in each checkpoint's manifest; a `resume=` of a checkpoint whose manifest names another run
 id records that one as `job.continues`: the new run names the one it continues.

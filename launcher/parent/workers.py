@@ -20,21 +20,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.machine import loopback_interface, memory_available, usable_cpus
+from launcher.base.process import DUMP_SIGNAL, STOP_REPEAT_GRACE, STOP_SIGNALS
+from launcher.base.run_files import FAILURE_DIR_ENV, FLIGHT_RECORDER, NODE_ID_ENV, flight_recorder_env
 from launcher.clusters import detect
 from launcher.config import EXIT_FAILED, Derived
 from launcher.parent.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
 from launcher.parent.rendezvous import LOOPBACK, JobFull, Rendezvous, reachable, refuse_spare_nodes
 from launcher.parent.rundir import Ownership
-from launcher.parent.tier_checks import memory_tier
-from launcher.worker.lifecycle import (
-    DUMP_SIGNAL,
-    FAILURE_DIR_ENV,
-    FLIGHT_RECORDER,
-    NODE_ID_ENV,
-    STOP_REPEAT_GRACE,
-    STOP_SIGNALS,
-    flight_recorder_env,
-)
+from launcher.recovery.node import memory_tier
 from strategies.declarations import Requirements
 
 

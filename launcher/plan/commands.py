@@ -22,6 +22,7 @@ from launcher.config.context import check_strategy, make_strategy, with_presets
 from launcher.plan.costs import KINDS, UnknownOptimizer
 from launcher.plan.fit import make_plan
 from launcher.plan.render import as_dict, chart, describe_pick, render, strategy_rows
+from launcher.recovery.shm import tier_on
 from strategies.base import Strategy
 
 if TYPE_CHECKING:
@@ -163,7 +164,7 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
         print(json.dumps(as_dict(plan), indent=2))
     else:
         print(render(plan))
-        if int(frozen.trainer.get("memory_checkpoint_every") or 0):
+        if tier_on(frozen.trainer):
             print(tier_line(plan, frozen.trainer))
         if lines := tensor_lines(plan, model, frozen):  # T = 1, 2, 4, 8 (none for a model without a plan)
             print("\n".join(lines))
@@ -257,8 +258,8 @@ def planned_state(frozen: DictConfig, derived: Derived, size: Any, strategy: Str
 
 def tier_line(plan: Any, trainer: DictConfig) -> str:
     """What `launch plan` says of the memory tier: the host memory (shared memory) it takes on each node."""
-    from launcher.checkpoint.memory import replicas, tier_bytes
     from launcher.plan.render import _size
+    from launcher.recovery.shm import replicas, tier_bytes
 
     count, nodes = replicas(trainer, plan.derived.nodes), plan.derived.min_nodes
     each = ", ".join(f"{sp.name} {_size(tier_bytes(job_state(plan, sp), count, nodes))}" for sp in plan.strategies)
@@ -273,7 +274,7 @@ def choose_micro(
 ) -> tuple[DictConfig, Derived]:
     """batch.micro_size=auto: the largest micro-batch that divides the global batch over every world size the job
     may run at and whose planned peak fits the device with plan.headroom there; at most `adapted`, the size an
-    out-of-memory error already brought this run down to (`launcher.worker.adapt`). The frozen config with it, derived
+    out-of-memory error already brought this run down to (`launcher.recovery.adapt`). The frozen config with it, derived
     again; one line says the choice. `size`: the model's sizes (`launcher.models.meta.measure`); `strategy`: the
     run's, made (`launcher.config.context.check_protocol`)."""
     from launcher.config import valid_micro_sizes, world_sizes

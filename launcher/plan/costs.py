@@ -155,8 +155,12 @@ def comm_split(
     node = gpus or world_size
     tensor = mesh.tensor_size  # the mesh's last dimension: consecutive ranks, in a node unless tp_size > gpus
     ranks = {"world": world_size, "shard": shard, "replicate": replicate, "tensor": tensor}
-    crosses = {"world": world_size > node, "shard": world_size > node and node % (shard * tensor) != 0,
-               "replicate": world_size > node, "tensor": tensor > node}  # fmt: skip
+    crosses = {
+        "world": world_size > node,
+        "shard": world_size > node and node % (shard * tensor) != 0,
+        "replicate": world_size > node,
+        "tensor": tensor > node,
+    }
     within = across = 0.0
     for c in collectives:
         sent = c.times * ring_sent_elements(c.elements, ranks[c.group], c.kind) * WIRE_BYTES[c.dtype]
@@ -192,8 +196,8 @@ def strategy_comm(
 ) -> tuple[float, float]:
     """`comm_split` of what `strategy` declares for this run over a model of `params` parameters, `split` of them split
     by its tensor-parallel plan (`ModelSize.tensor_split`; its collectives are over what a rank of a group holds), with
-    what its optimizer gathers (`gathered` elements updated whole: `launcher.plan.optim_comm`)."""
-    from launcher.plan.optim_comm import optimizer_collectives
+    what its optimizer gathers (`gathered` elements updated whole: `launcher.optim.plan`)."""
+    from launcher.optim.plan import optimizer_collectives
 
     held = tensor_rank_params(params, split, strategy.layout().mesh.tensor_size)
     found = [*strategy.collectives(held, precision, accumulation, world_size, gpus)]

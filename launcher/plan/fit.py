@@ -214,8 +214,14 @@ class Plan:
         """The index in `RANKING` of the measure that puts `pick` before the next strategy that fits (not `blocked`),
         and that one; 0 when no other fits."""
         tp = pick.strategy.requirements().model_plan  # tensor parallel comes after every other that fits (`pick`)
-        later = [sp for sp in self.ranked() if sp is not pick and sp.name not in blocked and self.fits(sp)
-                 and sp.strategy.requirements().model_plan <= tp]  # fmt: skip
+        later = [
+            sp
+            for sp in self.ranked()
+            if sp is not pick
+            and sp.name not in blocked
+            and self.fits(sp)
+            and sp.strategy.requirements().model_plan <= tp
+        ]
         if not later:
             return 0, None
         return next(i for i, (_, _, key) in enumerate(RANKING) if key(pick) != key(later[0])), later[0]

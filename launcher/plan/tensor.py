@@ -126,6 +126,9 @@ def with_tensor(plan: Plan, model: Any, cfg: Any) -> Plan:
         within = sp.comm_bytes - sp.internode_bytes + (0.0 if t > plan.derived.gpus else tp)
         seconds = split_comm_seconds(within, across, plan.link_gbps, plan.internode_gbps)
         activations = acts if plan.gpt else sp.activations
-        found.append(replace(sp, activations=activations, comm_bytes=within + across, comm_seconds=seconds,
-                             internode_bytes=across))  # fmt: skip
+        found.append(
+            replace(
+                sp, activations=activations, comm_bytes=within + across, comm_seconds=seconds, internode_bytes=across
+            )
+        )
     return replace(plan, strategies=found)

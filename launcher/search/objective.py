@@ -93,8 +93,12 @@ def trial_outcome(cfg: Any, run_dir: Path, code: int, reason: str) -> dict[str, 
     sweep = OmegaConf.to_container(cfg.sweep, resolve=True, enum_to_str=True) if "sweep" in cfg else {}
     if not isinstance(sweep, dict) or sweep.get("trial") is None:
         return {}
-    record: dict[str, Any] = {"trial": sweep["trial"], "objective_name": sweep["objective"], "objective": None,
-                              "direction": sweep["direction"]}  # fmt: skip
+    record: dict[str, Any] = {
+        "trial": sweep["trial"],
+        "objective_name": sweep["objective"],
+        "objective": None,
+        "direction": sweep["direction"],
+    }
     if code >= 128:
         return record | {"state": "stopped"}  # a stop signal: the trial goes on when the study is continued
     if code:

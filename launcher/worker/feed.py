@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.base.collectives import all_reduce
 from launcher.checkpoint.format import Position
 from launcher.data.builtin import BUILT_IN_DATA, build_dataset, check_token_ids
 from launcher.data.collate import build_collate
 from launcher.data.sources import StepData, source_of
-from launcher.worker.step import all_reduce
 from strategies import RunContext
 
 

@@ -87,6 +87,9 @@ class Guard:
                 f"step {step}: {what}; the newest checkpoint is the last finite one"
             )
         if self.rank == 0:
-            print(f"launch: skipped step {step}: {what} ({self.in_a_row} in a row, trainer.max_skipped="
-                  f"{self.max_skipped})", flush=True)  # fmt: skip
+            print(
+                f"launch: skipped step {step}: {what} ({self.in_a_row} in a row, trainer.max_skipped="
+                f"{self.max_skipped})",
+                flush=True,
+            )
         return False

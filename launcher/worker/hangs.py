@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from launcher.worker.lifecycle import GAVE_UP, Phase
+from launcher.base.run_files import GAVE_UP
+from launcher.worker.lifecycle import Phase
 from strategies import RunContext
 
 

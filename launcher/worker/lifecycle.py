@@ -32,22 +32,13 @@ from types import FrameType
 from typing import NoReturn
 
 from launcher.base.errors import REFUSED, Refused
+from launcher.base.process import DUMP_SIGNAL, STOP_REPEAT_GRACE, STOP_SIGNALS
+from launcher.base.run_files import FAILED_FLAG, FAILURE_DIR_ENV, NODE_ID_ENV, WAITING, host_of
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP)
 EXIT_STOPPED = 3
 """A worker that stopped on a signal after saving: not a success (the run is not finished), not a crash."""
-STOP_REPEAT_GRACE = 5.0
-"""Seconds after the first stop signal during which another is the same request (SLURM and the agent both send)."""
 PHASE_FLUSH_EVERY = 2.0
 """Seconds between two writes of a rank's phase file, at most (and only when the phase changed)."""
-GAVE_UP = "then gave up"
-"""How a rank says it waited trainer.collective_timeout in a collective (`launcher.worker.runner`): the others are
-stuck."""
-WAITING = "gave up waiting in a collective"
-"""How a rank's phase file says it gave up (`Phase.gave_up`): the ranks whose files do not say so are the ones at
-fault."""
-DUMP_SIGNAL = signal.SIGUSR1
-"""Asks every rank for its phase and its Python stacks (`<run dir>/logs/phase/`, `<run dir>/logs/stacks/`)."""
 
 
 class StopRequest:
@@ -71,28 +62,6 @@ class StopRequest:
             self.signal, self.at = signum, time.monotonic()
         elif time.monotonic() - self.at > STOP_REPEAT_GRACE:
             os._exit(128 + signum)  # asked again, well after the first: stop now, without saving
-
-
-def exit_now(code: int) -> NoReturn:
-    """End the process without the interpreter's own teardown, which frees torch's modules object by object: over a
-    second of CPU a process, in the launcher and in every worker, every run. Called once everything that must end
-    has ended (the loggers, the strategy, the process group); the exit handlers still run (logging's flush, wandb's
-    and torch's clean-ups), then stdio is flushed."""
-    run_exit_handlers()
-    os._exit(code)
-
-
-def run_exit_handlers() -> None:
-    """What a normal exit runs before the interpreter's teardown: the exit handlers, in the same order, then stdio
-    flushed."""
-    import atexit
-
-    getattr(atexit, "_run_exitfuncs", lambda: None)()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed, or a broken pipe: nothing more can be said
-            pass
 
 
 def after_fork() -> None:
@@ -121,8 +90,11 @@ def after_fork() -> None:
         torch.set_num_threads(int(threads))
     for name, fd in (("stdout", 1), ("stderr", 2)):
         stream = getattr(sys, name)
-        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), stream.encoding, stream.errors,
-                                            write_through=True))  # fmt: skip
+        setattr(
+            sys,
+            name,
+            io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), stream.encoding, stream.errors, write_through=True),
+        )
 
 
 def name_process(rank: int) -> None:
@@ -293,51 +265,22 @@ class Phase:
         faulthandler.enable(file=self._stacks, all_threads=True)
 
 
-FLIGHT_RECORDER = Path("logs") / "flight_recorder"
-"""Where, in a run directory on CUDA, NCCL's flight recorder dumps each rank's last collectives on a timeout."""
-FLIGHT_RECORDER_ENV = {
-    # Any of these names set by the user: the user's choice stands, and the launcher sets none of its group.
-    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",  # collectives kept per rank
-    ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
-    ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): "{dir}/rank_",  # the file prefix; rank appended
-}
-
-
-def flight_recorder_env(run_dir: Path, environ: dict[str, str]) -> dict[str, str]:
-    """The variables that turn NCCL's flight recorder on for a CUDA run, except those the user already set."""
-    folder = str(run_dir / FLIGHT_RECORDER)
-    return {
-        names[0]: value.format(dir=folder)
-        for names, value in FLIGHT_RECORDER_ENV.items()
-        if not any(name in environ for name in names)
-    }
-
-
-NODE_ID_ENV = "LAUNCH_NODE_ID"
-"""Set by each node's launcher for its workers: which launcher started a rank (`joined`)."""
-
-
 def joined(run_dir: Path, rank: int) -> None:
     """Once the process group is made: `<run dir>/logs/ranks/rank<N>.json` says which node and launcher run this
     rank, so that a node that goes away later can be named by the others (`launcher.parent.failures.lost_node`)."""
     import socket
 
-    record = {"node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(),
-              "launcher": os.environ.get(NODE_ID_ENV)}  # fmt: skip
+    record = {
+        "node": int(os.environ.get("GROUP_RANK", "0")),
+        "host": socket.gethostname(),
+        "launcher": os.environ.get(NODE_ID_ENV),
+    }
     try:
         folder = run_dir / "logs" / "ranks"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank{rank}.json").write_text(json.dumps(record))
     except OSError:  # a full disk: the run goes on, a lost node is then named less precisely
         pass
-
-
-def host_of(run_dir: Path, rank: int) -> str | None:
-    """The host `joined` wrote for `rank`; None where its record cannot be read."""
-    try:
-        return json.loads((run_dir / "logs" / "ranks" / f"rank{rank}.json").read_text()).get("host")
-    except (OSError, ValueError):
-        return None
 
 
 def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
@@ -375,14 +318,6 @@ def report_failure(error: BaseException, rank: int, run_dir: Path) -> NoReturn:
     else:
         told = line.removeprefix(REFUSED) if line.startswith(REFUSED) else f"rank {rank} failed {line}"
         print(f"launch: error: {told}", file=sys.stderr, flush=True)
-    if (logs := sys.modules.get("launcher.worker.logs")) is not None:  # rank 0's loggers, finished as FAILED
+    if (logs := sys.modules.get("launcher.loggers.base")) is not None:  # rank 0's loggers, finished as FAILED
         logs.finish_failed()
     os._exit(1)
-
-
-FAILED_FLAG = "failed"
-"""`<run dir>/logs/failed`: touched by each rank that reports a failure, after its report: one file that the agents of
-the job's other nodes can look at every few seconds on a shared file system, where a glob of the reports would not."""
-FAILURE_DIR_ENV = "LAUNCH_FAILURE_DIR"
-"""A folder the launcher makes off the run directory's disk (in memory where it can): a worker whose failure report
-cannot be written where the elastic agent expects it (`<run dir>/logs/` on a full disk) writes it there."""

@@ -12,17 +12,16 @@ import os
 import sys
 from pathlib import Path
 
+from launcher.base.process import exit_now, run_exit_handlers
 from launcher.worker.lifecycle import (
     EXIT_STOPPED,
     Phase,
     StopRequest,
     after_fork,
     die_with_parent,
-    exit_now,
     joined,
     name_process,
     report_failure,
-    run_exit_handlers,
     watch_parent,
 )
 
@@ -36,7 +35,7 @@ def run_rank(path: str, stop: StopRequest, phase: Phase) -> int:
     from omegaconf import DictConfig, OmegaConf
 
     from launcher.config.context import make_strategy, run_context
-    from launcher.worker.adapt import agreed_micro, say_batch
+    from launcher.recovery.adapt import agreed_micro, say_batch
     from launcher.worker.runner import train
 
     cfg = OmegaConf.load(path)

@@ -8,6 +8,7 @@ ranks.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,32 +17,34 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from launcher.base.collectives import all_reduce, gather_rows
 from launcher.base.metrics import declared, over_ranks
 from launcher.base.targets import import_targets
 from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
+from launcher.checkpoint.resume import check_shared_folders, restart_count, resume
 from launcher.data.sources import StepData
+from launcher.evaluation.callbacks import Watch
+from launcher.evaluation.passes import evaluation_of
+from launcher.loggers.base import Loggers
+from launcher.loggers.progress import Progress
 from launcher.models.loss import LabelRule, batch_tokens
 from launcher.models.meta import build_on_meta
+from launcher.optim.build import optimizer_factory
+from launcher.optim.schedules import schedule_lr
+from launcher.recovery.adapt import after_out_of_memory, resizing
+from launcher.recovery.tier import MemoryTier
 from launcher.search.trial import TrialReport, record_pruned
-from launcher.worker.adapt import after_out_of_memory, resizing
-from launcher.worker.callbacks import Watch
-from launcher.worker.evaluation import evaluation_of
+from launcher.telemetry.peak_memory import StepMemory, rss_bytes
+from launcher.telemetry.profiling import MemorySnapshots, StepProfiler
+from launcher.telemetry.speed import Speed, Window
+from launcher.telemetry.stragglers import StepClock, Stragglers
 from launcher.worker.feed import feed, next_step, training_source
 from launcher.worker.guard import Guard
 from launcher.worker.hangs import stuck_in_collective
 from launcher.worker.lifecycle import Phase, StopRequest
-from launcher.worker.logs import Loggers, Progress
-from launcher.worker.memory import StepMemory, rss_bytes
-from launcher.worker.optimizers import optimizer_factory
-from launcher.worker.profiling import MemorySnapshots, StepProfiler
-from launcher.worker.resume import check_shared_folders, restart_count, resume
-from launcher.worker.schedules import schedule_lr
 from launcher.worker.source_loss import SourceLosses
-from launcher.worker.speed import Speed, Window
-from launcher.worker.step import all_reduce, gather_rows, train_step
-from launcher.worker.stragglers import StepClock, Stragglers
-from launcher.worker.tier import MemoryTier
+from launcher.worker.step import train_step
 from strategies import RunContext, Strategy
 
 
@@ -77,22 +80,41 @@ def train(
         raise
 
 
+@dataclass
+class StepState:
+    """One optimizer step of the loop: its number, what it does beside training, and what its training gave."""
+
+    number: int
+    logged: bool
+    """Its figures are reduced over ranks and logged (trainer.log_every, the first step, the last)."""
+    evaluated: bool
+    """The validation pass runs after it (trainer.eval_every, the last step)."""
+    measured: bool
+    """Its peak memory is measured (`Trainer.measured`)."""
+    started: float = field(default_factory=time.perf_counter)
+    """From the wait for its data on: a slow loader shows in its time."""
+    loss: torch.Tensor | None = None
+    """This rank's part of the step's loss (summed over ranks: the global batch's)."""
+    grad_norm: float = 0.0
+    """The global gradient norm before clipping."""
+
+
 class Trainer:
     """One worker's run: `setup` builds everything once, then `run` takes one optimizer step at a time.
 
     A step's phases, in the order the collectives force (every rank makes the same collectives in the same order,
     so no phase may be skipped on one rank and not on the others):
-      1. `data`      this rank's K micro-batches of global batch s (no collective);
+      1. data        this rank's K micro-batches of global batch s (`next_step`; a collective where a stream ends);
       2. `step`      forward/backward per micro-step, the strategy's gradient sync on the last one, the optimizer
                      step (the global gradient norm); on logged steps a probe before the last backward, which times
-                     each rank's wait (`launcher.worker.stragglers`);
-      3. `commit`    whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
+                     each rank's wait (`launcher.telemetry.stragglers`);
+      3. commit      whether the step was applied (`Guard.judge`; a collective only when the norm is not finite);
       4. `log`       on logged and evaluated steps only, on every rank alike: the figures reduced over ranks, and
                      the validation loss;
       5. `agree`     one all-reduce: whether any rank got a stop signal, whether any still writes a checkpoint,
                      whether a search's pruner ended the trial (rank 0 asked it in 4);
       6. `save`      what the save policy asks for, or the stop agreed in 5.
-    The position advances in `advance`, once per step taken: a step not committed (trainer.nonfinite=skip) still
+    The position advances once per step taken: a step not committed (trainer.nonfinite=skip) still
     consumes its samples; a step that was never taken leaves the position where it was, and the loop takes it
     again. Accumulation is the attempt's own (`RunContext.accumulation`): the samples of step s depend only on the
     seed and the global batch, so a worker group restarted with another K goes on with the same data.
@@ -127,46 +149,60 @@ class Trainer:
         if self.trainer.eval_only:  # launch eval: the checkpoint's figures, no step
             at, ema = self.position.step, bool(self.trainer.eval_ema)
             self.evaluation.once(self.strategy, self.rule, at, self.run_dir, ema)  # type: ignore[union-attr]
-            return self.finish() or True
+            self.finish()
+            return True
         self.watch.call("on_train_start", self.position.step, {})
         while self.position.step < self.max_steps:
-            step = self.position.step + 1
-            logged, evaluated = self.logged(step), self.evaluated(step)
-            measured = self.measured(step, logged or evaluated)
-            with self.profiler.step(step):
-                self.phase(f"reading the batches of step {step}")
-                started = time.perf_counter()  # from the wait for the data on: a slow loader shows here
-                self.clock = StepClock(self.device) if logged or evaluated else None  # compute and waits, per rank
-                data = self.data()
-                if data is not None:
-                    loss, grad_norm = self.step(step, data, measured, logged)
-                    self.commit(step, grad_norm)
-                    tokens = sum(batch_tokens(b) for b in data.micro)
-                    self.window.add(time.perf_counter() - started, tokens, measured)
-            if data is None:  # a stream ran out: every rank agreed on it, before any forward of this step
-                self.ended(step)
-                return True
-            self.profiler.ended(step)
-            self.snapshots.after_step(step)
-            self.advance(step, self.source_losses.recorded(data, self.device))  # data=mix: its tokens so far
-            self.tier.after(self.position, self.strategy)  # the memory tier's step, in the background
-            if logged or evaluated:
-                self.log(step, loss, grad_norm, evaluated)
-            self.progress.update(step, self.metrics if logged else None)
-            stopping, pruned = self.agree(step)
-            if self.watch.failed:  # a callback raised: what is in flight is finished, the newest complete stays last
-                self.saves.finish()
-                self.watch.fail(self.saves.last)
-            if self.policy.due(step, stopping or pruned or self.watch.saves):  # a stop and a best step save
-                self.save(step)
-            if pruned or self.watch.stop:  # the study's pruner or the early stop ended the run: done, not interrupted
-                self.pruned(step)
-                return True
-            if stopping and step < self.max_steps:
-                self.stopped(step)
-                return False
+            ended = self.one_step(self.plan_step(self.position.step + 1))
+            if ended is not None:
+                return ended
         self.finish()
         return True
+
+    def plan_step(self, number: int) -> StepState:
+        """Step `number` and what it does beside training: log, evaluate, measure its peak memory."""
+        logged, evaluated = self.logged(number), self.evaluated(number)
+        return StepState(number, logged, evaluated, self.measured(number, logged or evaluated))
+
+    def one_step(self, s: StepState) -> bool | None:
+        """One optimizer step, in the order the collectives force: its batches, forward and backward over the
+        micro-steps and the optimizer step, the position, the figures and the evaluation, the agreement, the save.
+        None: the loop goes on; True: the run ended as it should (a stream ran out, an early stop, a pruned trial);
+        False: a stop signal ended it after its checkpoint."""
+        step = s.number
+        with self.profiler.step(step):
+            self.phase(f"reading the batches of step {step}")
+            self.clock = StepClock(self.device) if s.logged or s.evaluated else None  # compute and waits, per rank
+            data = next_step(self.steps, self.source, self.device)  # None: a stream ran out on some rank
+            if data is not None:
+                s.loss, s.grad_norm = self.step(s, data)
+                self.guard.judge(step, s.grad_norm)  # a step that is not finite was not applied, or ends the run
+                tokens = sum(batch_tokens(b) for b in data.micro)
+                self.window.add(time.perf_counter() - s.started, tokens, s.measured)
+        if data is None:  # a stream ran out: every rank agreed on it, before any forward of this step
+            self.ended(step)
+            return True
+        self.profiler.ended(step)
+        self.snapshots.after_step(step)
+        # A step taken consumes its samples, applied or not (trainer.nonfinite=skip); data=mix: its tokens so far.
+        self.position = Position(step, self.position.samples + self.B, self.source_losses.recorded(data, self.device))
+        self.tier.after(self.position, self.strategy)  # the memory tier's step, in the background
+        if s.logged or s.evaluated:
+            self.log(s)
+        self.progress.update(step, self.metrics if s.logged else None)
+        stopping, pruned = self.agree(step)
+        if self.watch.failed:  # a callback raised: what is in flight is finished, the newest complete stays last
+            self.saves.finish()
+            self.watch.fail(self.saves.last)
+        if self.policy.due(step, stopping or pruned or self.watch.saves):  # a stop and a best step save
+            self.save(step)
+        if pruned or self.watch.stop:  # the study's pruner or the early stop ended the run: done, not interrupted
+            self.pruned(step)
+            return True
+        if stopping and step < self.max_steps:
+            self.stopped(step)
+            return False
+        return None
 
     # ------------------------------------------------------------------ before the first step
 
@@ -205,16 +241,23 @@ class Trainer:
         self.rule = LabelRule.of(cfg.derived.model, trainer.get("loss"))  # decided in the launcher
         self.source_losses = SourceLosses.of(self.source, self.rule, self.position, ctx.rank, ctx.tensor_size)
         self.steps = feed(cfg, ctx, self.source, self.position, self.max_steps, self.K, self.device)
-        self.profiler = StepProfiler(trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type,
-                                     trainer.profile_stacks)  # fmt: skip
+        self.profiler = StepProfiler(
+            trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type, trainer.profile_stacks
+        )
         self.saves = saver(cfg, ctx, self.run_dir, self.strategy, self.position.step)
         self.policy = SavePolicy.of(trainer)
         self.manifest = manifest_of(cfg, ctx.world_size, ctx.precision)
         self.trial, self.prune, self.watch = TrialReport(cfg, ctx.rank), False, Watch.of(cfg, ctx.rank)
         self.stragglers = Stragglers.of(trainer, self.run_dir)
         self.nonfinite = str(trainer.get("nonfinite", "stop"))
-        self.guard = Guard(self.strategy, self.nonfinite, int(trainer.get("max_skipped", 10)), ctx.precision == "fp16",
-                           ctx.rank, ctx.world_size)  # fmt: skip
+        self.guard = Guard(
+            self.strategy,
+            self.nonfinite,
+            int(trainer.get("max_skipped", 10)),
+            ctx.precision == "fp16",
+            ctx.rank,
+            ctx.world_size,
+        )
 
     # ------------------------------------------------------------------ the phases of a step
 
@@ -238,29 +281,27 @@ class Trainer:
     def lr(self, step: int) -> float:
         return schedule_lr(self.trainer, self.cfg.optim.lr, step - 1, self.max_steps)
 
-    def data(self) -> StepData | None:
-        """This rank's micro-batches of the next step; None when the stream ran out on any rank (`next_step`)."""
-        return next_step(self.steps, self.source, self.device)
-
-    def step(self, step: int, data: StepData, measured: bool, logged: bool) -> tuple[torch.Tensor, float]:
+    def step(self, s: StepState, data: StepData) -> tuple[torch.Tensor, float]:
         """Forward/backward, gradient sync and optimizer step; this rank's part of the loss, and the gradient norm.
-        Its peak memory is measured when `measured`; the others pay nothing. A profiled step's is not on CPU: the
+        Its peak memory is measured when `s.measured`; the others pay nothing. A profiled step's is not on CPU: the
         per-operator count would be in the profile, around every op of the step."""
-        with self.memory.measure(measured, profiled=self.profiler.covers(step)):
-            return train_step(self.guard, data.micro, self.ctx, self.lr(step), self.rule, step, self.phase, self.clock,  # type: ignore[arg-type]
-                              self.source_losses.seer(data.sources, logged))  # fmt: skip
+        with self.memory.measure(s.measured, profiled=self.profiler.covers(s.number)):
+            return train_step(
+                self.guard,
+                data.micro,
+                self.ctx,
+                self.rule,
+                lr=self.lr(s.number),
+                step=s.number,
+                phase=self.phase,
+                clock=self.clock,
+                seen=self.source_losses.seer(data.sources, s.logged),
+            )
 
-    def commit(self, step: int, grad_norm: float) -> bool:
-        """Before anything is logged or saved: a step that is not finite was not applied (False), and may end the
-        run (`Guard.judge` raises)."""
-        return self.guard.judge(step, grad_norm)
-
-    def advance(self, step: int, stream: dict[str, Any] | None = None) -> None:
-        self.position = Position(step, self.position.samples + self.B, stream)
-
-    def log(self, step: int, loss: torch.Tensor, grad_norm: float, evaluated: bool) -> None:
+    def log(self, s: StepState) -> None:
         """The step's figures over all ranks (`launcher.base.metrics` declares how each is reduced), then the
         loggers."""
+        step, loss, grad_norm, evaluated = s.number, s.loss, s.grad_norm, s.evaluated
         self.phase(f"logging step {step}")
         metrics = self._figures(loss, grad_norm, self.lr(step))
         metrics |= self.speed.metrics(metrics.get("tokens_per_s"), self.ctx.world_size)
@@ -302,8 +343,11 @@ class Trainer:
         self.phase(f"writing the checkpoint of step {step}")
         self.saves.finish()
         if self.ctx.rank == 0 and resizing(self.run_dir, self.started):
-            print(f"launch: a node joins: the worker group saved step {step} ({self.saves.last}) and restarts at its "
-                  "new size", flush=True)  # fmt: skip
+            print(
+                f"launch: a node joins: the worker group saved step {step} ({self.saves.last}) and restarts at its "
+                "new size",
+                flush=True,
+            )
         elif self.ctx.rank == 0:
             print(f"launch: stopped on a signal after step {step}; checkpoint {self.saves.last}", flush=True)
         self.finish("KILLED")
@@ -336,8 +380,11 @@ class Trainer:
         elif self.ctx.rank == 0:
             name = str(self.cfg.sweep.objective)
             record_pruned(self.run_dir, step, name, self.metrics[name])
-            print(f"launch: trial {self.cfg.sweep.trial} pruned after step {step} ({name} {self.metrics[name]:.4f}); "
-                  f"checkpoint {self.saves.last}", flush=True)  # fmt: skip
+            print(
+                f"launch: trial {self.cfg.sweep.trial} pruned after step {step} ({name} {self.metrics[name]:.4f}); "
+                f"checkpoint {self.saves.last}",
+                flush=True,
+            )
         self.finish()
 
     def finish(self, status: str = "FINISHED") -> None:

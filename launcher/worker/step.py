@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from launcher.base.collectives import all_reduce
 from launcher.models.loss import (
     NUM_ITEMS,
     LabelRule,
@@ -20,29 +21,16 @@ from launcher.worker.lifecycle import Phase
 from strategies import RunContext, Strategy
 
 if TYPE_CHECKING:
-    from launcher.worker.stragglers import StepClock
-
-
-def all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
-    """Every rank's `values` (the same length on each), a row per rank in rank order: one collective."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    rows = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)  # flat: gloo's shape
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine)  # torch 2.13 renamed it
-    return rows.view(-1, len(values)).tolist()
+    from launcher.telemetry.stragglers import StepClock
 
 
 def train_step(
     strategy: Strategy,
     micro: list[Any],
     ctx: RunContext,
-    lr: float,
     rule: LabelRule,
+    *,
+    lr: float,
     step: int,
     phase: Phase,
     clock: StepClock | None = None,
@@ -51,7 +39,7 @@ def train_step(
     """One optimizer step over this rank's K micro-batches; returns this rank's part of the step's loss (summed over
     ranks it is the loss of the whole global batch: `launcher.models.loss`) and the pre-clip gradient norm. `clock` (a
     logged step's): this rank's seconds in the step's first collective and in a probe before the last backward
-    (`launcher.worker.stragglers`)."""
+    (`launcher.telemetry.stragglers`)."""
     device, K = torch.device(ctx.device), len(micro)
 
     def reduce(values: list[float]) -> list[float]:  # the step's first collective: a logged step times its wait

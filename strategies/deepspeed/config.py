@@ -76,8 +76,12 @@ def buffers(stage: int, params: int) -> dict[str, Any]:
     bucket = max(BUCKET_ALIGNMENT, share - share % BUCKET_ALIGNMENT)
     sized: dict[str, Any] = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if stage == 3:
-        sized |= {"stage3_prefetch_bucket_size": bucket, "stage3_max_live_parameters": bucket,
-                  "stage3_max_reuse_distance": bucket, "sub_group_size": max(bucket, 1)}  # fmt: skip
+        sized |= {
+            "stage3_prefetch_bucket_size": bucket,
+            "stage3_max_live_parameters": bucket,
+            "stage3_max_reuse_distance": bucket,
+            "sub_group_size": max(bucket, 1),
+        }
     return sized
 
 

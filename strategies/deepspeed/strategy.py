@@ -18,15 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.base import ModelFactory, OptimizerFactory, RunContext, averaged, call_model, set_lr, step_figures
+from strategies.base import ModelFactory, OptimizerFactory, RunContext, call_model
 from strategies.comm import CommCounter
 from strategies.declarations import WIRE_BYTES, Collective, Conformance, Layout, Placement, Requirements, Transients
 from strategies.deepspeed import zero
 from strategies.deepspeed.config import BUCKET_SHARE, OFFLOAD_DEVICES, build_ds_config, check_recipe
 from strategies.deepspeed.ops import async_io_problem
-from strategies.ema import EMA
+from strategies.ema import EMA, averaged
 from strategies.moe import SameModulesCheck, block_classes, check_moe_blocks, moe_blocks, use_every_parameter
 from strategies.no_grad import without_decay
+from strategies.stepping import set_lr, step_figures
 
 ADAM_OPTIMIZERS = {"torch.optim.AdamW": True, "torch.optim.Adam": False}
 """Optimizers DeepSpeed's CPU Adam can stand in for under optimizer offload: class -> adamw_mode."""

@@ -117,10 +117,12 @@ def counting_collectives(counter: CommCounter, gathers_only: bool = False) -> It
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-            sizes = [_nbytes(a) if isinstance(a, torch.Tensor) else sum(_nbytes(t) for t in a)
-                     for a in (*args, *kwargs.values())
-                     if isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and a
-                                                         and all(isinstance(t, torch.Tensor) for t in a))]  # fmt: skip
+            sizes = [
+                _nbytes(a) if isinstance(a, torch.Tensor) else sum(_nbytes(t) for t in a)
+                for a in (*args, *kwargs.values())
+                if isinstance(a, torch.Tensor)
+                or (isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a))
+            ]
             counter.record(max(sizes, default=0), collective, sync)
             return fn(*args, **kwargs)
 
@@ -435,8 +437,10 @@ def regroup_adagrad(engine: Any, stage: int, groups: list[dict[str, Any]]) -> No
     if not isinstance(zero.optimizer, torch.optim.Adagrad) or len(groups) < 2:
         return
     if stage == 3:
-        members = [[p for i, p in enumerate(zero.fp32_partitioned_groups_flat) if zero.sub_group_to_group_id[i] == g]
-                   for g in range(len(groups))]  # fmt: skip
+        members = [
+            [p for i, p in enumerate(zero.fp32_partitioned_groups_flat) if zero.sub_group_to_group_id[i] == g]
+            for g in range(len(groups))
+        ]
     else:
         members = [[p] for p in zero.single_partition_of_fp32_groups]
     zero.optimizer = torch.optim.Adagrad([{**g, "params": ps} for g, ps in zip(groups, members, strict=True)])

@@ -1,5 +1,5 @@
 """The evaluation: the validation loss and the metrics of the user's choice over each validation set, by the training
-step's loss rule (`launcher.models.loss`) and reduced over ranks exactly (`launcher.worker.eval_metrics`), so that
+step's loss rule (`launcher.models.loss`) and reduced over ranks exactly (`launcher.evaluation.metrics`), so that
 its figures are one process's at any world size and under any strategy.
 
 Each sample counts once (`launcher.data.sources`: `evaluation`): a pass reads a set's first trainer.eval_batches
@@ -25,14 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from launcher.base.collectives import all_reduce
 from launcher.base.durable import write_durably
 from launcher.base.errors import Refused
 from launcher.data.builtin import build_dataset
 from launcher.data.collate import build_collate
 from launcher.data.sources import source_of
+from launcher.evaluation.metrics import build_metrics
 from launcher.models.loss import LabelRule, model_loss, say_once, target_tokens
-from launcher.worker.eval_metrics import build_metrics
-from launcher.worker.step import all_reduce
 from strategies import RunContext, Strategy
 
 ALL = "all"

@@ -23,10 +23,10 @@ def check_optimizer(frozen: DictConfig, model: Any) -> str:
 
     from hydra.utils import instantiate
 
-    from launcher.worker.grouped import TARGET, Grouped
-    from launcher.worker.optimizers import optimizer_node, rules_for
-    from launcher.worker.param_groups import HIDDEN, RULE_KEYS, assign, describe, param_groups, unmatched
-    from launcher.worker.schedules import check_schedule
+    from launcher.optim.build import optimizer_node, rules_for
+    from launcher.optim.grouped import TARGET, Grouped
+    from launcher.optim.groups import HIDDEN, RULE_KEYS, assign, describe, param_groups, unmatched
+    from launcher.optim.schedules import check_schedule
 
     try:
         check_schedule(frozen.trainer)
@@ -118,8 +118,8 @@ def measure(frozen: DictConfig, model: Any) -> ModelSize:
     trainable parameters of optim=muon's hidden matrices (the group `rules_for` puts first), none for others."""
     from launcher.base.targets import locate
     from launcher.models.meta import measure as sizes
-    from launcher.worker.optimizers import rules_for
-    from launcher.worker.param_groups import HIDDEN, assign
+    from launcher.optim.build import rules_for
+    from launcher.optim.groups import HIDDEN, assign
 
     size = sizes(model)
     try:

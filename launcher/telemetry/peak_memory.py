@@ -53,7 +53,7 @@ class _MallInfo2(ctypes.Structure):
             "uordblks",
             "fordblks",
             "keepcost",
-        )  # fmt: skip
+        )
     ]
 
 

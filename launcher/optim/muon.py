@@ -63,7 +63,7 @@ class MuonAdamW(torch.optim.Optimizer):
     others. `lr` is AdamW's; Muon's groups take `muon_lr` (scaled with the schedule like every group's lr)."""
 
     HIDDEN_MATRICES = MUON
-    """The param-group key `launcher.worker.optimizers` marks the hidden matrices' group with."""
+    """The param-group key `launcher.optim.build` marks the hidden matrices' group with."""
 
     def __init__(
         self,
@@ -85,8 +85,17 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise ValueError(f"Invalid {name}: {value}")
         if not 0.0 <= momentum < 1.0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"Invalid momentum or betas: {momentum}, {betas}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                        nesterov=nesterov, ns_steps=ns_steps, muon_lr=muon_lr, ns_dtype=ns_dtype)  # fmt: skip
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            muon_lr=muon_lr,
+            ns_dtype=ns_dtype,
+        )
         super().__init__(params, defaults)
         self.on_gather: Callable[[torch.Tensor], None] | None = None
         """Told of each whole matrix gathered from its shards (a strategy's communication counter)."""

@@ -152,6 +152,11 @@ def tier_bytes(job_bytes: int, replicas: int, nodes: int) -> int:
     return 2 * -(-job_bytes // nodes) * (1 + replicas)
 
 
+def tier_on(trainer: Any) -> bool:
+    """Whether the run keeps a memory tier (trainer.memory_checkpoint_every above 0): the one place that says it."""
+    return bool(int(trainer.get("memory_checkpoint_every", 0) or 0))
+
+
 def replicas(trainer: DictConfig, nodes: int) -> int:
     """trainer.memory_replicas, or its default: 1 on a multi-node job, 0 on one node."""
     wanted = trainer.get("memory_replicas")
@@ -161,7 +166,7 @@ def replicas(trainer: DictConfig, nodes: int) -> int:
 def check_memory_tier(trainer: DictConfig, nodes: int, min_nodes: int, job_bytes: int | None) -> None:
     """The memory tier's settings against the job: replicas it has nodes for, and room in shared memory for two
     steps of a node's share of the job's state (`job_bytes`, if known) and its replicas', both at its fewest nodes."""
-    if not int(trainer.get("memory_checkpoint_every", 0) or 0):
+    if not tier_on(trainer):
         return
     count = replicas(trainer, nodes)
     if count and nodes == 1:

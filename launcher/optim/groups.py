@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from launcher.config.optim_schema import RECIPE_KEYS  # noqa: F401  (re-exported for the worker)
-from strategies.base import LR_SCALE
+from strategies.stepping import LR_SCALE
 
 RULE_KEYS = ("name", "module", "lr_scale")
 """A rule's own keys; every other key of a rule is the optimizer's, for its group."""

@@ -1,7 +1,8 @@
 """The MLflow tracking store a run logs to: which one (the user's URI, else a SQLite store in the run or sweep
 directory), whether it answers (the launcher's check: one try, CHECK_TIMEOUT seconds), why it does not when it fails
 (an outage's reason in a few words, credentials hidden), and what a run is filed under in it (its experiment, a
-sweep's parent run, which gets the sweep's report at the end). The run itself is `mlflow_logger.MlflowLogger`'s."""
+sweep's parent run, which gets the sweep's report at the end). The run itself is
+`launcher.loggers.mlflow.MlflowLogger`'s."""
 
 from __future__ import annotations
 

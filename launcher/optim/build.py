@@ -1,5 +1,5 @@
 """The configured optimizer, built over the trainable parameters in param groups (fused where it can be); its
-learning-rate schedule is `launcher.worker.schedules`."""
+learning-rate schedule is `launcher.optim.schedules`."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.worker.grouped import TARGET, Grouped
-from launcher.worker.param_groups import RECIPE_KEYS, Rule, hidden_rule, param_groups, rules_of
+from launcher.optim.grouped import TARGET, Grouped
+from launcher.optim.groups import RECIPE_KEYS, Rule, hidden_rule, param_groups, rules_of
 from strategies import RunContext
 
 
 def optimizer_factory(cfg: DictConfig, ctx: RunContext) -> functools.partial[Any]:
     """The configured optimizer as a partial over a module (strategies may read its keywords), built by
-    `build_optimizer` in the param groups of optim's rules (`launcher.worker.param_groups`).
+    `build_optimizer` in the param groups of optim's rules (`launcher.optim.groups`).
 
     The fused kernel where the optimizer has one (torch's Adam, AdamW, SGD, Adagrad), the user did not choose, and
     the parameters take it: one pass over each parameter, in place, on CUDA and on the CPU alike. The per-tensor loop
@@ -62,7 +62,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """`optimizer(params, **kwargs)` over the trainable parameters only, as DeepSpeed's ZeRO optimizers hold them: a
     frozen parameter has no optimizer state in any strategy, and a checkpoint's param groups load under every one.
-    `params` is a module (its parameters in the param groups of `rules`, `launcher.worker.param_groups`), or
+    `params` is a module (its parameters in the param groups of `rules`, `launcher.optim.groups`), or
     parameters or param groups as torch takes them.
 
     With `fuse`, the fused kernel, unless a parameter is a DTensor (FSDP's shards) and DTensor has no sharding rule

@@ -1,4 +1,4 @@
-"""The memory tier from the workers' side (`launcher.checkpoint.memory` is what a node's folder holds).
+"""The memory tier from the workers' side (`launcher.recovery.shm` is what a node's folder holds).
 
 Every trainer.memory_checkpoint_every steps each rank copies its state to host memory (the loop waits for that copy
 only), and a thread of its own writes it as DCP writes a checkpoint, into its node's folder in shared memory (it
@@ -8,7 +8,7 @@ training keeps the default group. At most one step is in flight: the next waits 
 
 After a restart, before the disk tier is read, `promote` finds the newest step complete across the surviving nodes'
 memory; the survivors write its files into a normal checkpoint in the run's checkpoint folder, rank 0 its manifest,
-and the job resumes through the path that exists (`launcher.worker.resume`): exact at any world size, as DCP
+and the job resumes through the path that exists (`launcher.checkpoint.resume`): exact at any world size, as DCP
 reshards. None complete: the disk tier, said in one line.
 """
 
@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from launcher.base.hashing import xxh3
 from launcher.base.storage import Location, is_remote, write_durably
-from launcher.checkpoint import memory
 from launcher.checkpoint.format import (
     LATEST,
     MANIFEST,
@@ -45,6 +44,7 @@ from launcher.checkpoint.format import (
 )
 from launcher.checkpoint.hashing import hashing_writer
 from launcher.checkpoint.saving import _same_containers
+from launcher.recovery import shm as memory
 
 
 class MemoryTier:
@@ -52,7 +52,7 @@ class MemoryTier:
 
     def __init__(self, cfg: Any, ctx: Any) -> None:
         folder = os.environ.get(memory.TIER_ENV)
-        self.every = int(cfg.trainer.get("memory_checkpoint_every", 0) or 0) if folder else 0
+        self.every = int(cfg.trainer.memory_checkpoint_every) if folder and memory.tier_on(cfg.trainer) else 0
         self.ctx, self.rank, self.world = ctx, ctx.rank, ctx.world_size
         self.per_node = int(ctx.local_world_size or ctx.world_size)
         nodes = max(1, self.world // self.per_node)
@@ -123,8 +123,12 @@ class MemoryTier:
         step, folder = position.step, memory.step_folder(self.folder, position.step)
         folder.mkdir(parents=True, exist_ok=True)
         sums: dict[str, str] = {}
-        dcp.save(staged, storage_writer=hashing_writer(folder, sums), planner=_planner()(enable_plan_caching=True),
-                 process_group=self._dcp)  # fmt: skip
+        dcp.save(
+            staged,
+            storage_writer=hashing_writer(folder, sums),
+            planner=_planner()(enable_plan_caching=True),
+            process_group=self._dcp,
+        )
         if self.ctx.local_rank == 0:  # every rank is past the previous step's replicas (DCP's collective)
             memory.clear(self.folder, {step} | ({self._previous} if self._previous is not None else set()))
         self._previous = step
@@ -132,15 +136,26 @@ class MemoryTier:
         (folder / rng_name(self.rank)).write_bytes(rng)
         files = {name: _read(folder / name) for name in sums}  # read once, sent as they are
         sizes = {name: int(t.numel()) for name, t in files.items()}
-        marker = {"rank": self.rank, "step": step, "world_size": self.world, "node": str(self.folder),
-                  "time": time.time(), "files": sizes, "sums": sums}  # fmt: skip
+        marker = {
+            "rank": self.rank,
+            "step": step,
+            "world_size": self.world,
+            "node": str(self.folder),
+            "time": time.time(),
+            "files": sizes,
+            "sums": sums,
+        }
         if self.rank == 0:
             stream = {"stream": position.stream} if position.stream is not None else {}
             marker |= {"samples": position.samples, **stream, "manifest": self.manifest}
         memory.put(self.folder, step, {}, marker)
         for k in range(1, self.replicas + 1):
-            theirs, their_files = self._exchange(marker, files, (self.rank + k * self.per_node) % self.world,
-                                                 (self.rank - k * self.per_node) % self.world)  # fmt: skip
+            theirs, their_files = self._exchange(
+                marker,
+                files,
+                (self.rank + k * self.per_node) % self.world,
+                (self.rank - k * self.per_node) % self.world,
+            )
             memory.put(self.folder, step, their_files, theirs)
 
     def _exchange(
@@ -244,8 +259,11 @@ class MemoryTier:
         last, failed = told["last"] or (resumed, None)
         since = f"; {time.time() - failed:.1f} s from the failure to the first step trained again" if failed else ""
         why = f": {told['why']}" if told["why"] and told["tier"] == "disk" else ""
-        print(f"launch: resumed from step {resumed} ({told['tier']} tier{why}): {max(0, last - resumed)} step(s) "
-              f"replayed{since}", flush=True)  # fmt: skip
+        print(
+            f"launch: resumed from step {resumed} ({told['tier']} tier{why}): {max(0, last - resumed)} step(s) "
+            f"replayed{since}",
+            flush=True,
+        )
 
 
 @functools.cache

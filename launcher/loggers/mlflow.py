@@ -24,8 +24,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from launcher.base.settings import Settings
-from launcher.worker import mlflow_store as store
-from launcher.worker.logs import can_make, installed, last_logged_step
+from launcher.loggers import mlflow_store as store
+from launcher.loggers.base import last_logged_step
+from launcher.loggers.checks import can_make, installed
 
 RUN_ID_FILE = "mlflow_run_id"
 """`<run dir>/mlflow_run_id`: the MLflow run of the job (one line)."""

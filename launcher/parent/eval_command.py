@@ -1,39 +1,10 @@
-"""The evaluation's checks before start: every metric trainer.metrics names imports and builds (the worker builds
-them the same way, `launcher.worker.eval_metrics`), no metric takes the loss's name, and trainer.early_stop watches a
-figure the run logs; and `launch eval`'s command line (ema=true: a checkpoint that holds EMA weights, the run's
-trainer.ema.decay given)."""
+"""`launch eval CHECKPOINT`'s command line: the run's own config taken from beside its checkpoint, the command's
+overrides on top, checked against the checkpoint (its model fits, it holds EMA weights where ema=true) before any
+worker starts. The evaluation itself is `launcher.evaluation`."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from launcher.base.errors import ConfigError
-
-
-def check_evaluation(frozen: Any) -> None:
-    """One line (ConfigError) for the first bad value."""
-    if frozen.trainer.get("eval_ema") and frozen.trainer.ema.get("decay") is None:
-        raise ConfigError(
-            "launch eval ema=true evaluates the EMA weights the run kept: give the run's trainer.ema.decay "
-            "with its other overrides"
-        )
-    metrics = frozen.trainer.get("metrics") or {}
-    if "loss" in metrics:
-        raise ConfigError("trainer.metrics.loss: `loss` is the validation loss's name (val/<set>/loss); rename it")
-    if metrics:
-        from launcher.worker.eval_metrics import build_metrics
-
-        build_metrics(metrics)
-    watched = frozen.trainer.early_stop.get("metric")
-    if watched is None:
-        return
-    from launcher.base.metrics import logged_figures
-
-    logged = logged_figures(frozen)
-    if watched not in logged and not any(watched.startswith(f"{name}/") for name in logged):
-        raise ConfigError(
-            f"trainer.early_stop.metric={watched} is no figure this run logs; it logs: {', '.join(sorted(logged))}"
-        )
 
 
 def eval_overrides(args: list[str]) -> list[str]:
@@ -66,9 +37,8 @@ def _check_fits(path: str, overrides: list[str], run: dict | None, command: list
     from hydra import initialize_config_module
 
     from launcher.base.storage import location
-    from launcher.checkpoint.format import CheckpointError
+    from launcher.checkpoint.format import CheckpointError, find_checkpoint
     from launcher.config import freeze
-    from launcher.parent.convert import find_checkpoint
     from launcher.parent.overrides import CONFIG_MODULE, compose_checked
     from launcher.parent.run_config import check_model
 
@@ -89,8 +59,8 @@ def _check_fits(path: str, overrides: list[str], run: dict | None, command: list
 def _check_holds_ema(path: str) -> None:
     """A checkpoint saved without trainer.ema holds no average: refused, not its weights evaluated under its name."""
     from launcher.base.storage import location
+    from launcher.checkpoint.format import find_checkpoint
     from launcher.checkpoint.untrusted import read_metadata
-    from launcher.parent.convert import find_checkpoint
 
     try:
         checkpoint = find_checkpoint(location(path))

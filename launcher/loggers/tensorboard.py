@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.base.settings import Settings
-from launcher.worker.logs import can_make, installed, last_logged_step
+from launcher.loggers.base import last_logged_step
+from launcher.loggers.checks import can_make, installed
 
 FOLDER = "tensorboard"
 EXTRA = "pip install 'launch[tensorboard]'"
@@ -70,8 +71,12 @@ class TensorBoardLogger:
         self.writer = SummaryWriter(str(self.folder), purge_step=step if earlier else None)
         if earlier and self.before >= step:
             steps = f"step {step}" if step == self.before else f"steps {step}..{self.before}"
-            print(f"tensorboard: {steps} an earlier attempt logged in {self.folder} are replaced by this attempt's "
-                  "(purge_step)", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"tensorboard: {steps} an earlier attempt logged in {self.folder} are replaced by this attempt's "
+                "(purge_step)",
+                file=sys.stderr,
+                flush=True,
+            )
         self.writer.add_text("config", self.config, step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -1,7 +1,7 @@
 """The collectives an optimizer adds to its strategy's (`Strategy.collectives` declares the gradients' and the
 parameters'): optim=muon updates each hidden matrix whole, so where the parameters are sharded per parameter
 (FSDP/HSDP's DTensors) every rank gathers each one's update once per optimizer step, in the parameters' fp32, over
-its shard group (`launcher.worker.muon`). The strategy's communication counter records the same gathers. A strategy
+its shard group (`launcher.optim.muon`). The strategy's communication counter records the same gathers. A strategy
 whose partitions are flat (`Layout.flat`, ZeRO) refuses such an optimizer: it adds none there."""
 
 from __future__ import annotations

@@ -86,8 +86,17 @@ def schedule_lr(trainer: Any, base: float, step: int, max_steps: int) -> float:
     schedule = str(trainer.schedule)
     decay = decay_steps(trainer, max_steps) if schedule == "wsd" else 0
     shape = str(trainer.get("decay_shape", "linear"))
-    return lr_at(step, base, int(trainer.warmup_steps), max_steps, schedule, float(trainer.min_lr_ratio), decay, shape,
-                 schedule_function(trainer))  # fmt: skip
+    return lr_at(
+        step,
+        base,
+        int(trainer.warmup_steps),
+        max_steps,
+        schedule,
+        float(trainer.min_lr_ratio),
+        decay,
+        shape,
+        schedule_function(trainer),
+    )
 
 
 def check_schedule(trainer: Any) -> None:
@@ -96,8 +105,11 @@ def check_schedule(trainer: Any) -> None:
     max_steps, warmup, schedule = int(trainer.max_steps), int(trainer.warmup_steps), str(trainer.schedule)
     if schedule == "wsd":
         decay = decay_steps(trainer, max_steps)
-        given = (f"trainer.decay_steps={decay}" if trainer.get("decay_steps") is not None
-                 else f"trainer.decay_fraction={trainer.get('decay_fraction')} ({decay} steps)")  # fmt: skip
+        given = (
+            f"trainer.decay_steps={decay}"
+            if trainer.get("decay_steps") is not None
+            else f"trainer.decay_fraction={trainer.get('decay_fraction')} ({decay} steps)"
+        )
         if warmup + decay > max_steps:
             raise ValueError(
                 f"trainer.schedule=wsd: trainer.warmup_steps={warmup} + {given} exceed trainer.max_steps={max_steps}; "

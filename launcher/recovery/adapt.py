@@ -18,11 +18,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from launcher.base.run_files import RESIZING
 from launcher.config import ConfigError, Derived, valid_micro_sizes, world_sizes
 
 ADAPTED = "adapted.json"
-RESIZING = "logs/resizing"
-"""Touched by the elastic agent when it stops a healthy worker group because a node joins (`launcher.parent.agent`)."""
 
 
 def smaller(micro: int, valid: list[int]) -> int | None:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from launcher.worker.lifecycle import host_of
+from launcher.base.run_files import host_of
 
 T = TypeVar("T")
 
@@ -79,8 +79,12 @@ class StepClock:
     def figures(self) -> dict[str, float]:
         """This rank's part of the logged figures (`launcher.base.metrics` reduces each: the largest, and whose)."""
         t = self.times()
-        return {"compute_s_max": t.compute_s, "compute_s_rank": t.compute_s, "wait_s_max": t.wait_s,
-                "wait_s_rank": t.wait_s}  # fmt: skip
+        return {
+            "compute_s_max": t.compute_s,
+            "compute_s_rank": t.compute_s,
+            "wait_s_max": t.wait_s,
+            "wait_s_rank": t.wait_s,
+        }
 
 
 class Times(NamedTuple):
