@@ -65,6 +65,8 @@ REQUIRES = {
     "LAUNCH_TEST_REQUIRE_ASYNC_IO": "DeepSpeed's async I/O op, built against libaio (ZeRO-Infinity's tests)",
     "LAUNCH_TEST_REQUIRE_SLURM": "a real SLURM cluster started on this machine: slurm-wlm's daemons, as root "
     "(tests/test_slurm.py)",
+    "LAUNCH_TEST_REQUIRE_POSTGRES": "a PostgreSQL server started for the tests in a temporary folder: Debian's "
+    "postgresql package (initdb, pg_ctl) and the psycopg driver (launch[postgres])",
     "LAUNCH_TEST_REQUIRE_ROOT": "root's powers: a tmpfs mounted (a disk that fills), a memory cgroup made (a worker "
     "killed for memory), a read-only folder (an NVMe path that cannot be written)",
 }
@@ -345,3 +347,79 @@ def saved_gpt2(folder_root: Path, name: str, config: dict[str, Any]) -> Path:
             torch.manual_seed(0)
             GPT2LMHeadModel(GPT2Config(**config)).save_pretrained(str(folder))
     return folder
+
+
+@dataclass
+class Postgres:
+    """A private PostgreSQL server of the test session, on 127.0.0.1: its port and its superuser's password (given to
+    libpq in PGPASSWORD, never in a URL)."""
+
+    port: int
+    password: str
+
+    def database(self, name: str) -> str:
+        """A new empty database on the server; its URL (no password in it)."""
+        import psycopg
+
+        with psycopg.connect(
+            host="127.0.0.1",
+            port=self.port,
+            user="postgres",
+            password=self.password,
+            dbname="postgres",
+            autocommit=True,
+        ) as db:
+            db.execute(f'DROP DATABASE IF EXISTS "{name}"')
+            db.execute(f'CREATE DATABASE "{name}"')
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{name}"
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Any:
+    """Debian's PostgreSQL server, made by initdb in a temporary folder and started by pg_ctl on a free loopback port
+    (as the `postgres` user when the tests run as root: the server refuses root), password authentication; stopped and
+    removed at the end of the session."""
+    import glob
+    import secrets
+    import shutil
+    import socket
+    import tempfile
+
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        unavailable(
+            "LAUNCH_TEST_REQUIRE_POSTGRES", "the psycopg driver is not installed (pip install 'launch[postgres]')"
+        )
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    initdb = found[-1] if found else shutil.which("initdb")
+    if initdb is None:
+        unavailable("LAUNCH_TEST_REQUIRE_POSTGRES", "PostgreSQL's server is not installed (apt-get install postgresql)")
+    pg_ctl = str(Path(initdb).with_name("pg_ctl"))
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    folder = Path(tempfile.mkdtemp(prefix="launch-pg-"))  # not under pytest's folder, which only root may enter
+    password = secrets.token_hex(8)
+    (folder / "pw").write_text(password)
+    if as_user:
+        shutil.chown(folder, "postgres")
+        shutil.chown(folder / "pw", "postgres")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = folder / "data"
+    subprocess.run(
+        [*as_user, initdb, "-D", str(data), "-U", "postgres", "-A", "scram-sha-256", f"--pwfile={folder / 'pw'}"],
+        check=True,
+        capture_output=True,
+    )
+    options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off"
+    subprocess.run(
+        [*as_user, pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "log"), "-w", "start"],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield Postgres(port, password)
+    finally:
+        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -5,6 +5,7 @@ search refused before anything runs (one line, exit 2, nothing written)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import optuna
@@ -13,9 +14,10 @@ from conftest import launch_here
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from launcher.parent.report import collect, trials, trials_table
+from launcher.search.claims import Claims, pick
 from launcher.search.objective import lineage, objective, read_metrics
 from launcher.search.space import SpaceError, low_end, parse
-from launcher.search.study import StudyError, finished, hold, open_study, orphans, storage_url, tell
+from launcher.search.study import StudyError, finished, hold, open_study, storage_url, tell
 
 pytestmark = pytest.mark.unit
 
@@ -110,16 +112,21 @@ def test_a_run_started_again_counts_only_the_steps_its_final_state_descends_from
 def test_a_study_is_held_by_one_sweeper_and_is_the_study_its_command_describes(tmp_path: Path) -> None:
     url = storage_url(None, tmp_path)
     assert url == f"sqlite:///{tmp_path / 'study.db'}"
-    lock = hold(tmp_path)
-    with pytest.raises(StudyError, match="is being run by another launch"):
+    claims = Claims(tmp_path, url)  # a SQLite study: held for the sweeper's life
+    with pytest.raises(StudyError, match="is being run by another launch.*hydra.sweeper.storage=journal"):
         hold(tmp_path)
     definition = parse(["optim.lr=tag(log,interval(1e-4,1e-2))", "trainer.max_steps=8"]).definition()
     study = open_study("s", url, "minimize", optuna.samplers.RandomSampler(seed=0), None, definition)
-    trial = study.ask(parse(["optim.lr=tag(log,interval(1e-4,1e-2))"]).distributions)
-    trial.set_user_attr("sweep_dir", str(tmp_path))
-    assert [t.number for t in orphans(study, tmp_path)] == [0]  # this sweeper holds the lock: its sweeper is gone
-    assert tell(study, trial, {"state": "complete", "objective": 2.5}) == ("complete", False)
-    assert finished(study) == 1 and orphans(study, tmp_path) == []
+    space = parse(["optim.lr=tag(log,interval(1e-4,1e-2))"]).distributions
+    picked = pick(study, claims, space, 2, lambda made: None)
+    assert picked is not None and picked[1] is False
+    claims.close()  # its sweeper is gone: the next one continues its trial first
+    claims = Claims(tmp_path, url)
+    again = pick(study, claims, space, 2, lambda made: None)
+    assert again is not None and again[1] is True and again[0].number == 0
+    assert tell(study, again[0], {"state": "complete", "objective": 2.5}) == ("complete", False)
+    claims.let_go(0)
+    assert finished(study) == 1
     watched = parse(["optim.lr=tag(log,interval(1e-4,1e-2))", "trainer.max_steps=8", "logger=wandb"]).definition()
     again = open_study("s", url, "minimize", None, None, watched)  # the same study, continued (logged elsewhere)
     assert again.best_value == 2.5
@@ -128,7 +135,7 @@ def test_a_study_is_held_by_one_sweeper_and_is_the_study_its_command_describes(t
         StudyError, match=r"study 's' in .* searched optim.lr: .*0\.01.*, this command optim.lr: .*0\.1"
     ):
         open_study("s", url, "minimize", None, None, other)
-    lock.close()
+    claims.close()
 
 
 def test_a_failed_trial_is_told_as_failed_and_a_sampler_with_no_point_left_ends_the_study(tmp_path: Path) -> None:
@@ -178,8 +185,10 @@ def test_the_report_lists_trials_in_the_order_they_ran_and_marks_the_best(tmp_pa
 def test_the_ready_study_searches_lr_warmup_and_weight_decay_in_a_directory_of_its_own() -> None:
     from hydra import compose, initialize_config_module
 
+    from launcher.config import schema
     from launcher.parent.overrides import CONFIG_MODULE, CONFIG_NAME
 
+    schema.register()  # the typed schema's config groups, as the command line registers them (not by an earlier test)
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         cfg = compose(CONFIG_NAME, overrides=["+sweep=search"], return_hydra_config=True)
         sweeper = cfg.hydra.sweeper
@@ -353,3 +362,100 @@ def test_a_command_that_searches_something_else_than_its_study_is_one_line(tmp_p
     assert line.endswith("start another with hydra.sweeper.study_name=... (or another hydra.sweep.dir)"), line
     assert len(optuna.load_study(study_name="search", storage=storage_url(None, sweep)).trials) == 0
     hold(sweep).close()  # the refused sweeper let go of its study
+
+
+MULTI = ["sweep.objective=[val_loss,tokens_per_s]", "sweep.direction=[minimize,maximize]"]
+
+
+@pytest.mark.parametrize(
+    "objective, direction, words",
+    [
+        (["val_loss", "tokens_per_s"], "minimize", "give one direction per objective, e.g. sweep.direction=[minimize"),
+        (["val_loss", "val_loss"], ["minimize", "minimize"], "the objectives must be distinct figure names"),
+        (["val_loss", "tokens_per_s"], ["minimize", "up"], "a direction is minimize or maximize, not up"),
+        (["val_loss"], ["minimize"], "a list is for several objectives; give one as sweep.objective=NAME"),
+    ],
+)
+def test_objectives_that_do_not_say_what_to_optimise_are_one_line(objective, direction, words: str) -> None:
+    from launcher.search.objective import ObjectiveError, figures
+
+    with pytest.raises(ObjectiveError, match=re.escape(words)):
+        figures({"objective": objective, "direction": direction})
+    assert figures({"objective": "val_loss", "direction": "maximize"}) == [("val_loss", "maximize")]
+
+
+def test_a_trial_of_several_objectives_is_each_figure_at_the_last_step_and_the_study_is_optunas_multi_objective(
+    tmp_path: Path,
+) -> None:
+    from omegaconf import OmegaConf
+
+    from launcher.search.objective import trial_outcome
+
+    sweep = {
+        "objective": ["val_loss", "tokens_per_s"],
+        "objective_at": "last",
+        "direction": ["minimize", "maximize"],
+        "pruner": None,
+        "study": "s",
+        "storage": "sqlite://",
+        "trial": 0,
+    }
+    cfg = OmegaConf.create({"sweep": sweep})
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 2, "val_loss": 3.0, "tokens_per_s": 90}\n{"step": 4, "val_loss": 2.5, "tokens_per_s": 80}\n'
+    )
+    record = trial_outcome(cfg, tmp_path, 0, "")
+    assert (record["state"], record["objective"]) == ("complete", [2.5, 80.0])
+    study = open_study("m", storage_url(None, tmp_path), ["minimize", "maximize"], None, None, [])
+    trial = study.ask()
+    assert tell(study, trial, record) == ("complete", False) and study.best_trials[0].values == [2.5, 80.0]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "val_loss": 3.0}\n')
+    assert trial_outcome(cfg, tmp_path, 0, "")["reason"] == "no objective: the run logged no tokens_per_s"
+
+
+def test_the_report_of_a_multi_objective_study_shows_its_pareto_front(tmp_path: Path) -> None:
+    from launcher.parent.report import front
+
+    values = {0: [3.0, 100.0], 1: [2.0, 90.0], 2: [2.5, 80.0], 3: [1.5, 50.0], 4: None}  # 2: beaten by 1 on both
+    for n, value in values.items():
+        (tmp_path / str(n)).mkdir()
+        record = {
+            "code": 0,
+            "overrides": [f"optim.lr={n / 100}", f"sweep.trial={n}"],
+            "trial": n,
+            "params": {"optim.lr": n / 100},
+            "state": "complete" if value else "failed",
+            "objective": value,
+            "objective_name": ["val_loss", "tokens_per_s"],
+            "direction": ["minimize", "maximize"],
+        }
+        (tmp_path / str(n) / "outcome.json").write_text(json.dumps(record))
+    ran, best = trials(collect(tmp_path))
+    assert best is None and [t["trial"] for t in front(ran)] == [0, 1, 3]
+    rows = trials_table(collect(tmp_path)).splitlines()
+    assert rows[0] == "| trial | parameters | val_loss (min) | tokens_per_s (max) | state | |"
+    assert rows[2] == "| 0 | optim.lr=0 | 3 | 100 | complete | Pareto front |"
+    assert rows[4] == "| 2 | optim.lr=0.02 | 2.5 | 80 | complete |  |"
+    assert rows[6] == "| 4 | optim.lr=0.04 | — | — | failed |  |"
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (
+            MULTI,
+            "sweep.pruner=optuna.pruners.MedianPruner cannot prune a study of 2 objectives (Optuna prunes "
+            "single-objective studies only); add sweep.pruner=null",
+        ),
+        ([*MULTI, "sweep.pruner=null", "sweep.objective_at=best"], "sweep.objective_at=best with 2 objectives"),
+        (["sweep.objective=[val_loss,tokens_per_s]", "sweep.pruner=null"], "give one direction per objective"),
+    ],
+)
+def test_a_multi_objective_search_that_cannot_run_is_one_line(tmp_path: Path, overrides: list[str], words: str) -> None:
+    run = launch_here(
+        tmp_path, *SEARCH, "optim.lr=interval(1e-4,1e-2)", *overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}"
+    )
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith("launch: error: ") and words in line, line
+    assert not (tmp_path / "sweep").exists()

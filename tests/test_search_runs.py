@@ -185,3 +185,24 @@ def test_a_pruned_trial_stops_at_its_first_evaluation_on_every_rank(tmp_path: Pa
     assert saved.name == "step_00000002" and manifest["world_size"] == 2
     assert {p.name for p in saved.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # both ranks saved step 2
     assert "| pruned | at step 2 |" in (sweep / "summary.md").read_text() and "| pruned | at step 2 |" in run.stdout
+
+
+@pytest.mark.long  # ~80 s: 3 real trials; the front, the outcome of several figures and the refusals are test_search's
+def test_a_multi_objective_study_tells_each_trial_its_figures_and_reports_its_pareto_front(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    multi = ["sweep.objective=[val_loss,tokens_per_s]", "sweep.direction=[minimize,maximize]", "sweep.pruner=null"]
+    cmd = command(sweep, "hydra.sweeper.n_trials=3", *multi, "gpus=1", "trainer.max_steps=8")
+    run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    found = study(sweep)
+    assert found.directions == [optuna.study.StudyDirection.MINIMIZE, optuna.study.StudyDirection.MAXIMIZE]
+    trials = found.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    for t in trials:  # each figure at the run's last step that logged it
+        logged = read_metrics(sweep / str(t.number))
+        assert t.values == [[r[name] for r in logged if name in r][-1] for name in ("val_loss", "tokens_per_s")]
+    front = sorted(t.number for t in found.best_trials)
+    line = next(line for line in run.stdout.splitlines() if line.startswith("launch: Pareto front: "))
+    assert [int(n) for n in re.findall(r"trial (\d+) \(", line)] == front, line
+    rows = [row for row in (sweep / "summary.md").read_text().splitlines() if row.endswith("| Pareto front |")]
+    assert [int(row.split("|")[1]) for row in rows] == front

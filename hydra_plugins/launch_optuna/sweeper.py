@@ -23,10 +23,13 @@ class LaunchOptunaSweeperConf:
     _recursive_: bool = False
     """The sampler is built by the sweeper when the search starts, so that a bad one is one line."""
     n_trials: int = 20
-    """The study's budget: trials complete, pruned or failed, counted over every run of the same command."""
+    """The study's budget: every trial the study has made (complete, pruned, failed or running), by every sweeper and
+    every run of the same command."""
     study_name: str = "search"
     storage: str | None = None
-    """A database URL for the study (e.g. postgresql://...); unset: sqlite:///<sweep dir>/study.db."""
+    """Where the study lives. Unset: sqlite:///<sweep dir>/study.db, for one sweeper at a time. For several sweepers on
+    one study: `journal` (Optuna's journal file, <sweep dir>/study.journal, on a shared folder), `journal:PATH`, or a
+    database URL (postgresql://user@host/db; the password from PGPASSWORD or ~/.pgpass, never the URL)."""
     sampler: Any = field(default_factory=lambda: {"_target_": "optuna.samplers.TPESampler", "seed": 0})
     """Any Optuna sampler; TPE, seeded, by default. A continued study's is seeded with seed + the trials it holds: it
     does not draw its earlier points again."""
@@ -60,8 +63,9 @@ class LaunchOptunaSweeper(Sweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         """The study's interrupted trials first, then new ones until its budget is spent."""
+        from launcher.search.claims import pick
         from launcher.search.space import SpaceError
-        from launcher.search.study import SWEEP_DIR, StudyError, ended, finished, orphans, resumed, tell
+        from launcher.search.study import SWEEP_DIR, StudyError, ended, tell
 
         try:
             study, space, sweep_dir = self._open(arguments)
@@ -69,28 +73,33 @@ class LaunchOptunaSweeper(Sweeper):
             print(f"launch: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         returns, exhausted = [], False
-        for frozen in orphans(study, sweep_dir):  # a kill interrupted them: each goes on in its own folder
-            trial, record = resumed(study, frozen), ended(sweep_dir / str(frozen.number))
-            if record is not None:  # its run had ended, its outcome not yet told
-                print(f"launch: trial {frozen.number} had ended ({tell(study, trial, record)[0]})", flush=True)
-                continue
-            print(
-                f"launch: trial {frozen.number} was interrupted; it goes on in its folder, from its last checkpoint "
-                "if it saved one",
-                flush=True,
-            )
-            exhausted = self._run(study, trial, space, returns) or exhausted
-        while finished(study) < self.n_trials and not exhausted:
-            try:
-                trial = study.ask(space.distributions)
+        while not exhausted:
+            try:  # the study's interrupted trials first (each goes on in its own folder), then new ones
+                picked = pick(study, self.claims, space.distributions, self.n_trials, self._reseed)
             except ValueError as e:  # a sampler that cannot sample this space (a grid over an interval)
                 print(f"launch: error: hydra.sweeper.sampler: {_one_line(e)}", file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
-            trial.set_user_attr(SWEEP_DIR, str(sweep_dir))
-            exhausted = self._run(study, trial, space, returns)
+            if picked is None:
+                break
+            trial, interrupted = picked
+            record = ended(sweep_dir / str(trial.number)) if interrupted else None
+            if record is not None:  # its run had ended, its outcome not yet told
+                print(f"launch: trial {trial.number} had ended ({tell(study, trial, record)[0]})", flush=True)
+            elif interrupted:
+                print(
+                    f"launch: trial {trial.number} was interrupted; it goes on in its folder, from its last "
+                    "checkpoint if it saved one",
+                    flush=True,
+                )
+                exhausted = self._run(study, trial, space, returns)
+            else:
+                trial.set_user_attr(SWEEP_DIR, str(sweep_dir))
+                exhausted = self._run(study, trial, space, returns)
+            self.claims.let_go(trial.number)
         if exhausted:
             print(
-                f"launch: the sampler has tried every point of the space: the study ends at {finished(study)} trial(s)",
+                f"launch: the sampler has tried every point of the space: the study ends at {len(study.trials)} "
+                "trial(s)",
                 flush=True,
             )
         self._say_best(study)
@@ -102,8 +111,9 @@ class LaunchOptunaSweeper(Sweeper):
 
         from launcher.base.storage import masked, secret_in
         from launcher.config.ranges import SIZE
+        from launcher.search.claims import Claims, check_home, spec
         from launcher.search.space import SpaceError, parse
-        from launcher.search.study import StudyError, finished, hold, open_study, storage_url
+        from launcher.search.study import StudyError, finished, open_study
 
         assert self.config is not None
         if not SIZE.holds(self.n_trials):  # as the schema's ranges say it
@@ -127,43 +137,69 @@ class LaunchOptunaSweeper(Sweeper):
         except Exception as e:
             raise SpaceError(f"hydra.sweeper.sampler or sweep.pruner cannot be built: {_one_line(e)}") from e
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
-        url = storage_url(self.storage, sweep_dir)
+        url = spec(self.storage, sweep_dir)
         definition = [
             *space.definition(),
             *(f"sweep.{k}={sweep[k]}" for k in ("objective", "objective_at", "direction")),
         ]
-        lock = hold(sweep_dir)
+        claims = Claims(sweep_dir, url)  # a SQLite study: held for this sweeper's life
         try:
-            study = open_study(self.study_name, url, sweep["direction"], sampler, pruner, definition)
+            with claims.study():  # its first open makes a database's tables: one sweeper at a time
+                study = open_study(self.study_name, url, sweep["direction"], sampler, pruner, definition)
+                if not claims.whole_life:  # a shared study: its sweepers meet in one sweep directory
+                    check_home(study, sweep_dir, masked(url))
         except StudyError:
-            lock.close()
+            claims.close()
             raise
-        self._lock = lock  # held while this process lives
-        seed = self.sampler.get("seed") if self.sampler else None
-        if study.trials and seed is not None:  # continued: a sampler seeded as before would draw its old points again
-            study.sampler = instantiate(self.sampler, seed=seed + len(study.trials))
+        self.claims, self.study = claims, study  # its locks held while this process lives
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         self.url, self.sweep_dir, done = url, sweep_dir, finished(study)
         again = f"continuing: {done} of {self.n_trials} trial(s) done" if done else f"{self.n_trials} trial(s)"
         print(f"launch: study {self.study_name!r} ({masked(url)}): {again}", flush=True)
         return study, space, sweep_dir
 
+    def _reseed(self, made: int) -> None:
+        """The sampler seeded by the place of the trial it draws (seed + trials the study has made): sweepers of one
+        study, and a continued study, do not draw the same points again."""
+        from hydra.utils import instantiate
+
+        seed = self.sampler.get("seed") if self.sampler else None
+        if made and seed is not None:
+            self.study.sampler = instantiate(self.sampler, seed=seed + made)
+
     def _check_objective(self, sweep: dict[str, Any]) -> None:
         """Any figure the run logs, by name: a declared one, or the evaluation's (val/<metric>: trainer.metrics)."""
         from launcher.base.metrics import METRICS, logged_figures
+        from launcher.search.objective import ObjectiveError, figures
         from launcher.search.space import SpaceError
 
         assert self.config is not None
-        name = sweep["objective"]
-        if name.startswith("val") and not self.config.trainer.eval_every:
+        try:
+            objectives = figures(sweep)
+        except ObjectiveError as e:
+            raise SpaceError(str(e)) from None
+        if len(objectives) > 1 and (pruner := sweep["pruner"]) is not None:
+            named = pruner.get("_target_") if isinstance(pruner, dict) else pruner
             raise SpaceError(
-                f"sweep.objective={name} but trainer.eval_every=0 never evaluates; set trainer.eval_every=N "
-                "(each evaluation is also where a trial may be pruned)"
+                f"sweep.pruner={named} cannot prune a study of {len(objectives)} objectives "
+                "(Optuna prunes single-objective studies only); add sweep.pruner=null"
+            )
+        if len(objectives) > 1 and sweep["objective_at"] != "last":
+            raise SpaceError(
+                f"sweep.objective_at={sweep['objective_at']} with {len(objectives)} objectives would take each at "
+                "another step, of another model; a multi-objective study takes them at the run's last step: "
+                "sweep.objective_at=last"
             )
         logged = logged_figures(self.config)
-        if name not in logged and not any(name.startswith(f"{figure}/") for figure in logged):
-            names = [n for n in METRICS if n in logged] + sorted(logged - set(METRICS))
-            raise SpaceError(f"sweep.objective={name} is not a logged figure; use one of: {', '.join(names)}")
+        for name, _ in objectives:
+            if name.startswith("val") and not self.config.trainer.eval_every:
+                raise SpaceError(
+                    f"sweep.objective={name} but trainer.eval_every=0 never evaluates; set trainer.eval_every=N "
+                    "(each evaluation is also where a trial may be pruned)"
+                )
+            if name not in logged and not any(name.startswith(f"{figure}/") for figure in logged):
+                names = [n for n in METRICS if n in logged] + sorted(logged - set(METRICS))
+                raise SpaceError(f"sweep.objective={name} is not a logged figure; use one of: {', '.join(names)}")
 
     def _check_composes(self, space: Any) -> None:
         """One trial's overrides at the low end of every distribution compose (unknown keys, wrong types)."""
@@ -205,8 +241,9 @@ class LaunchOptunaSweeper(Sweeper):
             )
             raise SystemExit(int(record.get("code") or 1))
         state, exhausted = tell(study, trial, record)
-        value = record.get("objective")
-        shown = f"{record.get('objective_name')} {value:.6g}" if value is not None else record.get("reason", "")
+        names, values = record.get("objective_name"), record.get("objective")
+        pairs = zip(names, values) if isinstance(values, list) else [(names, values)]
+        shown = ", ".join(f"{n} {v:.6g}" for n, v in pairs) if values is not None else record.get("reason", "")
         print(f"launch: trial {trial.number} {state}: {shown}", flush=True)
         returns.extend([result] if result is not None else [])
         return exhausted
@@ -226,6 +263,14 @@ class LaunchOptunaSweeper(Sweeper):
 
         if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             print("launch: no trial of the study completed", file=sys.stderr, flush=True)
+            return
+        if len(study.directions) > 1:  # several objectives: the trials no other beats on every one
+            names = self.objective["objective_name"]
+            front = ", ".join(
+                f"trial {t.number} ({', '.join(f'{n} {v:.6g}' for n, v in zip(names, t.values))})"
+                for t in sorted(study.best_trials, key=lambda t: t.number)
+            )
+            print(f"launch: Pareto front: {front}", flush=True)
             return
         best = study.best_trial
         params = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.params.items())

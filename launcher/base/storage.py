@@ -27,19 +27,21 @@ from typing import IO, Any
 
 USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/\s@]*)@")
 """The part of a URL before its host that names a user, and maybe a password: `scheme://user:password@`."""
+QUERY_SECRET = re.compile(r"([?&](?:password|passwd|pwd|sslpassword)=)[^&\s'\"]*", re.IGNORECASE)
+"""A password in a URL's query (libpq takes `postgresql://host/db?password=...`)."""
 
 
 def masked(text: str) -> str:
     """`text` with the user and password of every URL in it shown as `***` (`s3://***@bucket/run`): how a line, a
     log or a file names a URL."""
-    return USERINFO.sub(r"\1***@", text)
+    return QUERY_SECRET.sub(r"\1***", USERINFO.sub(r"\1***@", text))
 
 
 def secret_in(args: list[str]) -> str | None:
     """One line for the first argument holding a URL with a password in it (masked), or None: refused before
     anything runs, so that no log, config or line of the run can hold it."""
     for arg in args:
-        if any(":" in m.group(2) for m in USERINFO.finditer(arg)):
+        if any(":" in m.group(2) for m in USERINFO.finditer(arg)) or QUERY_SECRET.search(arg):
             where = next((w for key, w in CREDENTIALS.items() if arg.lstrip("+~").startswith(key)), None) or (
                 "the environment (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), ~/.aws, the instance's role "
                 "or the service's own password file (e.g. ~/.pgpass)"
@@ -51,6 +53,7 @@ def secret_in(args: list[str]) -> str | None:
 CREDENTIALS = {
     "logger.mlflow.": "MLflow's environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
     "MLFLOW_TRACKING_TOKEN)",
+    "hydra.sweeper.storage=": "the database's own environment or password file (PostgreSQL: PGPASSWORD or ~/.pgpass)",
 }
 """Where the credentials of a key's URL go, where its library reads them from somewhere of its own."""
 

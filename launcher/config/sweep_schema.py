@@ -19,23 +19,21 @@ class ObjectiveAt(Enum):
     """Its best value over the run (lowest when minimizing)."""
 
 
-class Direction(Enum):
-    minimize = "minimize"
-    maximize = "maximize"
-
-
 @dataclass
 class SweepConfig:
-    objective: str = "val_loss"
-    """The logged figure a search optimises (launcher/base/metrics.py declares them)."""
+    objective: Any = "val_loss"
+    """The logged figure a search optimises (launcher/base/metrics.py declares them), or a list of them: a
+    multi-objective study (`launcher.search.objective.figures` checks it)."""
     objective_at: ObjectiveAt = ObjectiveAt.last
-    direction: Direction = Direction.minimize
+    direction: Any = "minimize"
+    """minimize or maximize; for a list of objectives, a list of as many."""
     pruner: Any = field(default_factory=lambda: {"_target_": "optuna.pruners.MedianPruner"})
     """The Optuna pruner each trial's rank 0 asks at every evaluation but the last (any `_target_`, e.g.
     optuna.pruners.ThresholdPruner with +sweep.pruner.upper=...); null: trials are never pruned."""
     study: str | None = None
     """Set by the search sweeper: the study this run is a trial of."""
     storage: str | None = None
-    """Set by the search sweeper: the study's storage URL (rank 0 reports the objective there as the run goes)."""
+    """Set by the search sweeper: the study's storage, a database URL or `journal:<file>` (rank 0 reports the objective
+    there as the run goes)."""
     trial: int | None = ranged(None, COUNT)
     """Set by the search sweeper: the trial's number in its study."""

@@ -101,24 +101,49 @@ def _trial(outcome: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def trials(jobs: list[Job]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """A search's trials in the order they ran (by number), and the best complete one (None: none completed)."""
+    """A search's trials in the order they ran (by number), and the best complete one (None: none completed, or a
+    study of several objectives, which has a front instead: `front`)."""
     ran = sorted((j.trial for j in jobs if j.trial is not None), key=lambda t: t["trial"])
     done = [t for t in ran if t["state"] == "complete" and t.get("objective") is not None]
-    if not done:
+    if not done or isinstance(done[0]["objective"], list):
         return ran, None
     sign = -1.0 if done[0].get("direction") == "maximize" else 1.0
     return ran, min(done, key=lambda t: sign * t["objective"])
 
 
+def front(ran: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A multi-objective study's Pareto front: its complete trials that no other complete trial is at least as good
+    as on every objective and better on one."""
+    done = [t for t in ran if t["state"] == "complete" and isinstance(t.get("objective"), list)]
+    if not done:
+        return []
+    signs = [-1.0 if d == "maximize" else 1.0 for d in done[0]["direction"]]
+    keys = [[s * v for s, v in zip(signs, t["objective"])] for t in done]
+
+    def beats(a: list[float], b: list[float]) -> bool:
+        return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+
+    return [t for t, k in zip(done, keys) if not any(beats(other, k) for other in keys)]
+
+
 def trials_table(jobs: list[Job]) -> str:
-    """The search's trials: parameters, objective, state; the best marked."""
+    """The search's trials: parameters, objective (one column per objective, its direction), state; the best marked,
+    or every trial of a multi-objective study's Pareto front."""
     ran, best = trials(jobs)
     if not ran:
         return ""
-    lines = [f"| trial | parameters | {ran[0].get('objective_name')} | state | |", "|---|---|---|---|---|"]
+    names, directions = ran[0].get("objective_name"), ran[0].get("direction")
+    several = isinstance(names, list)
+    on_front = front(ran) if several else []
+    shown = [f"{n} ({'min' if d == 'minimize' else 'max'})" for n, d in zip(names, directions)] if several else [names]
+    lines = [f"| trial | parameters | {' | '.join(shown)} | state | |", "|---" * (len(shown) + 4) + "|"]
     for t in ran:
         note = "best" if t is best else (f"at step {t['pruned_at']}" if t.get("pruned_at") else t.get("reason", ""))
-        lines.append(f"| {t['trial']} | {t['params']} | {_fmt(t.get('objective'), '.6g')} | {t['state']} | {note} |")
+        note = "Pareto front" if any(t is f for f in on_front) else note
+        value = t.get("objective")
+        values = value if isinstance(value, list) else [value] + [None] * (len(shown) - 1)
+        cells = " | ".join(_fmt(v, ".6g") for v in values)
+        lines.append(f"| {t['trial']} | {t['params']} | {cells} | {t['state']} | {note} |")
     return "\n".join(lines) + "\n"
 
 
@@ -178,7 +203,18 @@ def chart(jobs: list[Job], path: Path) -> None:
     bars.barh(names, [j.samples_per_s or 0 for j in jobs], color="tab:blue")
     bars.set(title="throughput (median samples/s)", xlabel="samples/s")
     bars.invert_yaxis()
-    if ran:
+    several = bool(ran) and isinstance(ran[0].get("objective_name"), list)
+    if several:  # the first two objectives against each other, the front drawn
+        names, on_front = ran[0]["objective_name"], front(ran)
+        done = [t["objective"] for t in ran if t["state"] == "complete" and isinstance(t.get("objective"), list)]
+        if done:
+            search[0].scatter([v[0] for v in done], [v[1] for v in done], marker="o", label="complete")
+        if on_front:
+            edge = sorted((t["objective"][0], t["objective"][1]) for t in on_front)
+            search[0].plot(*zip(*edge), color="tab:red", marker="o", fillstyle="none", label="Pareto front")
+        search[0].set(title="trials", xlabel=names[0], ylabel=names[1])
+        search[0].legend(fontsize="small")
+    elif ran:
         for state, marker in (("complete", "o"), ("pruned", "x")):
             shown = [
                 (t["trial"], t["objective"]) for t in ran if t["state"] == state and t.get("objective") is not None

@@ -53,6 +53,32 @@ def objective(records: list[dict[str, Any]], name: str, at: str, direction: str)
     return float(value), ""
 
 
+class ObjectiveError(ValueError):
+    """`sweep.objective` and `sweep.direction` that do not say what to optimise: one line naming them and the fix."""
+
+
+def figures(sweep: dict[str, Any]) -> list[tuple[str, str]]:
+    """The study's objectives, each with its direction: one figure (a string), or a list of figures with a list of
+    as many directions (a multi-objective study); ObjectiveError otherwise."""
+    names, directions = sweep["objective"], sweep["direction"]
+    several = isinstance(names, list)
+    names = names if several else [names]
+    directions = directions if isinstance(directions, list) else [directions] * (1 if not several else 0)
+    shown = f"sweep.objective={sweep['objective']} sweep.direction={sweep['direction']}".replace("'", "")
+    if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) < len(names):
+        raise ObjectiveError(f"{shown}: the objectives must be distinct figure names, e.g. [val_loss,tokens_per_s]")
+    if several and len(names) < 2:
+        raise ObjectiveError(f"{shown}: a list is for several objectives; give one as sweep.objective=NAME")
+    if len(directions) != len(names):
+        raise ObjectiveError(
+            f"{shown}: give one direction per objective, e.g. sweep.direction=[minimize,maximize] for "
+            f"{len(names)} objectives"
+        )
+    if bad := [d for d in directions if d not in ("minimize", "maximize")]:
+        raise ObjectiveError(f"{shown}: a direction is minimize or maximize, not {bad[0]}")
+    return list(zip(names, directions))
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -77,6 +103,12 @@ def trial_outcome(cfg: Any, run_dir: Path, code: int, reason: str) -> dict[str, 
         return record | {"state": "stopped"}  # a stop signal: the trial goes on when the study is continued
     if code:
         return record | {"state": "failed", "reason": reason}
+    if isinstance(sweep["objective"], list):  # several objectives: each at the run's last step that logged it
+        records = read_metrics(run_dir)
+        found = [objective(records, name, "last", direction) for name, direction in figures(sweep)]
+        if whys := [why for value, why in found if value is None]:
+            return record | {"state": "failed", "reason": f"no objective: {'; '.join(whys)}"}
+        return record | {"state": "complete", "objective": [value for value, _ in found]}
     value, why = objective(read_metrics(run_dir), sweep["objective"], sweep["objective_at"], sweep["direction"])
     pruned = read_pruned(run_dir)
     if pruned is not None:

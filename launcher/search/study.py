@@ -1,10 +1,11 @@
 """A study in its storage, as the search sweeper drives it: opened (made on the first run), held by one sweeper at a
 time, checked to be the study this command describes, and continued after a kill without repeating a finished trial.
 
-The storage is a SQLite file in the sweep directory (`study.db`) unless `hydra.sweeper.storage` names a database
-URL. A lock on `<sweep dir>/.study.lock`, held while the sweeper runs (the kernel drops it when the process dies),
-makes every trial of this sweep directory still marked RUNNING an orphan of a sweeper that is gone: the next run of
-the same command continues it first, in its own folder, from its last checkpoint.
+The storage is a SQLite file in the sweep directory (`study.db`) unless `hydra.sweeper.storage` names Optuna's journal
+or a database URL (`launcher.search.claims`: several sweepers on one study). For a SQLite study, a lock on
+`<sweep dir>/.study.lock`, held while its one sweeper runs (the kernel drops it when the process dies), makes every
+trial still marked RUNNING an orphan of a sweeper that is gone: the next run of the same command continues it first,
+in its own folder, from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def hold(sweep_dir: Path) -> IO[str]:
         lock.close()
         raise StudyError(
             f"the study in hydra.sweep.dir={sweep_dir} is being run by another launch; wait for it to end, or choose "
-            "another hydra.sweep.dir"
+            "another hydra.sweep.dir (a SQLite study has one sweeper: several share a study on "
+            "hydra.sweeper.storage=journal or a database URL)"
         ) from None
     os.register_at_fork(after_in_child=lock.close)  # a worker forked from here does not hold it
     return lock
@@ -84,26 +86,41 @@ def check_file(url: str) -> None:
         raise StudyError(f"{path} is a SQLite database of something else (its tables: {shown}), not a study; {fix}")
 
 
-def open_study(name: str, url: str, direction: str, sampler: Any, pruner: Any, definition: list[str]) -> Any:
-    """The study `name` in `url`, made if new; StudyError if it exists and searched something else, or if `url` holds
-    no study optuna can read."""
+def open_study(
+    name: str, url: str, direction: str | list[str], sampler: Any, pruner: Any, definition: list[str]
+) -> Any:
+    """The study `name` in `url` (a storage spec, `launcher.search.claims.spec`), made if new; StudyError if it exists
+    and searched something else, or if `url` holds no study optuna can read. Lines name the URL masked."""
     import optuna
+
+    from launcher.base.storage import masked
+    from launcher.config import one_line
+    from launcher.search.claims import storage
 
     check_file(url)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    fix = "check hydra.sweeper.storage (its password from PGPASSWORD or ~/.pgpass), or choose another hydra.sweep.dir"
     try:
         study = optuna.create_study(
-            study_name=name, storage=url, direction=direction, sampler=sampler, pruner=pruner, load_if_exists=True
+            study_name=name,
+            storage=storage(url),
+            direction=direction if isinstance(direction, str) else None,
+            directions=direction if isinstance(direction, list) else None,
+            sampler=sampler,
+            pruner=pruner,
+            load_if_exists=True,
         )
-    except Exception as e:  # the database's own error (SQLAlchemy's): one line, not its traceback
-        if not type(e).__module__.startswith(("sqlalchemy", "optuna")):
-            raise
-        from launcher.base.storage import masked
-        from launcher.config import one_line
-
+    except ImportError as e:  # the database's driver (SQLAlchemy's dialect names it)
         raise StudyError(
-            f"the study storage {masked(url)} cannot be opened ({type(e).__name__}: {one_line(e)[:300]}); check "
-            "hydra.sweeper.storage, or choose another hydra.sweep.dir"
+            f"the study storage {masked(url)} cannot be opened: its database driver is not installed "
+            f"({masked(one_line(e.__cause__ or e))[:200]}); pip install 'launch[postgres]' for PostgreSQL (psycopg: "
+            "postgresql://...), or install the driver the URL names"
+        ) from None
+    except Exception as e:  # the database's own error (SQLAlchemy's), or the journal's file: one line, no traceback
+        if not type(e).__module__.startswith(("sqlalchemy", "optuna")) and not isinstance(e, OSError):
+            raise
+        raise StudyError(
+            f"the study storage {masked(url)} cannot be opened ({type(e).__name__}: {masked(one_line(e))[:300]}); {fix}"
         ) from None
     before = study.user_attrs.get(DEFINITION)
     if before is None:
@@ -111,9 +128,9 @@ def open_study(name: str, url: str, direction: str, sampler: Any, pruner: Any, d
     elif before != definition:
         was, now = sorted(set(before) - set(definition)), sorted(set(definition) - set(before))
         raise StudyError(
-            f"study {name!r} in {url} searched {'; '.join(was) or 'less'}, this command {'; '.join(now) or 'less'}: "
-            "continue it with its own overrides, or start another with hydra.sweeper.study_name=... (or another "
-            "hydra.sweep.dir)"
+            f"study {name!r} in {masked(url)} searched {'; '.join(was) or 'less'}, this command "
+            f"{'; '.join(now) or 'less'}: continue it with its own overrides, or start another with "
+            "hydra.sweeper.study_name=... (or another hydra.sweep.dir)"
         )
     return study
 
@@ -123,14 +140,6 @@ def finished(study: Any) -> int:
     from optuna.trial import TrialState
 
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
-
-
-def orphans(study: Any, sweep_dir: Path) -> list[Any]:
-    """This sweep directory's trials still marked RUNNING while its lock is ours: their sweeper is gone."""
-    from optuna.trial import TrialState
-
-    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    return [t for t in running if t.user_attrs.get(SWEEP_DIR) == str(sweep_dir)]
 
 
 def ended(run_dir: Path) -> dict[str, Any] | None:
@@ -145,8 +154,9 @@ def ended(run_dir: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or record.get("state") not in ("complete", "pruned", "failed"):
         return None
-    value = record.get("objective")
-    if record["state"] == "complete" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+    values = record.get("objective")
+    values = values if isinstance(values, list) else [values]  # several objectives: a value each
+    if record["state"] == "complete" and not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
         return None
     return record
 

@@ -21,6 +21,7 @@ class TrialReport:
     def __init__(self, cfg: DictConfig, rank: int) -> None:
         sweep = OmegaConf.select(cfg, "sweep", default=None)
         self.active = rank == 0 and sweep is not None and sweep.get("trial") is not None and bool(sweep.storage)
+        self.active = self.active and isinstance(sweep.objective, str)  # several objectives: Optuna prunes none
         self.sweep = sweep
         self._trial: Any = None
 
@@ -42,7 +43,10 @@ class TrialReport:
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             pruner = instantiate(self.sweep.pruner) if self.sweep.pruner is not None else optuna.pruners.NopPruner()
-            study = optuna.load_study(study_name=str(self.sweep.study), storage=str(self.sweep.storage), pruner=pruner)
+            from launcher.search.claims import storage
+
+            spelled = storage(str(self.sweep.storage))
+            study = optuna.load_study(study_name=str(self.sweep.study), storage=spelled, pruner=pruner)
             number = int(self.sweep.trial)
             (frozen,) = [t for t in study.get_trials(deepcopy=False) if t.number == number]
             self._trial = optuna.trial.Trial(study, frozen._trial_id)
