@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from strategies.base import (
+    LR_SCALE,
     ModelFactory,
     OptimizerFactory,
     RunContext,
@@ -45,6 +46,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zb
 ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble."""
 LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 """The schedules that hold several stages per rank (strategy.pp_stages_per_rank; zbv: exactly 2, in a V)."""
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
+"""The schedules that split each backward in two: the inputs' gradients, then the weights'."""
 BALANCE = ("layers", "params")
 
 
@@ -325,7 +328,7 @@ class PipelineFSDP(FSDP):
             (self.sync_batchnorm, "strategy.sync_batchnorm=true", "synchronised BatchNorm"),
             (ctx.compile, "trainer.compile=true", "compiled units"),
             (ctx.ema is not None, "trainer.ema.decay", "EMA weights"),
-            (ctx.precision == "fp16", "precision=fp16", "the fp16 loss scaler"),
+            (ctx.precision != "fp32", f"precision={ctx.precision}", "mixed precision"),
             (
                 bool(self.pp_split) and self.pp_balance != "layers",
                 f"strategy.pp_balance={self.pp_balance}",
@@ -423,10 +426,13 @@ class PipelineFSDP(FSDP):
             param_dtype=autocast_dtype(ctx.precision), reduce_dtype=DTYPES[self.reduce_dtype]
         )
         parts = [Stage(prune(meta, split, i), split, i) for i in mine]
+        # A zero-bubble schedule computes the weights' gradients apart, after the inputs', from the parameters the
+        # stage's module holds then: they must be the gathered ones its forward used (torchtitan's choice too).
+        reshard = self.reshard_after_forward and self.pp_schedule not in ZERO_BUBBLE
         for part in parts:
             for layer in part.get_submodule(split.path):
-                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=precision)
-            fully_shard(part, mesh=dp_mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=precision)
+                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=precision)
+            fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=precision)
             part.to_empty(device=ctx.device)
         _fill(parts, meta, whole, torch.device(ctx.device))
         del whole
@@ -494,18 +500,21 @@ class PipelineFSDP(FSDP):
         that one process (any layout) reads the whole model's groups, whichever rank's record it keeps."""
         import torch.distributed as dist
 
-        mine: dict[str, list[str]] = {}
+        mine: dict[str, tuple[list[str], dict[str, Any]]] = {}
         for part, optimizer in zip(self.parts, self.optimizers):
             ids = {id(p): n for n, p in part.named_parameters()}
             for group in optimizer.param_groups:
-                mine.setdefault(group.get("group", ""), []).extend(ids[id(p)] for p in group["params"])
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                mine.setdefault(group.get("group", ""), ([], hyper))[0].extend(ids[id(p)] for p in group["params"])
         every: list[Any] = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(every, mine, group=self.pp_group)
         order = {name: i for i, (name, _) in enumerate(meta.named_parameters())}
         labels: dict[str, set[str]] = {}
+        self.group_hyper: dict[str, dict[str, Any]] = {}
         for found in every:
-            for label, names in found.items():
+            for label, (names, hyper) in found.items():
                 labels.setdefault(label, set()).update(names)
+                self.group_hyper.setdefault(label, hyper)
         self.group_names = {label: sorted(names, key=order.__getitem__) for label, names in labels.items()}
         self.group_order = list(dict.fromkeys(sorted(labels, key=lambda lab: min(order[n] for n in labels[lab]))))
 
@@ -660,6 +669,12 @@ class PipelineFSDP(FSDP):
             state |= o["state"]
             for group in o["param_groups"]:
                 hyper.setdefault(group.get("group", ""), {k: v for k, v in group.items() if k != "params"})
+        scaled = [g for o in self.optimizers for g in o.param_groups if g.get(LR_SCALE, 1.0)]
+        base = scaled[0]["lr"] / scaled[0].get(LR_SCALE, 1.0) if scaled else 0.0
+        for label in self.group_order:  # a group no stage of this rank holds: its keys from setup, the lr of now
+            if label not in hyper:
+                keys = self.group_hyper[label]
+                hyper[label] = {**keys, "lr": base * keys.get(LR_SCALE, 1.0)}
         groups = [{**hyper[label], "params": list(self.group_names[label])} for label in self.group_order]
         return {"model": model, "optim": {"state": state, "param_groups": groups}}
 

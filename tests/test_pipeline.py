@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, Run, launch, launch_here
-from runs import JOB, NORM_TOLERANCE, reference, shared_run
+from runs import JOB, NORM_TOLERANCE, shared_run
 from test_checkpoint import _ckpt, _max_diff
 
 from launcher.config import schema
@@ -56,13 +56,18 @@ DEEPER = ("model.n_layer=4",)
 
 
 @pytest.mark.long  # 4 ranks per schedule, ~20 s each on 2 busy cores; 1F1B's run above is the default tier's
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"])
-def test_each_schedule_at_pp2_dp2_follows_one_process(schedule: str, conformance_dir: Path, tmp_path: Path) -> None:
-    """4 layers: 2 stages, or 4 on 2 ranks for the looped schedules (zbv's in a V)."""
+@pytest.mark.parametrize(
+    "schedule,strategy",
+    [(s, "fsdp") for s in ("gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")] + [("1f1b", "hsdp")],
+)
+def test_each_schedule_at_pp2_dp2_follows_one_process(
+    schedule: str, strategy: str, conformance_dir: Path, tmp_path: Path
+) -> None:
+    """4 layers: 2 stages, or 4 on 2 ranks for the looped schedules (zbv's in a V); hsdp: 2 replicas of 1 shard."""
     one = shared_run(conformance_dir, "strategy=ddp", "gpus=1", *DEEPER)
-    pp = launch(
-        tmp_path, *JOB, *DEEPER, "strategy=fsdp", "strategy.pp_size=2", f"strategy.pp_schedule={schedule}", "gpus=4"
-    ).check()
+    mesh = ["strategy.shard_size=1"] if strategy == "hsdp" else []
+    overrides = [f"strategy={strategy}", *mesh, "strategy.pp_size=2", f"strategy.pp_schedule={schedule}", "gpus=4"]
+    pp = launch(tmp_path, *JOB, *DEEPER, *overrides).check()
     loss, val, norm = _compare(pp, one)
     print(f"pp=2 x dp=2 {schedule}: loss {loss:.2e}, val_loss {val:.2e}, grad norm {norm:.2e} (relative)")
     assert loss <= TOLERANCE and val <= TOLERANCE and norm <= NORM
