@@ -234,9 +234,19 @@ PP4 = [
         (["trainer.ema.decay=0.99"], "trainer.ema.decay with strategy.pp_size=2: EMA weights does not compose"),
         (["optim=muon"], "(Muon) with strategy.pp_size=2: Muon does not compose with pipeline parallel here"),
         (["strategy=ddp"], "pipeline parallel runs under FSDP2 alone"),
+        (["nodes=1:2", "trainer.max_restarts=3"], "nodes=1:2 (elastic) with strategy.pp_size=2: it does not compose"),
+        (["trainer.memory_checkpoint_every=2"], "trainer.memory_checkpoint_every (the memory tier) with strategy.pp"),
         (["strategy.pp_schedule=zbv", "strategy.pp_stages_per_rank=3"], "zbv holds exactly 2 stages per rank"),
     ],
 )
 def test_what_cannot_run_is_refused_before_start(overrides: list[str], expected: str, tmp_path: Path) -> None:
     line = launch_here(tmp_path, *PP4, *overrides).refused()
     assert expected in line, line
+
+
+@pytest.mark.unit
+def test_a_mixture_is_refused_before_start(tmp_path: Path) -> None:
+    source = "{weight:1,_target_:launcher.data.builtin.Synthetic,seq_len:32,num_samples:512}"
+    base = [o for o in PP4 if not o.startswith("data")]
+    line = launch_here(tmp_path, *base, "data=mix", "model.block_size=32", f"data.sources={{a:{source}}}").refused()
+    assert "data=mix with strategy.pp_size=2: a mixture's losses per source do not compose" in line, line

@@ -234,8 +234,16 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
             f"{', '.join(str(d) for d in range(1, rest + 1) if rest % d == 0)}"
         )
     if pipeline > 1 and OmegaConf.select(cfg, "data._target_", default=None) == "launcher.data.mix.Mix":
-        raise ConfigError(f"data=mix with strategy.pp_size={pipeline}: a mixture's losses per source do not compose "
-                          "with pipeline parallel here; use strategy.pp_size=1")  # fmt: skip
+        raise ConfigError(
+            f"data=mix with strategy.pp_size={pipeline}: a mixture's losses per source do not compose "
+            "with pipeline parallel here; use strategy.pp_size=1"
+        )
+    if pipeline > 1 and (low < high or int(OmegaConf.select(cfg, "trainer.memory_checkpoint_every", default=0) or 0)):
+        what = f"nodes={cfg.nodes} (elastic)" if low < high else "trainer.memory_checkpoint_every (the memory tier)"
+        raise ConfigError(
+            f"{what} with strategy.pp_size={pipeline}: it does not compose with pipeline parallel here; "
+            "use a fixed nodes=N and trainer.memory_checkpoint_every=0, or strategy.pp_size=1"
+        )
     tensor *= pipeline
     per_step = micro * world_size // tensor
     check_world_sizes(batch.global_size, batch.micro_size, cfg.nodes, gpus)  # an elastic range: every size in it
