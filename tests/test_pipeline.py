@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, Run, launch, launch_here
+from conftest import TINY, Run, cli_here, launch, launch_here
 from runs import JOB, NORM_TOLERANCE, shared_run
 from test_checkpoint import _ckpt, _max_diff
 
@@ -40,7 +40,8 @@ def test_pp2_dp2_follows_one_process_and_its_checkpoint_resumes_in_one_process(
 ) -> None:
     """1F1B, 2 stages x 2 data-parallel ranks of the suite's job (padded samples: micro-batches of unequal targets,
     the tied head on the last stage, validation at 6 and 12) against one process; then its step-6 checkpoint (the
-    whole model's names) resumed in one process under ddp goes on with its losses."""
+    whole model's names) resumed in one process under ddp goes on with its losses, and `launch convert` writes the
+    whole model."""
     pp = shared_run(conformance_dir, "strategy=fsdp", "strategy.pp_size=2", "gpus=4")
     assert (
         "launch: pipeline: 2 stages of GPT by layers (1f1b, 2 micro-batches): 0: blocks.0-0, 1: blocks.1-1" in pp.stdout
@@ -50,6 +51,14 @@ def test_pp2_dp2_follows_one_process_and_its_checkpoint_resumes_in_one_process(
     assert loss <= TOLERANCE and val <= TOLERANCE and norm <= NORM
     resumed = launch(tmp_path, *JOB, "strategy=ddp", "gpus=1", f"resume={_ckpt(pp, 6)}").check()
     assert _max_diff(pp, resumed, range(7, 13)) <= 2 * TOLERANCE
+    # launch convert writes the whole model, every tensor under its own name, which the plain model loads strictly.
+    from safetensors.torch import load_file
+
+    from launcher.models.gpt import GPT
+
+    out = tmp_path / "model.safetensors"
+    assert cli_here(tmp_path, "convert", str(_ckpt(pp, 12)), f"out={out}").returncode == 0
+    GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32).load_state_dict(load_file(out), strict=True)
 
 
 DEEPER = ("model.n_layer=4",)
