@@ -259,3 +259,10 @@ def test_a_mixture_is_refused_before_start(tmp_path: Path) -> None:
     base = [o for o in PP4 if not o.startswith("data")]
     line = launch_here(tmp_path, *base, "data=mix", "model.block_size=32", f"data.sources={{a:{source}}}").refused()
     assert "data=mix with strategy.pp_size=2: a mixture's losses per source do not compose" in line, line
+
+
+@pytest.mark.unit
+def test_launch_plan_says_it_has_no_pipeline_section(tmp_path: Path) -> None:
+    proc = cli_here(tmp_path, "plan", "model=gpt_tiny", "strategy=fsdp", "strategy.pp_size=2", "gpus=4")
+    assert proc.returncode == 0, proc.stderr
+    assert "launch plan: note: strategy.pp_size=2: the plan has no pipeline section yet" in proc.stderr
