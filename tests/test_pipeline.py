@@ -64,7 +64,7 @@ def test_pp2_dp2_follows_one_process_and_its_checkpoint_resumes_in_one_process(
 DEEPER = ("model.n_layer=4",)
 
 
-@pytest.mark.long  # 4 ranks per schedule, ~20 s each on 2 busy cores; 1F1B's run above is the default tier's
+@pytest.mark.long  # 4 ranks and 12 steps per schedule; 1F1B's run above (the same job) is the default tier's
 @pytest.mark.parametrize(
     "schedule,strategy",
     [(s, "fsdp") for s in ("gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")] + [("1f1b", "hsdp")],
@@ -102,7 +102,7 @@ LLAMA = [
 ]
 
 
-@pytest.mark.long  # 4 ranks of a Llama and one process, ~40 s; the split of a Llama is tested in process below
+@pytest.mark.long  # 4 ranks of a Llama and one process; the split of a Llama is tested in process below
 def test_a_transformers_llama_at_pp2_dp2_logs_one_process_losses(tmp_path: Path) -> None:
     pp = launch(
         tmp_path, *LLAMA, "strategy=fsdp", "strategy.pp_size=2", "strategy.pp_balance=params", "gpus=4", name="pp"
