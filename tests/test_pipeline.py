@@ -266,3 +266,21 @@ def test_launch_plan_says_it_has_no_pipeline_section(tmp_path: Path) -> None:
     proc = cli_here(tmp_path, "plan", "model=gpt_tiny", "strategy=fsdp", "strategy.pp_size=2", "gpus=4")
     assert proc.returncode == 0, proc.stderr
     assert "launch plan: note: strategy.pp_size=2: the plan has no pipeline section yet" in proc.stderr
+
+
+def test_a_non_finite_loss_on_the_last_stage_is_not_committed(tmp_path: Path) -> None:
+    """PP=2 x DP=2: the last stage of the first pipeline (rank 1) adds NaN to its loss alone (its gradient stays
+    finite) in one micro-batch; under trainer.nonfinite=skip that step is dropped on every rank, its checkpoint every
+    tensor of the one before, and the run goes on."""
+    from test_guards import _equal, _flat, _nan_run, _state, _strict
+
+    pp = ["gpus=4", "strategy=fsdp", "strategy.pp_size=2", "batch.global_size=8", "batch.micro_size=2"]
+    run = _nan_run(tmp_path, "5", *pp, "trainer.max_steps=4", "trainer.nonfinite=skip", "trainer.max_skipped=2")
+    assert run.returncode == 0, run.stderr
+    records = _strict(run.run_dir / "metrics.jsonl")
+    assert records[-1]["skipped_steps"] == 1, records
+    step = next(m["step"] for m in records if m["skipped_steps"] == 1)
+    assert f"launch: skipped step {step}: the loss is nan on rank 1 (micro-step " in run.stdout, run.stdout
+    folder = run.run_dir / "checkpoints"
+    before, skipped = (_flat(_state(folder / f"step_{s:08d}", tmp_path / f"{s}.pt")) for s in (step - 1, step))
+    assert _equal(before, skipped)
