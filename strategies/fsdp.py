@@ -98,6 +98,13 @@ def _counting_all_reduce(counter: CommCounter, replicas: int) -> Any:
 
 
 class FSDP:
+    def __new__(cls, **options: Any) -> FSDP:
+        if cls is FSDP and int(options.get("pp_size") or 1) > 1:  # pipeline stages: a step of FSDP's parallelisms
+            from strategies.pipeline import PipelineFSDP
+
+            return super().__new__(PipelineFSDP)
+        return super().__new__(cls)
+
     def __init__(  # every option's default is its schema's (launcher/config/schema.py), written there alone
         self,
         *,
@@ -114,8 +121,15 @@ class FSDP:
         tp_size: int,
         tp_plan: dict[str, str] | None,
         tp_across_nodes: bool,
+        pp_size: int,
+        pp_schedule: str,
+        pp_stages_per_rank: int | None,
+        pp_split: list[int] | None,
+        pp_balance: str,
     ) -> None:
         self.mesh = Mesh(shard_size, replicate_size, tp_size)
+        self.pp_size, self.pp_schedule, self.pp_stages_per_rank = pp_size, pp_schedule, pp_stages_per_rank
+        self.pp_split, self.pp_balance = None if pp_split is None else [int(i) for i in pp_split], pp_balance
         self.tp = TensorParallel(tp_size, tp_plan, tp_across_nodes)
         self.shard_units = None if shard_units is None else [str(name) for name in shard_units]
         self.reshard_after_forward = reshard_after_forward

@@ -157,8 +157,8 @@ class Derived:
     """batch.micro_size=auto: the planner chose the micro-batch, and an out-of-memory error halves it
     (`launcher.recovery.adapt`)."""
     tensor_size: int = 1
-    """strategy.tp_size: consecutive ranks that see the same micro-batches; accumulation is global / (micro x world
-    size / tensor_size)."""
+    """strategy.tp_size x strategy.pp_size: consecutive ranks that see the same micro-batches; accumulation is global /
+    (micro x world size / tensor_size)."""
 
     def forks_workers(self, trainer: Any) -> bool:
         """CPU workers are forked from the launcher, which has torch and the run's modules imported already
@@ -225,6 +225,26 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
             f"strategy.tp_size={tensor} does not divide the world size {world_size} (nodes x gpus); use one of "
             f"{', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)}"
         )
+    pipeline = int(OmegaConf.select(cfg, "strategy.pp_size", default=1) or 1)  # a pipeline's ranks: one batch too
+    if (world_size // tensor) % pipeline:
+        rest = world_size // tensor
+        raise ConfigError(
+            f"strategy.pp_size={pipeline} does not divide the world size {world_size} (nodes x gpus)"
+            f"{f' / strategy.tp_size={tensor}' if tensor > 1 else ''}; use one of "
+            f"{', '.join(str(d) for d in range(1, rest + 1) if rest % d == 0)}"
+        )
+    if pipeline > 1 and OmegaConf.select(cfg, "data._target_", default=None) == "launcher.data.mix.Mix":
+        raise ConfigError(
+            f"data=mix with strategy.pp_size={pipeline}: a mixture's losses per source do not compose "
+            "with pipeline parallel here; use strategy.pp_size=1"
+        )
+    if pipeline > 1 and (low < high or int(OmegaConf.select(cfg, "trainer.memory_checkpoint_every", default=0) or 0)):
+        what = f"nodes={cfg.nodes} (elastic)" if low < high else "trainer.memory_checkpoint_every (the memory tier)"
+        raise ConfigError(
+            f"{what} with strategy.pp_size={pipeline}: it does not compose with pipeline parallel here; "
+            "use a fixed nodes=N and trainer.memory_checkpoint_every=0, or strategy.pp_size=1"
+        )
+    tensor *= pipeline
     per_step = micro * world_size // tensor
     check_world_sizes(batch.global_size, batch.micro_size, cfg.nodes, gpus)  # an elastic range: every size in it
     if batch.global_size % per_step:

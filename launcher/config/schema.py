@@ -150,6 +150,19 @@ class FSDPStrategyConfig:
     tp_across_nodes: bool = False
     """Let a tensor-parallel group span nodes (tp_size above gpus): its activations' all-reduces then cross the
     network, several per layer per micro-step, much slower than a node's links."""
+    pp_size: int = ranged(1, SIZE)
+    """Pipeline parallel: consecutive ranks that each hold a stage of the model's layers (`strategies.pipeline`); they
+    see the same micro-batches, so data parallel is the world size / pp_size. 1: none."""
+    pp_schedule: str = "1f1b"
+    """torch's pipeline schedule: gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble | zbv."""
+    pp_stages_per_rank: int | None = ranged(None, SIZE)
+    """Stages each rank holds under interleaved_1f1b and interleaved_zero_bubble; unset: 2 (zbv: always 2)."""
+    pp_split: list[int] | None = None
+    """Where each stage after the first begins, as indices into the model's layer list, e.g. [4] for two stages of
+    8 layers; unset: the split pp_balance makes."""
+    pp_balance: str = "layers"
+    """How the automatic split balances the stages: layers (as many per stage) | params (the fewest parameters on
+    the largest stage, the embeddings counted on the first and the head on the last)."""
 
 
 class ZeroOffload(Enum):

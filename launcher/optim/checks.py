@@ -56,6 +56,11 @@ def check_optimizer(frozen: DictConfig, model: Any) -> str:
             f"optim._target_={target} steps the model's 2-D hidden matrices with Muon, and the model has none (every "
             "trainable parameter is an embedding, the output head, a norm or a bias); use optim=adamw"
         )
+    if hidden and (pipeline := int(OmegaConf.select(frozen, "strategy.pp_size", default=1) or 1)) > 1:
+        raise ConfigError(
+            f"optim._target_={target} (Muon) with strategy.pp_size={pipeline}: Muon does not compose with pipeline "
+            "parallel here; use optim=adamw, or strategy.pp_size=1"
+        )
     for rule in [r for r in rules if not r.builtin]:
         own, its = _group_optimizer(frozen, rule, target, takes)
         unknown = sorted(k for k in rule.keys if k not in (*RULE_KEYS, TARGET) and its is not None and k not in its)

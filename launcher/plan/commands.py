@@ -132,6 +132,12 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
             file=sys.stderr,
         )
         derived = derive(frozen, devices)
+    if (pipeline := int(OmegaConf.select(frozen, "strategy.pp_size", default=1) or 1)) > 1:
+        print(
+            f"launch plan: note: strategy.pp_size={pipeline}: the plan has no pipeline section yet; its figures are "
+            "each strategy's over the whole model on every rank, not one stage's",
+            file=sys.stderr,
+        )
     model = build_on_meta(frozen.model)
     size = measured(frozen, model) if measured is not None else measure(model)
     if derived.micro_auto:  # batch.micro_size=auto: the run's strategy's own pick; several presets: one sample each

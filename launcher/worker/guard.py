@@ -36,6 +36,22 @@ class Guard:
         """Steps skipped so far (trainer.nonfinite=skip)."""
         self.in_a_row = 0
         self._losses: list[torch.Tensor] = []
+        if callable(getattr(strategy, "pipeline_step", None)):  # a pipeline: its last stage's losses, guarded alike
+            self.pipeline_step = self._pipeline_step
+
+    def _pipeline_step(self, micro: list[Any], loss_of: Any) -> Any:
+        """A pipeline's step (`strategies.pipeline`): each micro-batch's loss, on the last stage, recorded and made to
+        poison the gradient as `backward` does; a stage that computes no loss records a finite zero for it."""
+        self._losses = [torch.zeros(()) for _ in micro]
+
+        def guarded(k: int, output: Any) -> Any:
+            backward, part, normalised = loss_of(k, output)
+            value = backward.detach()
+            self._losses[k] = value
+            factor = torch.where(torch.isfinite(value), 1.0, math.nan).to(backward.dtype)
+            return backward * factor, part, normalised
+
+        return self.strategy.pipeline_step(micro, guarded)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.strategy, name)

@@ -19,6 +19,7 @@ from launcher.models.loss import (
 )
 from launcher.worker.lifecycle import Phase
 from strategies import RunContext, Strategy
+from strategies.pipeline import pipelined
 
 if TYPE_CHECKING:
     from launcher.telemetry.stragglers import StepClock
@@ -54,6 +55,14 @@ def train_step(
     targets = count_targets(micro, ctx.world_size, reduce, rule.label_shift)
     divided = targets.counted and rule.takes_num_items and all(targets.labels)
     loss_sum, normalised = torch.zeros((), dtype=torch.float64, device=device), False
+    if pipelined(strategy):  # the strategy runs the K micro-steps itself, as a pipeline's microbatches
+        phase(f"in the pipeline schedule of step {step}, {K} micro-batches")
+        if clock is not None:
+            clock.probe()
+        loss_sum, normalised = strategy.pipeline_step(  # type: ignore[attr-defined]
+            micro, lambda k, output: micro_loss(output, k, targets, K, False, rule.loss_at)
+        )
+        micro = []
     for k, batch in enumerate(micro):
         phase(f"in forward/backward of step {step}, micro-step {k + 1}/{K}")
         if divided:  # a transformers model divides its summed loss by this itself

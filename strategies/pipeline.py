@@ -1,0 +1,781 @@
+"""Pipeline parallel under FSDP2 (`strategy.pp_size` P > 1): the model split by depth into stages, run by torch's own
+schedules (`torch.distributed.pipelining`), each stage sharded by FSDP2 over the data-parallel ranks.
+
+The ranks form a device mesh of (replicate x) shard x pp: each group of P consecutive ranks is one pipeline, and its
+ranks read the same micro-batches (`RunContext.tensor_size` counts them), so the data contract is that of the
+data-parallel ranks alone. A step's K micro-batches are the schedule's K microbatches; the last stage turns each
+one's output into the launcher's loss (`launcher.models.loss.micro_loss`: the summed loss times G / N, N the whole
+global batch's targets), and the schedule does not scale the gradients again (`scale_grads=False`).
+
+A stage is the whole model built on the meta device and pruned: its layer list keeps this stage's layers under their
+own indices, the modules registered before the list (embeddings) stay on the first stage only, those registered
+after it (final norm, head, the loss) on the last only. Every parameter keeps the whole model's name, so param
+groups, checkpoints and `launch convert` see the whole model's names. A parameter tied across stages (the built-in
+GPT's head and embedding) is held by each stage that uses it, under its first name, and kept in step exactly: its
+gradients are summed over its copies before the norm (counted once) and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from strategies.base import ModelFactory, OptimizerFactory, RunContext
+from strategies.declarations import Conformance
+from strategies.fsdp import DTYPES, FSDP, _counting_collectives
+from strategies.sizes import model_state_bytes
+from strategies.stepping import LR_SCALE, autocast_dtype, set_lr, step_figures
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+"""strategy.pp_schedule's choices: torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble."""
+LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+"""The schedules that hold several stages per rank (strategy.pp_stages_per_rank; zbv: exactly 2, in a V)."""
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
+"""The schedules that split each backward in two: the inputs' gradients, then the weights'."""
+BALANCE = ("layers", "params")
+
+
+# ---------------------------------------------------------------------------------------------------- the split
+
+
+def layer_list(model: nn.Module) -> str | None:
+    """The path of the model's layer list: the `nn.ModuleList` of two or more entries of one class holding the most
+    parameters (the built-in GPT's `blocks`, a transformers causal LM's `model.layers` or `transformer.h`)."""
+    best, size = None, -1
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
+            n = sum(p.numel() for p in m.parameters())
+            if n > size:
+                best, size = name, n
+    return best
+
+
+def outside(model: nn.Module, path: str) -> dict[str, str]:
+    """Each module outside the layer list holding parameters of its own: "pre" (registered before the list: the
+    first stage's) or "post" (after it: the last stage's)."""
+    found, seen = {}, False
+    for name, m in model.named_modules():
+        if name == path:
+            seen = True
+        if name == path or name.startswith(path + ".") or not any(True for _ in m.parameters(recurse=False)):
+            continue
+        found[name] = "post" if seen else "pre"
+    return found
+
+
+@dataclass(frozen=True)
+class Split:
+    """The stages: the layer list's path, each stage's layers [lo, hi), and the modules outside the list."""
+
+    path: str
+    ranges: tuple[tuple[int, int], ...]
+    roles: dict[str, str]
+
+    def describe(self) -> str:
+        return ", ".join(f"{i}: {self.path}.{lo}-{hi - 1}" for i, (lo, hi) in enumerate(self.ranges))
+
+
+def stage_count(schedule: str, size: int, per_rank: int) -> int:
+    """Stages in all: one per rank, or pp_stages_per_rank per rank for the looped schedules (zbv: 2)."""
+    if schedule == "zbv":
+        return 2 * size
+    return size * per_rank if schedule in LOOPED else size
+
+
+def held_stages(schedule: str, size: int, per_rank: int, pp_rank: int) -> list[int]:
+    """The stages a pipeline rank holds: its own; looped, every P-th from its own; zbv, its own and its mirror."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * size - 1 - pp_rank]
+    if schedule in LOOPED:
+        return [pp_rank + v * size for v in range(per_rank)]
+    return [pp_rank]
+
+
+def plan_split(model: nn.Module, stages: int, given: list[int] | None, balance: str, size: int, schedule: str) -> Split:
+    """The split of a model (on meta) into `stages`; ValueError (one line, the fix) where it cannot be made."""
+    path = layer_list(model)
+    if path is None:
+        raise ValueError(
+            f"strategy.pp_size={size}: {type(model).__name__} has no layer list the launcher can split (an "
+            "nn.ModuleList of two or more layers of one class); hold the layers in one nn.ModuleList and name where "
+            "each stage after the first begins, e.g. strategy.pp_split=[4]"
+        )
+    layers = model.get_submodule(path)
+    n = len(layers)
+    if given is not None:
+        starts = [int(s) for s in given]
+        if len(starts) != stages - 1 or starts != sorted(set(starts)) or starts[0] < 1 or starts[-1] >= n:
+            raise ValueError(
+                f"strategy.pp_split={starts} does not split {path}'s {n} layers into the {stages} stages of "
+                f"strategy.pp_size={size} and pp_schedule={schedule}: give {stages - 1} increasing layer indices "
+                f"between 1 and {n - 1}, where each stage after the first begins"
+            )
+        bounds = [0, *starts, n]
+        return Split(path, tuple(zip(bounds[:-1], bounds[1:])), outside(model, path))
+    if stages > n:
+        raise ValueError(
+            f"strategy.pp_size={size} with pp_schedule={schedule} makes {stages} stages, more than {path}'s {n} "
+            "layers; use fewer stages (pp_size, pp_stages_per_rank) or a deeper model"
+        )
+    roles = outside(model, path)
+    if balance == "layers":
+        per, extra = divmod(n, stages)
+        sizes = [per + (1 if s < extra else 0) for s in range(stages)]
+    else:
+        sizes = _by_params(model, path, roles, stages)
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    return Split(path, tuple(zip(bounds[:-1], bounds[1:])), roles)
+
+
+def _by_params(model: nn.Module, path: str, roles: dict[str, str], stages: int) -> list[int]:
+    """Layers per stage such that the largest stage's parameters (the first's with the modules before the list, the
+    last's with those after it) are the fewest: every split tried, by the smallest largest stage."""
+    import itertools
+
+    layers = model.get_submodule(path)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    pre = sum(p.numel() for n, r in roles.items() if r == "pre" for p in model.get_submodule(n).parameters(False))
+    post = sum(p.numel() for n, r in roles.items() if r == "post" for p in model.get_submodule(n).parameters(False))
+    best: tuple[int, list[int]] | None = None
+    for cuts in itertools.combinations(range(1, len(sizes)), stages - 1):
+        bounds = [0, *cuts, len(sizes)]
+        loads = [sum(sizes[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        loads[0] += pre
+        loads[-1] += post
+        if best is None or max(loads) < best[0]:
+            best = (max(loads), [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])])
+    assert best is not None
+    return best[1]
+
+
+class ZeroEmbedding(nn.Module):
+    """An embedding a later stage does not compute: zeros of its width (the first kept layer's input replaces what
+    the forward makes of them). It keeps its weight where the stage uses it elsewhere (a tied head), under the whole
+    model's first name; its class name says embedding to the param groups' rules, as the module it stands for."""
+
+    def __init__(self, dim: int, dtype: torch.dtype, weight: nn.Parameter | None) -> None:
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+        if weight is not None:
+            self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+
+
+class _Done(Exception):
+    """Raised by the last kept layer of a stage that is not the last: its hidden state is the stage's output."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+
+def prune(whole: nn.Module, split: Split, index: int) -> nn.Module:
+    """A deep copy of `whole` holding stage `index`'s modules, under the whole model's names."""
+    model = copy.deepcopy(whole)
+    first, last = index == 0, index == len(split.ranges) - 1
+    lo, hi = split.ranges[index]
+    layers = model.get_submodule(split.path)
+    kept = nn.ModuleList()
+    for i in range(lo, hi):
+        kept.add_module(str(i), layers[i])
+    model.set_submodule(split.path, kept)
+    held = {id(p) for p in kept.parameters()}
+    for name, role in split.roles.items():
+        if (role == "pre" and first) or (role == "post" and last):
+            held |= {id(p) for p in model.get_submodule(name).parameters(recurse=False)}
+    for name, role in split.roles.items():
+        module = model.get_submodule(name)
+        if role == "pre" and not first:
+            if isinstance(module, nn.Embedding):
+                tied = module.weight if id(module.weight) in held else None  # the head's: kept, under its first name
+                stub = ZeroEmbedding(module.embedding_dim, module.weight.dtype, tied)
+                model.set_submodule(name, stub)
+            else:
+                model.set_submodule(name, nn.Identity())
+        elif role == "post" and not last:
+            model.set_submodule(name, nn.Identity())
+    return model
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+class Stage(nn.Module):
+    """One pipeline stage: the pruned copy's children under their own names, run by the copy's own forward with the
+    received activation put in as the first kept layer's input, and stopped after the last kept layer."""
+
+    def __init__(self, pruned: nn.Module, split: Split, index: int) -> None:
+        super().__init__()
+        if any(True for _ in pruned.parameters(recurse=False)):
+            raise ValueError(f"{type(pruned).__name__} holds parameters of its own (not in a module)")
+        for name, child in pruned.named_children():
+            self.add_module(name, child)
+        self._run = (pruned,)  # not registered: its children are this module's
+        self.index, self.count = index, len(split.ranges)
+        self.is_first, self.is_last = index == 0, index == self.count - 1
+        kept = list(pruned.get_submodule(split.path))
+        self._ends = (kept[0], kept[-1])
+        self._received: torch.Tensor | None = None
+        self._spec: Any = None
+        self._tensors: list[bool] = []
+
+    def hook(self) -> None:
+        """After sharding: FSDP's hooks are in place, this one goes first for the first layer."""
+        if not self.is_first:
+            self._ends[0].register_forward_pre_hook(self._inject, with_kwargs=True, prepend=True)
+        if not self.is_last:
+            self._ends[1].register_forward_hook(self._stop)
+
+    def _inject(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": self._received}
+        return (self._received, *args[1:]), kwargs
+
+    def _stop(self, module: nn.Module, args: Any, output: Any) -> None:
+        raise _Done(_hidden(output))
+
+    def train(self, mode: bool = True) -> Stage:
+        super().train(mode)
+        self._run[0].train(mode)
+        return self
+
+    def forward(self, *received: torch.Tensor, **batch: Any) -> Any:
+        self._received = received[0] if received else None
+        try:
+            output = self._run[0](**batch)
+        except _Done as done:
+            return done.hidden
+        finally:
+            self._received = None
+        leaves, self._spec = pytree.tree_flatten(output)
+        self._tensors = [isinstance(t, torch.Tensor) for t in leaves]
+        return tuple(t for t in leaves if isinstance(t, torch.Tensor))
+
+    def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        """The model's own output from the last stage's tensors (its other leaves: None)."""
+        it = iter(tensors)
+        return pytree.tree_unflatten([next(it) if t else None for t in self._tensors], self._spec)
+
+
+def _schedule_class(name: str) -> Any:
+    from torch.distributed.pipelining import schedules as s
+
+    return {
+        "gpipe": s.ScheduleGPipe,
+        "1f1b": s.Schedule1F1B,
+        "interleaved_1f1b": s.ScheduleInterleaved1F1B,
+        "interleaved_zero_bubble": s.ScheduleInterleavedZeroBubble,
+        "zbv": s.ScheduleZBVZeroBubble,
+    }[name]
+
+
+def microbatch_problem(schedule: str, size: int, microbatches: int) -> str | None:
+    """Why a schedule cannot run K micro-batches on P pipeline ranks (None: it can). Fewer than P leave a stage
+    without work (torch refuses it for 1F1B; other schedules hang or fail on some layouts); the interleaved ones also
+    need K a multiple of their rounds, max(1, K // P)."""
+    if schedule == "gpipe":
+        return None
+    if microbatches < size:
+        return f"needs at least pp_size={size} micro-batches per step"
+    rounds = max(1, microbatches // size)
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and microbatches % rounds:
+        return f"needs the micro-batches a multiple of its rounds ({rounds} = K // pp_size)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- the strategy
+
+
+class PipelineFSDP(FSDP):
+    """FSDP2 with pipeline stages (`FSDP` is built as this class when strategy.pp_size > 1)."""
+
+    def conformance(self) -> Conformance:
+        return Conformance(ranks=2 * self.pp_size, overrides=(f"strategy.pp_size={self.pp_size}",))
+
+    def check(self, ctx: RunContext, model: nn.Module) -> str | None:
+        P, world = self.pp_size, ctx.world_size
+        if world % P:
+            sizes = ", ".join(str(d) for d in range(2, world + 1) if world % d == 0)
+            raise ValueError(
+                f"strategy.pp_size={P} does not divide the world size {world} (nodes x gpus); use one of "
+                f"{sizes}, or 1 for no pipeline"
+            )
+        refused = [
+            (self.tp.size > 1, f"strategy.tp_size={self.tp.size}", "tensor parallel within pipeline stages"),
+            (self.offload != "none", f"strategy.offload={self.offload}", "offload"),
+            (self.activation_checkpointing, "strategy.activation_checkpointing=true", "activation checkpointing"),
+            (self.sync_each_microbatch, "strategy.sync_each_microbatch=true", "a sync on every micro-step"),
+            (self.sync_batchnorm, "strategy.sync_batchnorm=true", "synchronised BatchNorm"),
+            (ctx.compile, "trainer.compile=true", "compiled units"),
+            (ctx.ema is not None, "trainer.ema.decay", "EMA weights"),
+            (ctx.precision != "fp32", f"precision={ctx.precision}", "mixed precision"),
+            (
+                bool(self.pp_split) and self.pp_balance != "layers",
+                f"strategy.pp_balance={self.pp_balance}",
+                "strategy.pp_split (it names the split itself)",
+            ),
+        ]
+        for bad, key, what in refused:
+            if bad:
+                raise ValueError(
+                    f"{key} with strategy.pp_size={P}: {what} does not compose with pipeline parallel "
+                    f"here; leave it out, or use strategy.pp_size=1"
+                )
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"strategy.pp_schedule={self.pp_schedule} is none of {', '.join(SCHEDULES)}")
+        if self.pp_balance not in BALANCE:
+            raise ValueError(f"strategy.pp_balance={self.pp_balance} is none of {', '.join(BALANCE)}")
+        if self.pp_schedule == "zbv" and self.pp_stages_per_rank not in (None, 2):
+            raise ValueError(
+                f"strategy.pp_stages_per_rank={self.pp_stages_per_rank} with pp_schedule=zbv: zbv holds "
+                "exactly 2 stages per rank, in a V; leave pp_stages_per_rank unset"
+            )
+        if self.pp_schedule not in LOOPED and self.pp_stages_per_rank not in (None, 1):
+            raise ValueError(
+                f"strategy.pp_stages_per_rank={self.pp_stages_per_rank} with pp_schedule="
+                f"{self.pp_schedule}: it holds one stage per rank; use pp_schedule=interleaved_1f1b or "
+                "interleaved_zero_bubble for several"
+            )
+        problem = microbatch_problem(self.pp_schedule, P, ctx.accumulation)
+        if problem:
+            raise ValueError(
+                f"strategy.pp_schedule={self.pp_schedule} {problem}; the step has {ctx.accumulation} (batch.global_size"
+                " / (batch.micro_size x data-parallel ranks)): raise batch.global_size or lower batch.micro_size, or "
+                "use pp_schedule=gpipe"
+            )
+        from strategies.moe import moe_blocks
+
+        if moe_blocks(model, self.moe_blocks):
+            raise ValueError(
+                f"strategy.pp_size={P}: the model's mixture-of-experts blocks do not compose with "
+                "pipeline parallel here; use strategy.pp_size=1"
+            )
+        from strategies.held import held_tensors
+
+        if held_tensors(model):
+            raise ValueError(
+                f"strategy.pp_size={P}: {type(model).__name__} holds tensors outside its parameters and "
+                "buffers, which its stages cannot be filled with; use strategy.pp_size=1"
+            )
+        split = self._split(model)
+        print(
+            f"launch: pipeline: {len(split.ranges)} stages of {type(model).__name__} by "
+            f"{'strategy.pp_split' if self.pp_split else self.pp_balance} ({self.pp_schedule}, "
+            f"{ctx.accumulation} micro-batches): {split.describe()}",
+            flush=True,
+        )
+        print(
+            "launch: pipeline: plan_peak_bytes and comm_bytes_formula are FSDP's over the whole model, not one "
+            "stage's (the planner has no pipeline section yet); model_state_bytes and comm_bytes are measured",
+            flush=True,
+        )
+        return super().check(ctx, model)
+
+    @property
+    def stages(self) -> int:
+        return stage_count(self.pp_schedule, self.pp_size, self.pp_stages_per_rank or 2)
+
+    def _split(self, model: nn.Module) -> Split:
+        return plan_split(model, self.stages, self.pp_split, self.pp_balance, self.pp_size, self.pp_schedule)
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.pipelining import PipelineStage
+
+        self.ctx = ctx
+        P = self.pp_size
+        gpus = None if ctx.local_world_size is None else max(1, ctx.local_world_size // P)
+        replicate, shard = self.mesh.groups(ctx.world_size // P, gpus)  # the data-parallel ranks: hsdp's nodes too
+        dims, names = (
+            ((shard, P), ("shard", "pp")) if replicate == 1 else ((replicate, shard, P), ("replicate", "shard", "pp"))
+        )
+        mesh = init_device_mesh(ctx.device_type, dims, mesh_dim_names=names)
+        self._counter.world_size = shard
+        dp_mesh = mesh[names[:-1]] if replicate > 1 else mesh["shard"]
+        self.pp_group = mesh["pp"].get_group()
+        pp_rank = mesh.get_local_rank("pp")
+        whole = build_model() if ctx.rank == 0 else None
+        meta = build_model(meta=True)
+        split = self._split(meta)
+        mine = held_stages(self.pp_schedule, P, self.pp_stages_per_rank or 2, pp_rank)
+        precision = MixedPrecisionPolicy(
+            param_dtype=autocast_dtype(ctx.precision), reduce_dtype=DTYPES[self.reduce_dtype]
+        )
+        parts = [Stage(prune(meta, split, i), split, i) for i in mine]
+        # A zero-bubble schedule computes the weights' gradients apart, after the inputs', from the parameters the
+        # stage's module holds then: they must be the gathered ones its forward used (torchtitan's choice too).
+        reshard = self.reshard_after_forward and self.pp_schedule not in ZERO_BUBBLE
+        for part in parts:
+            for layer in part.get_submodule(split.path):
+                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=precision)
+            fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=precision)
+            part.to_empty(device=ctx.device)
+        _fill(parts, meta, whole, torch.device(ctx.device))
+        del whole
+        reduce_scatter, all_gather = _counting_collectives(self._counter)
+        for part in parts:
+            part.hook()
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_custom_reduce_scatter(reduce_scatter)
+                    module.set_custom_all_gather(all_gather)
+        self.parts, self.split = parts, split
+        self.last = next((p for p in parts if p.is_last), None)
+        self.holder = {
+            i: r for r in range(P) for i in held_stages(self.pp_schedule, P, self.pp_stages_per_rank or 2, r)
+        }
+        stages = [
+            PipelineStage(part, i, len(split.ranges), torch.device(ctx.device), group=self.pp_group)
+            for part, i in zip(parts, mine)
+        ]
+        cls = _schedule_class(self.pp_schedule)
+        self.schedule = cls(
+            stages[0] if self.pp_schedule in ("gpipe", "1f1b") else stages,
+            ctx.accumulation,
+            loss_fn=self._loss,
+            scale_grads=False,  # the launcher's loss is normalised by the global batch's targets already
+        )
+        self.optimizers = [build_optimizer(part) for part in parts]
+        if any(hasattr(o, "on_gather") for o in self.optimizers):
+            raise ValueError(
+                f"optim=muon with strategy.pp_size={P}: Muon does not compose with pipeline parallel "
+                "here; use optim=adamw, or strategy.pp_size=1"
+            )
+        self._tie(meta, split, mesh, dist)
+        self._whole_groups(meta)
+        self.model = parts[0]  # what FSDP's own methods read (its figures' offload set)
+        self.optimizer = self.optimizers[0]
+        self.ema = None
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        self.scaler = ShardedGradScaler(ctx.device_type, enabled=False)
+        self._losses: dict[int, tuple[torch.Tensor, bool]] = {}
+
+    def _tie(self, meta: nn.Module, split: Split, mesh: Any, dist: Any) -> None:
+        """The parameters held by more than one stage (tied): their first copy's stage, and a group for each
+        data-parallel coordinate over the pipeline ranks holding a copy (made on every rank, in one order)."""
+        copies: dict[str, list[int]] = {}
+        for i in range(len(split.ranges)):
+            for name, _ in Stage(prune(meta, split, i), split, i).named_parameters():
+                copies.setdefault(name, []).append(i)
+        self.tied = {name: stages for name, stages in copies.items() if len(stages) > 1}
+        self.tie_groups: dict[str, Any] = {}
+        grid = mesh.mesh.reshape(-1, self.pp_size)  # row: a data-parallel coordinate; column: a pipeline rank
+        for name, stages in sorted(self.tied.items()):
+            ranks_pp = sorted({self.holder[i] for i in stages})
+            if len(ranks_pp) < 2:
+                continue
+            for row in grid.tolist():
+                ranks = [row[r] for r in ranks_pp]
+                group = dist.new_group(ranks)
+                if self.ctx.rank in ranks:
+                    self.tie_groups[name] = group
+
+    def _whole_groups(self, meta: nn.Module) -> None:
+        """Every param group's parameters by name over the whole model (all stages): what a checkpoint records, so
+        that one process (any layout) reads the whole model's groups, whichever rank's record it keeps."""
+        import torch.distributed as dist
+
+        mine: dict[str, tuple[list[str], dict[str, Any]]] = {}
+        for part, optimizer in zip(self.parts, self.optimizers):
+            ids = {id(p): n for n, p in part.named_parameters()}
+            for group in optimizer.param_groups:
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                mine.setdefault(group.get("group", ""), ([], hyper))[0].extend(ids[id(p)] for p in group["params"])
+        every: list[Any] = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(every, mine, group=self.pp_group)
+        order = {name: i for i, (name, _) in enumerate(meta.named_parameters())}
+        labels: dict[str, set[str]] = {}
+        self.group_hyper: dict[str, dict[str, Any]] = {}
+        for found in every:
+            for label, (names, hyper) in found.items():
+                labels.setdefault(label, set()).update(names)
+                self.group_hyper.setdefault(label, hyper)
+        self.group_names = {label: sorted(names, key=order.__getitem__) for label, names in labels.items()}
+        self.group_order = list(dict.fromkeys(sorted(labels, key=lambda lab: min(order[n] for n in labels[lab]))))
+
+    # ------------------------------------------------------------------ a step
+
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        k = int(target)
+        backward, part, normalised = self._loss_of(k, self.last.rebuild(output))  # type: ignore[union-attr]
+        self._losses[k] = (part.double(), normalised)  # by micro-batch: the first step calls it once more for shapes
+        return backward
+
+    def pipeline_step(self, micro: list[Any], loss_of: Callable[[int, Any], Any]) -> tuple[torch.Tensor, bool]:
+        """Run the step's K micro-batches through the schedule (forward and backward; the gradients synchronised
+        on the last); `loss_of(k, output)` is the runner's loss of micro-batch k. Returns the step's loss part (the
+        same on every rank of a pipeline) and whether it is token-normalised."""
+        import torch.distributed as dist
+
+        self._loss_of, self._losses = loss_of, {}
+        given = [self._keywords(b) for b in micro]
+        batch = {key: torch.cat([b[key] for b in given]) for key in given[0]}
+        targets = torch.arange(len(micro), device=self.ctx.device)
+        self.schedule.step(target=targets, return_outputs=False, **batch)
+        device = torch.device(self.ctx.device)
+        parts = [self._losses[k] for k in sorted(self._losses)]
+        summed = torch.stack([p for p, _ in parts]).sum() if parts else torch.zeros((), dtype=torch.float64)
+        shared = torch.stack(
+            [
+                summed.to(device),
+                torch.tensor(float(all(n for _, n in parts) and bool(parts)), dtype=torch.float64, device=device),
+            ]
+        )
+        dist.all_reduce(shared, group=self.pp_group)  # the last stage's figures, on every stage
+        return shared[0], bool(shared[1] > 0)
+
+    def _keywords(self, batch: Any) -> dict[str, torch.Tensor]:
+        """A micro-batch as the model's keyword arguments (the model contract: a mapping's keys, a tuple's positions
+        bound to the forward's parameters), each a tensor of a row per sample: what the schedule splits."""
+        import inspect
+        from collections.abc import Mapping
+
+        if isinstance(batch, Mapping):
+            found = dict(batch)
+        else:
+            args = batch if isinstance(batch, (tuple, list)) else (batch,)
+            found = dict(inspect.signature(self.parts[0]._run[0].forward).bind(*args).arguments)
+        bad = [k for k, v in found.items() if not isinstance(v, torch.Tensor) or v.dim() == 0]
+        if bad:
+            raise TypeError(
+                f"strategy.pp_size > 1 splits a step's batch by rows: its {', '.join(bad)} is no tensor "
+                "of a row per sample; give the model's batch as such tensors"
+            )
+        return found
+
+    def step(self, lr: float) -> float:
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for name in self.tied:  # a tied parameter's gradient: the sum over its copies
+                local = [
+                    _local(p.grad)
+                    for part in self.parts
+                    for n, p in part.named_parameters()
+                    if n == name and p.grad is not None
+                ]
+                if not local:
+                    continue
+                total = local[0].clone()
+                for t in local[1:]:
+                    total += t
+                if name in self.tie_groups:
+                    dist.all_reduce(total, group=self.tie_groups[name])
+                for t in local:
+                    t.copy_(total)
+            counted = [
+                p.grad
+                for part in self.parts
+                for n, p in part.named_parameters()
+                if p.grad is not None and (n not in self.tied or part.index == self.tied[n][0])
+            ]
+            norm = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.ctx.device)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            squared = norm.double() ** 2
+            dist.all_reduce(squared, group=self.pp_group)  # the global norm: every stage's
+            total_norm = float(squared.sqrt())
+            params = [p for part in self.parts for p in part.parameters()]
+            if self.ctx.grad_clip > 0 and math.isfinite(total_norm):
+                torch.nn.utils.clip_grads_with_norm_(params, self.ctx.grad_clip, torch.tensor(total_norm))
+        for optimizer in self.optimizers:
+            set_lr(optimizer, lr)
+            if math.isfinite(total_norm):  # a step that is not finite is not committed
+                optimizer.step()
+        held = sum(model_state_bytes(part.parameters(), o) for part, o in zip(self.parts, self.optimizers))
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self._last_step = step_figures(self._counter, held)
+        return total_norm
+
+    # ------------------------------------------------------------------ evaluation: one micro-batch at a time
+
+    def forward(self, batch: Any) -> Any:
+        """The model's output for one micro-batch (evaluation), on every rank of the pipeline: the stages run in
+        turn, each sending its activation to the next stage's rank; the last stage's output is sent to every rank."""
+        import torch.distributed as dist
+
+        if torch.is_grad_enabled():
+            raise RuntimeError("strategy.pp_size > 1 trains through its schedule (pipeline_step), not forward()")
+        group, device = self.pp_group, torch.device(self.ctx.device)
+        me = dist.get_group_rank(group, self.ctx.rank)
+        held = {part.index: part for part in self.parts}
+        hidden: torch.Tensor | None = None
+        output: Any = None
+        count = len(self.split.ranges)
+        for i in range(count):
+            owner = self.holder[i]
+            if i > 0 and self.holder[i - 1] != owner:  # the activation crosses ranks
+                hidden = _pass(hidden, self.holder[i - 1], owner, me, group, device)
+            if owner == me:
+                result = held[i](*(() if i == 0 else (hidden,)), **self._keywords(batch))
+                hidden = result if i < count - 1 else None
+                if i == count - 1:
+                    output = held[i].rebuild(result)
+        return _share(output, self.holder[count - 1], me, group, device)
+
+    def sync(self, enabled: bool) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise RuntimeError("strategy.pp_size > 1 trains through its schedule (pipeline_step), not backward()")
+
+    def train(self, mode: bool) -> None:
+        for part in self.parts:
+            part.train(mode)
+        if mode:
+            self._counter.take()
+
+    # ------------------------------------------------------------------ checkpoints: the whole model's shape
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model: dict[str, Any] = {}
+        state: dict[str, Any] = {}
+        hyper: dict[str, dict[str, Any]] = {}
+        for part, optimizer in zip(self.parts, self.optimizers):
+            fresh = not optimizer.state
+            m, o = get_state_dict(part, optimizer)
+            if fresh:  # as `strategies.base.torch_state_dict`: asking must not step a fresh optimizer
+                optimizer.state.clear()
+            model |= m
+            state |= o["state"]
+            for group in o["param_groups"]:
+                hyper.setdefault(group.get("group", ""), {k: v for k, v in group.items() if k != "params"})
+        scaled = [g for o in self.optimizers for g in o.param_groups if g.get(LR_SCALE, 1.0)]
+        base = scaled[0]["lr"] / scaled[0].get(LR_SCALE, 1.0) if scaled else 0.0
+        for label in self.group_order:  # a group no stage of this rank holds: its keys from setup, the lr of now
+            if label not in hyper:
+                keys = self.group_hyper[label]
+                hyper[label] = {**keys, "lr": base * keys.get(LR_SCALE, 1.0)}
+        groups = [{**hyper[label], "params": list(self.group_names[label])} for label in self.group_order]
+        return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        loaded = {g.get("group", ""): g for g in state["optim"]["param_groups"]}
+        for part, optimizer in zip(self.parts, self.optimizers):
+            names = dict(part.named_parameters())
+            ids = {id(p): n for n, p in names.items()}
+            own = {
+                "state": {n: state["optim"]["state"][n] for n in names if n in state["optim"]["state"]},
+                "param_groups": [
+                    {
+                        **{k: v for k, v in loaded[g.get("group", "")].items() if k != "params"},
+                        "params": [ids[id(p)] for p in g["params"]],
+                    }
+                    for g in optimizer.param_groups
+                ],
+            }
+            model = {n: v for n, v in state["model"].items() if n in part.state_dict()}
+            set_state_dict(
+                part, optimizer, model_state_dict=model, optim_state_dict=own, options=StateDictOptions(strict=False)
+            )
+
+    def averaged(self) -> AbstractContextManager[bool]:
+        return _no_average()
+
+    def teardown(self) -> None:
+        self.parts = self.optimizers = self.schedule = None  # type: ignore[assignment]
+        super().teardown()
+
+
+@contextmanager
+def _no_average() -> Iterator[bool]:
+    yield False
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _fill(parts: list[Stage], meta: nn.Module, whole: nn.Module | None, device: torch.device) -> None:
+    """Every rank's shards of its stages from rank 0's whole model (collective: every rank holds as many stages),
+    and every buffer, non-persistent ones too, broadcast and kept where a stage holds it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    for part in parts:
+        set_model_state_dict(part, whole.state_dict() if whole is not None else {}, options=options)
+    held = {n: b for part in parts for n, b in part.named_buffers()}
+    sources = dict(whole.named_buffers()) if whole is not None else {}
+    with torch.no_grad():
+        for name, b in meta.named_buffers():
+            t = (
+                sources[name].to(device).clone()
+                if whole is not None
+                else torch.empty(b.shape, dtype=b.dtype, device=device)
+            )
+            dist.broadcast(t, src=0)
+            if name in held:
+                held[name].copy_(t)
+
+
+def _pass(hidden: torch.Tensor | None, src: int, dst: int, me: int, group: Any, device: torch.device) -> Any:
+    """An activation from pipeline rank `src` to `dst` (group ranks): its shape and dtype first."""
+    import torch.distributed as dist
+
+    if me == src:
+        assert hidden is not None
+        head = torch.tensor([hidden.dim(), *hidden.shape, *[0] * (8 - hidden.dim())], dtype=torch.int64)
+        dist.send(head.to(device), group_dst=dst, group=group)
+        dist.send_object_list([hidden.dtype], group_dst=dst, group=group)
+        dist.send(hidden.contiguous(), group_dst=dst, group=group)
+        return None
+    if me == dst:
+        head = torch.zeros(9, dtype=torch.int64, device=device)
+        dist.recv(head, group_src=src, group=group)
+        kind: list[Any] = [None]
+        dist.recv_object_list(kind, group_src=src, group=group)
+        shape = head[1 : 1 + int(head[0])].tolist()
+        hidden = torch.empty(shape, dtype=kind[0], device=device)
+        dist.recv(hidden, group_src=src, group=group)
+        return hidden
+    return None
+
+
+def _share(output: Any, src: int, me: int, group: Any, device: torch.device) -> Any:
+    """The last stage's output on every rank of the pipeline: its structure, then each tensor."""
+    import torch.distributed as dist
+
+    leaves, spec = pytree.tree_flatten(output) if me == src else ([], None)
+    shapes = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", t) for t in leaves]
+    box = [spec, shapes]
+    dist.broadcast_object_list(box, group_src=src, group=group)
+    spec, shapes = box
+    out = []
+    for i, (shape, kind) in enumerate(shapes):
+        if shape == "value":
+            out.append(kind)
+            continue
+        t = leaves[i].contiguous() if me == src else torch.empty(shape, dtype=kind, device=device)
+        dist.broadcast(t, group_src=src, group=group)
+        out.append(t)
+    return pytree.tree_unflatten(out, spec)
+
+
+def pipelined(strategy: Any) -> bool:
+    """Whether a strategy runs a step's micro-batches itself, through a pipeline schedule."""
+    return callable(getattr(strategy, "pipeline_step", None))

@@ -1,0 +1,286 @@
+"""Pipeline parallel (`strategy.pp_size`, `strategies.pipeline`): the split keeps the whole model's names and
+gradients, PP x DP trains what one process trains on the same global batch under each of torch's schedules, its
+checkpoint resumes in one process, and what cannot run is refused before any worker starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, Run, cli_here, launch, launch_here
+from runs import JOB, NORM_TOLERANCE, shared_run
+from test_checkpoint import _ckpt, _max_diff
+
+from launcher.config import schema
+from launcher.config.context import preset_strategy
+
+schema.register()
+PP = preset_strategy("fsdp", pp_size=2)
+TOLERANCE = PP.conformance().tolerance
+"""The pipeline's declared loss tolerance from one process (`PipelineFSDP.conformance`): each stage computes one
+process's sums in another order of fp32 additions, as FSDP does."""
+NORM = NORM_TOLERANCE["fsdp"]
+"""Its gradient norm's: FSDP's, the norm's squares summed over the stages once more."""
+
+
+def _compare(pp: Run, one: Run) -> tuple[float, float, float]:
+    """(largest loss difference, largest validation-loss difference, largest relative grad-norm difference)."""
+    a, b = pp.metrics, one.metrics
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    loss = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
+    val = max(abs(x["val_loss"] - y["val_loss"]) for x, y in zip(a, b) if "val_loss" in y)
+    norm = max(abs(x["grad_norm"] - y["grad_norm"]) / y["grad_norm"] for x, y in zip(a, b))
+    assert all(x["lr"] == y["lr"] for x, y in zip(a, b))
+    return loss, val, norm
+
+
+def test_pp2_dp2_follows_one_process_and_its_checkpoint_resumes_in_one_process(
+    conformance_dir: Path, one_process: Run, tmp_path: Path
+) -> None:
+    """1F1B, 2 stages x 2 data-parallel ranks of the suite's job (padded samples: micro-batches of unequal targets,
+    the tied head on the last stage, validation at 6 and 12) against one process; then its step-6 checkpoint (the
+    whole model's names) resumed in one process under ddp goes on with its losses, and `launch convert` writes the
+    whole model."""
+    pp = shared_run(conformance_dir, "strategy=fsdp", "strategy.pp_size=2", "gpus=4")
+    assert (
+        "launch: pipeline: 2 stages of GPT by layers (1f1b, 2 micro-batches): 0: blocks.0-0, 1: blocks.1-1" in pp.stdout
+    )
+    loss, val, norm = _compare(pp, one_process)
+    print(f"pp=2 x dp=2 1f1b: loss {loss:.2e}, val_loss {val:.2e}, grad norm {norm:.2e} (relative)")
+    assert loss <= TOLERANCE and val <= TOLERANCE and norm <= NORM
+    resumed = launch(tmp_path, *JOB, "strategy=ddp", "gpus=1", f"resume={_ckpt(pp, 6)}").check()
+    assert _max_diff(pp, resumed, range(7, 13)) <= 2 * TOLERANCE
+    # launch convert writes the whole model, every tensor under its own name, which the plain model loads strictly.
+    from safetensors.torch import load_file
+
+    from launcher.models.gpt import GPT
+
+    out = tmp_path / "model.safetensors"
+    assert cli_here(tmp_path, "convert", str(_ckpt(pp, 12)), f"out={out}").returncode == 0
+    GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32).load_state_dict(load_file(out), strict=True)
+
+
+DEEPER = ("model.n_layer=4",)
+
+
+@pytest.mark.long  # 4 ranks and 12 steps per schedule; 1F1B's run above (the same job) is the default tier's
+@pytest.mark.parametrize(
+    "schedule,strategy",
+    [(s, "fsdp") for s in ("gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")] + [("1f1b", "hsdp")],
+)
+def test_each_schedule_at_pp2_dp2_follows_one_process(
+    schedule: str, strategy: str, conformance_dir: Path, tmp_path: Path
+) -> None:
+    """4 layers: 2 stages, or 4 on 2 ranks for the looped schedules (zbv's in a V); hsdp: 2 replicas of 1 shard."""
+    one = shared_run(conformance_dir, "strategy=ddp", "gpus=1", *DEEPER)
+    mesh = ["strategy.shard_size=1"] if strategy == "hsdp" else []
+    overrides = [f"strategy={strategy}", *mesh, "strategy.pp_size=2", f"strategy.pp_schedule={schedule}", "gpus=4"]
+    pp = launch(tmp_path, *JOB, *DEEPER, *overrides).check()
+    loss, val, norm = _compare(pp, one)
+    print(f"pp=2 x dp=2 {schedule}: loss {loss:.2e}, val_loss {val:.2e}, grad norm {norm:.2e} (relative)")
+    assert loss <= TOLERANCE and val <= TOLERANCE and norm <= NORM
+
+
+LLAMA = [
+    "model=custom",
+    "model._target_=transformers.AutoModelForCausalLM.from_config",
+    "+model.config._target_=transformers.LlamaConfig",
+    "+model.config.vocab_size=128",
+    "+model.config.hidden_size=64",
+    "+model.config.intermediate_size=128",
+    "+model.config.num_hidden_layers=4",
+    "+model.config.num_attention_heads=4",
+    "+model.config.num_key_value_heads=2",
+    "data=synthetic",
+    "data.format=hf",
+    "data.vocab_size=128",
+    "batch.global_size=16",
+    "batch.micro_size=2",
+    "trainer.max_steps=4",
+    *(o for o in TINY if not o.startswith(("model", "data"))),
+]
+
+
+@pytest.mark.long  # 4 ranks of a Llama and one process; the split of a Llama is tested in process below
+def test_a_transformers_llama_at_pp2_dp2_logs_one_process_losses(tmp_path: Path) -> None:
+    pp = launch(
+        tmp_path, *LLAMA, "strategy=fsdp", "strategy.pp_size=2", "strategy.pp_balance=params", "gpus=4", name="pp"
+    ).check()
+    one = launch(tmp_path, *LLAMA, "strategy=ddp", "gpus=1", name="one").check()
+    assert "stages of LlamaForCausalLM by params" in pp.stdout
+    diff = max(abs(a - b) for a, b in zip(pp.losses(), one.losses(), strict=True))
+    print(f"llama pp=2 x dp=2: max loss difference from one process {diff:.2e}")
+    assert diff <= TOLERANCE
+
+
+# ---------------------------------------------------------------------------------------------- the split, in process
+
+
+def _gpt() -> torch.nn.Module:
+    from launcher.models.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(n_layer=4, n_head=2, n_embd=32, vocab_size=64, block_size=16)
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _batch(kind: str) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    if kind == "gpt":
+        targets = ids[:, 1:].clone()
+        targets[0, :3] = -100
+        return {"idx": ids[:, :-1], "targets": targets}
+    labels = ids[:, :-1].clone()
+    labels[0, :3] = -100
+    return {"input_ids": ids[:, :-1], "labels": labels}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_stages_run_in_turn_give_the_whole_models_loss_and_gradients_under_its_names(kind: str, stages: int) -> None:
+    from strategies.pipeline import Stage, plan_split, prune
+
+    whole = _gpt() if kind == "gpt" else _llama()
+    batch = _batch(kind)
+    split = plan_split(whole, stages, None, "layers", stages, "1f1b")
+    parts = [Stage(prune(whole, split, i), split, i) for i in range(stages)]
+    for part in parts:
+        part.hook()
+    out = whole(**batch)
+    loss = out["loss_sum"] if kind == "gpt" else out.loss
+    loss.backward()
+    hidden: object = None
+    for part in parts:
+        hidden = part(**batch) if part.is_first else part(hidden, **batch)
+    result = parts[-1].rebuild(hidden)  # type: ignore[arg-type]
+    staged = result["loss_sum"] if kind == "gpt" else result.loss
+    staged.backward()
+    assert float(staged.detach()) == float(loss.detach())
+    names: dict[str, list[torch.nn.Parameter]] = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            names.setdefault(name, []).append(p)
+    assert set(names) == set(dict(whole.named_parameters()))  # the whole model's names, a tied one under its first
+    for name, p in whole.named_parameters():
+        summed = sum(q.grad for q in names[name] if q.grad is not None)
+        assert torch.equal(summed, p.grad), name
+    assert set().union(*(part.state_dict() for part in parts)) == set(whole.state_dict())
+
+
+@pytest.mark.unit
+def test_the_split_balances_by_layers_or_parameters_and_takes_named_points() -> None:
+    from strategies.pipeline import plan_split
+
+    gpt = _gpt()
+    assert plan_split(gpt, 2, None, "layers", 2, "1f1b").ranges == ((0, 2), (2, 4))
+    # The embedding (64 x 32) and the position embedding on the first stage outweigh a block (~12.7k): by parameters
+    # the first stage takes fewer blocks; the tied head counts once, on the first stage's embedding.
+    by_params = plan_split(gpt, 2, None, "params", 2, "1f1b")
+    assert by_params.ranges[0][1] <= 2
+    assert plan_split(gpt, 3, [1, 3], "layers", 3, "1f1b").ranges == ((0, 1), (1, 3), (3, 4))
+    with pytest.raises(ValueError, match=r"strategy.pp_split=\[3, 1\] does not split blocks's 4 layers into the 3"):
+        plan_split(gpt, 3, [3, 1], "layers", 3, "1f1b")
+    with pytest.raises(ValueError, match="makes 8 stages, more than blocks's 4 layers"):
+        plan_split(gpt, 8, None, "layers", 4, "interleaved_1f1b")
+    flat = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="has no layer list the launcher can split .* e.g. strategy.pp_split=\\[4\\]"):
+        plan_split(flat, 2, None, "layers", 2, "1f1b")
+
+
+# ---------------------------------------------------------------------------------------------- refused before start
+
+PP4 = [
+    *TINY,
+    "model.n_layer=4",
+    "gpus=4",
+    "strategy=fsdp",
+    "strategy.pp_size=2",
+    "batch.global_size=8",
+    "batch.micro_size=2",
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (
+            ["batch.micro_size=4"],
+            "strategy.pp_schedule=1f1b needs at least pp_size=2 micro-batches per step; the step has 1",
+        ),
+        (
+            ["batch.micro_size=1", "strategy.pp_schedule=interleaved_1f1b", "batch.global_size=10"],
+            "strategy.pp_schedule=interleaved_1f1b needs the micro-batches a multiple of its rounds (2 = K // pp_size)",
+        ),
+        (["strategy.pp_size=3"], "strategy.pp_size=3 does not divide the world size 4 (nodes x gpus); use one of"),
+        (["strategy.pp_split=[1,2]"], "strategy.pp_split=[1, 2] does not split blocks's 4 layers into the 2 stages"),
+        (
+            ["strategy.pp_schedule=interleaved_1f1b", "strategy.pp_stages_per_rank=3", "batch.micro_size=1"],
+            "makes 6 stages, more than blocks's 4 layers",
+        ),
+        (["strategy.pp_schedule=looped"], "strategy.pp_schedule=looped is none of gpipe, 1f1b"),
+        (
+            ["strategy.tp_size=2"],
+            "strategy.tp_size=2 with strategy.pp_size=2: tensor parallel within pipeline stages does not compose",
+        ),
+        (["trainer.ema.decay=0.99"], "trainer.ema.decay with strategy.pp_size=2: EMA weights does not compose"),
+        (["optim=muon"], "(Muon) with strategy.pp_size=2: Muon does not compose with pipeline parallel here"),
+        (["strategy=ddp"], "pipeline parallel runs under FSDP2 alone"),
+        (["nodes=1:2", "trainer.max_restarts=3"], "nodes=1:2 (elastic) with strategy.pp_size=2: it does not compose"),
+        (["trainer.memory_checkpoint_every=2"], "trainer.memory_checkpoint_every (the memory tier) with strategy.pp"),
+        (["strategy.pp_schedule=zbv", "strategy.pp_stages_per_rank=3"], "zbv holds exactly 2 stages per rank"),
+    ],
+)
+def test_what_cannot_run_is_refused_before_start(overrides: list[str], expected: str, tmp_path: Path) -> None:
+    line = launch_here(tmp_path, *PP4, *overrides).refused()
+    assert expected in line, line
+
+
+@pytest.mark.unit
+def test_a_mixture_is_refused_before_start(tmp_path: Path) -> None:
+    source = "{weight:1,_target_:launcher.data.builtin.Synthetic,seq_len:32,num_samples:512}"
+    base = [o for o in PP4 if not o.startswith("data")]
+    line = launch_here(tmp_path, *base, "data=mix", "model.block_size=32", f"data.sources={{a:{source}}}").refused()
+    assert "data=mix with strategy.pp_size=2: a mixture's losses per source do not compose" in line, line
+
+
+@pytest.mark.unit
+def test_launch_plan_says_it_has_no_pipeline_section(tmp_path: Path) -> None:
+    proc = cli_here(tmp_path, "plan", "model=gpt_tiny", "strategy=fsdp", "strategy.pp_size=2", "gpus=4")
+    assert proc.returncode == 0, proc.stderr
+    assert "launch plan: note: strategy.pp_size=2: the plan has no pipeline section yet" in proc.stderr
+
+
+def test_a_non_finite_loss_on_the_last_stage_is_not_committed(tmp_path: Path) -> None:
+    """PP=2 x DP=2: the last stage of the first pipeline (rank 1) adds NaN to its loss alone (its gradient stays
+    finite) in one micro-batch; under trainer.nonfinite=skip that step is dropped on every rank, its checkpoint every
+    tensor of the one before, and the run goes on."""
+    from test_guards import _equal, _flat, _nan_run, _state, _strict
+
+    pp = ["gpus=4", "strategy=fsdp", "strategy.pp_size=2", "batch.global_size=8", "batch.micro_size=2"]
+    run = _nan_run(tmp_path, "5", *pp, "trainer.max_steps=4", "trainer.nonfinite=skip", "trainer.max_skipped=2")
+    assert run.returncode == 0, run.stderr
+    records = _strict(run.run_dir / "metrics.jsonl")
+    assert records[-1]["skipped_steps"] == 1, records
+    step = next(m["step"] for m in records if m["skipped_steps"] == 1)
+    assert f"launch: skipped step {step}: the loss is nan on rank 1 (micro-step " in run.stdout, run.stdout
+    folder = run.run_dir / "checkpoints"
+    before, skipped = (_flat(_state(folder / f"step_{s:08d}", tmp_path / f"{s}.pt")) for s in (step - 1, step))
+    assert _equal(before, skipped)
