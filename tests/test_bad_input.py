@@ -32,6 +32,11 @@ BAD = {
     "unknown data": (["data=imagenet"], "unknown data 'imagenet'; valid: custom, hf, mix, pysource"),
     "unknown key": (["trainer.max_stpes=5"], "unknown key 'trainer.max_stpes'"),
     "unknown top-level key": (["gpu=2"], "unknown key 'gpu'"),
+    "harness tasks in a training run": (
+        ["harness.tasks=[hellaswag]"],
+        "harness.tasks=hellaswag is run by `launch eval CHECKPOINT harness.tasks=[...]` on a checkpoint, not by a "
+        "training run: leave it out here",
+    ),
     "a misspelt key added": (
         ["+trainer.checkpoint_evry=100"],
         "unknown key trainer.checkpoint_evry=100: no schema or "
