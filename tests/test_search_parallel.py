@@ -23,8 +23,8 @@ import pytest
 from conftest import LAUNCH, TINY, clean_env, launch_here
 from optuna.trial import TrialState
 
-from launcher.search.claims import Claims, check_home, pick, spec, storage
-from launcher.search.study import StudyError, open_study
+from launcher.search.claims import Claims, check_home, pick, spec
+from launcher.search.study import StudyError, open_study, storage
 
 SWEEPER = str(Path(__file__).with_name("claims_sweeper.py"))
 

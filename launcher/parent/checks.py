@@ -9,18 +9,23 @@ They take the model already built on the meta device (`launcher.models.meta`), s
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from launcher.config import ConfigError
+from launcher.base.machine import visible_cuda_devices
+from launcher.clusters import shaped
+from launcher.config import ConfigError, Derived, derive, freeze
+from launcher.config.context import check_protocol, check_strategy
 from launcher.config.identity import sweep_identity
+from launcher.config.known import check_keys
 from launcher.data.checks import check_datasets, check_vocabulary, prepare_data
 from launcher.evaluation.checks import check_evaluation
 from launcher.export.harness import check_harness
 from launcher.loggers.checks import check_loggers
-from launcher.models.checks import check_forward, check_trainable, outside_moe_blocks
+from launcher.models.checks import check_forward, check_trainable, outside_moe_blocks, vocabulary
 from launcher.optim.checks import check_optimizer
 
 if TYPE_CHECKING:
@@ -89,3 +94,43 @@ def check_built(frozen: DictConfig, model: Any, vocab: int | None) -> list[str] 
     no_grad = check_forward(frozen, model, sample) if sample is not None else None
     check_vocabulary(frozen, vocab)
     return None if no_grad is None else outside_moe_blocks(model, no_grad, frozen.strategy.get("moe_blocks"))
+
+
+def single_threaded_before_fork(frozen: DictConfig, derived: Derived) -> None:
+    """Where workers are forked from this process: not one OpenMP thread in it before the fork. GNU OpenMP's pool
+    does not survive a fork (a forked worker would wait forever in its first parallel region, after a check here ran
+    a multi-threaded op on a user's data); the workers size their own (`after_fork`)."""
+    if derived.forks_workers(frozen.trainer):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def check_job(cfg: DictConfig) -> None:
+    """The checks `prepare` makes, for a config composed outside of a job: a sweep's jobs, each checked before the
+    first one starts. ConfigError (one line) for the first that fails; nothing is written. What the checks print is
+    what a single run prints at start (the caller shows it once for the sweep), but the plan's choices (strategy=auto's
+    table, batch.micro_size=auto's line), which the job prints as it starts."""
+    import contextlib
+    import io
+
+    from launcher.models.meta import build_on_meta
+    from launcher.models.meta import measure as model_size
+    from launcher.plan.commands import choose, choose_micro, is_auto
+
+    frozen = shaped(freeze(cfg), os.environ, [])
+    derived = derive(frozen, visible_cuda_devices())
+    if derived.micro_auto:
+        frozen.batch.micro_size = 1
+    single_threaded_before_fork(frozen, derived)  # a sweep's checks run in the process its jobs fork from
+    check_keys(frozen)
+    model = build_on_meta(frozen.model)
+    check_built(frozen, model, vocabulary(model))
+    sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None
+    with contextlib.redirect_stdout(io.StringIO()):  # the plan's choices: for the job itself to print
+        if is_auto(frozen):
+            _, frozen = choose(frozen, derived, model, sizes)
+        strategy = check_protocol(frozen)
+        if derived.micro_auto:
+            frozen, derived = choose_micro(frozen, derived, sizes, strategy, None)
+    check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), model)

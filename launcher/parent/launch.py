@@ -34,7 +34,7 @@ from launcher.config.identity import identity_hash
 from launcher.config.known import check_keys
 from launcher.export.harness import requested
 from launcher.models.checks import vocabulary
-from launcher.parent.checks import check_built, check_resume
+from launcher.parent.checks import check_built, check_resume, single_threaded_before_fork
 from launcher.parent.rendezvous import Rendezvous, rendezvous
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
@@ -109,46 +109,6 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     os.replace(tmp, path)
     restarts = oom_restarts(frozen, derived) + int(frozen.trainer.max_restarts)
     return Prepared(path, derived, rdzv, ownership, restarts, requirements)
-
-
-def single_threaded_before_fork(frozen: DictConfig, derived: Derived) -> None:
-    """Where workers are forked from this process: not one OpenMP thread in it before the fork. GNU OpenMP's pool
-    does not survive a fork (a forked worker would wait forever in its first parallel region, after a check here ran
-    a multi-threaded op on a user's data); the workers size their own (`after_fork`)."""
-    if derived.forks_workers(frozen.trainer):
-        import torch
-
-        torch.set_num_threads(1)
-
-
-def check_job(cfg: DictConfig) -> None:
-    """The checks `prepare` makes, for a config composed outside of a job: a sweep's jobs, each checked before the
-    first one starts. ConfigError (one line) for the first that fails; nothing is written. What the checks print is
-    what a single run prints at start (the caller shows it once for the sweep), but the plan's choices (strategy=auto's
-    table, batch.micro_size=auto's line), which the job prints as it starts."""
-    import contextlib
-    import io
-
-    from launcher.models.meta import build_on_meta
-    from launcher.models.meta import measure as model_size
-    from launcher.plan.commands import choose, choose_micro, is_auto
-
-    frozen = shaped(freeze(cfg), os.environ, [])
-    derived = derive(frozen, visible_cuda_devices())
-    if derived.micro_auto:
-        frozen.batch.micro_size = 1
-    single_threaded_before_fork(frozen, derived)  # a sweep's checks run in the process its jobs fork from
-    check_keys(frozen)
-    model = build_on_meta(frozen.model)
-    check_built(frozen, model, vocabulary(model))
-    sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None
-    with contextlib.redirect_stdout(io.StringIO()):  # the plan's choices: for the job itself to print
-        if is_auto(frozen):
-            _, frozen = choose(frozen, derived, model, sizes)
-        strategy = check_protocol(frozen)
-        if derived.micro_auto:
-            frozen, derived = choose_micro(frozen, derived, sizes, strategy, None)
-    check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), model)
 
 
 def _name_logger_run(resolved: dict[str, Any]) -> None:

@@ -150,7 +150,7 @@ def _check_sweep(user: list[str], hydra_node: DictConfig, overrides: Sequence[st
     except HydraException:  # a sweep the basic sweeper cannot list (an interval): Hydra says so itself
         return None
     swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in other for other in jobs) < len(jobs)}
-    from launcher.parent.launch import check_job  # imports torch: only for a sweep
+    from launcher.parent.checks import check_job
 
     saved, hydra_before = {key: os.environ.get(key) for key in env}, HydraConfig.instance().cfg
     os.environ.update({key: str(value) for key, value in env.items()})  # each job runs with hydra.job.env_set

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from launcher.search.study import parallel
+
 JOURNAL = "study.journal"
 TRIALS = ".trials"
 SWEEP_DIR = "sweep_dir"
@@ -42,21 +44,6 @@ def spec(given: str | None, sweep_dir: Path) -> str:
     if given and given.startswith("journal:"):
         return f"journal:{Path(given.removeprefix('journal:')).absolute()}"
     return storage_url(given, sweep_dir)
-
-
-def storage(spelled: str) -> Any:
-    """What optuna opens for a spec: a JournalStorage on its file, or the database URL as it is."""
-    if not spelled.startswith("journal:"):
-        return spelled
-    import optuna
-    from optuna.storages.journal import JournalFileBackend
-
-    return optuna.storages.JournalStorage(JournalFileBackend(spelled.removeprefix("journal:")))
-
-
-def parallel(spelled: str) -> bool:
-    """Several sweepers may share the study: a journal or a database server, not a SQLite file."""
-    return not spelled.startswith("sqlite:")
 
 
 def _lock(path: Path, wait: bool) -> IO[str] | None:

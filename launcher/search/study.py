@@ -95,7 +95,6 @@ def open_study(
 
     from launcher.base.storage import masked
     from launcher.config import one_line
-    from launcher.search.claims import storage
 
     check_file(url)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -187,3 +186,18 @@ def tell(study: Any, trial: Any, record: dict[str, Any]) -> tuple[str, bool]:
         else:
             study.tell(trial, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL)
     return state, stopped()
+
+
+def storage(spelled: str) -> Any:
+    """What optuna opens for a spec: a JournalStorage on its file, or the database URL as it is."""
+    if not spelled.startswith("journal:"):
+        return spelled
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.storages.JournalStorage(JournalFileBackend(spelled.removeprefix("journal:")))
+
+
+def parallel(spelled: str) -> bool:
+    """Several sweepers may share the study: a journal or a database server, not a SQLite file."""
+    return not spelled.startswith("sqlite:")

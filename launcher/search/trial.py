@@ -43,7 +43,7 @@ class TrialReport:
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             pruner = instantiate(self.sweep.pruner) if self.sweep.pruner is not None else optuna.pruners.NopPruner()
-            from launcher.search.claims import storage
+            from launcher.search.study import storage
 
             spelled = storage(str(self.sweep.storage))
             study = optuna.load_study(study_name=str(self.sweep.study), storage=spelled, pruner=pruner)
