@@ -256,9 +256,10 @@ def test_a_raising_rank_ends_the_job_with_its_own_error_first(tmp_path: Path) ->
     assert run.returncode == 1, run.stderr
     lines = run.stderr.strip().splitlines()
     # The rank that raised, where it was, its traceback in its own log file; rank 0's echo of it (gloo's "Connection
-    # closed by peer") is no failure of its own, and not printed.
+    # closed by peer") is no failure of its own, and not printed. Its third forward: the evaluation's check of the
+    # first validation batch before step 1 is its first.
     assert lines[0].startswith(
-        "launch: error: rank 1 failed while in forward/backward of step 2, micro-step 1/2: "
+        "launch: error: rank 1 failed while in forward/backward of step 1, micro-step 2/2: "
         "RuntimeError: rank 1 broke on purpose (traceback: "
     ), run.stderr
     assert len(lines) == 1 and "closed by peer" not in run.stderr.lower(), run.stderr
