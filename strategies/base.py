@@ -79,12 +79,13 @@ class Strategy(Protocol):
         """Which model state this strategy shards or offloads."""
 
     def collectives(
-        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None
+        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None, reused: float = 0
     ) -> list[Collective]:
         """The collectives of one optimizer step over a model of `params` parameters, at `accumulation` micro-steps
         on `world_size` ranks of `gpus` per node: what the planner sums, what the strategy's counter must see. Under
         tensor parallel (`Mesh.tensor_size` T > 1) `params` is what one rank of a group holds: 1/T of what the plan
-        splits and the rest whole."""
+        splits and the rest whole. `reused`: the elements of parameters that several modules hold, once per extra
+        holder (`ModelSize.reused`), for a strategy that gathers each module's own parameters."""
 
     def requirements(self) -> Requirements:
         """What this strategy, as configured, needs of the machine."""

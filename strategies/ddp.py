@@ -85,7 +85,7 @@ class DDP:
         return Layout(params=replicated, grads=replicated, optimizer=replicated, transients=transients)
 
     def collectives(
-        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None
+        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None, reused: float = 0
     ) -> list[Collective]:
         """One all-reduce of every gradient per optimizer step, whatever K (no_sync before the last micro-step): fp32
         gradients (autocast keeps fp32 parameters under bf16 and fp16), or compressed to 16 bits."""

@@ -170,9 +170,7 @@ class Conformance:
     """The suite's settings for that run (HSDP's shard group of 2 in 4 ranks)."""
     comm_slack: float = 0.02
     """How far the bytes its counter sees may stray from its declared collectives, relatively: FSDP's and ZeRO's
-    padding of each unit to a multiple of the ranks; ZeRO-3 also gathers a tied parameter once per module that uses
-    it (the GPT's embedding and head: 5.5% more at the suite's size), which a declaration over parameter counts does
-    not see."""
+    padding of each unit to a multiple of the ranks."""
     lossy: bool = False
     """It rounds what it sends (a compressed all-reduce): its losses follow one process's only to `tolerance`, so
     strategy=auto leaves it out unless strategy.candidates names it."""

@@ -153,7 +153,7 @@ class FSDP:
         return Layout(params=placed, grads=placed, optimizer=placed, transients=transients, mesh=self.mesh)
 
     def collectives(
-        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None
+        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None, reused: float = 0
     ) -> list[Collective]:
         """Per unit, summed over the model: its parameters all-gathered (in the compute dtype) before each micro-step's
         forward and, resharded after it, again before its backward; its gradient reduce-scattered (in reduce_dtype)

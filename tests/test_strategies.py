@@ -112,7 +112,8 @@ def test_a_strategy_makes_the_collectives_it_declares(strategy: str, one_process
     params = one_process.metrics[-1]["model_state_bytes"] / 16  # fp32 AdamW: 16 bytes per parameter
     ran = make_strategy(resolved.strategy)  # as the run built it (hsdp: its shard group of 2)
     held = tensor_rank_params(params, resolved.derived.model.tensor_split, ran.layout().mesh.tensor_size)  # fsdp_tp
-    declared = ran.collectives(held, "fp32", last["accumulation"], last["world_size"], resolved.derived.gpus)
+    reused = resolved.derived.model.reused  # the GPT's embedding, which its head holds too: ZeRO-3 gathers it per use
+    declared = ran.collectives(held, "fp32", last["accumulation"], last["world_size"], resolved.derived.gpus, reused)
     synced, slack = sum(c.payload_bytes for c in declared if c.sync), ran.conformance().comm_slack
     print(
         f"{strategy}: synced/declared {last['comm_bytes'] / synced:.4f}, sent/formula "

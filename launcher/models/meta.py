@@ -37,6 +37,10 @@ class ModelSize:
     gathered: int = 0
     """Elements of the matrices its optimizer updates whole (optim=muon's hidden matrices), which a per-parameter
     sharding gathers once per step (`launcher.optim.plan`); counted by the launcher, 0 for other optimizers."""
+    reused: int = 0
+    """Elements a module holds of a parameter another module also holds, once per extra holder (the GPT's head holds
+    its embedding's matrix: that matrix once): what a strategy that gathers each module's own parameters before its
+    forward and its backward (ZeRO-3) gathers again, per use (`Strategy.collectives`)."""
     tensor_split: int = 0
     """Parameters its own tensor-parallel plan splits over a group of T ranks (`strategies.tp_plans.split_params`):
     each rank of the group holds 1/T of these and the rest whole (norms, a rowwise layer's bias, what the plan does
@@ -152,10 +156,19 @@ def measure(model: Any) -> ModelSize:
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     declared = set(getattr(model, "_no_split_modules", None) or ())
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in declared]
+    # modules() and parameters(recurse=False) yield each module, and each of its parameters, once: a tied
+    # parameter is counted here once per module that holds it.
+    held = sum(p.numel() for m in model.modules() for p in m.parameters(recurse=False))
     rule = label_rule(model)
     split = split_params(model, resolve(model, model_plan(model)))
     return ModelSize(
-        params, largest, rule.takes_num_items, max(units, default=params), rule.label_shift, tensor_split=split
+        params,
+        largest,
+        rule.takes_num_items,
+        max(units, default=params),
+        rule.label_shift,
+        reused=held - params,
+        tensor_split=split,
     )
 
 

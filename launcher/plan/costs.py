@@ -193,14 +193,16 @@ def strategy_comm(
     gpus: int | None = None,
     gathered: float = 0,
     split: float = 0,
+    reused: float = 0,
 ) -> tuple[float, float]:
     """`comm_split` of what `strategy` declares for this run over a model of `params` parameters, `split` of them split
-    by its tensor-parallel plan (`ModelSize.tensor_split`; its collectives are over what a rank of a group holds), with
-    what its optimizer gathers (`gathered` elements updated whole: `launcher.optim.plan`)."""
+    by its tensor-parallel plan (`ModelSize.tensor_split`; its collectives are over what a rank of a group holds),
+    `reused` held by several modules (`ModelSize.reused`), with what its optimizer gathers (`gathered` elements
+    updated whole: `launcher.optim.plan`)."""
     from launcher.optim.plan import optimizer_collectives
 
     held = tensor_rank_params(params, split, strategy.layout().mesh.tensor_size)
-    found = [*strategy.collectives(held, precision, accumulation, world_size, gpus)]
+    found = [*strategy.collectives(held, precision, accumulation, world_size, gpus, reused)]
     found += optimizer_collectives(gathered, strategy.layout())
     return comm_split(found, world_size, strategy.layout().mesh, gpus)
 

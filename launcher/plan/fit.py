@@ -188,7 +188,7 @@ class Plan:
             grad_bytes=bpp.weights,
         )
         within, across = strategy_comm(
-            strategy, params, self.precision, accumulation, world, gpus, self.model.gathered, split
+            strategy, params, self.precision, accumulation, world, gpus, self.model.gathered, split, self.model.reused
         )
         return StrategyPlan(  # the fields in their order: name, strategy, layout, bpp, held, gathered, transient
             name,

@@ -37,8 +37,11 @@ class Speed:
         gpus = ctx.local_world_size
         gathered = int(cfg.derived.model.get("gathered", 0))  # optim=muon's whole matrices (`ModelSize.gathered`)
         split = int(cfg.derived.model.get("tensor_split", 0))  # what a tensor-parallel plan splits
+        reused = int(cfg.derived.model.get("reused", 0))  # held by several modules (`ModelSize.reused`)
         formula = sum(
-            strategy_comm(strategy, params, ctx.precision, ctx.accumulation, ctx.world_size, gpus, gathered, split)
+            strategy_comm(
+                strategy, params, ctx.precision, ctx.accumulation, ctx.world_size, gpus, gathered, split, reused
+            )
         )
         planned = OmegaConf.select(cfg, "derived.plan_peak_bytes", default=None)
         return cls(flops_per_token(params, *shape), peak * 1e12 if peak else None, formula, planned)

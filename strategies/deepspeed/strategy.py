@@ -100,20 +100,26 @@ class DeepSpeed:
         )
 
     def collectives(
-        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None
+        self, params: float, precision: str, accumulation: int, world_size: int, gpus: int | None, reused: float = 0
     ) -> list[Collective]:
         """Gradients reduce-scattered into each rank's partition once per step (every micro-step under
         sync_each_microbatch), in the parameters' dtype unless ds_config's communication_data_type says otherwise;
-        the updated partitions all-gathered after the step (ZeRO-1/2); or, under ZeRO-3, every parameter gathered
-        before each micro-step's forward and again before its backward."""
+        the updated partitions all-gathered after the step (ZeRO-1/2); or, under ZeRO-3, each module's own
+        parameters gathered before its forward and again before its backward, in every micro-step: a parameter that
+        several modules hold (`reused`: the GPT's embedding, which its head holds too) once per module.
+
+        DeepSpeed may keep a parameter gathered from one use to the next where the trace it recorded lets it (its
+        `stage3_max_reuse_distance`); it records that trace on the first forward and backward it sees, and a forward
+        without a backward before it (the evaluation's check) moves the recording to the boundary micro-step, whose
+        trace keeps nothing: the suite's runs gather per use, as declared."""
         weights = "fp32" if precision == "fp32" else precision
         chosen = self.ds_config.get("communication_data_type")
         wire = chosen if chosen in WIRE_BYTES else weights
         syncs = accumulation if self.sync_each_microbatch else 1
-        gathers = 2 * accumulation if self.stage >= 3 else 1
+        gathers, gathered = (2 * accumulation, params + reused) if self.stage >= 3 else (1, params)
         return [
             Collective("reduce_scatter", "world", params, wire, times=syncs),
-            Collective("all_gather", "world", params, weights, times=gathers, sync=False),
+            Collective("all_gather", "world", gathered, weights, times=gathers, sync=False),
         ]
 
     def requirements(self) -> Requirements:
@@ -128,7 +134,7 @@ class DeepSpeed:
 
     def conformance(self) -> Conformance:
         # Torch's tolerance, offloaded too: DeepSpeed's CPU Adam kernel rounds the same update differently, within it.
-        return Conformance(comm_slack=0.06 if self.stage >= 3 else 0.02)
+        return Conformance()
 
     def check(self, ctx: RunContext, model: nn.Module) -> str | None:
         if ctx.compile:
