@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -376,17 +377,19 @@ class Postgres:
 
 @pytest.fixture(scope="session")
 def postgres() -> Any:
-    """Debian's PostgreSQL server, made by initdb in a temporary folder and started by pg_ctl on a free loopback port
-    (as the `postgres` user when the tests run as root: the server refuses root), password authentication; stopped and
-    removed at the end of the session."""
+    """Debian's PostgreSQL server, made by initdb in a temporary folder and started on a free loopback port (as the
+    `postgres` user when the tests run as root: the server refuses root), password authentication; stopped and
+    removed at the end of the session. The server is this process's child, started with a parent-death signal
+    (setpriv --pdeathsig): a session killed before its teardown takes its server with it."""
     import glob
     import secrets
     import shutil
     import socket
     import tempfile
+    import time
 
     try:
-        import psycopg  # noqa: F401
+        import psycopg
     except ImportError:
         unavailable(
             "LAUNCH_TEST_REQUIRE_POSTGRES", "the psycopg driver is not installed (pip install 'launch[postgres]')"
@@ -395,8 +398,7 @@ def postgres() -> Any:
     initdb = found[-1] if found else shutil.which("initdb")
     if initdb is None:
         unavailable("LAUNCH_TEST_REQUIRE_POSTGRES", "PostgreSQL's server is not installed (apt-get install postgresql)")
-    pg_ctl = str(Path(initdb).with_name("pg_ctl"))
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    as_user = ["--reuid=postgres", "--regid=postgres", "--init-groups"] if os.geteuid() == 0 else []
     folder = Path(tempfile.mkdtemp(prefix="launch-pg-"))  # not under pytest's folder, which only root may enter
     password = secrets.token_hex(8)
     (folder / "pw").write_text(password)
@@ -408,18 +410,55 @@ def postgres() -> Any:
         port = s.getsockname()[1]
     data = folder / "data"
     subprocess.run(
-        [*as_user, initdb, "-D", str(data), "-U", "postgres", "-A", "scram-sha-256", f"--pwfile={folder / 'pw'}"],
+        [
+            "setpriv",
+            *as_user,
+            initdb,
+            "-D",
+            str(data),
+            "-U",
+            "postgres",
+            "-A",
+            "scram-sha-256",
+            f"--pwfile={folder / 'pw'}",
+        ],
         check=True,
         capture_output=True,
     )
-    options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off"
-    subprocess.run(
-        [*as_user, pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "log"), "-w", "start"],
-        check=True,
-        capture_output=True,
-    )
+    options = ["-p", str(port), "-k", str(folder), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"]
+    with open(folder / "log", "w") as log:
+        server = subprocess.Popen(
+            [
+                "setpriv",
+                *as_user,
+                "--pdeathsig=KILL",
+                str(Path(initdb).with_name("postgres")),
+                "-D",
+                str(data),
+                *options,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
+        for _ in range(600):  # ready within a minute, or its log says why not
+            try:
+                psycopg.connect(
+                    host="127.0.0.1", port=port, user="postgres", password=password, dbname="postgres"
+                ).close()
+                break
+            except psycopg.OperationalError:
+                if server.poll() is not None:
+                    raise RuntimeError(f"PostgreSQL did not start: {(folder / 'log').read_text()[-500:]}") from None
+                time.sleep(0.1)
+        else:
+            raise RuntimeError(f"PostgreSQL not ready after a minute: {(folder / 'log').read_text()[-500:]}")
         yield Postgres(port, password)
     finally:
-        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        server.send_signal(signal.SIGINT)  # PostgreSQL's fast shutdown: its clients disconnected
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
         shutil.rmtree(folder, ignore_errors=True)
