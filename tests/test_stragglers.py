@@ -10,8 +10,9 @@ from conftest import TINY, Run, launch
 
 from launcher.telemetry.stragglers import Stragglers
 
-SLEEP_S = 0.2
-"""Seconds rank 1's model sleeps in each training forward."""
+SLEEP_S = 1.0
+"""Seconds rank 1's model sleeps in each training forward: many times the tiny model's step, so that rank 0's own
+compute, slowed by whatever else the machine runs, stays under half of rank 1's (FRACTION) in every logged step."""
 FRACTION = 1.0
 """The runs' trainer.straggler_fraction: twice the other rank's compute, a margin no scheduling noise of a busy CI
 machine crosses three logged steps in a row, and that a forward sleeping SLEEP_S crosses many times over."""
