@@ -98,12 +98,9 @@ def _counting_all_reduce(counter: CommCounter, replicas: int) -> Any:
 
 
 class FSDP:
-    def __new__(cls, **options: Any) -> FSDP:
-        if cls is FSDP and int(options.get("pp_size") or 1) > 1:  # pipeline stages: a step of FSDP's parallelisms
-            from strategies.pipeline import PipelineFSDP
-
-            return super().__new__(PipelineFSDP)
-        return super().__new__(cls)
+    stages_model = False
+    """It splits the model into pipeline stages (`strategies.pipeline.PipelineFSDP`, built by
+    `strategies.sharded.fsdp` where strategy.pp_size > 1)."""
 
     def __init__(  # every option's default is its schema's (launcher/config/schema.py), written there alone
         self,
@@ -127,6 +124,11 @@ class FSDP:
         pp_split: list[int] | None,
         pp_balance: str,
     ) -> None:
+        if pp_size > 1 and not self.stages_model:
+            raise ValueError(
+                f"strategy.pp_size={pp_size} with strategy._target_=strategies.fsdp.FSDP: FSDP alone has no pipeline "
+                "stages; use strategy._target_=strategies.sharded.fsdp (strategy=fsdp, hsdp or fsdp_tp)"
+            )
         self.mesh = Mesh(shard_size, replicate_size, tp_size)
         self.pp_size, self.pp_schedule, self.pp_stages_per_rank = pp_size, pp_schedule, pp_stages_per_rank
         self.pp_split, self.pp_balance = None if pp_split is None else [int(i) for i in pp_split], pp_balance

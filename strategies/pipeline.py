@@ -300,7 +300,9 @@ def microbatch_problem(schedule: str, size: int, microbatches: int) -> str | Non
 
 
 class PipelineFSDP(FSDP):
-    """FSDP2 with pipeline stages (`FSDP` is built as this class when strategy.pp_size > 1)."""
+    """FSDP2 with pipeline stages (`strategies.sharded.fsdp` builds it where strategy.pp_size > 1)."""
+
+    stages_model = True
 
     def conformance(self) -> Conformance:
         return Conformance(ranks=2 * self.pp_size, overrides=(f"strategy.pp_size={self.pp_size}",))

@@ -115,7 +115,7 @@ class FSDPOffload(Enum):
 
 @dataclass
 class FSDPStrategyConfig:
-    _target_: str = "strategies.fsdp.FSDP"
+    _target_: str = "strategies.sharded.fsdp"
     shard_units: list[str] | None = None
     """Class names of the modules sharded as one unit each, before the root; unset: the model's own
     `_no_split_modules` (transformers models, the built-in GPT's Block), else the whole model as one unit."""
