@@ -270,6 +270,31 @@ class Stage(nn.Module):
         return pytree.tree_unflatten([next(it) if t else None for t in self._tensors], self._spec)
 
 
+def _counted_stage_class() -> Any:
+    """torch's PipelineStage counting what it sends to another rank (`pp_sent_bytes`): the activations of its
+    forward and their gradients in its backward, through the methods its schedule asks for the sends
+    (`get_fwd_send_ops`, `get_bwd_send_ops`); a stage next to it on the same rank (zbv's turn) is handed its input
+    in memory, with no send."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    class CountedStage(PipelineStage):
+        sent = 0
+
+        def _counted(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+            me = dist.get_rank()
+            self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.peer != me)
+            return ops
+
+        def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+            return self._counted(super().get_fwd_send_ops(fwd_chunk_id))
+
+        def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+            return self._counted(super().get_bwd_send_ops(bwd_chunk_id))
+
+    return CountedStage
+
+
 def _schedule_class(name: str) -> Any:
     from torch.distributed.pipelining import schedules as s
 
@@ -381,7 +406,8 @@ class PipelineFSDP(FSDP):
         )
         print(
             "launch: pipeline: plan_peak_bytes and comm_bytes_formula are FSDP's over the whole model, not one "
-            "stage's (the planner has no pipeline section yet); model_state_bytes and comm_bytes are measured",
+            "stage's (launch plan's pipeline section has each stage's); model_state_bytes, comm_bytes and "
+            "pp_sent_bytes are measured",
             flush=True,
         )
         return super().check(ctx, model)
@@ -399,7 +425,6 @@ class PipelineFSDP(FSDP):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-        from torch.distributed.pipelining import PipelineStage
 
         self.ctx = ctx
         P = self.pp_size
@@ -443,10 +468,12 @@ class PipelineFSDP(FSDP):
         self.holder = {
             i: r for r in range(P) for i in held_stages(self.pp_schedule, P, self.pp_stages_per_rank or 2, r)
         }
+        counted = _counted_stage_class()
         stages = [
-            PipelineStage(part, i, len(split.ranges), torch.device(ctx.device), group=self.pp_group)
+            counted(part, i, len(split.ranges), torch.device(ctx.device), group=self.pp_group)
             for part, i in zip(parts, mine)
         ]
+        self.pipeline_stages = stages
         cls = _schedule_class(self.pp_schedule)
         self.schedule = cls(
             stages[0] if self.pp_schedule in ("gpipe", "1f1b") else stages,
@@ -606,7 +633,11 @@ class PipelineFSDP(FSDP):
         held = sum(model_state_bytes(part.parameters(), o) for part, o in zip(self.parts, self.optimizers))
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        self._last_step = step_figures(self._counter, held)
+        self._last_step = step_figures(self._counter, held) | {
+            "pp_sent_bytes": float(sum(s.sent for s in self.pipeline_stages))
+        }
+        for stage in self.pipeline_stages:
+            stage.sent = 0
         return total_norm
 
     # ------------------------------------------------------------------ evaluation: one micro-batch at a time

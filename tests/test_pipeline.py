@@ -49,6 +49,7 @@ def test_pp2_dp2_follows_one_process_and_its_checkpoint_resumes_in_one_process(
     loss, val, norm = _compare(pp, one_process)
     print(f"pp=2 x dp=2 1f1b: loss {loss:.2e}, val_loss {val:.2e}, grad norm {norm:.2e} (relative)")
     assert loss <= TOLERANCE and val <= TOLERANCE and norm <= NORM
+    _sent_as_planned(pp, "1f1b")
     resumed = launch(tmp_path, *JOB, "strategy=ddp", "gpus=1", f"resume={_ckpt(pp, 6)}").check()
     assert _max_diff(pp, resumed, range(7, 13)) <= 2 * TOLERANCE
     # launch convert writes the whole model, every tensor under its own name, which the plain model loads strictly.
@@ -80,6 +81,22 @@ def test_each_schedule_at_pp2_dp2_follows_one_process(
     loss, val, norm = _compare(pp, one)
     print(f"pp=2 x dp=2 {schedule}: loss {loss:.2e}, val_loss {val:.2e}, grad norm {norm:.2e} (relative)")
     assert loss <= TOLERANCE and val <= TOLERANCE and norm <= NORM
+    _sent_as_planned(pp, schedule)
+
+
+def _sent_as_planned(pp: Run, schedule: str) -> None:
+    """Every step's counted activations and gradients between stages (`pp_sent_bytes`, the largest rank's) are the
+    plan's figure for the run's shape: M micro-batches of micro x seq x n_embd fp32 values over each boundary a rank
+    sends over (`launcher.plan.pipeline.stage_bytes_sent`)."""
+    from omegaconf import OmegaConf
+
+    from launcher.plan.pipeline import stage_bytes_sent
+
+    cfg = OmegaConf.load(pp.run_dir / "resolved.yaml")
+    hidden = cfg.batch.micro_size * cfg.data.seq_len * cfg.model.n_embd * 4
+    accumulation = pp.metrics[-1]["accumulation"]
+    planned = stage_bytes_sent(schedule, 2, 2, accumulation, hidden)
+    assert planned > 0 and [m["pp_sent_bytes"] for m in pp.metrics] == [planned] * len(pp.metrics), planned
 
 
 LLAMA = [
@@ -262,10 +279,21 @@ def test_a_mixture_is_refused_before_start(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
-def test_launch_plan_says_it_has_no_pipeline_section(tmp_path: Path) -> None:
-    proc = cli_here(tmp_path, "plan", "model=gpt_tiny", "strategy=fsdp", "strategy.pp_size=2", "gpus=4")
+def test_launch_plan_has_a_pipeline_section_of_each_size_and_schedule(tmp_path: Path) -> None:
+    """Rows for P = 1, 2, 4 (gpt_tiny's 4 layers hold no 8 stages): 1F1B's bubble (P-1)/(M+P-1), and the bytes a
+    rank sends, 2 boundaries of an inner stage's rank, 1 of an end's."""
+    from launcher.plan.pipeline import boundary_sends, bubble
+
+    proc = cli_here(tmp_path, "plan", "model=gpt_tiny", "strategy=fsdp", "strategy.pp_size=2", "gpus=8")
     assert proc.returncode == 0, proc.stderr
-    assert "launch plan: note: strategy.pp_size=2: the plan has no pipeline section yet" in proc.stderr
+    assert "the pipeline section below has each stage's" in proc.stderr
+    rows = {tuple(line.split()[:2]): line.split() for line in proc.stdout.splitlines() if line.startswith("  ")}
+    assert rows[("1", "fsdp")][-1] == "0.00" and rows[("2", "1f1b")][-2] == f"{1 / 3:.1%}"
+    assert rows[("4", "1f1b")][-2] == f"{3 / 7:.1%}" and "more stages than layers" in " ".join(rows[("8", "gpipe")])
+    assert [boundary_sends("1f1b", 4, 1, r) for r in range(4)] == [1, 2, 2, 1]
+    assert [boundary_sends("zbv", 2, 2, r) for r in range(2)] == [2, 2]  # the V's turn stays on rank 1
+    assert [boundary_sends("interleaved_1f1b", 2, 2, r) for r in range(2)] == [3, 3]
+    assert bubble("interleaved_1f1b", 4, 8, 2) == 3 / 19 and bubble("gpipe", 1, 8) == 0.0
 
 
 def test_a_non_finite_loss_on_the_last_stage_is_not_committed(tmp_path: Path) -> None:

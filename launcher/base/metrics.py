@@ -71,6 +71,13 @@ METRICS = {
         Metric("tp_comm_calls", "", "max", "strategy", "tensor parallel: activation collectives of the last step"),
         Metric("tp_comm_bytes", "bytes", "max", "strategy", "their payload"),
         Metric("tp_comm_sent_bytes", "bytes", "max", "strategy", "the ring bytes a rank sent in them"),
+        Metric(
+            "pp_sent_bytes",
+            "bytes",
+            "max",
+            "strategy",
+            "pipeline parallel: the activations and their gradients a rank sent to other stages in the last step",
+        ),
         Metric("loss_scale", "", "max", "strategy", "precision=fp16: the loss scaler's scale after the step"),
         Metric(
             "compute_s_max",

@@ -111,6 +111,7 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
     from launcher.base.machine import visible_cuda_devices
     from launcher.config.known import check_keys
     from launcher.models.meta import build_on_meta, measure
+    from launcher.plan.pipeline import pipeline_lines
     from launcher.plan.tensor import tensor_lines, with_tensor
 
     chosen, strategy_keys = _chosen_strategy(overrides)
@@ -134,8 +135,8 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
         derived = derive(frozen, devices)
     if (pipeline := int(OmegaConf.select(frozen, "strategy.pp_size", default=1) or 1)) > 1:
         print(
-            f"launch plan: note: strategy.pp_size={pipeline}: the plan has no pipeline section yet; its figures are "
-            "each strategy's over the whole model on every rank, not one stage's",
+            f"launch plan: note: strategy.pp_size={pipeline}: the strategies' table is each one's over the whole "
+            "model on every rank; the pipeline section below has each stage's",
             file=sys.stderr,
         )
     model = build_on_meta(frozen.model)
@@ -173,6 +174,8 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
         if tier_on(frozen.trainer):
             print(tier_line(plan, frozen.trainer))
         if lines := tensor_lines(plan, model, frozen):  # T = 1, 2, 4, 8 (none for a model without a plan)
+            print("\n".join(lines))
+        if lines := pipeline_lines(plan, model, frozen):  # P = 1, 2, 4, 8 (none for a model without a layer list)
             print("\n".join(lines))
         if frozen.plan.chart:
             print(f"chart: {Path(str(frozen.plan.chart)).resolve()}")
