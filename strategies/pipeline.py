@@ -140,23 +140,34 @@ def plan_split(model: nn.Module, stages: int, given: list[int] | None, balance: 
 
 def _by_params(model: nn.Module, path: str, roles: dict[str, str], stages: int) -> list[int]:
     """Layers per stage such that the largest stage's parameters (the first's with the modules before the list, the
-    last's with those after it) are the fewest: every split tried, by the smallest largest stage."""
+    last's with those after it) are the fewest; of the splits that reach it, the one whose cuts come first (each stage
+    begins as early as it can). By dynamic programming over (first layer, stages left): stages x layers² steps, where
+    trying every split would take C(layers - 1, stages - 1)."""
+    import functools
     import itertools
 
     layers = model.get_submodule(path)
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     pre = sum(p.numel() for n, r in roles.items() if r == "pre" for p in model.get_submodule(n).parameters(False))
     post = sum(p.numel() for n, r in roles.items() if r == "post" for p in model.get_submodule(n).parameters(False))
-    best: tuple[int, list[int]] | None = None
-    for cuts in itertools.combinations(range(1, len(sizes)), stages - 1):
-        bounds = [0, *cuts, len(sizes)]
-        loads = [sum(sizes[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
-        loads[0] += pre
-        loads[-1] += post
-        if best is None or max(loads) < best[0]:
-            best = (max(loads), [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])])
-    assert best is not None
-    return best[1]
+    n, sums = len(sizes), [0, *itertools.accumulate(sizes)]
+
+    def load(lo: int, hi: int) -> int:
+        return sums[hi] - sums[lo] + (pre if lo == 0 else 0) + (post if hi == n else 0)
+
+    @functools.cache
+    def least(lo: int, parts: int) -> int:
+        """The smallest largest load of layers[lo:] split into `parts` stages."""
+        if parts == 1:
+            return load(lo, n)
+        return min(max(load(lo, hi), least(hi, parts - 1)) for hi in range(lo + 1, n - parts + 2))
+
+    target, bounds = least(0, stages), [0]
+    for parts in range(stages, 1, -1):
+        lo = bounds[-1]
+        bounds.append(next(h for h in range(lo + 1, n - parts + 2) if max(load(lo, h), least(h, parts - 1)) <= target))
+    bounds.append(n)
+    return [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 class ZeroEmbedding(nn.Module):
