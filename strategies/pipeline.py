@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from strategies.base import ModelFactory, OptimizerFactory, RunContext
 from strategies.declarations import Conformance
+from strategies.ema import EMA, ema_of
 from strategies.fsdp import DTYPES, FSDP, _counting_collectives
 from strategies.sizes import model_state_bytes
 from strategies.stepping import LR_SCALE, autocast_dtype, set_lr, step_figures
@@ -358,7 +359,6 @@ class PipelineFSDP(FSDP):
             (self.sync_each_microbatch, "strategy.sync_each_microbatch=true", "a sync on every micro-step"),
             (self.sync_batchnorm, "strategy.sync_batchnorm=true", "synchronised BatchNorm"),
             (ctx.compile, "trainer.compile=true", "compiled units"),
-            (ctx.ema is not None, "trainer.ema.decay", "EMA weights"),
             (ctx.precision != "fp32", f"precision={ctx.precision}", "mixed precision"),
             (
                 bool(self.pp_split) and self.pp_balance != "layers",
@@ -503,6 +503,8 @@ class PipelineFSDP(FSDP):
         self.model = parts[0]  # what FSDP's own methods read (its figures' offload set)
         self.optimizer = self.optimizers[0]
         self.ema = None
+        self.emas = [e for e in (ema_of(part, ctx.ema) for part in parts) if e is not None]
+        """Each stage's EMA of its own parameters, held as they are (a tied parameter's copies averaged alike)."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         self.scaler = ShardedGradScaler(ctx.device_type, enabled=False)
@@ -641,6 +643,9 @@ class PipelineFSDP(FSDP):
             set_lr(optimizer, lr)
             if math.isfinite(total_norm):  # a step that is not finite is not committed
                 optimizer.step()
+        if math.isfinite(total_norm):
+            for ema in self.emas:
+                ema.update()
         held = sum(model_state_bytes(part.parameters(), o) for part, o in zip(self.parts, self.optimizers))
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -713,7 +718,11 @@ class PipelineFSDP(FSDP):
                 keys = self.group_hyper[label]
                 hyper[label] = {**keys, "lr": base * keys.get(LR_SCALE, 1.0)}
         groups = [{**hyper[label], "params": list(self.group_names[label])} for label in self.group_order]
-        return {"model": model, "optim": {"state": state, "param_groups": groups}}
+        found = {"model": model, "optim": {"state": state, "param_groups": groups}}
+        if self.emas:  # the whole model's names; a tied parameter's average once, its first stage's
+            weights = {n: t for ema in reversed(self.emas) for n, t in ema.average.items()}
+            found["ema"] = {"weights": weights, "steps": self.emas[0].steps}
+        return found
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -736,9 +745,12 @@ class PipelineFSDP(FSDP):
             set_state_dict(
                 part, optimizer, model_state_dict=model, optim_state_dict=own, options=StateDictOptions(strict=False)
             )
+        for ema in self.emas:  # from a checkpoint without EMA weights the average starts at the loaded weights
+            entry = state.get("ema") or {"weights": dict(ema.live), "steps": ema.steps}
+            ema.load({"weights": {n: entry["weights"][n] for n in ema.average}, "steps": entry["steps"]})
 
     def averaged(self) -> AbstractContextManager[bool]:
-        return _no_average()
+        return _averaged(self.emas)
 
     def teardown(self) -> None:
         self.parts = self.optimizers = self.schedule = None  # type: ignore[assignment]
@@ -746,8 +758,12 @@ class PipelineFSDP(FSDP):
 
 
 @contextmanager
-def _no_average() -> Iterator[bool]:
-    yield False
+def _averaged(emas: list[EMA]) -> Iterator[bool]:
+    """Every stage's parameters hold their average inside the block (none kept: False)."""
+    with ExitStack() as stack:
+        for ema in emas:
+            stack.enter_context(ema.swapped())
+        yield bool(emas)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

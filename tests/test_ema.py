@@ -50,6 +50,27 @@ def test_the_average_of_two_ranks_at_k2_is_one_process_at_k4(strategy: str, conf
     assert all(abs(_val(one, "val_ema_loss")[s] - _val(one, "val_loss")[s]) > 1e-4 for s in (3, 6))
 
 
+@pytest.mark.long  # 4 ranks, then one process resuming
+def test_the_average_under_pp2_dp2_is_one_process_s_and_resumes_in_one_process(
+    conformance_dir: Path, tmp_path: Path
+) -> None:
+    """Pipeline parallel (2 stages x 2 data-parallel ranks, K = 2 micro-batches through 1F1B): each stage averages its
+    own parameters, the tied embedding on both stages alike; the EMA weights' validation loss at steps 3 and 6 is one
+    process's within the pipeline's declared tolerance; its step-3 checkpoint (the average under the whole model's
+    names) resumed in one process under ddp gives the uninterrupted run's average at step 6."""
+    from launcher.config import schema
+    from launcher.config.context import preset_strategy
+
+    schema.register()
+    tolerance = preset_strategy("fsdp", pp_size=2).conformance().tolerance
+    one, pp = _run(conformance_dir, "ddp", 1), _run(conformance_dir, "fsdp", 4, "strategy.pp_size=2")
+    assert _val(pp, "val_ema_loss") == pytest.approx(_val(one, "val_ema_loss"), abs=tolerance)
+    assert all(abs(_val(pp, "val_ema_loss")[s] - _val(pp, "val_loss")[s]) > 1e-4 for s in (3, 6))
+    step3 = pp.run_dir / "checkpoints" / "step_00000003"
+    resumed = launch_once(tmp_path, *EMA_JOB, "strategy=ddp", "gpus=1", f"resume={step3}", name="pp-resumed").check()
+    assert _val(resumed, "val_ema_loss")[6] == pytest.approx(_val(pp, "val_ema_loss")[6], abs=tolerance)
+
+
 def test_an_average_that_has_not_started_is_the_weights(conformance_dir: Path) -> None:
     """trainer.ema.start past the last step: the average is the weights themselves, its loss theirs exactly."""
     run = _run(conformance_dir, "ddp", 2, "trainer.ema.start=6")

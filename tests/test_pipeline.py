@@ -293,7 +293,6 @@ PP4 = [
             ["strategy.tp_size=2"],
             "strategy.tp_size=2 with strategy.pp_size=2: tensor parallel within pipeline stages does not compose",
         ),
-        (["trainer.ema.decay=0.99"], "trainer.ema.decay with strategy.pp_size=2: EMA weights does not compose"),
         (["optim=muon"], "(Muon) with strategy.pp_size=2: Muon does not compose with pipeline parallel here"),
         (["strategy=ddp"], "pipeline parallel runs under FSDP2 alone"),
         (["nodes=1:2", "trainer.max_restarts=3"], "nodes=1:2 (elastic) with strategy.pp_size=2: it does not compose"),
