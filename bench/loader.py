@@ -212,11 +212,11 @@ def mix(a: argparse.Namespace, out: Path) -> None:
 
 
 def allocation(sources: int = 8, steps: int = 2000) -> None:
-    """A step's allocation alone (`launcher.data.mix_weights.plan`), for `sources` sources under a schedule that moves
+    """A step's allocation alone (`launcher.mixture.weights.plan`), for `sources` sources under a schedule that moves
     a weight to 0 and back, at several global batches: the fastest of 3 passes over `steps` steps."""
     import numpy as np
 
-    from launcher.data.mix_weights import Weights, plan
+    from launcher.mixture.weights import Weights, plan
 
     names = [f"s{i}" for i in range(sources)]
     schedule = [{"step": steps // 4, "weights": {"s0": 0.0}}, {"step": steps // 2, "weights": {"s0": 5.0}}]

@@ -182,7 +182,7 @@ def test_an_elastic_range_is_refused_where_a_cluster_fixes_the_number_of_nodes()
     from hydra import compose, initialize_config_module
 
     from launcher.config import ConfigError, derive, freeze, schema
-    from launcher.parent.rendezvous import rendezvous
+    from launcher.elastic.rendezvous import rendezvous
 
     schema.register()
     with initialize_config_module("launcher.conf", version_base="1.3"):

@@ -17,7 +17,7 @@ from processes import free_port
 from launcher.base.machine import ephemeral_port_floor
 from launcher.clusters.slurm import expand_hostlist, submitit_overrides
 from launcher.config import ConfigError, derive, freeze, schema
-from launcher.parent.rendezvous import rendezvous
+from launcher.elastic.rendezvous import rendezvous
 
 schema.register()
 JOB = [*TINY, "batch.global_size=16", "trainer.max_steps=5"]
@@ -325,11 +325,11 @@ def test_submitit_local_sweep_with_report(tmp_path: Path) -> None:
         assert int(cells[8].replace(",", "")) == round(metrics[-1]["model_state_bytes"]), row
         rates = sorted(m["samples_per_s"] for m in metrics if "samples_per_s" in m)
         assert rates[0] - 0.05 <= float(cells[7]) <= rates[-1] + 0.05, (row, rates)
-    # python -m launcher.parent.report rebuilds both from the jobs' folders alone.
+    # python -m launcher.search.report rebuilds both from the jobs' folders alone.
     expected = (sweep / "summary.md").read_text()
     (sweep / "summary.md").unlink()
     (sweep / "summary.png").unlink()
-    subprocess.run([sys.executable, "-m", "launcher.parent.report", str(sweep)], check=True, env=clean_env(tmp_path))
+    subprocess.run([sys.executable, "-m", "launcher.search.report", str(sweep)], check=True, env=clean_env(tmp_path))
     assert (sweep / "summary.md").read_text() == expected and (sweep / "summary.png").stat().st_size > 10_000
 
 

@@ -535,8 +535,8 @@ def _numbered_source(kind: str) -> object:
     from omegaconf import OmegaConf
 
     from launcher.data.collate import default_collate
-    from launcher.data.mix import Mix
     from launcher.data.sources import source_of
+    from launcher.mixture.mix import Mix
 
     if kind == "mix":
         a = {"_target_": "eval_models.numbered", "count": 17, "weight": 0.7, "epochs": 3}
@@ -660,8 +660,11 @@ def test_a_run_s_config_is_read_as_data_and_its_code_only_where_the_command_name
     # A mixture of the launcher's own data names its sources' targets: those of the package's own options are taken.
     schema.register()
     source = {"_target_": "launcher.data.builtin.Synthetic", "weight": 1.0}
-    mix = {"data": {"_target_": "launcher.data.mix.Mix", "sources": {"a": source}}, "job": {"choices": {"data": "mix"}}}
-    mixed = OmegaConf.create({"data": {"_target_": "launcher.data.mix.Mix", "sources": {}}})
+    mix = {
+        "data": {"_target_": "launcher.mixture.mix.Mix", "sources": {"a": source}},
+        "job": {"choices": {"data": "mix"}},
+    }
+    mixed = OmegaConf.create({"data": {"_target_": "launcher.mixture.mix.Mix", "sources": {}}})
     check_code(run_overrides(mix, [], ["data"]), mixed, tmp_path / "resolved.yaml", package_targets)
     with pytest.raises(ConfigError, match=r"chose model=\.\./evil, which is no model option here"):
         run_overrides({"job": {"choices": {"model": "../evil"}}}, [], ["model"])

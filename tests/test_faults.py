@@ -355,7 +355,7 @@ def test_a_failure_report_the_run_directory_cannot_hold_reaches_the_launcher(tmp
     stderr; the launcher reads it from there, and ranks that failed alike are one line."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from launcher.parent.failures import rank_lines
+    from launcher.elastic.failures import rank_lines
 
     disk, spare = tmpfs(1 << 20), tmp_path / "spare"
     spare.mkdir()
@@ -565,7 +565,7 @@ def test_a_disk_that_fills_during_a_write_is_one_line_and_keeps_the_intact_check
 
 @pytest.mark.unit
 def test_ranks_that_failed_alike_are_named_in_rank_order_whichever_failed_first() -> None:
-    from launcher.parent.failures import _merged
+    from launcher.elastic.failures import _merged
 
     tail = "failed while saving: OSError: disk full (traceback: logs/rank{}.traceback)"
     lines = [f"rank {r} {tail.format(r)}" for r in (10, 1, 0)] + ["rank 2 failed: something else"]
@@ -579,7 +579,7 @@ def test_a_node_whose_ranks_only_stopped_names_the_peer_rank_that_failed_first(t
     causes."""
     import time
 
-    from launcher.parent.failures import peer_failure
+    from launcher.elastic.failures import peer_failure
 
     logs = tmp_path / "logs"
 
@@ -607,7 +607,7 @@ def test_a_node_whose_ranks_only_stopped_names_the_peer_rank_that_failed_first(t
         f"{logs}/rank20.traceback); this node's ranks stopped with it"
     )
     # Whether this node's own rank had joined: a lost rendezvous is then no join that timed out.
-    from launcher.parent.failures import joined_here
+    from launcher.elastic.failures import joined_here
 
     assert not joined_here(tmp_path, started, "me")
     (logs / "ranks" / "rank3.json").write_text(json.dumps({"node": 3, "host": "n3", "launcher": "me"}))
@@ -654,7 +654,7 @@ def test_a_stopped_process_is_told_from_a_running_one() -> None:
     import signal
     import time
 
-    from launcher.parent.agent import _stopped
+    from launcher.elastic.agent import _stopped
 
     proc = subprocess.Popen(["sleep", "60"])
     try:
@@ -683,7 +683,7 @@ def test_a_worker_s_exit_is_read_without_reaping_it() -> None:
     same code."""
     import time
 
-    from launcher.parent.agent import _exit_code, _running
+    from launcher.elastic.agent import _exit_code, _running
 
     failed = subprocess.Popen(["sh", "-c", "exit 3"])
     running = subprocess.Popen(["sleep", "60"])
@@ -739,7 +739,7 @@ def test_a_failure_is_told_by_its_cause_and_its_echoes_without_the_collective_li
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from launcher.parent.failures import rank_lines, secondary
+    from launcher.elastic.failures import rank_lines, secondary
 
     def failed(reports: dict[int, str]) -> ChildFailedError:
         failures = {}

@@ -15,7 +15,7 @@ from processes import free_port
 
 from launcher.clusters import shaped
 from launcher.config import ConfigError, derive, freeze, schema
-from launcher.parent.rendezvous import rendezvous
+from launcher.elastic.rendezvous import rendezvous
 
 schema.register()
 JOB = [*TINY, "batch.global_size=16", "trainer.max_steps=5"]

@@ -21,9 +21,9 @@ from text_corpus import documents, train_tokenizer, write_jsonl
 
 from launcher.checkpoint.format import Position
 from launcher.data.collate import default_collate
-from launcher.data.mix import Mix, mix_figures
-from launcher.data.mix_weights import Ended, Weights, plan
 from launcher.data.sources import source_of
+from launcher.mixture.mix import Mix, mix_figures
+from launcher.mixture.weights import Ended, Weights, plan
 
 B = 16
 
@@ -371,7 +371,7 @@ def test_a_resume_with_other_weights_or_sources_says_so_and_goes_on_from_each_po
     """Step 3's state resumed with the store left out and other weights: one line says what changed, the two sources
     left go on from their own positions by the new weights, and a checkpoint that records no mixture is refused in one
     line."""
-    from launcher.data.mix_weights import MixError
+    from launcher.mixture.weights import MixError
 
     _, states = _read(_sources(parts), Position(0, 0), 3, 1, 4)
     capsys.readouterr()

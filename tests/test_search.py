@@ -13,9 +13,9 @@ import pytest
 from conftest import launch_here
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from launcher.parent.report import collect, trials, trials_table
 from launcher.search.claims import Claims, pick
 from launcher.search.objective import lineage, objective, read_metrics
+from launcher.search.report import collect, trials, trials_table
 from launcher.search.space import SpaceError, low_end, parse
 from launcher.search.study import StudyError, finished, hold, open_study, storage_url, tell
 
@@ -414,7 +414,7 @@ def test_a_trial_of_several_objectives_is_each_figure_at_the_last_step_and_the_s
 
 
 def test_the_report_of_a_multi_objective_study_shows_its_pareto_front(tmp_path: Path) -> None:
-    from launcher.parent.report import front
+    from launcher.search.report import front
 
     values = {0: [3.0, 100.0], 1: [2.0, 90.0], 2: [2.5, 80.0], 3: [1.5, 50.0], 4: None}  # 2: beaten by 1 on both
     for n, value in values.items():

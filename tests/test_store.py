@@ -64,7 +64,7 @@ def test_parts_build_shards_a_killed_build_resumes_and_the_manifest_comes_last(c
     document of every file is in one split of its shard, once, in order, its EOS after it."""
     from transformers import AutoTokenizer
 
-    import launcher.data.store_build as build
+    import launcher.prepare.store as build
 
     out = tmp_path / "store"
     code, stdout, _ = _prepare(corpus, str(out), "data.shard_index=0", "data.num_shards=2", cwd=tmp_path)

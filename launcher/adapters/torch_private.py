@@ -1,7 +1,7 @@
 """Every name of torch's that the launcher relies on beyond torch's public API, checked against torch 2.13.0.
 
 - The elastic agent's hooks (`_monitor_workers`, `_stop_workers`, `_shutdown`): torch documents them for implementors
-  of `SimpleElasticAgent`, and the launcher's agent (`launcher.parent.agent.Agent`) overrides them; a release that
+  of `SimpleElasticAgent`, and the launcher's agent (`launcher.elastic.agent.Agent`) overrides them; a release that
   renamed one would leave the override never called, and a failed group waiting torch's fixed 30 s, without a word.
 - The dynamic rendezvous: the join step, wrapped to refuse a node that a full job would keep as a spare
   (`when_spare`), and the name it gives its events, read from the frame rather than from `inspect.stack()`

@@ -13,7 +13,7 @@ class Refused(RuntimeError):
 
 
 REFUSED = "refused: "
-"""How a worker's report marks a refusal (`Refused`), for the launcher's one line (`launcher.parent.failures`)."""
+"""How a worker's report marks a refusal (`Refused`), for the launcher's one line (`launcher.elastic.failures`)."""
 
 
 def failure(group: str, e: BaseException, fix: str) -> ConfigError:

@@ -62,4 +62,4 @@ cannot be written where the elastic agent expects it (`<run dir>/logs/` on a ful
 
 
 RESIZING = "logs/resizing"
-"""Touched by the elastic agent when it stops a healthy worker group because a node joins (`launcher.parent.agent`)."""
+"""Touched by the elastic agent when it stops a healthy worker group because a node joins (`launcher.elastic.agent`)."""

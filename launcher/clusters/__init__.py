@@ -5,8 +5,8 @@ itself from the process environment, says which of the run's keys it dictates (`
 processes per node), what it knows of the job (its nodes, this node's rank, where the nodes meet) and how the run
 directory is shared, checks the launch's settings against it, and says what a submission to it needs and what a stop
 signal means there. `detect` takes the first that recognises itself: a process started by torchrun first (where a launch
-is refused), `Local` last (it recognises every environment). `launcher.parent.rendezvous` turns the job into the elastic
-agent's rendezvous; the run directory's check (`launcher.checkpoint.resume.check_shared_directory`) reads
+is refused), `Local` last (it recognises every environment). `launcher.elastic.rendezvous` turns the job into the
+elastic agent's rendezvous; the run directory's check (`launcher.checkpoint.resume.check_shared_directory`) reads
 `Job.shared_run_dir`.
 
 Add an environment: a module here, and its class in `environments()` before `Local`.

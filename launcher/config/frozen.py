@@ -233,7 +233,7 @@ def derive(cfg: DictConfig, cuda_devices: int) -> Derived:
             f"{f' / strategy.tp_size={tensor}' if tensor > 1 else ''}; use one of "
             f"{', '.join(str(d) for d in range(1, rest + 1) if rest % d == 0)}"
         )
-    if pipeline > 1 and OmegaConf.select(cfg, "data._target_", default=None) == "launcher.data.mix.Mix":
+    if pipeline > 1 and OmegaConf.select(cfg, "data._target_", default=None) == "launcher.mixture.mix.Mix":
         raise ConfigError(
             f"data=mix with strategy.pp_size={pipeline}: a mixture's losses per source do not compose "
             "with pipeline parallel here; use strategy.pp_size=1"

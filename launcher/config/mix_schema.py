@@ -24,9 +24,9 @@ class MixEnd(Enum):
 
 @dataclass
 class MixDataConfig:
-    """data=mix: a weighted mixture of sources, each any data config (launcher/data/mix.py)."""
+    """data=mix: a weighted mixture of sources, each any data config (launcher/mixture/mix.py)."""
 
-    _target_: str = "launcher.data.mix.Mix"
+    _target_: str = "launcher.mixture.mix.Mix"
     _recursive_: bool = False
     """The sources are built by the mixture, one split at a time, not by Hydra."""
     sources: Any = None
@@ -50,7 +50,7 @@ def with_source_schemas(cfg: DictConfig) -> DictConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     from launcher.base.errors import ConfigError
-    from launcher.data.mix_weights import SOURCE_KEYS
+    from launcher.mixture.weights import SOURCE_KEYS
 
     sources = OmegaConf.select(cfg, "data.sources", default=None)
     if OmegaConf.select(cfg, "data._target_", default=None) != MixDataConfig._target_ or not sources:

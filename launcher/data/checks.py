@@ -5,6 +5,7 @@ runs them in order."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -30,22 +31,21 @@ def prepare_data(frozen: DictConfig) -> None:
         raise failure("data", e, "fix the data.* values (the data could not be prepared)") from e
 
 
-def check_datasets(frozen: DictConfig) -> Any:
+def check_datasets(frozen: DictConfig, mixture: Callable[[DictConfig, Any], Any] | None = None) -> Any:
     """The collate built; both splits built and non-empty (a stream: at least one global batch); the first samples of
     each collated by the run's collate into a batch that holds tensors. Returns the train split's first micro-batch
     (`batch.micro_size` samples, as a rank's forward gets them), or None when the data opts out of the check
-    (`+data._check_=false`; the collate is still built)."""
+    (`+data._check_=false`; the collate is still built). `mixture`: data=mix's own check, which checks its sources
+    itself (`launcher.mixture.checks.check_mixture`), given by the caller where the data is a mixture."""
     from launcher.data.builtin import BUILT_IN_DATA, SKIP_CHECK, build_dataset
     from launcher.data.collate import collate_name, describe, tensors_in
-    from launcher.data.mix import MIX_TARGET
-    from launcher.data.mix_check import check_mixture
     from launcher.data.sources import is_stream
 
     collate = _collate(frozen.data.get("collate"))
     if frozen.data.get(SKIP_CHECK) is False:
         return None
-    if str(frozen.data._target_) == MIX_TARGET:  # a mixture checks its sources itself
-        return check_mixture(frozen, collate)
+    if mixture is not None:
+        return mixture(frozen, collate)
     splits = ["train"] + (["val"] if frozen.trainer.eval_every > 0 else [])
     global_size, first = int(frozen.batch.global_size), None
     for split in splits:

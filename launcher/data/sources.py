@@ -83,7 +83,7 @@ def is_stream(dataset: Any) -> bool:
 
 def source_of(dataset: Any, global_size: int, seed: int, collate: Collate, stream_name: str = "data") -> Any:
     """The source a dataset is: `Stream` for an iterable, `RandomAccess` for anything indexed with a length, a
-    mixture's own (`launcher.data.mix`) for data=mix."""
+    mixture's own (`launcher.mixture.mix`) for data=mix."""
     if hasattr(dataset, "source_for"):
         return dataset.source_for(global_size, seed, collate, stream_name)
     if is_stream(dataset):

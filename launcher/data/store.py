@@ -1,5 +1,5 @@
 """data=store: a tokenized corpus in shards, in a local folder or at an fsspec URL (S3 first), built by
-`launch prepare` (`launcher.data.store_build`), read by every rank through a bounded local cache.
+`launch prepare` (`launcher.prepare.store`), read by every rank through a bounded local cache.
 
 The store (what `launch prepare` writes, the manifest last):
 

@@ -1,6 +1,6 @@
 """The parent's checks of a frozen config, before any worker starts, in the order they run: each failure is a
 ConfigError (one line). Each concern's checks live beside it: the data's in `launcher.data.checks` (and a mixture's
-in `launcher.data.mix_check`), the model's in `launcher.models.checks`, the optimizer's in `launcher.optim.checks`,
+in `launcher.mixture.checks`), the model's in `launcher.models.checks`, the optimizer's in `launcher.optim.checks`,
 the evaluation's in `launcher.evaluation.checks`, the loggers' in `launcher.loggers.checks`, the keys' in
 `launcher.config.known`, a strategy's in its own `check`; the resume's is here.
 
@@ -38,7 +38,7 @@ def check_resume(frozen: DictConfig, run_dir: Path, model: Any) -> Location | No
     from launcher.base.storage import checkpoints_of
     from launcher.checkpoint.format import CheckpointError, read_manifest
     from launcher.checkpoint.loading import check_fits, check_folder, find_resume
-    from launcher.data.mix_check import check_mixture_resume
+    from launcher.mixture.checks import check_mixture_resume
 
     try:
         identity = {"config_hash": frozen.job.config_hash, "sweep_dir": frozen.job.get("sweep_dir")}
@@ -90,7 +90,11 @@ def check_built(frozen: DictConfig, model: Any, vocab: int | None) -> list[str] 
     check_evaluation(frozen)  # the metrics build, the early stop's figure is logged
     check_harness(frozen, model)  # lm-eval's tasks (launch eval): installed, found, the model exportable
     prepare_data(frozen)
-    sample = check_datasets(frozen)
+    from launcher.mixture.checks import check_mixture
+    from launcher.mixture.mix import MIX_TARGET
+
+    mixture = check_mixture if str(frozen.data._target_) == MIX_TARGET else None
+    sample = check_datasets(frozen, mixture)
     no_grad = check_forward(frozen, model, sample) if sample is not None else None
     check_vocabulary(frozen, vocab)
     return None if no_grad is None else outside_moe_blocks(model, no_grad, frozen.strategy.get("moe_blocks"))

@@ -337,7 +337,7 @@ PREPARE_KEYS = ("out", "data.shard_index", "data.num_shards", "block_size")
 
 def prepare(args: Sequence[str]) -> None:
     """launch prepare data=text data.files=... data.tokenizer=... out=URL [data.shard_index=I data.num_shards=N]
-    [block_size=4MiB]: a token store for data=store (`launcher.data.store_build`), or part I of N of it."""
+    [block_size=4MiB]: a token store for data=store (`launcher.prepare.store`), or part I of N of it."""
     usage = (
         "usage: launch prepare data=text data.files=... data.tokenizer=... out=FOLDER_OR_URL "
         "[data.shard_index=I data.num_shards=N] [block_size=4MiB]"
@@ -360,8 +360,8 @@ def prepare(args: Sequence[str]) -> None:
     from hydra import initialize_config_module
 
     from launcher.config import freeze
-    from launcher.data.store_build import BLOCK_BYTES, prepare_store
     from launcher.parent.overrides import CONFIG_MODULE, compose_checked
+    from launcher.prepare.store import BLOCK_BYTES, prepare_store
 
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         composed, error = compose_checked(overrides)

@@ -32,10 +32,10 @@ from launcher.config import (
 from launcher.config.context import check_protocol, check_strategy
 from launcher.config.identity import identity_hash
 from launcher.config.known import check_keys
+from launcher.elastic.rendezvous import Rendezvous, rendezvous
 from launcher.export.harness import requested
 from launcher.models.checks import vocabulary
 from launcher.parent.checks import check_built, check_resume, single_threaded_before_fork
-from launcher.parent.rendezvous import Rendezvous, rendezvous
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
 from launcher.parent.workers import Outcome, Prepared, start_workers

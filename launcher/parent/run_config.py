@@ -52,7 +52,9 @@ MOVED = {
     "launcher.worker.logs.WandbLogger": "launcher.loggers.wandb.WandbLogger",
     "launcher.worker.mlflow_logger.MlflowLogger": "launcher.loggers.mlflow.MlflowLogger",
     "launcher.worker.tensorboard_logger.TensorBoardLogger": "launcher.loggers.tensorboard.TensorBoardLogger",
-    "strategies.fsdp.FSDP": "strategies.sharded.fsdp",  # FSDP, or its pipeline form where strategy.pp_size > 1
+    "strategies.fsdp.FSDP": "strategies.sharded.fsdp",
+    "launcher.parent.report.SweepReport": "launcher.search.report.SweepReport",
+    "launcher.data.mix.Mix": "launcher.mixture.mix.Mix",  # FSDP, or its pipeline form where strategy.pp_size > 1
 }
 """The launcher's own `_target_`s that moved to the rooms of their concern (the CHANGELOG lists them): a run written
 before names the old path in its resolved.yaml, read as the new one."""

@@ -24,8 +24,8 @@ from launcher.base.process import DUMP_SIGNAL, STOP_REPEAT_GRACE, STOP_SIGNALS
 from launcher.base.run_files import FAILURE_DIR_ENV, FLIGHT_RECORDER, NODE_ID_ENV, flight_recorder_env
 from launcher.clusters import detect
 from launcher.config import EXIT_FAILED, Derived
-from launcher.parent.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
-from launcher.parent.rendezvous import LOOPBACK, JobFull, Rendezvous, reachable, refuse_spare_nodes
+from launcher.elastic.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
+from launcher.elastic.rendezvous import LOOPBACK, JobFull, Rendezvous, reachable, refuse_spare_nodes
 from launcher.parent.rundir import Ownership
 from launcher.recovery.leftovers import remove_left_over
 from launcher.recovery.node import memory_tier
@@ -43,7 +43,7 @@ class Prepared:
     restarts: int
     """The elastic agent's restarts: trainer.max_restarts, and one per halving batch.micro_size=auto has left."""
     requirements: Requirements
-    """The strategy's: what forked workers are given loaded (`launcher.parent.agent.preload`)."""
+    """The strategy's: what forked workers are given loaded (`launcher.elastic.agent.preload`)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     from launcher.adapters.torch_private import cheap_event_names, check_elastic
-    from launcher.parent.agent import AgentConfig, agent_logs_to_file, preload, run_agent
+    from launcher.elastic.agent import AgentConfig, agent_logs_to_file, preload, run_agent
     from strategies.checked import LibraryChanged
 
     try:  # the names of torch's the agent and the rendezvous rely on, before anything starts

@@ -8,7 +8,8 @@
   study, continued after a kill, each trial's outcome told;
 - `claims`: the storage a study lives in (SQLite, Optuna's journal, a database URL), and which of several sweepers of
   one study runs which trial (locks in the shared sweep directory);
-- `trial`: in a trial's run, rank 0 reports the objective at each step that logs it and asks the pruner.
+- `trial`: in a trial's run, rank 0 reports the objective at each step that logs it and asks the pruner;
+- `report`: a sweep's report, every trial's figures in one table (a Hydra callback: `hydra.callbacks`).
 
 Nothing here imports optuna at module level: `launch --help` and runs outside a search never pay for it.
 """

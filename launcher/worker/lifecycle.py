@@ -261,13 +261,13 @@ class Phase:
         signal.signal(DUMP_SIGNAL, lambda _signum, _frame: self.try_flush())
         faulthandler.register(DUMP_SIGNAL, file=self._stacks, all_threads=True, chain=True)
         # A fatal signal (SIGABRT: gloo's abort inside a collective; SIGSEGV) dumps the stacks there too: the launcher
-        # names the collective the rank died in (`launcher.parent.failures.killed_where`).
+        # names the collective the rank died in (`launcher.elastic.failures.killed_where`).
         faulthandler.enable(file=self._stacks, all_threads=True)
 
 
 def joined(run_dir: Path, rank: int) -> None:
     """Once the process group is made: `<run dir>/logs/ranks/rank<N>.json` says which node and launcher run this
-    rank, so that a node that goes away later can be named by the others (`launcher.parent.failures.lost_node`)."""
+    rank, so that a node that goes away later can be named by the others (`launcher.elastic.failures.lost_node`)."""
     import socket
 
     record = {

@@ -28,6 +28,7 @@ from launcher.evaluation.callbacks import Watch
 from launcher.evaluation.passes import evaluation_of
 from launcher.loggers.base import Loggers
 from launcher.loggers.progress import Progress
+from launcher.mixture.source_loss import SourceLosses
 from launcher.models.loss import LabelRule, batch_tokens
 from launcher.models.meta import build_on_meta
 from launcher.optim.build import optimizer_factory
@@ -43,7 +44,6 @@ from launcher.worker.feed import feed, next_step, training_source
 from launcher.worker.guard import Guard
 from launcher.worker.hangs import stuck_in_collective
 from launcher.worker.lifecycle import Phase, StopRequest
-from launcher.worker.source_loss import SourceLosses
 from launcher.worker.step import train_step
 from strategies import RunContext, Strategy
 

@@ -70,7 +70,7 @@ def train_step(
         # Gradients are synchronised once per optimizer step: on the last micro-step only.
         with strategy.sync(k == K - 1):
             output = strategy.forward(batch)
-            if seen is not None:  # data=mix on a logged step: each source's loss (`launcher.worker.source_loss`)
+            if seen is not None:  # data=mix on a logged step: each source's loss (`launcher.mixture.source_loss`)
                 seen(k, output, batch)
             if clock is not None and k == K - 1:  # before the gradient sync: a slow forward is waited for here
                 clock.probe()

@@ -111,7 +111,7 @@ def _merged(lines: list[str]) -> list[str]:
 
 STOPPED_BY_LAUNCHER: set[int] = set()
 """Workers of this attempt that the launcher's agent stopped (SIGTERM) or killed because another failed
-(`launcher.parent.agent.Agent`): not failures of their own."""
+(`launcher.elastic.agent.Agent`): not failures of their own."""
 SECONDARY = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe")
 """What a rank says (gloo, NCCL, a socket) when another one died first: it is not the cause."""
 ECHO = "lost its peers"

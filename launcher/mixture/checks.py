@@ -13,8 +13,8 @@ from launcher.base.errors import ConfigError
 def check_mixture(frozen: Any, collate: Any) -> Any:
     """The train split's first micro-batch (`batch.micro_size` samples), or ConfigError (one line)."""
     from launcher.data.collate import collate_name, describe
-    from launcher.data.mix import Mixture
-    from launcher.data.mix_weights import MixError
+    from launcher.mixture.mix import Mixture
+    from launcher.mixture.weights import MixError
 
     data, name = frozen.data, collate_name(frozen.data.get("collate"))
     B, micro = int(frozen.batch.global_size), int(frozen.batch.micro_size)
@@ -44,7 +44,7 @@ def check_mixture(frozen: Any, collate: Any) -> Any:
                     "shapes (format, seq_len), or a collate that makes them one: data.collate._target_=..."
                 ) from e
         if first is None:  # step 1 as training reads it, its sources' epochs and data.on_end as they are
-            from launcher.data.mix import _MixReader, fresh
+            from launcher.mixture.mix import _MixReader, fresh
 
             source = mixture.source_for(B, int(frozen.seed), collate, f"the {split} split")
             reader = _MixReader(source, fresh(mixture), 0, 1, 0, 1, B // micro, quiet=True)
@@ -75,7 +75,7 @@ def check_mixture_resume(frozen: Any, checkpoint: Any, manifest: dict[str, Any])
     with other data (its position counts the mixture's samples, not the data's), or one of other data resumed by a
     mixture (it records no source's position). ConfigError (one line); other changes of a mixture are said by the
     worker."""
-    from launcher.data.mix import MIX_TARGET
+    from launcher.mixture.mix import MIX_TARGET
 
     mixed = isinstance(manifest.get("stream"), dict) and "mix" in manifest["stream"]
     mixing = str(frozen.data._target_) == MIX_TARGET

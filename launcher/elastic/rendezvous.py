@@ -89,7 +89,7 @@ def refuse_spare_nodes() -> None:
     """torch keeps a node that joins a job with all its nodes (nodes=MIN:MAX running at MAX) as a spare: it waits,
     saying nothing, until a node leaves, for as long as the job runs. The launcher refuses it in one line instead
     (JobFull), before it changes the rendezvous state, and leaves the rendezvous open for the job
-    (`launcher.parent.agent.run_agent`; torch's launcher closes it on its way out: the job's next restart would find
+    (`launcher.elastic.agent.run_agent`; torch's launcher closes it on its way out: the job's next restart would find
     it closed). Where a member has gone quiet (a node that just failed, started again before torch dropped it), the
     node waits as torch has it, to take that place (`launcher.adapters.torch_private.when_spare`)."""
     from launcher.adapters.torch_private import when_spare

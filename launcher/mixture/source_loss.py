@@ -121,7 +121,7 @@ class SourceLosses:
         """The mixture's figures from its `state` after the step (`mix_figures`: samples, fractions, epochs and tokens
         so far), and `loss/NAME` over every rank's samples of the step (one all-reduce, on every rank alike); then
         reset."""
-        from launcher.data.mix import mix_figures
+        from launcher.mixture.mix import mix_figures
 
         if not self.names:  # not a mixture, on every rank alike: no collective
             return {}

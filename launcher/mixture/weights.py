@@ -1,4 +1,4 @@
-"""The weights of a mixture (launcher/data/mix.py): the sources' own, a schedule of them by step, their checks, and
+"""The weights of a mixture (launcher/mixture/mix.py): the sources' own, a schedule of them by step, their checks, and
 the rule that turns them into each step's counts (`allocate`)."""
 
 from __future__ import annotations

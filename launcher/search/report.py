@@ -2,7 +2,7 @@
 `summary.png` in the sweep directory, and a non-zero exit if any job did not finish.
 
 Built only from what the jobs wrote (`outcome.json`, `resolved.yaml`, `metrics.jsonl`), so it also works on a
-sweep that ran elsewhere: `python -m launcher.parent.report <sweep dir>`. What it reads is data: parsed, never run.
+sweep that ran elsewhere: `python -m launcher.search.report <sweep dir>`. What it reads is data: parsed, never run.
 """
 
 from __future__ import annotations

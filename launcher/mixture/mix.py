@@ -37,10 +37,10 @@ import torch
 from launcher.base.device import to_device
 from launcher.data.builtin import GlobalBatches, build_dataset, rank_micro_batches
 from launcher.data.collate import Collate
-from launcher.data.mix_weights import SOURCE_KEYS, Ended, MixError, Weights, check_sources, plan
 from launcher.data.sources import EvalMicro, StepData, Stream, _json_state, is_stream, resumes_by_state
+from launcher.mixture.weights import SOURCE_KEYS, Ended, MixError, Weights, check_sources, plan
 
-MIX_TARGET = "launcher.data.mix.Mix"
+MIX_TARGET = "launcher.mixture.mix.Mix"
 _SLOTS = 0x6D6978  # "mix": the permutation of slots draws from its own stream of the seed
 
 

@@ -23,8 +23,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest
 
 from launcher.adapters.torch_private import check_elastic
 from launcher.base.run_files import FAILED_FLAG, GAVE_UP, RESIZING
-from launcher.parent.failures import STOPPED_BY_LAUNCHER, peer_failure
-from launcher.parent.rendezvous import JobFull, Rendezvous
+from launcher.elastic.failures import STOPPED_BY_LAUNCHER, peer_failure
+from launcher.elastic.rendezvous import JobFull, Rendezvous
 from strategies.declarations import Requirements
 
 MONITOR_INTERVAL = 0.1
