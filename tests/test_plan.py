@@ -213,17 +213,20 @@ def test_plan_of_hsdp_over_8_nodes_of_8(tmp_path: Path) -> None:
     gathers bf16 parameters twice (2 x 2 bytes) and reduce-scatters fp32 gradients (its default reduce_dtype, 4 bytes),
     ZeRO-3 sends bf16 throughout (3 x 2 bytes); both ring over all 64 ranks, so the inter-node link carries all of it.
     HSDP's shard rings of 8 stay in a node and only its fp32 all-reduce of the P/8 shards across the 8 nodes,
-    2(R-1)/R x P/8 x 4 bytes, crosses."""
+    2(R-1)/R x P/8 x 4 bytes, crosses. ZeRO-3 gathers the embedding the GPT's head holds too once more in each pass
+    (`ModelSize.reused`, U): its gathers are 2 x (P + U)."""
     plan = _plan_json(tmp_path, "model=gpt_7b", "gpus=8", "nodes=8", "batch.global_size=256", "precision=bf16")
     P, by_name = plan["model"]["params"], {s["name"]: s for s in plan["strategies"]}
+    U = plan["model"]["reused"]
+    assert U == 50304 * 4096  # the tied embedding: vocabulary x width
     assert plan["batch"]["accumulation"] == 1
     hsdp, fsdp, zero3 = by_name["hsdp"], by_name["fsdp"], by_name["zero3"]
     inside, across = (2 * 2 + 4) * 7 / 8 * P, 2 * 7 / 8 * P / 8 * 4
     assert hsdp["shards"] == 8 and fsdp["shards"] == 64
     assert hsdp["comm_bytes"] == pytest.approx(inside + across) and hsdp["internode_bytes"] == pytest.approx(across)
     assert hsdp["comm_seconds"] == pytest.approx(inside / 600e9 + across / 50e9)
-    for ring, per_pass in ((fsdp, 2 * 2 + 4), (zero3, 3 * 2)):
-        assert ring["comm_bytes"] == pytest.approx(per_pass * 63 / 64 * P) == pytest.approx(ring["internode_bytes"])
+    for ring, sent in ((fsdp, (2 * 2 + 4) * P), (zero3, 2 * (2 * (P + U) + P))):
+        assert ring["comm_bytes"] == pytest.approx(sent * 63 / 64) == pytest.approx(ring["internode_bytes"])
         assert ring["comm_seconds"] == pytest.approx(ring["comm_bytes"] / 50e9)
     assert by_name["ddp"]["internode_bytes"] == pytest.approx(2 * 63 / 64 * P * 4)
     # Memory: 16 bytes per parameter (torch, fp32 weights under autocast) sharded over a node's 8, not over 64.
@@ -354,8 +357,10 @@ def test_plan_of_one_strategy(tmp_path: Path) -> None:
     (zero3,) = plan["strategies"]
     assert zero3["name"] == "zero3"
     assert zero3["device_state_bytes"] == pytest.approx(18 * plan["model"]["params"] / 8)
-    # ZeRO-3 adds the parameter all-gathers: 1.5x the all-reduce (K = 1 here).
-    assert zero3["comm_bytes"] == pytest.approx(1.5 * 2 * 7 / 8 * plan["model"]["params"] * 2)
+    # ZeRO-3 adds the parameter all-gathers: 1.5x the all-reduce (K = 1 here), with the tied embedding gathered once
+    # more in each pass (`ModelSize.reused`).
+    P, U = plan["model"]["params"], plan["model"]["reused"]
+    assert zero3["comm_bytes"] == pytest.approx((1.5 * 2 * P + 2 * U) * 7 / 8 * 2)
 
 
 @pytest.mark.unit

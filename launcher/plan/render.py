@@ -41,6 +41,7 @@ def as_dict(plan: Plan) -> dict[str, Any]:
             "target": plan.model_target,
             "params": plan.model.params,
             "largest_layer_params": plan.model.largest_layer,
+            "reused": plan.model.reused,
         },
         "precision": plan.precision,
         "optimizer": {"target": plan.optimizer, "moments": plan.moments},
