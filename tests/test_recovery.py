@@ -18,16 +18,21 @@ from launcher.recovery import leftovers
 from launcher.recovery import shm as memory
 
 
-def _tier_of(run_dir: Path) -> list[Path]:
+def _tier_of(run_dir: Path, shm: Path = memory.SHM) -> list[Path]:
     run_id = (run_dir / "run_id").read_text().strip()
-    return sorted(memory.SHM.glob(f"{memory.PREFIX}{run_id}-*"))
+    return sorted(shm.glob(f"{memory.PREFIX}{run_id}-*"))
 
 
 def test_a_sigkilled_launcher_s_memory_tier_is_removed_by_the_next_launcher_on_its_host(tmp_path: Path) -> None:
     """A run with the tier on is killed as the out-of-memory killer kills: SIGKILL to its launcher (its worker ends
     with it). Its node's folder stays in /dev/shm, holding a step of its state; the next run started on the host, any
-    run, removes it and says so in one line, and nothing of the dead run is left in /dev/shm."""
+    run, removes it and says so in one line, and nothing of the dead run is left in /dev/shm. Both runs keep the tier in
+    a folder of this test's own ($LAUNCH_SHM): the launchers of the tests running beside it clean /dev/shm as well, and
+    one of them could take the dead run's folder first."""
     (tmp_path / "slow").touch()
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = clean_env(tmp_path) | {memory.SHM_ENV: str(shm)}
     run_dir = tmp_path / "killed"
     slow = [
         "model._target_=faulty.SlowGPT",
@@ -46,13 +51,15 @@ def test_a_sigkilled_launcher_s_memory_tier_is_removed_by_the_next_launcher_on_i
             f"hydra.run.dir={run_dir}",
         ],
         cwd=tmp_path,
-        env=clean_env(tmp_path),
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
         until(
-            lambda: (run_dir / "run_id").exists() and any(list(f.glob("step_*/*.distcp")) for f in _tier_of(run_dir)),
+            lambda: (
+                (run_dir / "run_id").exists() and any(list(f.glob("step_*/*.distcp")) for f in _tier_of(run_dir, shm))
+            ),
             proc,
             what="a step in the memory tier",
         )
@@ -60,16 +67,16 @@ def test_a_sigkilled_launcher_s_memory_tier_is_removed_by_the_next_launcher_on_i
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     until(lambda: worker_pids(run_dir) == {}, what="the worker's end")
-    (left,) = _tier_of(run_dir)  # what the killed launcher left: its node's folder, a step of state in it
+    (left,) = _tier_of(run_dir, shm)  # what the killed launcher left: its node's folder, a step of state in it
     assert any(left.glob("step_*/*.distcp")), sorted(left.rglob("*"))
     (tmp_path / "slow").unlink()
-    after = launch(tmp_path, *TINY, "trainer.max_steps=1", name="next")
+    after = launch(tmp_path, *TINY, "trainer.max_steps=1", name="next", env=env)
     assert after.returncode == 0, after.stderr[-3000:]
     said = [line for line in after.stdout.splitlines() if line.startswith("launch: removed ")]
     assert len(said) == 1 and left.name in said[0], after.stdout
-    assert "memory-tier folder(s) in /dev/shm whose launcher no longer runs on this host" in said[0], said
-    assert _tier_of(run_dir) == []
-    assert list(memory.SHM.glob(f"launch-failures-{proc.pid}-*")) == []  # its failure folder too (empty)
+    assert f"memory-tier folder(s) in {shm} whose launcher no longer runs on this host" in said[0], said
+    assert _tier_of(run_dir, shm) == []
+    assert list(shm.glob(f"launch-failures-{proc.pid}-*")) == []  # its failure folder too (empty)
 
 
 def _folder(shm: Path, name: str, owner: dict[str, object] | None) -> Path:

@@ -29,6 +29,7 @@ from launcher.elastic.rendezvous import LOOPBACK, JobFull, Rendezvous, reachable
 from launcher.parent.rundir import Ownership
 from launcher.recovery.leftovers import remove_left_over
 from launcher.recovery.node import memory_tier
+from launcher.recovery.shm import SHM
 from strategies.declarations import Requirements
 
 
@@ -217,11 +218,11 @@ def _stopped(sig: signal.Signals, run_dir: Path, previous: dict[signal.Signals, 
 
 
 def failure_folder() -> Path:
-    """A folder of this launcher's own for failure reports the run directory cannot hold: in /dev/shm (memory, where a
-    disk is full), named by this process's id. Those of launchers of this machine that no longer run (killed before
-    they could remove theirs) are removed first, where empty: a report left in one was never read."""
-    shm = Path("/dev/shm")
-    where = shm if shm.is_dir() else Path(tempfile.gettempdir())
+    """A folder of this launcher's own for failure reports the run directory cannot hold: in /dev/shm or $LAUNCH_SHM
+    (memory, where a disk is full; `launcher.recovery.shm.SHM`), named by this process's id. Those of launchers of this
+    machine that no longer run (killed before they could remove theirs) are removed first, where empty: a report left
+    in one was never read."""
+    where = SHM if SHM.is_dir() else Path(tempfile.gettempdir())
     for stale in where.glob("launch-failures-*-*"):
         pid = stale.name.split("-")[2]
         if pid.isdigit() and not _alive(int(pid)):

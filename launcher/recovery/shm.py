@@ -27,7 +27,11 @@ from launcher.config import ConfigError
 
 TIER_ENV = "LAUNCH_MEMORY_TIER"
 """This node's folder in shared memory, set by its launcher for its workers."""
-SHM = Path("/dev/shm")
+SHM_ENV = "LAUNCH_SHM"
+SHM = Path(os.environ.get(SHM_ENV) or "/dev/shm")
+"""Where the memory tier keeps each node's state, and the launcher its failure reports when the run directory cannot
+hold them: /dev/shm, or the memory-backed folder $LAUNCH_SHM names (a container's /dev/shm is 64 MB unless it is
+given more: mount a larger tmpfs and name it here, the same on every node)."""
 PREFIX = "launch-tier-"
 LAST = "last"
 _STEP = re.compile(r"step_(\d{8})")
