@@ -116,7 +116,9 @@ class TensorParallel:
                 tied.setdefault(id(p), []).append((module, pname))
         styles = {name: _style(style) for name, style in resolved.items() if style != "replicate"}
         for name in (n for n, style in resolved.items() if style == "sequence_split"):
-            model.get_submodule(name).register_forward_pre_hook(functools.partial(_whole_parts, self.size))
+            model.get_submodule(name).register_forward_pre_hook(
+                functools.partial(_whole_parts, self.size), with_kwargs=True
+            )
         parallelize_module(model, mesh, styles)
         for module in model.modules():  # what no style split (a gathered module's own weights too): whole
             if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
@@ -145,21 +147,14 @@ class TensorParallel:
 def _style(name: str) -> Any:
     """torch's style for a transformers style name (`strategies.tp_plans.STYLES`)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     if name == "sequence_parallel":
         return SequenceParallel(use_local_output=True)
     if name == "sequence_gather":  # a DTensor, whole: the colwise layers inside leave its gradient partial
-        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        return _first_input_style()(Shard(1), Replicate(), use_local_output=False)
     if name == "sequence_split":
-        return PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
-        )
+        return _first_input_style()(Replicate(), Shard(1), use_local_output=True)
     if name == "rowwise_sequence":
         return RowwiseParallel(output_layouts=Shard(1))
     if name in ("colwise", "embedding_colwise"):
@@ -171,9 +166,67 @@ def _style(name: str) -> Any:
     return RowwiseParallel()
 
 
-def _whole_parts(size: int, module: nn.Module, args: tuple[Any, ...]) -> None:
+def first_input_name(module: nn.Module) -> str | None:
+    """The name of the first parameter of a module's forward: how a caller that passes it by keyword names it
+    (transformers' layers call their attention with `hidden_states=`)."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return parameters[0].name if parameters and parameters[0].kind in positional else None
+
+
+def _first_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A module's first input, given by position or by the name of its forward's first parameter; None: neither."""
+    if args:
+        return args[0]
+    name = first_input_name(module)
+    return kwargs.get(name) if name is not None else None
+
+
+@functools.cache
+def _first_input_style() -> Any:
+    """torch's `ParallelStyle`, subclassed through its extension point (`_apply`): a module's first input, whether
+    passed by position or by keyword, brought from one layout over the group to another (its other inputs as they
+    are); torch's `PrepareModuleInput` reads inputs by position alone, or by keywords named ahead."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class FirstInput(ParallelStyle):
+        def __init__(self, given: Any, wanted: Any, use_local_output: bool) -> None:
+            super().__init__()
+            self.given, self.wanted, self.use_local_output = given, wanted, use_local_output
+
+        def _convert(self, t: Any, mesh: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            dt = t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, (self.given,), run_check=False)
+            if self.given != self.wanted:
+                dt = dt.redistribute(placements=(self.wanted,))
+            return dt.to_local() if self.use_local_output else dt
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            name = first_input_name(module)
+
+            def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                if args:
+                    return (self._convert(args[0], device_mesh), *args[1:]), kwargs
+                if name is not None and name in kwargs:
+                    return args, {**kwargs, name: self._convert(kwargs[name], device_mesh)}
+                return None
+
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+            return module
+
+    return FirstInput
+
+
+def _whole_parts(size: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A sequence the group cannot split evenly is refused where it enters (an uneven part would be misread)."""
-    first = args[0] if args else None
+    first = _first_input(module, args, kwargs)
     if isinstance(first, torch.Tensor) and first.dim() > 1 and first.shape[1] % size:
         raise ValueError(
             f"sequence parallel over strategy.tp_size={size} ranks: a micro-batch of {first.shape[1]} tokens per row "

@@ -67,8 +67,10 @@ def test_a_sequence_the_group_cannot_split_is_refused_before_start_and_where_it_
     from strategies.tensor_parallel import _whole_parts
 
     with pytest.raises(ValueError, match="a micro-batch of 30 tokens per row does not split evenly"):
-        _whole_parts(4, nn.Identity(), (torch.zeros(2, 30, 8),))
-    _whole_parts(4, nn.Identity(), (torch.zeros(2, 32, 8),))
+        _whole_parts(4, nn.Identity(), (torch.zeros(2, 30, 8),), {})
+    with pytest.raises(ValueError, match="a micro-batch of 30 tokens per row does not split evenly"):
+        _whole_parts(4, nn.Identity(), (), {"input": torch.zeros(2, 30, 8)})  # by keyword, as transformers pass it
+    _whole_parts(4, nn.Identity(), (torch.zeros(2, 32, 8),), {})
 
 
 @pytest.mark.unit
@@ -209,6 +211,48 @@ def test_a_transformers_llama_at_tp2_dp2_logs_one_process_losses(tmp_path: Path)
     print(f"llama TP=2 x DP=2: max loss difference from one process {diff:.2e}")  # shown with pytest -s
     assert diff <= PARITY_TOLERANCE["fsdp_tp"], (tp.losses(), one.losses())
     assert tp.metrics[-1]["tp_comm_calls"] > 0
+
+
+LLAMA_SEQUENCE_PLAN = (
+    "strategy.tp_plan={model.embed_tokens: embedding_rowwise, model.layers.0: sequence_split, "
+    "model.layers.*.input_layernorm: sequence_parallel, model.layers.*.self_attn: sequence_gather, "
+    "model.layers.*.self_attn.q_proj: colwise, model.layers.*.self_attn.k_proj: colwise, "
+    "model.layers.*.self_attn.v_proj: colwise, model.layers.*.self_attn.o_proj: rowwise_sequence, "
+    "model.layers.*.post_attention_layernorm: sequence_parallel, model.layers.*.mlp: sequence_gather, "
+    "model.layers.*.mlp.gate_proj: colwise, model.layers.*.mlp.up_proj: colwise, "
+    "model.layers.*.mlp.down_proj: rowwise_sequence, model.norm: sequence_gather, lm_head: colwise_rep}"
+)
+"""torchtitan's Llama layout in the launcher's styles: the residual stream split on the sequence between layers. A
+Llama decoder layer calls its attention with `hidden_states=` by keyword, which `sequence_gather` must gather."""
+
+
+@pytest.mark.long  # 2 ranks of a Llama and one process
+def test_a_transformers_llama_sequence_parallel_takes_hidden_states_by_keyword(tmp_path: Path) -> None:
+    """TP=2 (DP=1) of a Llama under a sequence-parallel plan of the user's: its attention, given its hidden states by
+    keyword, gets them gathered whole; the losses are one process's within fsdp_tp's declared tolerance."""
+    tp: Run = launch(tmp_path, *LLAMA, "strategy=fsdp_tp", "gpus=2", LLAMA_SEQUENCE_PLAN, name="sp").check()
+    one: Run = launch(tmp_path, *LLAMA, "strategy=ddp", "gpus=1", name="one").check()
+    diff = max(abs(a - b) for a, b in zip(tp.losses(), one.losses(), strict=True))
+    print(f"llama sequence parallel TP=2: max loss difference from one process {diff:.2e}")
+    assert diff <= PARITY_TOLERANCE["fsdp_tp"], (tp.losses(), one.losses())
+
+
+@pytest.mark.unit
+def test_the_first_input_is_found_by_position_or_by_keyword() -> None:
+    """What `sequence_gather` and `sequence_split` act on: a forward's first parameter, however the caller passes
+    it; a forward that takes none by position has none."""
+    from strategies.tensor_parallel import first_input_name
+
+    class Keyword(torch.nn.Module):
+        def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+            return hidden_states
+
+    class OnlyKeywords(torch.nn.Module):
+        def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    assert first_input_name(Keyword()) == "hidden_states" and first_input_name(torch.nn.LayerNorm(4)) == "input"
+    assert first_input_name(OnlyKeywords()) is None
 
 
 @pytest.mark.unit
