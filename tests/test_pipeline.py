@@ -62,6 +62,22 @@ def test_pp2_dp2_follows_one_process_and_its_checkpoint_resumes_in_one_process(
     GPT(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32).load_state_dict(load_file(out), strict=True)
 
 
+@pytest.mark.long  # two resumes at 4 ranks
+def test_checkpoints_cross_between_pipeline_and_other_layouts(
+    conformance_dir: Path, ddp_run: Run, tmp_path: Path
+) -> None:
+    """DDP's step-6 checkpoint (2 ranks) resumed under PP=2 x DP=2 goes on with DDP's losses; the PP=2 x DP=2 run's
+    step-6 checkpoint resumed under ZeRO-3 at world 4 (DeepSpeed's partitions from the whole model's names) goes on
+    with the pipeline's. Each within the pipeline's declared tolerance (both layouts hold one process's losses)."""
+    pp = shared_run(conformance_dir, "strategy=fsdp", "strategy.pp_size=2", "gpus=4")
+    into_pp = launch(
+        tmp_path, *JOB, "strategy=fsdp", "strategy.pp_size=2", "gpus=4", f"resume={_ckpt(ddp_run, 6)}", name="into-pp"
+    ).check()
+    assert _max_diff(ddp_run, into_pp, range(7, 13)) <= 2 * TOLERANCE
+    out_of_pp = launch(tmp_path, *JOB, "strategy=zero3", "gpus=4", f"resume={_ckpt(pp, 6)}", name="out-of-pp").check()
+    assert _max_diff(pp, out_of_pp, range(7, 13)) <= 2 * TOLERANCE
+
+
 DEEPER = ("model.n_layer=4",)
 
 
