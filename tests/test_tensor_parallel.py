@@ -264,7 +264,8 @@ def test_plan_shows_tp_1_2_4_8_and_the_activations_traffic(tmp_path: Path) -> No
     reduce-scatter half of it; 2 bytes each."""
     proc = cli_here(tmp_path, "plan", "model=gpt_7b", "gpus=8", "precision=bf16")
     assert proc.returncode == 0, proc.stderr
-    rows = {int(line.split()[0]): line.split() for line in proc.stdout.splitlines() if line[:4].strip().isdigit()}
+    section = proc.stdout.split("\ntensor parallel (")[1].split("\npipeline parallel (")[0]  # the pipeline's follows
+    rows = {int(line.split()[0]): line.split() for line in section.splitlines() if line[:4].strip().isdigit()}
     assert sorted(rows) == [1, 2, 4, 8] and [rows[t][1:3] for t in (1, 2, 4, 8)] == [
         ["8", "1"],
         ["4", "2"],
