@@ -17,11 +17,9 @@ gradients are summed over its copies before the norm (counted once) and the opti
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,308 +30,20 @@ from strategies.base import ModelFactory, OptimizerFactory, RunContext
 from strategies.declarations import Conformance
 from strategies.ema import EMA, ema_of
 from strategies.fsdp import DTYPES, FSDP, _counting_collectives
+from strategies.pipeline_layout import (
+    BALANCE,
+    LOOPED,
+    SCHEDULES,
+    ZERO_BUBBLE,
+    Split,
+    held_stages,
+    microbatch_problem,
+    plan_split,
+    stage_count,
+)
+from strategies.pipeline_stages import Stage, counted_stage_class, prune, schedule_class
 from strategies.sizes import model_state_bytes
 from strategies.stepping import LR_SCALE, autocast_dtype, set_lr, step_figures
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
-"""strategy.pp_schedule's choices: torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
-ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble."""
-LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
-"""The schedules that hold several stages per rank (strategy.pp_stages_per_rank; zbv: exactly 2, in a V)."""
-ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
-"""The schedules that split each backward in two: the inputs' gradients, then the weights'."""
-BALANCE = ("layers", "params")
-
-
-# ---------------------------------------------------------------------------------------------------- the split
-
-
-def layer_list(model: nn.Module) -> str | None:
-    """The path of the model's layer list: the `nn.ModuleList` of two or more entries of one class holding the most
-    parameters (the built-in GPT's `blocks`, a transformers causal LM's `model.layers` or `transformer.h`)."""
-    best, size = None, -1
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
-            n = sum(p.numel() for p in m.parameters())
-            if n > size:
-                best, size = name, n
-    return best
-
-
-def outside(model: nn.Module, path: str) -> dict[str, str]:
-    """Each module outside the layer list holding parameters of its own: "pre" (registered before the list: the
-    first stage's) or "post" (after it: the last stage's)."""
-    found, seen = {}, False
-    for name, m in model.named_modules():
-        if name == path:
-            seen = True
-        if name == path or name.startswith(path + ".") or not any(True for _ in m.parameters(recurse=False)):
-            continue
-        found[name] = "post" if seen else "pre"
-    return found
-
-
-@dataclass(frozen=True)
-class Split:
-    """The stages: the layer list's path, each stage's layers [lo, hi), and the modules outside the list."""
-
-    path: str
-    ranges: tuple[tuple[int, int], ...]
-    roles: dict[str, str]
-
-    def describe(self) -> str:
-        return ", ".join(f"{i}: {self.path}.{lo}-{hi - 1}" for i, (lo, hi) in enumerate(self.ranges))
-
-
-def stage_count(schedule: str, size: int, per_rank: int) -> int:
-    """Stages in all: one per rank, or pp_stages_per_rank per rank for the looped schedules (zbv: 2)."""
-    if schedule == "zbv":
-        return 2 * size
-    return size * per_rank if schedule in LOOPED else size
-
-
-def held_stages(schedule: str, size: int, per_rank: int, pp_rank: int) -> list[int]:
-    """The stages a pipeline rank holds: its own; looped, every P-th from its own; zbv, its own and its mirror."""
-    if schedule == "zbv":
-        return [pp_rank, 2 * size - 1 - pp_rank]
-    if schedule in LOOPED:
-        return [pp_rank + v * size for v in range(per_rank)]
-    return [pp_rank]
-
-
-def plan_split(model: nn.Module, stages: int, given: list[int] | None, balance: str, size: int, schedule: str) -> Split:
-    """The split of a model (on meta) into `stages`; ValueError (one line, the fix) where it cannot be made."""
-    path = layer_list(model)
-    if path is None:
-        raise ValueError(
-            f"strategy.pp_size={size}: {type(model).__name__} has no layer list the launcher can split (an "
-            "nn.ModuleList of two or more layers of one class); hold the layers in one nn.ModuleList and name where "
-            "each stage after the first begins, e.g. strategy.pp_split=[4]"
-        )
-    layers = model.get_submodule(path)
-    n = len(layers)
-    if given is not None:
-        starts = [int(s) for s in given]
-        if len(starts) != stages - 1 or starts != sorted(set(starts)) or starts[0] < 1 or starts[-1] >= n:
-            raise ValueError(
-                f"strategy.pp_split={starts} does not split {path}'s {n} layers into the {stages} stages of "
-                f"strategy.pp_size={size} and pp_schedule={schedule}: give {stages - 1} increasing layer indices "
-                f"between 1 and {n - 1}, where each stage after the first begins"
-            )
-        bounds = [0, *starts, n]
-        return Split(path, tuple(zip(bounds[:-1], bounds[1:])), outside(model, path))
-    if stages > n:
-        raise ValueError(
-            f"strategy.pp_size={size} with pp_schedule={schedule} makes {stages} stages, more than {path}'s {n} "
-            "layers; use fewer stages (pp_size, pp_stages_per_rank) or a deeper model"
-        )
-    roles = outside(model, path)
-    if balance == "layers":
-        per, extra = divmod(n, stages)
-        sizes = [per + (1 if s < extra else 0) for s in range(stages)]
-    else:
-        sizes = _by_params(model, path, roles, stages)
-    bounds = [0]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    return Split(path, tuple(zip(bounds[:-1], bounds[1:])), roles)
-
-
-def _by_params(model: nn.Module, path: str, roles: dict[str, str], stages: int) -> list[int]:
-    """Layers per stage such that the largest stage's parameters (the first's with the modules before the list, the
-    last's with those after it) are the fewest; of the splits that reach it, the one whose cuts come first (each stage
-    begins as early as it can). By dynamic programming over (first layer, stages left): stages x layers² steps, where
-    trying every split would take C(layers - 1, stages - 1)."""
-    import functools
-    import itertools
-
-    layers = model.get_submodule(path)
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    pre = sum(p.numel() for n, r in roles.items() if r == "pre" for p in model.get_submodule(n).parameters(False))
-    post = sum(p.numel() for n, r in roles.items() if r == "post" for p in model.get_submodule(n).parameters(False))
-    n, sums = len(sizes), [0, *itertools.accumulate(sizes)]
-
-    def load(lo: int, hi: int) -> int:
-        return sums[hi] - sums[lo] + (pre if lo == 0 else 0) + (post if hi == n else 0)
-
-    @functools.cache
-    def least(lo: int, parts: int) -> int:
-        """The smallest largest load of layers[lo:] split into `parts` stages."""
-        if parts == 1:
-            return load(lo, n)
-        return min(max(load(lo, hi), least(hi, parts - 1)) for hi in range(lo + 1, n - parts + 2))
-
-    target, bounds = least(0, stages), [0]
-    for parts in range(stages, 1, -1):
-        lo = bounds[-1]
-        bounds.append(next(h for h in range(lo + 1, n - parts + 2) if max(load(lo, h), least(h, parts - 1)) <= target))
-    bounds.append(n)
-    return [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-
-class ZeroEmbedding(nn.Module):
-    """An embedding a later stage does not compute: zeros of its width (the first kept layer's input replaces what
-    the forward makes of them). It keeps its weight where the stage uses it elsewhere (a tied head), under the whole
-    model's first name; its class name says embedding to the param groups' rules, as the module it stands for."""
-
-    def __init__(self, dim: int, dtype: torch.dtype, weight: nn.Parameter | None) -> None:
-        super().__init__()
-        self.dim, self.dtype = dim, dtype
-        if weight is not None:
-            self.weight = weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
-
-
-class _Done(Exception):
-    """Raised by the last kept layer of a stage that is not the last: its hidden state is the stage's output."""
-
-    def __init__(self, hidden: torch.Tensor) -> None:
-        self.hidden = hidden
-
-
-def prune(whole: nn.Module, split: Split, index: int) -> nn.Module:
-    """A deep copy of `whole` holding stage `index`'s modules, under the whole model's names."""
-    model = copy.deepcopy(whole)
-    first, last = index == 0, index == len(split.ranges) - 1
-    lo, hi = split.ranges[index]
-    layers = model.get_submodule(split.path)
-    kept = nn.ModuleList()
-    for i in range(lo, hi):
-        kept.add_module(str(i), layers[i])
-    model.set_submodule(split.path, kept)
-    held = {id(p) for p in kept.parameters()}
-    for name, role in split.roles.items():
-        if (role == "pre" and first) or (role == "post" and last):
-            held |= {id(p) for p in model.get_submodule(name).parameters(recurse=False)}
-    for name, role in split.roles.items():
-        module = model.get_submodule(name)
-        if role == "pre" and not first:
-            if isinstance(module, nn.Embedding):
-                tied = module.weight if id(module.weight) in held else None  # the head's: kept, under its first name
-                stub = ZeroEmbedding(module.embedding_dim, module.weight.dtype, tied)
-                model.set_submodule(name, stub)
-            else:
-                model.set_submodule(name, nn.Identity())
-        elif role == "post" and not last:
-            model.set_submodule(name, nn.Identity())
-    return model
-
-
-def _hidden(output: Any) -> torch.Tensor:
-    return output if isinstance(output, torch.Tensor) else output[0]
-
-
-class Stage(nn.Module):
-    """One pipeline stage: the pruned copy's children under their own names, run by the copy's own forward with the
-    received activation put in as the first kept layer's input, and stopped after the last kept layer."""
-
-    def __init__(self, pruned: nn.Module, split: Split, index: int) -> None:
-        super().__init__()
-        if any(True for _ in pruned.parameters(recurse=False)):
-            raise ValueError(f"{type(pruned).__name__} holds parameters of its own (not in a module)")
-        for name, child in pruned.named_children():
-            self.add_module(name, child)
-        self._run = (pruned,)  # not registered: its children are this module's
-        self.index, self.count = index, len(split.ranges)
-        self.is_first, self.is_last = index == 0, index == self.count - 1
-        kept = list(pruned.get_submodule(split.path))
-        self._ends = (kept[0], kept[-1])
-        self._received: torch.Tensor | None = None
-        self._spec: Any = None
-        self._tensors: list[bool] = []
-
-    def hook(self) -> None:
-        """After sharding: FSDP's hooks are in place, this one goes first for the first layer."""
-        if not self.is_first:
-            self._ends[0].register_forward_pre_hook(self._inject, with_kwargs=True, prepend=True)
-        if not self.is_last:
-            self._ends[1].register_forward_hook(self._stop)
-
-    def _inject(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": self._received}
-        return (self._received, *args[1:]), kwargs
-
-    def _stop(self, module: nn.Module, args: Any, output: Any) -> None:
-        raise _Done(_hidden(output))
-
-    def train(self, mode: bool = True) -> Stage:
-        super().train(mode)
-        self._run[0].train(mode)
-        return self
-
-    def forward(self, *received: torch.Tensor, **batch: Any) -> Any:
-        self._received = received[0] if received else None
-        try:
-            output = self._run[0](**batch)
-        except _Done as done:
-            return done.hidden
-        finally:
-            self._received = None
-        leaves, self._spec = pytree.tree_flatten(output)
-        self._tensors = [isinstance(t, torch.Tensor) for t in leaves]
-        return tuple(t for t in leaves if isinstance(t, torch.Tensor))
-
-    def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
-        """The model's own output from the last stage's tensors (its other leaves: None)."""
-        it = iter(tensors)
-        return pytree.tree_unflatten([next(it) if t else None for t in self._tensors], self._spec)
-
-
-def _counted_stage_class() -> Any:
-    """torch's PipelineStage counting what it sends to another rank (`pp_sent_bytes`): the activations of its
-    forward and their gradients in its backward, through the methods its schedule asks for the sends
-    (`get_fwd_send_ops`, `get_bwd_send_ops`); a stage next to it on the same rank (zbv's turn) is handed its input
-    in memory, with no send."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-
-    class CountedStage(PipelineStage):
-        sent = 0
-
-        def _counted(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
-            me = dist.get_rank()
-            self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.peer != me)
-            return ops
-
-        def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-            return self._counted(super().get_fwd_send_ops(fwd_chunk_id))
-
-        def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-            return self._counted(super().get_bwd_send_ops(bwd_chunk_id))
-
-    return CountedStage
-
-
-def _schedule_class(name: str) -> Any:
-    from torch.distributed.pipelining import schedules as s
-
-    return {
-        "gpipe": s.ScheduleGPipe,
-        "1f1b": s.Schedule1F1B,
-        "interleaved_1f1b": s.ScheduleInterleaved1F1B,
-        "interleaved_zero_bubble": s.ScheduleInterleavedZeroBubble,
-        "zbv": s.ScheduleZBVZeroBubble,
-    }[name]
-
-
-def microbatch_problem(schedule: str, size: int, microbatches: int) -> str | None:
-    """Why a schedule cannot run K micro-batches on P pipeline ranks (None: it can). Fewer than P leave a stage
-    without work (torch refuses it for 1F1B; other schedules hang or fail on some layouts); the interleaved ones also
-    need K a multiple of their rounds, max(1, K // P)."""
-    if schedule == "gpipe":
-        return None
-    if microbatches < size:
-        return f"needs at least pp_size={size} micro-batches per step"
-    rounds = max(1, microbatches // size)
-    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and microbatches % rounds:
-        return f"needs the micro-batches a multiple of its rounds ({rounds} = K // pp_size)"
-    return None
-
-
-# ---------------------------------------------------------------------------------------------------- the strategy
 
 
 class PipelineFSDP(FSDP):
@@ -479,13 +189,13 @@ class PipelineFSDP(FSDP):
         self.holder = {
             i: r for r in range(P) for i in held_stages(self.pp_schedule, P, self.pp_stages_per_rank or 2, r)
         }
-        counted = _counted_stage_class()
+        counted = counted_stage_class()
         stages = [
             counted(part, i, len(split.ranges), torch.device(ctx.device), group=self.pp_group)
             for part, i in zip(parts, mine)
         ]
         self.pipeline_stages = stages
-        cls = _schedule_class(self.pp_schedule)
+        cls = schedule_class(self.pp_schedule)
         self.schedule = cls(
             stages[0] if self.pp_schedule in ("gpipe", "1f1b") else stages,
             ctx.accumulation,

@@ -188,7 +188,8 @@ def _batch(kind: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_stages_run_in_turn_give_the_whole_models_loss_and_gradients_under_its_names(kind: str, stages: int) -> None:
-    from strategies.pipeline import Stage, plan_split, prune
+    from strategies.pipeline_layout import plan_split
+    from strategies.pipeline_stages import Stage, prune
 
     whole = _gpt() if kind == "gpt" else _llama()
     batch = _batch(kind)
@@ -219,7 +220,7 @@ def test_stages_run_in_turn_give_the_whole_models_loss_and_gradients_under_its_n
 
 @pytest.mark.unit
 def test_the_split_balances_by_layers_or_parameters_and_takes_named_points() -> None:
-    from strategies.pipeline import plan_split
+    from strategies.pipeline_layout import plan_split
 
     gpt = _gpt()
     assert plan_split(gpt, 2, None, "layers", 2, "1f1b").ranges == ((0, 2), (2, 4))
@@ -244,7 +245,7 @@ def test_the_split_by_parameters_is_the_best_of_every_split_and_takes_no_combina
     import itertools
     import random
 
-    from strategies.pipeline import plan_split
+    from strategies.pipeline_layout import plan_split
 
     def model(sizes: list[int], pre: int, post: int) -> torch.nn.Module:
         m = torch.nn.Module()

@@ -5,9 +5,9 @@ activations it keeps, the bubble, and the activations (and their gradients) it s
 The formulas (docs/planning.md):
 - P pipeline ranks read the same micro-batches, so the data-parallel ranks are D = G/P and the schedule's
   micro-batches are the accumulation's, M = global / (micro x D). FSDP shards each rank's stages over its D ranks.
-- The split is the one the run makes (`strategies.pipeline.plan_split`, by `strategy.pp_balance`); a stage holds its
-  layers, the first also the modules before the layer list (embeddings), the last those after it (final norm, head),
-  a parameter tied across stages on each stage that uses it.
+- The split is the one the run makes (`strategies.pipeline_layout.plan_split`, by `strategy.pp_balance`); a stage
+  holds its layers, the first also the modules before the layer list (embeddings), the last those after it (final
+  norm, head), a parameter tied across stages on each stage that uses it.
 - The bubble, the share of a step a rank waits, with a micro-batch's forward and backward at one stage taken as 3
   equal parts (forward, the inputs' gradients, the weights'): (P-1)/(M+P-1) for gpipe and 1f1b; (P-1)/(vM+P-1) for
   interleaved_1f1b with v stages per rank (Narayanan et al. 2021); zero-bubble schedules, whose weight gradients fill
@@ -45,7 +45,7 @@ def bubble(schedule: str, P: int, M: int, per_rank: int = 2) -> float:
 def boundary_sends(schedule: str, P: int, per_rank: int, rank: int) -> int:
     """The stage boundaries pipeline rank `rank` sends over per micro-batch: forward to a next stage on another rank,
     and backward to a previous one on another rank."""
-    from strategies.pipeline import held_stages, stage_count
+    from strategies.pipeline_layout import held_stages, stage_count
 
     stages = stage_count(schedule, P, per_rank)
     holder = {i: r for r in range(P) for i in held_stages(schedule, P, per_rank, r)}
@@ -88,7 +88,14 @@ def _stage_params(model: Any, split: Any) -> list[int]:
 
 def pipeline_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
     """The section's lines; none for a model without a layer list the launcher can split."""
-    from strategies.pipeline import SCHEDULES, held_stages, layer_list, microbatch_problem, plan_split, stage_count
+    from strategies.pipeline_layout import (
+        SCHEDULES,
+        held_stages,
+        layer_list,
+        microbatch_problem,
+        plan_split,
+        stage_count,
+    )
 
     if layer_list(model) is None:
         return []
