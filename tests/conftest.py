@@ -288,6 +288,24 @@ def deepspeed_ops(request: pytest.FixtureRequest) -> None:
     subprocess.run([sys.executable, "-c", BUILD_OPS], env=env, capture_output=True, timeout=1500)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's start-up (pytest's, torch's and every test module's imports, the collected tests) is not
+    scanned by the cycle collector as it grows (`launcher.base.process.hold_collector`, as the launcher's is)..."""
+    from launcher.base.process import hold_collector
+
+    if os.environ.get("PYTEST_XDIST_WORKER") or not config.getoption("numprocesses", None):
+        hold_collector()  # a process that collects: not xdist's controller, which runs no test
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """... and once collected, it is frozen out of the collector's reach for the rest of the session: a full
+    collection in a test that runs in this process scans what the test makes, not the session's hundreds of
+    thousands of objects (`release_collector`)."""
+    from launcher.base.process import release_collector
+
+    release_collector()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Two tiers: a test marked `unit` runs in this process (`python -m pytest -m unit`, for quick work); every other
     test is `integration` (real launches, worker processes)."""

@@ -3,6 +3,7 @@ launcher (`launcher.parent`) and its workers (`launcher.worker`)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -17,6 +18,22 @@ STOP_REPEAT_GRACE = 5.0
 
 DUMP_SIGNAL = signal.SIGUSR1
 """Asks every rank for its phase and its Python stacks (`<run dir>/logs/phase/`, `<run dir>/logs/stacks/`)."""
+
+
+def hold_collector() -> None:
+    """A process's start-up is its imports (torch, torch._dynamo, Hydra: about 400k objects that live as long as it):
+    the cycle collector, which would scan the whole growing heap again and again meanwhile (a second of a launcher's
+    CPU), waits until `release_collector`."""
+    gc.disable()
+
+
+def release_collector() -> None:
+    """Once, where `hold_collector` held it: the start-up's objects out of the cycle collector's reach (`gc.freeze`:
+    never scanned again, and the pages a forked worker shares with its launcher never written by it), and the
+    collector on again for what comes next (a sweep's later jobs, whose garbage it collects)."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def exit_now(code: int) -> NoReturn:

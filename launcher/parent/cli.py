@@ -75,9 +75,11 @@ def print_help() -> None:
 
 
 def console() -> None:
-    """The `launch` console script: `main`, then an exit that skips the interpreter's teardown (`exit_now`)."""
-    from launcher.base.process import exit_now
+    """The `launch` console script: `main`, then an exit that skips the interpreter's teardown (`exit_now`). Its
+    start-up is not collected (`hold_collector`) until the workers are about to start (`release_collector`)."""
+    from launcher.base.process import exit_now, hold_collector
 
+    hold_collector()
     try:
         main()
     except SystemExit as e:

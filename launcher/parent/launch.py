@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.durable import disk_error
 from launcher.base.machine import visible_cuda_devices
+from launcher.base.process import release_collector
 from launcher.clusters import shaped
 from launcher.config import (
     EXIT_BAD_INPUT,
@@ -174,6 +175,7 @@ def run_job(cfg: DictConfig) -> int | dict[str, Any]:
     started = time.monotonic()
     run_dir, job = hydra_job()
     outcome = _run(cfg, run_dir, job)
+    release_collector()  # where no worker started (a refusal): the next job of a sweep is collected
     if outcome.reason and not outcome.code >= 128:  # a stop already said where its checkpoint is
         for line in (outcome.reason, *outcome.more):
             print(f"launch: error: {line}", file=sys.stderr, flush=True)

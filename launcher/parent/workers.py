@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.machine import loopback_interface, memory_available, usable_cpus
-from launcher.base.process import DUMP_SIGNAL, STOP_REPEAT_GRACE, STOP_SIGNALS
+from launcher.base.process import DUMP_SIGNAL, STOP_REPEAT_GRACE, STOP_SIGNALS, release_collector
 from launcher.base.run_files import FAILURE_DIR_ENV, FLIGHT_RECORDER, NODE_ID_ENV, flight_recorder_env
 from launcher.clusters import detect
 from launcher.config import EXIT_FAILED, Derived
@@ -119,6 +119,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     forked = derived.forks_workers(trainer)
     if forked:
         preload(prepared.requirements, derived.device)
+    release_collector()  # what the launcher imported and built, frozen before the workers fork from it
     config = AgentConfig(
         min_nodes=derived.min_nodes,  # nodes=MIN:MAX: the group restarts at the new size when a node leaves or joins
         max_nodes=derived.nodes,

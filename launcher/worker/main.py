@@ -61,9 +61,9 @@ def run_rank(path: str, stop: StopRequest, phase: Phase) -> int:
     if rank == 0:
         say_batch(cfg, micro, world_size, Path(path).parent)
     strategy = make_strategy(cfg.strategy)
-    # What is alive now (torch and every module imported, the launcher's own objects when forked from it: about 400k)
-    # lives as long as the process: out of the cycle collector's reach, a full collection (DeepSpeed's at each release
-    # of ZeRO-3's gathered parameters, Python's own now and then) scans only what the run makes, not 0.3 s of imports.
+    # What is alive now (torch and every module imported, the launcher's own objects when forked from it) lives as
+    # long as the process: out of the cycle collector's reach, a full collection (DeepSpeed's at each release of
+    # ZeRO-3's gathered parameters, Python's own now and then) scans only what the run makes, not 0.3 s of imports.
     gc.freeze()
     try:
         finished = train(cfg, ctx, strategy, Path(path).parent, stop, phase)
