@@ -7,6 +7,7 @@ sweep that ran elsewhere: `python -m launcher.search.report <sweep dir>`. What i
 
 from __future__ import annotations
 
+import fcntl
 import json
 import statistics
 import sys
@@ -235,11 +236,21 @@ def chart(jobs: list[Job], path: Path) -> None:
     plt.close(fig)
 
 
+REPORT_LOCK = ".summary.lock"
+"""Held while a sweeper reads the sweep folder and writes its report: of several sweepers on one study, the last to
+write read every outcome written before it (one that read while another's last trial ran, and wrote after that one's
+report, would leave a report without that trial)."""
+
+
 def write_report(sweep_dir: Path) -> list[Job]:
-    jobs = collect(sweep_dir)
-    if jobs:
-        (sweep_dir / "summary.md").write_text(markdown(jobs))
-        chart(jobs, sweep_dir / "summary.png")
+    if not sweep_dir.is_dir():  # no job ran
+        return []
+    with open(sweep_dir / REPORT_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed holder dies
+        jobs = collect(sweep_dir)
+        if jobs:
+            (sweep_dir / "summary.md").write_text(markdown(jobs))
+            chart(jobs, sweep_dir / "summary.png")
     return jobs
 
 
