@@ -114,6 +114,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     schema.register()
     Plugins.instance().register(sweeper.LaunchOptunaSweeper)  # Hydra's own scan misses it in an editable install
+    if argv[:1] in (["convert"], ["plan"], ["export"], ["prepare"]):
+        from launcher.base.process import release_collector
+
+        release_collector()  # a command that does its work in this process: collected as any program is
     if argv[:1] == ["convert"]:
         return convert(argv[1:])
     if argv[:1] == ["plan"]:
