@@ -3,7 +3,7 @@
 python bench/scale.py [--nodes 1,2,4,8,16,32] [--steps 6] [--json out.json]
 python bench/scale.py --check [--nodes 32] [--resume-nodes 8] [--out FOLDER]
 python bench/scale.py --elastic [--steps 20]
-python bench/scale.py --faults [--nodes 32]  (tests/test_scale.py: 16)
+python bench/scale.py --faults [--nodes 32]
 
 Each N is one job: N `launch` processes started together, each a node (`nodes=N gpus=1`, c10d rendezvous on
 127.0.0.1, one shared run directory), each forking its one CPU rank; the tiny GPT (1 layer x 32) on random tokens,
