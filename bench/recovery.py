@@ -1,17 +1,20 @@
-"""What a lost node costs, with the memory tier and without: N one-rank nodes of one elastic job on loopback.
+"""What a lost node costs, restarted from the disk, restarted from the memory tier, and recovered in place: N
+one-rank nodes of one elastic job on loopback.
 
 python bench/recovery.py [--nodes 4,8] [--steps 60] [--kill-at 37] [--out FOLDER]
 
-For each N, two jobs of `nodes=N-1:N` (trainer.checkpoint_every=50, trainer.max_restarts=3), the same in all but
-the tier: one with trainer.memory_checkpoint_every=1 (one replica), one without (today's disk restart). In each, the
-node of rank N-1 is SIGKILLed whole (launcher and worker: `tests/faulty.py`'s KilledOnceGPT kills its own process
-group) midway through step kill_at + 1 (after half its micro-steps); the N-1 nodes left restart and finish. For each
-job:
+For each N, three jobs of `nodes=N-1:N` (trainer.checkpoint_every=50, trainer.max_restarts=3), the same in all but
+how they recover: without the memory tier (torch's restart, from the disk), with it (trainer.memory_checkpoint_every=1,
+one replica; torch's restart), and in place (the tier, and trainer.recovery=in_place: the survivors go on in their
+processes). In each, the node of rank N-1 is SIGKILLed whole (launcher and worker: `tests/faulty.py`'s KilledOnceGPT
+kills its own process group) midway through step kill_at + 1 (after half its micro-steps); the N-1 nodes left go on
+and finish. For each job:
 - steps lost: the last step trained before the failure minus the step the job resumed from;
 - seconds from the failure (the last step logged before it) to the first step trained again, and to the first step
   past the failure (the job back where it was);
-- the step time before the failure (mean of the logged step_time_s, steps 5 to kill_at), and its ratio with the tier
-  to without it (the tier's cost per step).
+- the step time before the failure (mean of the logged step_time_s, steps 5 to kill_at), and its ratio to the disk
+  job's (what the tier costs per step);
+- how many times torch's agent restarted the worker group (0: no worker was started again).
 The model is the tiny GPT at 4 layers x 192, 64 tokens a sample, micro-batch 1: a step of 100 ms or more here. The
 global batch divides over N and N-1 (lcm), so both world sizes train the same batches. On this machine's 2 cores the
 N nodes share 2 CPUs: every figure is a loopback figure (see docs/checkpoints.md for what a GPU cluster changes).
@@ -58,9 +61,14 @@ MODEL = [
 ]
 
 
-def job(n: int, steps: int, kill_at: int, tier: bool, out: Path) -> dict[str, float]:
-    """One job of `n` one-rank nodes; its node of rank n-1 killed during step kill_at + 1. Its figures."""
-    name = f"{'memory' if tier else 'disk'}{n}"
+MODES = {"disk": [], "memory": ["trainer.memory_checkpoint_every=1"]}
+MODES["in place"] = [*MODES["memory"], "trainer.recovery=in_place"]
+
+
+def job(n: int, steps: int, kill_at: int, mode: str, out: Path) -> dict[str, float]:
+    """One job of `n` one-rank nodes recovering by `mode`; its node of rank n-1 killed during step kill_at + 1. Its
+    figures."""
+    name = f"{mode.replace(' ', '_')}{n}"
     run_dir, kill, port = out / name, out / f"{name}.kill", free_port()
     global_batch = math.lcm(n, n - 1)
     k = global_batch // n  # micro-steps a step at n nodes: the kill comes mid-step kill_at + 1, after half of them
@@ -80,7 +88,7 @@ def job(n: int, steps: int, kill_at: int, tier: bool, out: Path) -> dict[str, fl
         f"+model.bad_rank={n - 1}",
         f"+model.at_call={kill_at * k + k // 2 + 1}",
         "+model.whole_node=true",
-        f"trainer.memory_checkpoint_every={1 if tier else 0}",
+        *MODES[mode],
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "OMP_"))}
     env |= {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
@@ -107,8 +115,8 @@ def job(n: int, steps: int, kill_at: int, tier: bool, out: Path) -> dict[str, fl
     if sorted(codes).count(0) != n - 1 or not logged:
         print(f"{name}: exit codes {codes}\n{said[-3000:]}")
         raise SystemExit(1)
-    split = max(i for i, r in enumerate(logged) if int(r["world_size"]) == n) + 1  # the lost node's restart
-    before, after = logged[:split], logged[split:]  # (a lost node is no restart torch counts: rendezvous again)
+    split = max(i for i, r in enumerate(logged) if int(r["world_size"]) == n) + 1  # the lost node's recovery
+    before, after = logged[:split], logged[split:]
     last, failed = int(before[-1]["step"]), float(before[-1]["time"])
     resumed = int(after[0]["step"]) - 1
     past = next(r for r in after if int(r["step"]) > last)
@@ -121,6 +129,7 @@ def job(n: int, steps: int, kill_at: int, tier: bool, out: Path) -> dict[str, fl
         "back_s": float(past["time"]) - failed,
         "step_s": statistics.mean(times),
         "world_after": int(after[-1]["world_size"]),
+        "restarts": max(int(r["restart"]) for r in logged),
     }
 
 
@@ -136,19 +145,17 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     print(
-        "| nodes | tier | steps lost | s to first step trained again | s to the step past the failure | "
-        "step s | cost per step |"
+        "| nodes | recovery | steps lost | s to first step trained again | s to the step past the failure | "
+        "step s | cost per step | workers restarted |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for n in map(int, a.nodes.split(",")):
-        disk = job(n, a.steps, a.kill_at, False, out)
-        mem = job(n, a.steps, a.kill_at, True, out)
-        results[n] = {"disk": disk, "memory": mem}
-        for label, r in (("disk", disk), ("memory", mem)):
-            ratio = f"{mem['step_s'] / disk['step_s']:.3f}x" if label == "memory" else "1x"
+        results[n] = {mode: job(n, a.steps, a.kill_at, mode, out) for mode in MODES}
+        base = results[n]["disk"]["step_s"]
+        for mode, r in results[n].items():
             print(
-                f"| {n} | {label} | {r['lost']} (resumed {r['resumed']}, last {r['last']}) | {r['first_s']:.1f} | "
-                f"{r['back_s']:.1f} | {r['step_s']:.3f} | {ratio} |",
+                f"| {n} | {mode} | {r['lost']} (resumed {r['resumed']}, last {r['last']}) | {r['first_s']:.1f} | "
+                f"{r['back_s']:.1f} | {r['step_s']:.3f} | {r['step_s'] / base:.3f}x | {r['restarts']} |",
                 flush=True,
             )
     if a.json:

@@ -149,6 +149,9 @@ class Requirements:
     imports: tuple[str, ...] = ()
     """Modules its workers import to run it: a launcher that forks its CPU workers imports them, and loads `ops`,
     once before the fork, rather than once in every rank."""
+    set_up_again: bool = True
+    """It can be torn down and set up again in the same process on a new process group, at another world size:
+    recovery in place (`launcher.recovery.in_place`). DeepSpeed's engine keeps the groups it was made with."""
 
 
 @dataclass(frozen=True)

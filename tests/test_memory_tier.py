@@ -184,19 +184,24 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return {int(r["step"]): r["loss"] for r in _rows(tmp / "one")}
 
 
+IN_PLACE = re.compile(r"launch: recovery in place: rank\(s\) 3 lost; 3 rank\(s\) go on in their processes")
+
+
 @pytest.mark.scale  # four launchers on loopback, a minute each on 2 cores
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+@pytest.mark.parametrize(("strategy", "recovery"), [("ddp", "in_place"), ("fsdp", "in_place"), ("zero2", "restart")])
 def test_a_lost_node_costs_no_step_and_the_job_goes_on_exactly_at_3_nodes(
-    tmp_path: Path, strategy: str, uninterrupted: dict[int, float]
+    tmp_path: Path, strategy: str, recovery: str, uninterrupted: dict[int, float]
 ) -> None:
     """Four one-rank nodes (nodes=3:4); one is SIGKILLed whole mid-run. The three left resume from the step before
     the failure, promoted from their memory (the lost node's state from its replica), none replayed, and finish at
-    world size 3; every loss is one process's; no shared memory is left."""
+    world size 3; every loss is one process's; no shared memory is left. In place (trainer.recovery=in_place) the
+    survivors do it in their own processes: one line says so, and no step was trained by a restarted worker group
+    (every row's `restart` is 0: torch's agent never restarted one)."""
     name = f"tier-{strategy}"
     (tmp_path / "kill").touch()  # rank 3 kills its node (launcher and worker) mid-step, once: after 2 forwards of 3
     killer = ["+model.bad_rank=3", "+model.at_call=11", "+model.whole_node=true"]
-    nodes, run_dir = _job(tmp_path, name, "3:4", [f"strategy={strategy}", *killer])
+    nodes, run_dir = _job(tmp_path, name, "3:4", [f"strategy={strategy}", f"trainer.recovery={recovery}", *killer])
     try:
         until(lambda: not (tmp_path / "kill").exists(), *nodes[:1], what="the node's loss")
         _kill(tmp_path, run_dir, nodes, [3])  # its shared memory gone with it, as a lost machine's is
@@ -215,6 +220,9 @@ def test_a_lost_node_costs_no_step_and_the_job_goes_on_exactly_at_3_nodes(
     assert {int(r["world_size"]) for r in rows} == {3, 4} and rows[-1]["world_size"] == 3
     assert _exact(rows, uninterrupted) <= 1e-6
     assert _left_in_shm(run_dir) == []
+    restarts = {int(r["restart"]) for r in rows}
+    assert (restarts == {0}) == (recovery == "in_place"), restarts
+    assert bool(IN_PLACE.search(out)) == (recovery == "in_place"), out[-4000:]
 
 
 @pytest.mark.scale  # four launchers on loopback

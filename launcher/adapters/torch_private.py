@@ -1,6 +1,7 @@
 """Every name of torch's that the launcher relies on beyond torch's public API, checked against torch 2.13.0.
 
-- The elastic agent's hooks (`_monitor_workers`, `_stop_workers`, `_shutdown`): torch documents them for implementors
+- The elastic agent's hooks (`_monitor_workers`, `_stop_workers`, `_shutdown`, `_exit_barrier` and the store it
+  keeps, `_store`): torch documents them for implementors
   of `SimpleElasticAgent`, and the launcher's agent (`launcher.elastic.agent.Agent`) overrides them; a release that
   renamed one would leave the override never called, and a failed group waiting torch's fixed 30 s, without a word.
 - The dynamic rendezvous: the join step, wrapped to refuse a node that a full job would keep as a spare
@@ -37,6 +38,9 @@ HOOKS = (
     Private(f"{LOCAL}._shutdown", ("self", "death_sig", "timeout")),  # torch's local agent, its base
 )
 """The hooks torch's agent loop calls and an implementor of `SimpleElasticAgent` defines."""
+EXIT_BARRIER = (Private(f"{AGENT}._exit_barrier", ("self",)),)
+"""The agent's wait for every node at the end, which torch's loop calls and the launcher's agent overrides: after a
+recovery in place only the surviving nodes come to it."""
 RENDEZVOUS = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 RENDEZVOUS_NAMES = (
     Private(f"{RENDEZVOUS}:_RendezvousJoinOp.__call__", ("self", "ctx", "deadline")),
@@ -58,7 +62,7 @@ def check_elastic() -> None:
     """The agent's hooks are still the ones torch's loop calls, with the parameters the launcher's agent takes."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-    check_torch(HOOKS)
+    check_torch(HOOKS + EXIT_BARRIER)
     declared = {name.path.rpartition(".")[2] for name in HOOKS if name.path.startswith(AGENT)}
     if missing := sorted(declared - SimpleElasticAgent.__abstractmethods__):
         raise _changed(f"{AGENT}.{missing[0]}", "is no longer a hook an agent defines")

@@ -51,6 +51,9 @@ def host_of(run_dir: Path, rank: int) -> str | None:
         return None
 
 
+IN_PLACE = "in-place.json"
+"""`<run dir>/logs/in-place.json`: written by rank 0 after a recovery in place (`launcher.worker.runner`), the nodes
+that go on; the agents' exit barrier waits for those alone (`launcher.elastic.agent.Agent._exit_barrier`)."""
 FAILED_FLAG = "failed"
 """`<run dir>/logs/failed`: touched by each rank that reports a failure, after its report: one file that the agents of
 the job's other nodes can look at every few seconds on a shared file system, where a glob of the reports would not."""

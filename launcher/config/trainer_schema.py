@@ -17,6 +17,14 @@ class NonFinite(Enum):
     """Drop the step (no parameter or optimizer-state change), log skipped_steps; stop after max_skipped in a row."""
 
 
+class Recovery(Enum):
+    restart = "restart"
+    """A failure ends the worker group; torch's elastic agent starts it again (trainer.max_restarts, nodes=min:max)."""
+    in_place = "in_place"
+    """The surviving workers keep their processes, re-form the group at their number and go on from the last step
+    complete (`launcher.recovery.in_place`); CPU (gloo) runs of more than one rank; the restart is the fallback."""
+
+
 class Schedule(Enum):
     cosine = "cosine"
     linear = "linear"
@@ -145,6 +153,9 @@ class TrainerConfig:
     memory_checkpoint_every: int = ranged(0, COUNT, identity=False)
     """Keep each rank's state of every Nth step in its node's shared memory and memory_replicas other nodes', written
     in the background; a restart resumes from the newest step complete there (0: off)."""
+    recovery: Recovery = launch_only(Recovery.restart)
+    """What a lost peer costs: restart (the elastic agent restarts every worker) or in_place (the survivors go on in
+    their processes at the new size: seconds, no worker started again)."""
     memory_replicas: int | None = ranged(None, COUNT, identity=False)
     """Other nodes that keep a copy of each node's memory-tier state (the next ones in a ring); unset: 1 on a
     multi-node job, 0 on one node."""

@@ -22,7 +22,7 @@ from torch.distributed.elastic.metrics import prof
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest, SignalException, Std
 
 from launcher.adapters.torch_private import check_elastic
-from launcher.base.run_files import FAILED_FLAG, GAVE_UP, RESIZING
+from launcher.base.run_files import FAILED_FLAG, GAVE_UP, IN_PLACE, RESIZING
 from launcher.elastic.failures import STOPPED_BY_LAUNCHER, peer_failure
 from launcher.elastic.rendezvous import JobFull, Rendezvous
 from strategies.declarations import Requirements
@@ -179,6 +179,28 @@ class Agent(LocalElasticAgent):
         self.attempt_seen = 0.0
         """The current attempt's workers, and when they were first seen running."""
         self.peers_looked = 0.0
+
+    def _exit_barrier(self) -> None:
+        """torch's agents wait at the end for every node of the group; after a recovery in place the lost nodes never
+        come: the survivors wait for one another alone (the nodes `<run dir>/logs/in-place.json` names), so that the
+        store's host outlives the others' last call to it."""
+        import json
+
+        from torch.distributed.elastic.utils.store import barrier
+
+        try:
+            record = self.config.run_dir / "logs" / IN_PLACE
+            said = json.loads(record.read_text()) if record.stat().st_mtime >= self.attempt_seen else {}
+            nodes, at = int(said.get("nodes", 0)), float(said.get("time", 0))
+        except (OSError, ValueError, AttributeError, TypeError):
+            nodes = 0
+        store = getattr(self, "_store", None)
+        if not nodes or store is None:
+            return super()._exit_barrier()
+        try:
+            barrier(store, nodes, key_prefix=f"launch/exit-after-in-place/{at}", barrier_timeout=300)
+        except Exception as e:  # the job's work is done: a survivor that never came is told, not waited for
+            logging.getLogger(__name__).warning("launch: exit barrier after a recovery in place: %s", e)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         workers = worker_group.workers

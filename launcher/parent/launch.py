@@ -40,6 +40,7 @@ from launcher.parent.checks import check_built, check_resume, single_threaded_be
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
 from launcher.parent.workers import Outcome, Prepared, start_workers
+from launcher.recovery.in_place import check_in_place
 from launcher.recovery.replicas import holds_whole_state
 from launcher.recovery.shm import check_memory_tier, tier_on
 
@@ -83,6 +84,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(frozen, model)  # with what its optimizer gathers whole
     peak = planned_peak(frozen, derived, size, strategy)
+    check_in_place(frozen, derived.device, derived.world_size, strategy.requirements().set_up_again)
     if tier_on(frozen.trainer):  # its replicas' nodes, and its room in shared memory
         job_bytes = planned_state(frozen, derived, size, strategy)
         whole = holds_whole_state(strategy.layout())  # ddp: the state itself is the copy

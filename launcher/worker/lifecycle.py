@@ -156,6 +156,11 @@ class Phase:
     def __call__(self, what: str) -> None:
         self.state = (time.time(), what)
 
+    def renumber(self, rank: int) -> None:
+        """This process is rank `rank` now (recovery in place re-formed the group): its phase file is that rank's."""
+        with self._lock:
+            self.path, self.rank, self._written = self.dir / f"rank{rank}", rank, None
+
     @property
     def now(self) -> str:
         return self.state[1]

@@ -51,6 +51,9 @@ def run_rank(path: str, stop: StopRequest, phase: Phase) -> int:
         # 10-bit mantissa that training tolerates (PyTorch's own recommendation for training).
         torch.set_float32_matmul_precision("high")
     phase("joining the process group")
+    from launcher.recovery.in_place import GlooSockets
+
+    inherited = GlooSockets.now()  # a forked worker's launcher's sockets: never recovery in place's to shut
     dist.init_process_group(
         backend="nccl" if ctx.device_type == "cuda" else "gloo",
         timeout=timedelta(seconds=cfg.trainer.collective_timeout),
@@ -66,7 +69,7 @@ def run_rank(path: str, stop: StopRequest, phase: Phase) -> int:
     # ZeRO-3's gathered parameters, Python's own now and then) scans only what the run makes, not 0.3 s of imports.
     gc.freeze()
     try:
-        finished = train(cfg, ctx, strategy, Path(path).parent, stop, phase)
+        finished = train(cfg, ctx, strategy, Path(path).parent, stop, phase, inherited)
     finally:
         # Release everything that holds the process group before destroying it: a gloo thread
         # that frees a tensor during interpreter shutdown aborts the process otherwise.
@@ -92,7 +95,7 @@ def start(path: str) -> int:
     try:
         return run_rank(path, requested, doing)
     except Exception as error:  # one line for the launcher, the traceback in this rank's log file
-        report_failure(error, rank, Path(path).parent)
+        report_failure(error, int(os.environ.get("RANK", rank)), Path(path).parent)  # renumbered in place
 
 
 def forked(path: str) -> None:

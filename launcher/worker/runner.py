@@ -7,6 +7,8 @@ ranks.
 
 from __future__ import annotations
 
+import gc
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,11 +20,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from launcher.base.collectives import all_reduce, gather_rows
+from launcher.base.durable import write_durably
 from launcher.base.metrics import declared, over_ranks
+from launcher.base.run_files import IN_PLACE
 from launcher.base.targets import import_targets
 from launcher.checkpoint.format import Position, manifest_of
 from launcher.checkpoint.policy import SavePolicy, saver
 from launcher.checkpoint.resume import check_shared_folders, restart_count, resume
+from launcher.config.context import run_context
 from launcher.data.sources import StepData
 from launcher.evaluation.callbacks import Watch
 from launcher.evaluation.passes import evaluation_of
@@ -34,6 +39,7 @@ from launcher.models.meta import build_on_meta
 from launcher.optim.build import optimizer_factory
 from launcher.optim.schedules import schedule_lr
 from launcher.recovery.adapt import after_out_of_memory, resizing
+from launcher.recovery.in_place import InPlace
 from launcher.recovery.tier import MemoryTier
 from launcher.search.trial import TrialReport, record_pruned
 from launcher.telemetry.peak_memory import StepMemory, rss_bytes
@@ -43,7 +49,7 @@ from launcher.telemetry.stragglers import StepClock, Stragglers
 from launcher.worker.feed import feed, next_step, training_source
 from launcher.worker.guard import Guard
 from launcher.worker.hangs import stuck_in_collective
-from launcher.worker.lifecycle import Phase, StopRequest
+from launcher.worker.lifecycle import Phase, StopRequest, joined
 from launcher.worker.step import train_step
 from strategies import RunContext, Strategy
 
@@ -55,8 +61,11 @@ def train(
     run_dir: Path,
     stop: StopRequest | None = None,
     phase: Phase | None = None,
+    inherited: set[int] | None = None,
 ) -> bool:
-    """Run the loop to `trainer.max_steps`; return False if a stop signal ended it early (after a checkpoint)."""
+    """Run the loop to `trainer.max_steps`; return False if a stop signal ended it early (after a checkpoint).
+    `inherited`: the sockets the process held before its first process group (recovery in place never touches
+    them)."""
     phase = phase or Phase(run_dir, ctx.rank)
     trainer = cfg.trainer
     snapshots = MemorySnapshots(
@@ -64,6 +73,7 @@ def train(
     )
     snapshots.start()  # before the model exists: its allocations are in the history
     run = Trainer(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase, snapshots)
+    run.inherited = inherited
     try:
         return run.run()
     except torch.OutOfMemoryError as e:
@@ -143,6 +153,8 @@ class Trainer:
         self.started = time.time()
         self.stalled = False
         """A save (or its finalisation) blocked the loop since the last log: its seconds go in the next."""
+        self.inherited: set[int] | None = None
+        """The sockets the process held before its first process group (`launcher.recovery.in_place`)."""
 
     def run(self) -> bool:
         """Steps up to trainer.max_steps; False if a stop signal ended the run early (after a checkpoint)."""
@@ -156,7 +168,12 @@ class Trainer:
             return True
         self.watch.call("on_train_start", self.position.step, {})
         while self.position.step < self.max_steps:
-            ended = self.one_step(self.plan_step(self.position.step + 1))
+            try:
+                ended = self.one_step(self.plan_step(self.position.step + 1))
+            except Exception as error:
+                if not self.recover(error):
+                    raise
+                continue
             if ended is not None:
                 return ended
         self.finish()
@@ -219,6 +236,21 @@ class Trainer:
         self.memory = StepMemory(self.device, ctx.compile)
         if int(cfg.derived.nodes) > 1:  # before the first save: where the nodes write together, they see one folder
             check_shared_folders(cfg, ctx, self.run_dir)
+        self.build()
+        self.loggers = Loggers.create(cfg, ctx.rank, self.run_dir)
+        self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
+        self.profiler = StepProfiler(
+            trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type, trainer.profile_stacks
+        )
+        self.trial, self.prune, self.watch = TrialReport(cfg, ctx.rank), False, Watch.of(cfg, ctx.rank)
+        self.stragglers = Stragglers.of(trainer, self.run_dir)
+        self.in_place = InPlace.of(cfg, ctx, self.inherited)  # after every group of the run exists
+
+    def build(self) -> None:
+        """What the process group's size decides: the model wrapped by the strategy, the memory tier, the position
+        resumed, the data feed at this size's accumulation, the saver and the step's guard. Again after a recovery in
+        place, at the new size."""
+        cfg, ctx, trainer, phase = self.cfg, self.ctx, self.trainer, self.phase
         phase("building the model")
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and in a one-process run
 
@@ -239,19 +271,12 @@ class Trainer:
         with self.memory.counted():  # the state a checkpoint brings is the steps' memory too
             self.position = resume(cfg, ctx, self.strategy, self.run_dir, self.tier)
         self.resumed_at = self.position.step
-        self.loggers = Loggers.create(cfg, ctx.rank, self.run_dir)
-        self.progress = Progress(ctx.rank, self.max_steps - self.position.step, trainer.progress)
         self.rule = LabelRule.of(cfg.derived.model, trainer.get("loss"))  # decided in the launcher
         self.source_losses = SourceLosses.of(self.source, self.rule, self.position, ctx.rank, ctx.tensor_size)
         self.steps = feed(cfg, ctx, self.source, self.position, self.max_steps, self.K, self.device)
-        self.profiler = StepProfiler(
-            trainer.profile_steps, self.run_dir, ctx.rank, ctx.device_type, trainer.profile_stacks
-        )
         self.saves = saver(cfg, ctx, self.run_dir, self.strategy, self.position.step)
         self.policy = SavePolicy.of(trainer)
         self.manifest = manifest_of(cfg, ctx.world_size, ctx.precision)
-        self.trial, self.prune, self.watch = TrialReport(cfg, ctx.rank), False, Watch.of(cfg, ctx.rank)
-        self.stragglers = Stragglers.of(trainer, self.run_dir)
         self.nonfinite = str(trainer.get("nonfinite", "stop"))
         self.guard = Guard(
             self.strategy,
@@ -261,6 +286,48 @@ class Trainer:
             ctx.rank,
             ctx.world_size,
         )
+
+    def recover(self, error: Exception) -> bool:
+        """Recovery in place (`launcher.recovery.in_place`) after `error`: the survivors re-form the group at their
+        number and go on from the step resumed, in this process; False where this worker cannot (the error is
+        raised, and torch's restart takes over)."""
+        if self.in_place is None:
+            return False
+        failed, old_rank = time.time(), self.ctx.rank
+        self.phase.try_flush()
+        regrouped = self.in_place.regroup(error, lambda: self.tier.on_failure(self.strategy))
+        if regrouped is None:
+            return False
+        rank, world, lost = regrouped
+        self.phase(f"recovering in place from the loss of rank(s) {lost}")
+        try:  # what the old group had in flight is abandoned: its peers are gone
+            self.tier.close()
+        except Exception:
+            pass
+        self.strategy.teardown()  # the same strategy, set up again by `build` at the new size
+        gc.collect()
+        dist.destroy_process_group()
+        self.in_place.join(rank, world, "gloo")
+        self.ctx = run_context(self.cfg, rank, self.ctx.local_rank, world, self.ctx.micro_size)
+        self.K = self.ctx.accumulation
+        self.phase.renumber(rank)
+        joined(self.run_dir, rank)  # this rank's record (its node, its host) for the failure reports
+        if self.evaluation is not None:
+            self.evaluation = evaluation_of(self.cfg, self.ctx)
+        self.build()
+        self.in_place.publish()
+        if rank == 0:
+            nodes = world // max(1, int(self.ctx.local_world_size or 1))
+            said = {"nodes": nodes, "world_size": world, "time": failed}
+            write_durably(self.run_dir / "logs" / IN_PLACE, json.dumps(said))
+            gone = ", ".join(map(str, lost))
+            print(
+                f"launch: recovery in place: rank(s) {gone} lost; {world} rank(s) go on in their processes (rank "
+                f"{old_rank} is rank 0), from step {self.position.step}, accumulation {self.K}; "
+                f"{time.time() - failed:.1f} s from the failure to the group re-formed and resumed",
+                flush=True,
+            )
+        return True
 
     # ------------------------------------------------------------------ the phases of a step
 

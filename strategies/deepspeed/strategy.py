@@ -130,6 +130,7 @@ class DeepSpeed:
             nvme_folder="nvme" in offloads,
             # DeepSpeed and its Muon (every ZeRO optimizer's constructor imports it, and torch's inductor with it).
             imports=("strategies.deepspeed.imported",),
+            set_up_again=False,
         )
 
     def conformance(self) -> Conformance:
