@@ -304,10 +304,12 @@ def test_forked_workers_start_with_deepspeed_and_its_ops_loaded(tmp_path: Path) 
 # ------------------------------------------------------------------ the strategy-neutral export
 
 
-@pytest.mark.parametrize("preset", ["zero3_offload"])  # sharded and offloaded: the state farthest from torch's
+# zero3_offload: sharded and offloaded, the state farthest from torch's; zero2: read first after DeepSpeed's own first
+# step, which links the moments of its first param group alone to their parameters
+@pytest.mark.parametrize("preset", ["zero3_offload", "zero2"])
 def test_state_dict_is_the_full_torch_state_and_loads(tmp_path: Path, preset: str) -> None:
     """Full fp32 weights and Adam moments under torch's full state-dict keys, as one torch process has
-    them; loaded into a fresh engine, training continues exactly."""
+    them, in every param group; loaded into a fresh engine, training continues exactly."""
     import json
 
     env = clean_env(tmp_path) | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}

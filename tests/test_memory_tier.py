@@ -65,6 +65,17 @@ def test_a_rank_killed_alone_resumes_from_its_own_node_s_memory_exactly(tmp_path
     assert _left_in_shm(tmp_path / "killed") == []
 
 
+def test_zero2_s_state_is_copied_when_nothing_read_it_before_the_first_step(tmp_path: Path) -> None:
+    """ZeRO-2 on two ranks, the tier on and no save to disk due: nothing takes the state before the first step (a
+    save's room check would), so the tier's copy after step 1 is the first read of the optimizer state, in the group
+    with weight decay too, whose moments DeepSpeed's first step left unlinked to its parameters."""
+    shape = ["strategy=zero2", "gpus=2", "batch.global_size=4", "batch.micro_size=2", "trainer.max_steps=2"]
+    run = launch(tmp_path, *TINY, *shape, "trainer.save_at_end=false", "trainer.memory_checkpoint_every=1")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert [int(r["step"]) for r in run.metrics] == [1, 2]
+    assert _left_in_shm(run.run_dir) == []
+
+
 ELASTIC = [
     *TINY,
     "model._target_=faulty.KilledOnceGPT",

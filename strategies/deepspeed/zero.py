@@ -77,7 +77,10 @@ ZERO_1_2 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
 ZERO_3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 PRIVATE = (
     *(Private(f"deepspeed.comm:{name}", parameters) for name, parameters in ENTRY_POINTS.items()),
-    Private(f"{ZERO_1_2}._lazy_init_hp_params_optimizer_state", ("self",)),
+    Private(
+        "deepspeed.utils.mixed_precision_linkage:lazy_init_hp_params_optimizer_state",
+        ("lp_param_list", "flat_hp_partition", "optimizer_state"),
+    ),
     Private(f"{ZERO_1_2}._link_all_hp_params", ("self",)),
     Private(f"{ZERO_3}._swappable_optimizer_subgroup", ("self", "sub_group_id")),
     Private(f"{ZERO_3}._optimizer_states_and_gradient_swap_in", ("self", "sub_group_id", "timer_names")),
@@ -395,7 +398,8 @@ def _every_rank(values: list[Any]) -> list[list[Any]]:
 
 
 def create_optimizer_state(engine: Any, stage: int, offload_optimizer: str) -> None:
-    """Create the optimizer's state before its first step (zero moments at step 0: a fresh start).
+    """Create the optimizer's state before its first step (zero moments at step 0: a fresh start), and under ZeRO-1/2
+    link every parameter to its slice of it, before each export and import.
 
     DeepSpeed, like torch, creates it lazily; a checkpoint template and a load need it now. A zero-gradient step of
     each partition's group alone, at learning rate 0 and no weight decay (Adam's adds it to the gradient), changes no
@@ -408,8 +412,16 @@ def create_optimizer_state(engine: Any, stage: int, offload_optimizer: str) -> N
         masters = [(p, zero.sub_group_to_group_id[i]) for i, p in enumerate(zero.fp32_partitioned_groups_flat)]
     else:
         masters = [(p, i) for i, p in enumerate(zero.single_partition_of_fp32_groups)]
-    if all(inner.state.get(p) for p, _ in masters):
-        return
+    if not all(inner.state.get(p) for p, _ in masters):
+        _step_at_zero(zero, masters, offload_optimizer)
+    if stage < 3:
+        _link_optimizer_state(zero)
+
+
+def _step_at_zero(zero: Any, masters: list[tuple[torch.Tensor, int]], offload_optimizer: str) -> None:
+    """The optimizer's state made by a step of zero gradients at learning rate 0, one partition at a time; its step
+    count 0."""
+    inner = zero.optimizer
     for i, (p, index) in enumerate(masters):
         # On NVMe a partition's master and moments live on disk (DeepSpeed keeps small ones in host
         # memory): page them in around the step, as its own step does; paging out writes the new moments.
@@ -424,10 +436,23 @@ def create_optimizer_state(engine: Any, stage: int, offload_optimizer: str) -> N
         if paged:
             zero._optimizer_states_and_gradient_swap_out(i)
     _set_step(inner, 0)
-    if stage < 3:
-        # DeepSpeed links each parameter to its slice of the optimizer state after its first
-        # step; the state exists now, so link it now (ZeRO-3 looks slices up on each access).
-        zero._lazy_init_hp_params_optimizer_state()
+
+
+def _link_optimizer_state(zero: Any) -> None:
+    """ZeRO-1/2: each parameter's fragment linked to its slice of its group's optimizer state as it is now, in every
+    group (ZeRO-3 looks slices up on each access).
+
+    DeepSpeed links them once, in its first step, right after the step of its first param group (`_optimizer_step`),
+    when the other groups have no state yet: their parameters keep empty fragments for the rest of the run, and
+    `safe_get_full_optimizer_state` raises "exp_avg not found in optimizer state fragment" for each of them (the group
+    with weight decay, the second) where no export or import came before that step. One taken before it (a
+    checkpoint's room check, a resume) had made every group's state first. A link is a view per parameter: made again
+    at each export and import, it also follows state that was replaced (`regroup_adagrad`).
+    """
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+    for params, master in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups, strict=True):
+        lazy_init_hp_params_optimizer_state(params, master, zero.optimizer.state)
 
 
 def regroup_adagrad(engine: Any, stage: int, groups: list[dict[str, Any]]) -> None:
