@@ -236,6 +236,55 @@ def test_a_lost_node_costs_no_step_and_the_job_goes_on_exactly_at_3_nodes(
     assert bool(IN_PLACE.search(out)) == (recovery == "in_place"), out[-4000:]
 
 
+def _worker(node: subprocess.Popen[bytes], rank: int) -> int:
+    """The pid of the worker of `rank` in the session of `node`'s launcher (a worker names itself launch-rank<N>)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "comm").read_text().strip() == f"launch-rank{rank}":
+                if os.getsid(int(proc.name)) == node.pid:
+                    return int(proc.name)
+        except (OSError, ProcessLookupError):
+            continue
+    raise AssertionError(f"no worker of rank {rank} under {node.pid}")
+
+
+@pytest.mark.scale  # four launchers on loopback
+@pytest.mark.timeout(900)
+def test_a_rank_that_stops_answering_is_left_out_in_place_and_its_node_rejoins(
+    tmp_path: Path, uninterrupted: dict[int, float]
+) -> None:
+    """Rank 3 is SIGSTOPped mid-run (alive, silent: only the collective timeout sees it). The three others give up
+    waiting after trainer.collective_timeout, recover in place without it and go on; its node's launcher, told that
+    rank 3 was left out, kills it and rejoins the job, which resizes back to four. No node hangs, every step is
+    trained once, every loss is one process's."""
+    (tmp_path / "kill").touch()
+    extra = ["strategy=ddp", "trainer.recovery=in_place", "trainer.collective_timeout=20", "+model.bad_rank=9"]
+    nodes, run_dir = _job(tmp_path, "stopped", "3:4", extra)
+    try:
+        until(lambda: len(_rows(run_dir)) >= 3, *nodes, what="three steps at 4 nodes")
+        node = next(n for n in nodes if n.pid == _launcher_of(run_dir, 3))
+        os.kill(_worker(node, 3), signal.SIGSTOP)
+        codes = [n.wait(timeout=600) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    out = _output(tmp_path, "stopped")
+    assert codes == [0, 0, 0, 0], out[-4000:]
+    assert IN_PLACE.search(out), out[-4000:]
+    assert "launch: rank 3 was left out of the job's recovery in place" in out, out[-4000:]
+    rows = _rows(run_dir)
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    assert 3 in {int(r["world_size"]) for r in rows}
+    assert _exact(rows, uninterrupted) <= 1e-6
+    assert _left_in_shm(run_dir) == []
+
+
+def _launcher_of(run_dir: Path, rank: int) -> int:
+    record = json.loads((run_dir / "logs" / "ranks" / f"rank{rank}.json").read_text())
+    return int(record["launcher"].split(":")[1])
+
+
 @pytest.mark.scale  # four launchers on loopback
 @pytest.mark.timeout(900)
 def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(

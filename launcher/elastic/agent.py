@@ -216,6 +216,14 @@ class Agent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED:
             self._list_failures(result, workers, failed)
+        elif result.state == WorkerState.HEALTHY and (left := self.left_out(workers)):
+            for worker in left:  # stopped, or too slow: the others went on without it
+                print(
+                    f"launch: rank {worker.global_rank} was left out of the job's recovery in place (it did not come "
+                    "when its peers re-formed the group); killed, this node rejoins the job as a new one",
+                    flush=True,
+                )
+                _kill(worker, "at once: left out of the job's recovery in place")
         elif result.state == WorkerState.HEALTHY and self.peer_failed():
             for worker in workers:
                 if _running(worker.id):
@@ -259,6 +267,21 @@ class Agent(LocalElasticAgent):
             if worker.global_rank not in result.failures:
                 error_file = self.logs.error_files.get(local_rank, "")
                 result.failures[worker.global_rank] = ProcessFailure(local_rank, worker.id, code, error_file)
+
+    def left_out(self, workers: list[Worker]) -> list[Worker]:
+        """This node's running workers that a recovery in place of this attempt left out (`<run dir>/logs/in-place.json`
+        names the ranks lost; one that still runs is stopped or stuck, and no process group has it now). Looked at
+        every `PEERS_EVERY` s, with `peer_failed`'s clock."""
+        import json
+
+        if time.time() - self.peers_looked < PEERS_EVERY:
+            return []
+        try:
+            record = self.config.run_dir / "logs" / IN_PLACE
+            lost = json.loads(record.read_text())["lost"] if record.stat().st_mtime >= self.attempt_seen else []
+            return [w for w in workers if w.global_rank in set(lost) and _running(w.id)]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
 
     def peer_failed(self) -> bool:
         """A node's workers, all alive, of a job that cannot restart (no restart left to its agent), while another

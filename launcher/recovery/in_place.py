@@ -138,6 +138,11 @@ class InPlace:
         self.lowest = lowest
         """The fewest ranks the job may go on with (nodes=min:max)."""
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.originals = list(range(world))
+        """Each rank of the group now, by the rank it had when the elastic agent started this attempt (the rank its
+        agent knows it by)."""
+        self.lost: list[int] = []
+        """The ranks lost in this attempt so far, by their rank at its start."""
         self.generation = 0
         before = GlooSockets.now()
         self.store = dist.TCPStore(
@@ -167,7 +172,8 @@ class InPlace:
         self.store.set(self.key(f"ports{self.rank}"), json.dumps(self.sockets.listeners()))
 
     def regroup(self, error: BaseException, write_state: Any) -> tuple[int, int, list[int]] | None:
-        """After `error`: (this rank's new rank, the new world size, the old ranks lost), or None where this worker
+        """After `error`: (this rank's new rank, the new world size, the ranks lost, by their rank at the attempt's
+        start), or None where this worker
         cannot go on in place (the failure is raised, torch's restart takes over; said in one line)."""
         if not peer_failure(error):
             return None
@@ -188,7 +194,10 @@ class InPlace:
             if self.rank == min(members, default=self.rank):
                 print(f"launch: recovery in place: {why}; the elastic agent restarts the worker group", flush=True)
             return None
-        return members.index(self.rank), len(members), lost
+        gone = [self.originals[r] for r in lost]
+        self.originals = [self.originals[r] for r in members]
+        self.lost += gone
+        return members.index(self.rank), len(members), gone
 
     def shut(self) -> None:
         """Every connection of this worker's gloo groups shut down: the peers waiting on it fail at once."""

@@ -293,7 +293,7 @@ class Trainer:
         raised, and torch's restart takes over)."""
         if self.in_place is None:
             return False
-        failed, old_rank = time.time(), self.ctx.rank
+        failed = time.time()
         self.phase.try_flush()
         regrouped = self.in_place.regroup(error, lambda: self.tier.on_failure(self.strategy))
         if regrouped is None:
@@ -318,12 +318,12 @@ class Trainer:
         self.in_place.publish()
         if rank == 0:
             nodes = world // max(1, int(self.ctx.local_world_size or 1))
-            said = {"nodes": nodes, "world_size": world, "time": failed}
+            said = {"nodes": nodes, "world_size": world, "time": failed, "lost": self.in_place.lost}
             write_durably(self.run_dir / "logs" / IN_PLACE, json.dumps(said))
             gone = ", ".join(map(str, lost))
             print(
-                f"launch: recovery in place: rank(s) {gone} lost; {world} rank(s) go on in their processes (rank "
-                f"{old_rank} is rank 0), from step {self.position.step}, accumulation {self.K}; "
+                f"launch: recovery in place: rank(s) {gone} lost; {world} rank(s) go on in their processes, "
+                f"renumbered in order, from step {self.position.step} at accumulation {self.K}; "
                 f"{time.time() - failed:.1f} s from the failure to the group re-formed and resumed",
                 flush=True,
             )
