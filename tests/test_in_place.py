@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import TINY, launch_here
 
-from launcher.recovery.in_place import GlooSockets, peer_failure
+from launcher.base.collectives import failed_collective
+from launcher.recovery.in_place import GlooSockets
 
 ON = ["trainer.recovery=in_place", "device=cpu"]
 
@@ -63,7 +64,7 @@ def _rank(rank: int, port: int, shut: bool, errors: dict[int, str]) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)  # a lost peer: its sockets closed by the kernel
             dist.all_reduce(torch.ones(1 << 18))
     except Exception as e:
-        assert peer_failure(e), repr(e)
+        assert failed_collective(e), repr(e)
         closed = sockets.shut(ports) if shut else 0  # gloo closes a pair that failed: the others are shut here
         errors[rank] = (str(e).splitlines()[0], closed)
         # The store still answers (its connection was kept); each survivor holds its group, as one waiting for the

@@ -39,6 +39,7 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.base.collectives import failed_collective
 from launcher.config import ConfigError
 
 SETTLE_S = 1.0
@@ -118,18 +119,6 @@ class GlooSockets:
         return shut
 
 
-def peer_failure(error: BaseException) -> bool:
-    """A collective that failed: torch's own error types for it, or gloo's plain RuntimeError raised from torch's code
-    (a collective, or the backward that runs DDP's). Never a model's or a library's own error."""
-    if isinstance(error, dist.DistError):
-        return True
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    inner = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
-    return type(error) is RuntimeError and inner.split(".")[0] == "torch"
-
-
 class InPlace:
     """This worker's side of recovery in place: its gloo ports published, and on a failure the membership."""
 
@@ -175,7 +164,7 @@ class InPlace:
         """After `error`: (this rank's new rank, the new world size, the ranks lost, by their rank at the attempt's
         start), or None where this worker
         cannot go on in place (the failure is raised, torch's restart takes over; said in one line)."""
-        if not peer_failure(error):
+        if not failed_collective(error):
             return None
         self.shut()
         write_state()  # before arriving: whoever closes the membership may resume from it at once

@@ -8,8 +8,7 @@ import os
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
+from launcher.base.collectives import failed_collective
 from launcher.base.run_files import GAVE_UP
 from launcher.worker.lifecycle import Phase
 from strategies import RunContext
@@ -31,16 +30,6 @@ def stuck_in_collective(error: BaseException, phase: Phase, ctx: RunContext, tim
 
 
 def collective_timeout(error: BaseException, waited: float, timeout: float) -> bool:
-    """A collective that gave up after trainer.collective_timeout: torch's own error types for it (NCCL's
-    DistBackendError, the store's DistNetworkError and DistStoreError), or gloo's, a plain RuntimeError, raised from
-    torch's code (a collective, or the backward that runs DDP's); and this rank waited that long in its phase. Never
-    an error of a library that merely says "timed out" (wandb, a dataset's download)."""
-    if waited < timeout:
-        return False
-    if isinstance(error, dist.DistError):
-        return True
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    inner = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
-    return type(error) is RuntimeError and inner.split(".")[0] == "torch"
+    """A collective that gave up after trainer.collective_timeout (`failed_collective`), this rank having waited that
+    long in its phase."""
+    return waited >= timeout and failed_collective(error)
