@@ -26,7 +26,8 @@ ON = ["trainer.recovery=in_place", "device=cpu"]
 
 def test_in_place_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
     """One line each, before any worker starts: one rank, a strategy that cannot be set up again in its process
-    (DeepSpeed's engine), a pipeline (a lost stage's layers are no survivor's)."""
+    (DeepSpeed's engine), a pipeline (a lost stage's layers are no survivor's), a job of fixed nodes (none can be
+    lost and the job go on)."""
     assert launch_here(tmp_path, *TINY, *ON, "gpus=1", name="one").refused() == (
         "launch: error: trainer.recovery=in_place needs more than one rank; this job has 1: "
         "set trainer.recovery=restart"
@@ -41,7 +42,19 @@ def test_in_place_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
         "launch: error: trainer.recovery=in_place with strategy.pp_size > 1: a lost stage's layers are no survivor's; "
         "set trainer.recovery=restart"
     ), said
-    assert not any((tmp_path / name / "resolved.yaml").exists() for name in ("one", "zero2", "pp"))
+    said = launch_here(tmp_path, *TINY, *ON, "gpus=2", name="fixed").refused()
+    assert said == (
+        "launch: error: trainer.recovery=in_place goes on with the nodes left, but this job has one node (its "
+        "launcher restarts a lost rank's group itself): run it on several nodes, nodes=MIN:MAX, or set "
+        "trainer.recovery=restart"
+    ), said
+    fixed = ["nodes=2", "gpus=1", "rdzv.endpoint=127.0.0.1:29999", "rdzv.id=x"]
+    said = launch_here(tmp_path, *TINY, *ON, *fixed, name="two").refused()
+    assert said == (
+        "launch: error: trainer.recovery=in_place goes on with the nodes left, but nodes=2 is fixed: make the job "
+        "elastic (nodes=MIN:2 with MIN < 2, trainer.max_restarts=N), or set trainer.recovery=restart"
+    ), said
+    assert not any((tmp_path / name / "resolved.yaml").exists() for name in ("one", "zero2", "pp", "fixed", "two"))
 
 
 def _rank(rank: int, port: int, shut: bool, errors: dict[int, str]) -> None:

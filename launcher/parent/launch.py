@@ -84,7 +84,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(frozen, model)  # with what its optimizer gathers whole
     peak = planned_peak(frozen, derived, size, strategy)
-    check_in_place(frozen, derived.device, derived.world_size, strategy.requirements().set_up_again)
+    check_in_place(frozen, derived, strategy.requirements().set_up_again)
     if tier_on(frozen.trainer):  # its replicas' nodes, and its room in shared memory
         job_bytes = planned_state(frozen, derived, size, strategy)
         whole = holds_whole_state(strategy.layout())  # ddp: the state itself is the copy

@@ -229,11 +229,12 @@ class InPlace:
         )
 
 
-def check_in_place(cfg: DictConfig, device: str, world_size: int, set_up_again: bool) -> None:
+def check_in_place(cfg: DictConfig, derived: Any, set_up_again: bool) -> None:
     """Before start: trainer.recovery=in_place where it can run, else one line naming what and the fix."""
     if str(cfg.trainer.get("recovery", "restart")) != "in_place":
         return
     fix = "set trainer.recovery=restart"
+    device, world_size = str(derived.device), int(derived.world_size)
     if device != "cpu":
         raise ConfigError(
             f"trainer.recovery=in_place re-forms gloo process groups (CPU); this job runs on {device}, where NCCL's "
@@ -250,4 +251,14 @@ def check_in_place(cfg: DictConfig, device: str, world_size: int, set_up_again: 
         raise ConfigError(
             f"trainer.recovery=in_place: {name} cannot be set up again in the same process on a new process group "
             f"(DeepSpeed's engine keeps the groups it was made with); {fix}, or use ddp, fsdp or hsdp"
+        )
+    if int(derived.nodes) == 1:
+        raise ConfigError(
+            "trainer.recovery=in_place goes on with the nodes left, but this job has one node (its launcher restarts "
+            f"a lost rank's group itself): run it on several nodes, nodes=MIN:MAX, or {fix}"
+        )
+    if int(derived.min_nodes) == int(derived.nodes):
+        raise ConfigError(
+            f"trainer.recovery=in_place goes on with the nodes left, but nodes={derived.nodes} is fixed: make the job "
+            f"elastic (nodes=MIN:{derived.nodes} with MIN < {derived.nodes}, trainer.max_restarts=N), or {fix}"
         )
