@@ -184,15 +184,12 @@ class Agent(LocalElasticAgent):
         """torch's agents wait at the end for every node of the group; after a recovery in place the lost nodes never
         come: the survivors wait for one another alone (the nodes `<run dir>/logs/in-place.json` names), so that the
         store's host outlives the others' last call to it."""
-        import json
-
         from torch.distributed.elastic.utils.store import barrier
 
+        said = self.in_place()
         try:
-            record = self.config.run_dir / "logs" / IN_PLACE
-            said = json.loads(record.read_text()) if record.stat().st_mtime >= self.attempt_seen else {}
             nodes, at = int(said.get("nodes", 0)), float(said.get("time", 0))
-        except (OSError, ValueError, AttributeError, TypeError):
+        except (ValueError, TypeError):
             nodes = 0
         store = getattr(self, "_store", None)
         if not nodes or store is None:
@@ -272,16 +269,24 @@ class Agent(LocalElasticAgent):
         """This node's running workers that a recovery in place of this attempt left out (`<run dir>/logs/in-place.json`
         names the ranks lost; one that still runs is stopped or stuck, and no process group has it now). Looked at
         every `PEERS_EVERY` s, with `peer_failed`'s clock."""
-        import json
-
         if time.time() - self.peers_looked < PEERS_EVERY:
             return []
-        try:
-            record = self.config.run_dir / "logs" / IN_PLACE
-            lost = json.loads(record.read_text())["lost"] if record.stat().st_mtime >= self.attempt_seen else []
-            return [w for w in workers if w.global_rank in set(lost) and _running(w.id)]
-        except (OSError, ValueError, KeyError, TypeError):
+        lost = self.in_place().get("lost")
+        if not isinstance(lost, list):
             return []
+        return [w for w in workers if w.global_rank in set(lost) and _running(w.id)]
+
+    def in_place(self) -> dict[str, Any]:
+        """What rank 0 recorded of this attempt's recovery in place (`<run dir>/logs/in-place.json`: the nodes that go
+        on, the ranks lost), read as data; empty where none happened (or the record is damaged)."""
+        import json
+
+        record = self.config.run_dir / "logs" / IN_PLACE
+        try:
+            said = json.loads(record.read_text()) if record.stat().st_mtime >= self.attempt_seen else {}
+        except (OSError, ValueError):
+            return {}
+        return said if isinstance(said, dict) else {}
 
     def peer_failed(self) -> bool:
         """A node's workers, all alive, of a job that cannot restart (no restart left to its agent), while another

@@ -72,8 +72,7 @@ def train(
         trainer.memory_snapshot, trainer.memory_snapshot_step, run_dir, ctx.rank, ctx.device_type
     )
     snapshots.start()  # before the model exists: its allocations are in the history
-    run = Trainer(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase, snapshots)
-    run.inherited = inherited
+    run = Trainer(cfg, ctx, strategy, run_dir, stop or StopRequest(), phase, snapshots, inherited)
     try:
         return run.run()
     except torch.OutOfMemoryError as e:
@@ -142,6 +141,7 @@ class Trainer:
         stop: StopRequest,
         phase: Phase,
         snapshots: MemorySnapshots,
+        inherited: set[int] | None = None,
     ) -> None:
         self.cfg, self.ctx, self.strategy, self.run_dir = cfg, ctx, strategy, run_dir
         self.stop, self.phase, self.snapshots, self.trainer = stop, phase, snapshots, cfg.trainer
@@ -153,7 +153,7 @@ class Trainer:
         self.started = time.time()
         self.stalled = False
         """A save (or its finalisation) blocked the loop since the last log: its seconds go in the next."""
-        self.inherited: set[int] | None = None
+        self.inherited = inherited
         """The sockets the process held before its first process group (`launcher.recovery.in_place`)."""
 
     def run(self) -> bool:
