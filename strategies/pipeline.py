@@ -1,19 +1,21 @@
 """Pipeline parallel under FSDP2 (`strategy.pp_size` P > 1): the model split by depth into stages, run by torch's own
-schedules (`torch.distributed.pipelining`), each stage sharded by FSDP2 over the data-parallel ranks.
+schedules (`torch.distributed.pipelining`), each stage split by tensor parallel where `strategy.tp_size` T > 1 and
+sharded by FSDP2 over the data-parallel ranks (torchtitan's order, within each stage).
 
-The ranks form a device mesh of (replicate x) shard x pp: each group of P consecutive ranks is one pipeline, and its
-ranks read the same micro-batches (`RunContext.tensor_size` counts them), so the data contract is that of the
-data-parallel ranks alone. A step's K micro-batches are the schedule's K microbatches; the last stage turns each
-one's output into the launcher's loss (`launcher.models.loss.micro_loss`: the summed loss times G / N, N the whole
-global batch's targets), and the schedule does not scale the gradients again (`scale_grads=False`).
+The ranks form a device mesh of (replicate x) shard x pp (x tp): each group of P x T consecutive ranks is one
+pipeline, its T consecutive ranks one tensor-parallel group, and its ranks read the same micro-batches
+(`RunContext.tensor_size` counts them), so the data contract is that of the data-parallel ranks alone. Under a
+sequence-parallel plan (the built-in GPT's) a stage sends the next its rank's part of the sequence. A step's K
+micro-batches are the schedule's K microbatches; the last stage turns each one's output into the launcher's loss
+(`launcher.models.loss.micro_loss`: the summed loss times G / N, N the whole global batch's targets), and the
+schedule does not scale the gradients again (`scale_grads=False`).
 
 A stage is the whole model built on the meta device and pruned: its layer list keeps this stage's layers under their
-own indices, the modules registered before the list (embeddings) stay on the first stage only, those registered
-after it (final norm, head, the loss) on the last only. Every parameter keeps the whole model's name, so param
-groups, checkpoints and `launch convert` see the whole model's names. A parameter tied across stages (the built-in
-GPT's head and embedding) is held by each stage that uses it, under its first name, and kept in step exactly: its
-gradients are summed over its copies before the norm (counted once) and the optimizer step.
-"""
+own indices, the modules registered before the list (embeddings) stay on the first stage only, those registered after
+it (final norm, head, the loss) on the last only. Every parameter keeps the whole model's name, so param groups,
+checkpoints and `launch convert` see the whole model's names. A parameter tied across stages (the built-in GPT's head
+and embedding) is held by each stage that uses it, under its first name, and kept in step exactly: its gradients are
+summed over its copies before the norm (counted once) and the optimizer step."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from strategies.base import ModelFactory, OptimizerFactory, RunContext
 from strategies.declarations import Conformance
 from strategies.ema import EMA, ema_of
 from strategies.fsdp import DTYPES, FSDP, _counting_collectives
+from strategies.parallelize import apply_tp
 from strategies.pipeline_layout import (
     BALANCE,
     LOOPED,
@@ -52,7 +55,8 @@ class PipelineFSDP(FSDP):
     stages_model = True
 
     def conformance(self) -> Conformance:
-        return Conformance(ranks=2 * self.pp_size, overrides=(f"strategy.pp_size={self.pp_size}",))
+        tp = (f"strategy.tp_size={self.tp.size}",) if self.tp.size > 1 else ()
+        return Conformance(ranks=2 * self.pp_size * self.tp.size, overrides=(f"strategy.pp_size={self.pp_size}", *tp))
 
     def check(self, ctx: RunContext, model: nn.Module) -> str | None:
         P, world = self.pp_size, ctx.world_size
@@ -63,7 +67,6 @@ class PipelineFSDP(FSDP):
                 f"{sizes}, or 1 for no pipeline"
             )
         refused = [
-            (self.tp.size > 1, f"strategy.tp_size={self.tp.size}", "tensor parallel within pipeline stages"),
             (self.offload != "none", f"strategy.offload={self.offload}", "offload"),
             (self.activation_checkpointing, "strategy.activation_checkpointing=true", "activation checkpointing"),
             (self.sync_each_microbatch, "strategy.sync_each_microbatch=true", "a sync on every micro-step"),
@@ -148,15 +151,18 @@ class PipelineFSDP(FSDP):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         self.ctx = ctx
-        P = self.pp_size
+        P, T = self.pp_size, self.tp.size
         gpus = None if ctx.local_world_size is None else max(1, ctx.local_world_size // P)
-        replicate, shard = self.mesh.groups(ctx.world_size // P, gpus)  # the data-parallel ranks: hsdp's nodes too
-        dims, names = (
-            ((shard, P), ("shard", "pp")) if replicate == 1 else ((replicate, shard, P), ("replicate", "shard", "pp"))
-        )
-        mesh = init_device_mesh(ctx.device_type, dims, mesh_dim_names=names)
+        replicate, shard = self.mesh.groups(ctx.world_size // P, gpus)  # data-parallel ranks (of T): hsdp's nodes too
+        dp_names = ("shard",) if replicate == 1 else ("replicate", "shard")
+        dp_dims = (shard,) if replicate == 1 else (replicate, shard)
+        # (data parallel, pp, tp): the T consecutive ranks of a node one tensor-parallel group, the P x T consecutive
+        # ranks one pipeline (they read the same micro-batches: `RunContext.tensor_size`).
+        tp_dims, tp_names = ((T,), ("tp",)) if T > 1 else ((), ())
+        mesh = init_device_mesh(ctx.device_type, (*dp_dims, P, *tp_dims), mesh_dim_names=(*dp_names, "pp", *tp_names))
         self._counter.world_size = shard
-        dp_mesh = mesh[names[:-1]] if replicate > 1 else mesh["shard"]
+        dp_mesh = mesh[dp_names] if replicate > 1 else mesh["shard"]
+        tp_mesh = mesh["tp"] if T > 1 else None
         self.pp_group = mesh["pp"].get_group()
         pp_rank = mesh.get_local_rank("pp")
         whole = build_model() if ctx.rank == 0 else None
@@ -166,7 +172,10 @@ class PipelineFSDP(FSDP):
         precision = MixedPrecisionPolicy(
             param_dtype=autocast_dtype(ctx.precision), reduce_dtype=DTYPES[self.reduce_dtype]
         )
-        parts = [Stage(prune(meta, split, i), split, i) for i in mine]
+        pruned = [prune(meta, split, i) for i in mine]
+        for stage in pruned:  # torchtitan's order within each stage: tensor parallel, then FSDP around it
+            apply_tp(stage, self.tp, tp_mesh)
+        parts = [Stage(stage, split, i) for stage, i in zip(pruned, mine)]
         # A zero-bubble schedule computes the weights' gradients apart, after the inputs', from the parameters the
         # stage's module holds then: they must be the gathered ones its forward used (torchtitan's choice too).
         reshard = self.reshard_after_forward and self.pp_schedule not in ZERO_BUBBLE
@@ -229,7 +238,8 @@ class PipelineFSDP(FSDP):
                 copies.setdefault(name, []).append(i)
         self.tied = {name: stages for name, stages in copies.items() if len(stages) > 1}
         self.tie_groups: dict[str, Any] = {}
-        grid = mesh.mesh.reshape(-1, self.pp_size)  # row: a data-parallel coordinate; column: a pipeline rank
+        # row: a data-parallel (and tensor-parallel) coordinate; column: a pipeline rank
+        grid = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), -1).reshape(-1, self.pp_size)
         for name, stages in sorted(self.tied.items()):
             ranks_pp = sorted({self.holder[i] for i in stages})
             if len(ranks_pp) < 2:
@@ -281,7 +291,8 @@ class PipelineFSDP(FSDP):
         given = [self._keywords(b) for b in micro]
         batch = {key: torch.cat([b[key] for b in given]) for key in given[0]}
         targets = torch.arange(len(micro), device=self.ctx.device)
-        self.schedule.step(target=targets, return_outputs=False, **batch)
+        with self.tp.counted():
+            self.schedule.step(target=targets, return_outputs=False, **batch)
         device = torch.device(self.ctx.device)
         parts = [self._losses[k] for k in sorted(self._losses)]
         summed = torch.stack([p for p, _ in parts]).sum() if parts else torch.zeros((), dtype=torch.float64)
@@ -359,9 +370,8 @@ class PipelineFSDP(FSDP):
         held = sum(model_state_bytes(part.parameters(), o) for part, o in zip(self.parts, self.optimizers))
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        self._last_step = step_figures(self._counter, held) | {
-            "pp_sent_bytes": float(sum(s.sent for s in self.pipeline_stages))
-        }
+        sent = {"pp_sent_bytes": float(sum(s.sent for s in self.pipeline_stages))}
+        self._last_step = step_figures(self._counter, held) | sent | self.tp.figures()
         for stage in self.pipeline_stages:
             stage.sent = 0
         return total_norm
@@ -401,8 +411,9 @@ class PipelineFSDP(FSDP):
     def train(self, mode: bool) -> None:
         for part in self.parts:
             part.train(mode)
-        if mode:
+        if mode:  # what evaluation sent is not the step's
             self._counter.take()
+            self.tp.figures()
 
     # ------------------------------------------------------------------ checkpoints: the whole model's shape
 

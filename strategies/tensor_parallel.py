@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from strategies.comm import CommCounter
-from strategies.tp_plans import SEQUENCE, check_plan, chosen_plan, resolve, weight_dim
+from strategies.tp_plans import SEQUENCE, check_plan, chosen_plan, fits, resolve, weight_dim
 
 WHY_IN_NODE = (
     "its all-reduces of activations, several per layer per micro-step, need a node's links (NVLink: hundreds of "
@@ -109,7 +109,11 @@ class TensorParallel:
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan, _ = chosen_plan(model, self.plan)
-        resolved = resolve(model, plan)
+        modules = dict(model.named_modules())
+        # A pipeline stage's stand-ins for the modules of other stages (`strategies.pipeline_stages`: an embedding
+        # that makes zeros, Identity) are no module the style splits: kept as they are (`check_plan` refused the
+        # style for the whole model's own modules before start).
+        resolved = {name: style for name, style in resolve(model, plan).items() if fits(style, modules[name])}
         tied: dict[int, list[tuple[nn.Module, str]]] = {}
         for module in model.modules():
             for pname, p in module.named_parameters(recurse=False):
@@ -123,10 +127,12 @@ class TensorParallel:
         for module in model.modules():  # what no style split (a gathered module's own weights too): whole
             if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
                 _replicate(module, mesh, Replicate())
-        for uses in (u for u in tied.values() if len(u) > 1):  # each module re-registered its own copy: one again
-            first, pname = uses[0]
-            for module, other in uses[1:]:
-                setattr(module, other, getattr(first, pname))
+        split = {id(modules[name]) for name in styles}
+        for uses in (u for u in tied.values() if len(u) > 1):  # each module re-registered its own copy: one again,
+            first, pname = next((u for u in uses if id(u[0]) in split), uses[0])  # a style's, where one split it
+            for module, other in uses:
+                if module is not first:
+                    setattr(module, other, getattr(first, pname))
 
     @contextmanager
     def counted(self) -> Iterator[None]:

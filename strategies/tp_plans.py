@@ -60,6 +60,12 @@ def weight_dim(style: str, module: nn.Module) -> int | None:
     return 1 if rowwise else 0
 
 
+def fits(style: str, module: nn.Module) -> bool:
+    """Whether `style` splits a module of `module`'s class (`STYLES`)."""
+    kinds = STYLES[style]
+    return not kinds or isinstance(module, tuple(getattr(nn, k.strip()) for k in kinds.split(",")))
+
+
 def split_params(model: nn.Module, resolved: Mapping[str, str]) -> int:
     """Parameters a resolved plan splits over the group (each counted once): the weights of the modules it names, and
     the biases of the colwise ones (a rowwise layer's bias is added once, whole). Every other parameter (norms, a
@@ -156,7 +162,7 @@ def check_plan(model: nn.Module, explicit: Mapping[str, str] | None, tp_size: in
     modules = dict(model.named_modules())
     for name, style in resolved.items():
         kinds = STYLES[style]
-        if kinds and not isinstance(modules[name], tuple(getattr(nn, k.strip()) for k in kinds.split(","))):
+        if not fits(style, modules[name]):
             raise ValueError(
                 f"{where}: {name} is a {type(modules[name]).__name__}, but style '{style}' splits only {kinds}; "
                 f"name its Linear layers instead, or use 'replicate'"

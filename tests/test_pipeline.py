@@ -100,16 +100,32 @@ def test_each_schedule_at_pp2_dp2_follows_one_process(
     _sent_as_planned(pp, schedule)
 
 
-def _sent_as_planned(pp: Run, schedule: str) -> None:
+@pytest.mark.long  # 8 ranks
+def test_pp2_tp2_dp2_follows_one_process(conformance_dir: Path, one_process: Run, tmp_path: Path) -> None:
+    """Three mesh dimensions, PP=2 x TP=2 x DP=2 on 8 ranks, the suite's job: each stage split by the GPT's own
+    tensor-parallel plan (sequence parallel: what a stage sends is its rank's half of the sequence), then sharded by
+    FSDP2; the tied head on the last stage, split as the first stage's embedding is. One process's losses, validation
+    losses and gradient norms; the activations' collectives counted as under fsdp_tp."""
+    pp = launch(tmp_path, *JOB, "strategy=fsdp", "strategy.pp_size=2", "strategy.tp_size=2", "gpus=8").check()
+    assert "data-parallel 2 = global 16" in pp.stdout and "tensor parallel over 2 ranks" in pp.stdout
+    loss, val, norm = _compare(pp, one_process)
+    print(f"pp=2 x tp=2 x dp=2 1f1b: loss {loss:.2e}, val_loss {val:.2e}, grad norm {norm:.2e} (relative)")
+    assert loss <= TOLERANCE and val <= TOLERANCE and norm <= NORM
+    _sent_as_planned(pp, "1f1b", sequence_parts=2)
+    assert all(m["tp_comm_bytes"] > 0 for m in pp.metrics)
+
+
+def _sent_as_planned(pp: Run, schedule: str, sequence_parts: int = 1) -> None:
     """Every step's counted activations and gradients between stages (`pp_sent_bytes`, the largest rank's) are the
     plan's figure for the run's shape: M micro-batches of micro x seq x n_embd fp32 values over each boundary a rank
-    sends over (`launcher.plan.pipeline.stage_bytes_sent`)."""
+    sends over (`launcher.plan.pipeline.stage_bytes_sent`), each rank's part of the sequence under a sequence-parallel
+    plan (`sequence_parts`: the tensor-parallel size)."""
     from omegaconf import OmegaConf
 
     from launcher.plan.pipeline import stage_bytes_sent
 
     cfg = OmegaConf.load(pp.run_dir / "resolved.yaml")
-    hidden = cfg.batch.micro_size * cfg.data.seq_len * cfg.model.n_embd * 4
+    hidden = cfg.batch.micro_size * cfg.data.seq_len // sequence_parts * cfg.model.n_embd * 4
     accumulation = pp.metrics[-1]["accumulation"]
     planned = stage_bytes_sent(schedule, 2, 2, accumulation, hidden)
     assert planned > 0 and [m["pp_sent_bytes"] for m in pp.metrics] == [planned] * len(pp.metrics), planned
@@ -135,15 +151,25 @@ LLAMA = [
 ]
 
 
-@pytest.mark.long  # 4 ranks of a Llama and one process; the split of a Llama is tested in process below
-def test_a_transformers_llama_at_pp2_dp2_logs_one_process_losses(tmp_path: Path) -> None:
+@pytest.mark.long  # 4 and 8 ranks of a Llama and one process; the split of a Llama is tested in process below
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_transformers_llama_at_pp2_dp2_logs_one_process_losses(tp: int, tmp_path: Path) -> None:
+    """PP=2 x DP=2, and PP=2 x TP=2 x DP=2 by the Llama's own tensor-parallel plan (transformers'), 8 ranks."""
     pp = launch(
-        tmp_path, *LLAMA, "strategy=fsdp", "strategy.pp_size=2", "strategy.pp_balance=params", "gpus=4", name="pp"
+        tmp_path,
+        *LLAMA,
+        "strategy=fsdp",
+        "strategy.pp_size=2",
+        f"strategy.tp_size={tp}",
+        "strategy.pp_balance=params",
+        f"gpus={4 * tp}",
+        name="pp",
     ).check()
     one = launch(tmp_path, *LLAMA, "strategy=ddp", "gpus=1", name="one").check()
     assert "stages of LlamaForCausalLM by params" in pp.stdout
+    assert ("LlamaForCausalLM's own plan splits" in pp.stdout) == (tp > 1)
     diff = max(abs(a - b) for a, b in zip(pp.losses(), one.losses(), strict=True))
-    print(f"llama pp=2 x dp=2: max loss difference from one process {diff:.2e}")
+    print(f"llama pp=2 x tp={tp} x dp=2: max loss difference from one process {diff:.2e}")
     assert diff <= TOLERANCE
 
 
@@ -307,8 +333,8 @@ PP4 = [
         ),
         (["strategy.pp_schedule=looped"], "strategy.pp_schedule=looped is none of gpipe, 1f1b"),
         (
-            ["strategy.tp_size=2"],
-            "strategy.tp_size=2 with strategy.pp_size=2: tensor parallel within pipeline stages does not compose",
+            ["strategy.tp_size=2", "data.seq_len=31"],
+            "data.seq_len=31 does not split over strategy.tp_size=2",
         ),
         (["optim=muon"], "(Muon) with strategy.pp_size=2: Muon does not compose with pipeline parallel here"),
         (["strategy=ddp"], "pipeline parallel runs under FSDP2 alone"),
