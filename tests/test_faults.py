@@ -619,6 +619,33 @@ def test_a_node_whose_ranks_only_stopped_names_the_peer_rank_that_failed_first(t
     assert peer_failure(tmp_path, started) == refusal
 
 
+def test_a_cause_on_file_after_the_node_heard_of_the_failure_is_named_not_a_node_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node can hear that its peers are gone before the failed rank's report shows in the shared run directory (the
+    race that once named the wrong node among 16): it asks again while the report is not there, and names the cause
+    once it shows; with none, it gives up after its wait (a node that went away reports nothing)."""
+    import time
+
+    from launcher.elastic import failures
+
+    logs = tmp_path / "logs"
+    started, asked = time.time() - 10, []
+
+    def late_report(seconds: float) -> None:  # the report lands while the node waits
+        asked.append(seconds)
+        if len(asked) == 2:
+            file = logs / "b" / "attempt_0" / "0" / "error.json"
+            file.parent.mkdir(parents=True)
+            line = f"while in step 4: RuntimeError: broke (traceback: {logs}/rank10.traceback)"
+            file.write_text(json.dumps({"message": {"message": line}}))
+
+    monkeypatch.setattr(failures.time, "sleep", late_report)
+    cause = failures.awaited_cause(tmp_path, started, wait_s=3600)
+    assert len(asked) == 2 and cause is not None and cause.startswith("rank 10 failed while in step 4"), cause
+    assert failures.awaited_cause(tmp_path / "none", started, wait_s=0) is None
+
+
 def test_free_space_is_checked_before_a_save(tmp_path: Path) -> None:
     """A real save on a one-rank gloo group; only the free-space reading is made small (a full disk cannot be
     made here without privileges)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,21 @@ def peer_failure(run_dir: Path, since: float) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         where = ""
     return f"rank {rank}{where} failed {line}; this node's ranks stopped with it"
+
+
+CAUSE_WAIT_S = 5.0
+"""Seconds a node whose ranks only lost their peers waits for the cause (another node's rank's report) to be on file
+before it names a node gone instead."""
+
+
+def awaited_cause(run_dir: Path, since: float, wait_s: float = CAUSE_WAIT_S) -> str | None:
+    """`peer_failure`, asked again for up to `wait_s` seconds while it finds none. Another node's rank that failed
+    wrote its report before it exited, but this node can hear of the failure first (a shared file system shows the
+    file late, or half written): a node is named gone only once no cause came in that time."""
+    deadline = time.monotonic() + wait_s
+    while (cause := peer_failure(run_dir, since)) is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return cause
 
 
 def _joined(run_dir: Path, since: float) -> dict[int, dict[str, Any]]:

@@ -24,7 +24,7 @@ from launcher.base.process import DUMP_SIGNAL, STOP_REPEAT_GRACE, STOP_SIGNALS, 
 from launcher.base.run_files import FAILURE_DIR_ENV, FLIGHT_RECORDER, NODE_ID_ENV, flight_recorder_env
 from launcher.clusters import detect
 from launcher.config import EXIT_FAILED, Derived
-from launcher.elastic.failures import joined_here, lost_node, oom_kills, peer_failure, rank_lines, secondary
+from launcher.elastic.failures import awaited_cause, joined_here, lost_node, oom_kills, rank_lines, secondary
 from launcher.elastic.rendezvous import LOOPBACK, JobFull, Rendezvous, reachable, refuse_spare_nodes
 from launcher.parent.rundir import Ownership
 from launcher.recovery.leftovers import remove_left_over
@@ -146,7 +146,7 @@ def start_workers(prepared: Prepared, trainer: DictConfig, run_dir: Path) -> Out
     def lost() -> str | None:  # another node's rank failed, or the group had joined and another node went away
         if derived.nodes == 1:
             return None
-        if cause := peer_failure(run_dir, started - 1):  # the cause, not a node gone because of it
+        if cause := awaited_cause(run_dir, started - 1):  # the cause, not a node gone because of it
             return cause
         store_gone = None if reachable(rdzv.endpoint) else rdzv.endpoint  # its store: on the node that went away?
         elastic = derived.min_nodes < derived.nodes
