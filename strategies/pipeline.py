@@ -72,7 +72,7 @@ class PipelineFSDP(FSDP):
             (self.sync_each_microbatch, "strategy.sync_each_microbatch=true", "a sync on every micro-step"),
             (self.sync_batchnorm, "strategy.sync_batchnorm=true", "synchronised BatchNorm"),
             (ctx.compile, "trainer.compile=true", "compiled units"),
-            (ctx.precision != "fp32", f"precision={ctx.precision}", "mixed precision"),
+            (ctx.precision == "fp16", "precision=fp16", "fp16's loss scaling (use precision=bf16)"),
             (
                 bool(self.pp_split) and self.pp_balance != "layers",
                 f"strategy.pp_balance={self.pp_balance}",

@@ -115,6 +115,26 @@ def test_pp2_tp2_dp2_follows_one_process(conformance_dir: Path, one_process: Run
     assert all(m["tp_comm_bytes"] > 0 for m in pp.metrics)
 
 
+BF16_BOUND = 0.05
+"""test_fsdp's bound for bf16 against fp32 on the suite's job: bf16 keeps 8 bits of mantissa (a relative rounding of
+4e-3 per value), so its losses are one process's to a few 1e-3, not to fp32's 1e-6."""
+
+
+@pytest.mark.long  # 4 ranks
+def test_bf16_under_the_pipeline_computes_and_sends_in_bf16(
+    conformance_dir: Path, one_process: Run, tmp_path: Path
+) -> None:
+    """precision=bf16 at PP=2 x DP=2: each stage's blocks compute in bf16 (FSDP2's mixed precision) and the hidden
+    states cross between stages in bf16, half fp32's bytes; the losses fall and stay within bf16's rounding of one
+    fp32 process's, as FSDP's without a pipeline do."""
+    pp = launch(tmp_path, *JOB, "strategy=fsdp", "strategy.pp_size=2", "gpus=4", "precision=bf16").check()
+    losses = pp.losses()
+    diff = max(abs(a - b) for a, b in zip(losses, one_process.losses(), strict=True))
+    print(f"pp=2 x dp=2 bf16: max loss difference from one fp32 process {diff:.2e}")
+    assert losses[-1] < losses[0] and 1e-6 < diff < BF16_BOUND
+    _sent_as_planned(pp, "1f1b")
+
+
 def _sent_as_planned(pp: Run, schedule: str, sequence_parts: int = 1) -> None:
     """Every step's counted activations and gradients between stages (`pp_sent_bytes`, the largest rank's) are the
     plan's figure for the run's shape: M micro-batches of micro x seq x n_embd fp32 values over each boundary a rank
@@ -125,7 +145,8 @@ def _sent_as_planned(pp: Run, schedule: str, sequence_parts: int = 1) -> None:
     from launcher.plan.pipeline import stage_bytes_sent
 
     cfg = OmegaConf.load(pp.run_dir / "resolved.yaml")
-    hidden = cfg.batch.micro_size * cfg.data.seq_len // sequence_parts * cfg.model.n_embd * 4
+    value = 4 if cfg.precision == "fp32" else 2  # bf16: the hidden state crosses in the blocks' dtype
+    hidden = cfg.batch.micro_size * cfg.data.seq_len // sequence_parts * cfg.model.n_embd * value
     accumulation = pp.metrics[-1]["accumulation"]
     planned = stage_bytes_sent(schedule, 2, 2, accumulation, hidden)
     assert planned > 0 and [m["pp_sent_bytes"] for m in pp.metrics] == [planned] * len(pp.metrics), planned
@@ -332,6 +353,7 @@ PP4 = [
             "makes 6 stages, more than blocks's 4 layers",
         ),
         (["strategy.pp_schedule=looped"], "strategy.pp_schedule=looped is none of gpipe, 1f1b"),
+        (["precision=fp16"], "precision=fp16 with strategy.pp_size=2: fp16's loss scaling (use precision=bf16)"),
         (
             ["strategy.tp_size=2", "data.seq_len=31"],
             "data.seq_len=31 does not split over strategy.tp_size=2",
