@@ -48,14 +48,18 @@ class RunContext:
     ema: EMASettings | None = None
     """trainer.ema: keep the EMA weights (`strategies.ema`), held as the parameters are; None: none."""
     tensor_size: int = 1
-    """Consecutive ranks that see the same micro-batches (a tensor-parallel group, `Mesh.tensor_size`)."""
+    """Ranks that see the same micro-batches: a tensor-parallel group's T consecutive ranks (`Mesh.tensor_size`), in
+    each of the `pipeline_size` stages of a pipeline."""
     seq_len: int | None = None
     """Tokens per row the data gives (data.seq_len); None where the data does not say."""
+    pipeline_size: int = 1
+    """Pipeline stages P (strategy.pp_size): the mesh's outermost dimension (torchtitan's order, pp x data parallel x
+    tp), so that a stage's data-parallel ranks are world / P consecutive ranks and a pipeline crosses them."""
 
     @property
     def data_rank(self) -> int:
         """This rank's place among the data-parallel ranks: which slice of each global batch it reads."""
-        return self.rank // self.tensor_size
+        return self.rank // (self.tensor_size // self.pipeline_size) % self.data_world
 
     @property
     def data_world(self) -> int:

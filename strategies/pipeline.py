@@ -2,9 +2,10 @@
 schedules (`torch.distributed.pipelining`), each stage split by tensor parallel where `strategy.tp_size` T > 1 and
 sharded by FSDP2 over the data-parallel ranks (torchtitan's order, within each stage).
 
-The ranks form a device mesh of (replicate x) shard x pp (x tp): each group of P x T consecutive ranks is one
-pipeline, its T consecutive ranks one tensor-parallel group, and its ranks read the same micro-batches
-(`RunContext.tensor_size` counts them), so the data contract is that of the data-parallel ranks alone. Under a
+The ranks form a device mesh of pp x (replicate x) shard (x tp), torchtitan's order: each T consecutive ranks are one
+tensor-parallel group, each world / P consecutive ranks one stage's data-parallel ranks (FSDP2's gathers on the
+fastest links), and a pipeline's ranks, one in each stage, read the same micro-batches (`RunContext.tensor_size`
+counts them, `RunContext.data_rank` places them), so the data contract is that of the data-parallel ranks alone. Under a
 sequence-parallel plan (the built-in GPT's) a stage sends the next its rank's part of the sequence. A step's K
 micro-batches are the schedule's K microbatches; the last stage turns each one's output into the launcher's loss
 (`launcher.models.loss.micro_loss`: the summed loss times G / N, N the whole global batch's targets), and the
@@ -152,14 +153,15 @@ class PipelineFSDP(FSDP):
 
         self.ctx = ctx
         P, T = self.pp_size, self.tp.size
-        gpus = None if ctx.local_world_size is None else max(1, ctx.local_world_size // P)
-        replicate, shard = self.mesh.groups(ctx.world_size // P, gpus)  # data-parallel ranks (of T): hsdp's nodes too
+        stage_world = ctx.world_size // P  # a stage's ranks: consecutive, a node's where they fill one
+        gpus = None if ctx.local_world_size is None else min(ctx.local_world_size, stage_world)
+        replicate, shard = self.mesh.groups(stage_world, gpus)  # its data-parallel ranks (of T each): hsdp's nodes
         dp_names = ("shard",) if replicate == 1 else ("replicate", "shard")
         dp_dims = (shard,) if replicate == 1 else (replicate, shard)
-        # (data parallel, pp, tp): the T consecutive ranks of a node one tensor-parallel group, the P x T consecutive
-        # ranks one pipeline (they read the same micro-batches: `RunContext.tensor_size`).
+        # (pp, data parallel, tp), torchtitan's order: the T consecutive ranks of a node one tensor-parallel group,
+        # the data-parallel ranks of a stage next (FSDP's gathers on the fastest links left), a pipeline across them.
         tp_dims, tp_names = ((T,), ("tp",)) if T > 1 else ((), ())
-        mesh = init_device_mesh(ctx.device_type, (*dp_dims, P, *tp_dims), mesh_dim_names=(*dp_names, "pp", *tp_names))
+        mesh = init_device_mesh(ctx.device_type, (P, *dp_dims, *tp_dims), mesh_dim_names=("pp", *dp_names, *tp_names))
         self._counter.world_size = shard
         dp_mesh = mesh[dp_names] if replicate > 1 else mesh["shard"]
         tp_mesh = mesh["tp"] if T > 1 else None

@@ -10,13 +10,13 @@ from launcher.models.gpt import GPT
 
 
 class NaNGPT(GPT):
-    """The built-in GPT whose loss is NaN on rank 1 at the training forward calls listed in `GUARD_NAN_CALLS`
-    (comma-separated, 1-based, counted per process). The NaN is added to the loss, so the gradient alone would stay
-    finite: the launcher must still drop the step."""
+    """The built-in GPT whose loss is NaN on rank `GUARD_NAN_RANK` (1 unless set) at the training forward calls listed
+    in `GUARD_NAN_CALLS` (comma-separated, 1-based, counted per process). The NaN is added to the loss, so the
+    gradient alone would stay finite: the launcher must still drop the step."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.bad = os.environ.get("RANK") == "1"
+        self.bad = os.environ.get("RANK") == os.environ.get("GUARD_NAN_RANK", "1")
         self.nan_calls = {int(c) for c in os.environ.get("GUARD_NAN_CALLS", "").split(",") if c}
         self.calls = 0
 

@@ -23,8 +23,8 @@ def _strict(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
 
 
-def _nan_run(tmp_path: Path, calls: str, *overrides: str, name: str = "run") -> Run:
-    env = clean_env(tmp_path) | {"GUARD_NAN_CALLS": calls}
+def _nan_run(tmp_path: Path, calls: str, *overrides: str, name: str = "run", rank: int = 1) -> Run:
+    env = clean_env(tmp_path) | {"GUARD_NAN_CALLS": calls, "GUARD_NAN_RANK": str(rank)}
     return launch(
         tmp_path,
         *TINY,

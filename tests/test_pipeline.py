@@ -266,6 +266,20 @@ def test_stages_run_in_turn_give_the_whole_models_loss_and_gradients_under_its_n
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("P,D,T", [(2, 4, 2), (4, 2, 1), (2, 1, 4), (1, 4, 2)])
+def test_a_pipelines_ranks_read_one_slice_of_the_batch_where_the_mesh_puts_them(P: int, D: int, T: int) -> None:
+    """The mesh is pp x data parallel x tp over the ranks in order (torch's `init_device_mesh`: row-major): every
+    rank of data-parallel coordinate d, whatever its stage and tensor-parallel place, reads slice d of each global
+    batch, and the D slices are read by P x T ranks each."""
+    from strategies import RunContext
+
+    mesh = torch.arange(P * D * T).reshape(P, D, T)
+    for rank in range(P * D * T):
+        ctx = RunContext("cpu", rank, rank, P * D * T, "fp32", 0.0, 1, 1, tensor_size=P * T, pipeline_size=P)
+        assert ctx.data_world == D and rank in mesh[:, ctx.data_rank, :].flatten().tolist()
+
+
+@pytest.mark.unit
 def test_the_split_balances_by_layers_or_parameters_and_takes_named_points() -> None:
     from strategies.pipeline_layout import plan_split
 
@@ -397,18 +411,19 @@ def test_launch_plan_has_a_pipeline_section_of_each_size_and_schedule(tmp_path: 
 
 
 def test_a_non_finite_loss_on_the_last_stage_is_not_committed(tmp_path: Path) -> None:
-    """PP=2 x DP=2: the last stage of the first pipeline (rank 1) adds NaN to its loss alone (its gradient stays
-    finite) in one micro-batch; under trainer.nonfinite=skip that step is dropped on every rank, its checkpoint every
-    tensor of the one before, and the run goes on."""
+    """PP=2 x DP=2: the last stage of the first pipeline (rank 2: stage 1's first data-parallel rank) adds NaN to its
+    loss alone (its gradient stays finite) in one micro-batch; under trainer.nonfinite=skip that step is dropped on
+    every rank, its checkpoint every tensor of the one before, and the run goes on."""
     from test_guards import _equal, _flat, _nan_run, _state, _strict
 
     pp = ["gpus=4", "strategy=fsdp", "strategy.pp_size=2", "batch.global_size=8", "batch.micro_size=2"]
-    run = _nan_run(tmp_path, "5", *pp, "trainer.max_steps=4", "trainer.nonfinite=skip", "trainer.max_skipped=2")
+    skip = ("trainer.max_steps=4", "trainer.nonfinite=skip", "trainer.max_skipped=2")
+    run = _nan_run(tmp_path, "5", *pp, *skip, rank=2)
     assert run.returncode == 0, run.stderr
     records = _strict(run.run_dir / "metrics.jsonl")
     assert records[-1]["skipped_steps"] == 1, records
     step = next(m["step"] for m in records if m["skipped_steps"] == 1)
-    assert f"launch: skipped step {step}: the loss is nan on rank 1 (micro-step " in run.stdout, run.stdout
+    assert f"launch: skipped step {step}: the loss is nan on rank 2 (micro-step " in run.stdout, run.stdout
     folder = run.run_dir / "checkpoints"
     before, skipped = (_flat(_state(folder / f"step_{s:08d}", tmp_path / f"{s}.pt")) for s in (step - 1, step))
     assert _equal(before, skipped)

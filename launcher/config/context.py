@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.errors import ConfigError
 from strategies import RunContext, Strategy
@@ -44,6 +44,7 @@ def run_context(cfg: DictConfig, rank: int, local_rank: int, world_size: int, mi
         ema=ema_settings(cfg.trainer),
         tensor_size=tensor,
         seq_len=seq_len if isinstance(seq_len := cfg.data.get("seq_len"), int) else None,
+        pipeline_size=int(OmegaConf.select(cfg, "strategy.pp_size", default=1) or 1),
     )
 
 

@@ -157,8 +157,9 @@ class Derived:
     """batch.micro_size=auto: the planner chose the micro-batch, and an out-of-memory error halves it
     (`launcher.recovery.adapt`)."""
     tensor_size: int = 1
-    """strategy.tp_size x strategy.pp_size: consecutive ranks that see the same micro-batches; accumulation is global /
-    (micro x world size / tensor_size)."""
+    """strategy.tp_size x strategy.pp_size: ranks that see the same micro-batches (a tensor-parallel group's
+    consecutive ranks, in each stage of a pipeline: `RunContext.data_rank`); accumulation is global / (micro x world
+    size / tensor_size)."""
 
     def forks_workers(self, trainer: Any) -> bool:
         """CPU workers are forked from the launcher, which has torch and the run's modules imported already

@@ -151,8 +151,9 @@ class FSDPStrategyConfig:
     """Let a tensor-parallel group span nodes (tp_size above gpus): its activations' all-reduces then cross the
     network, several per layer per micro-step, much slower than a node's links."""
     pp_size: int = ranged(1, SIZE)
-    """Pipeline parallel: consecutive ranks that each hold a stage of the model's layers (`strategies.pipeline`); they
-    see the same micro-batches, so data parallel is the world size / pp_size. 1: none."""
+    """Pipeline parallel: stages of the model's layers, each held by world size / pp_size consecutive ranks
+    (`strategies.pipeline`); a pipeline, one rank of each stage, sees the same micro-batches, so data parallel is the
+    world size / pp_size. 1: none."""
     pp_schedule: str = "1f1b"
     """torch's pipeline schedule: gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble | zbv."""
     pp_stages_per_rank: int | None = ranged(None, SIZE)
