@@ -66,18 +66,23 @@ def fits(style: str, module: nn.Module) -> bool:
     return not kinds or isinstance(module, tuple(getattr(nn, k.strip()) for k in kinds.split(",")))
 
 
-def split_params(model: nn.Module, resolved: Mapping[str, str]) -> int:
-    """Parameters a resolved plan splits over the group (each counted once): the weights of the modules it names, and
-    the biases of the colwise ones (a rowwise layer's bias is added once, whole). Every other parameter (norms, a
-    rowwise layer's bias, what the plan does not name) each rank of the group keeps whole."""
-    modules, seen, split = dict(model.named_modules()), set(), 0
+def split_tensors(model: nn.Module, resolved: Mapping[str, str]) -> set[int]:
+    """The ids of the parameters a resolved plan splits over the group: the weights of the modules it names, and the
+    biases of the colwise ones (a rowwise layer's bias is added once, whole). Every other parameter (norms, a rowwise
+    layer's bias, what the plan does not name) each rank of the group keeps whole."""
+    modules, split = dict(model.named_modules()), set()
     for name, style in resolved.items():
         dim = weight_dim(style, modules[name])
         for pname, p in modules[name].named_parameters(recurse=False):
-            if dim is not None and id(p) not in seen and (pname == "weight" or dim == 0):
-                seen.add(id(p))
-                split += p.numel()
+            if dim is not None and (pname == "weight" or dim == 0):
+                split.add(id(p))
     return split
+
+
+def split_params(model: nn.Module, resolved: Mapping[str, str]) -> int:
+    """The parameters a resolved plan splits over the group (`split_tensors`), each counted once."""
+    split = split_tensors(model, resolved)
+    return sum(p.numel() for p in model.parameters() if id(p) in split)
 
 
 def model_plan(model: nn.Module) -> dict[str, str]:

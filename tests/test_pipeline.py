@@ -408,6 +408,17 @@ def test_launch_plan_has_a_pipeline_section_of_each_size_and_schedule(tmp_path: 
     assert [boundary_sends("zbv", 2, 2, r) for r in range(2)] == [2, 2]  # the V's turn stays on rank 1
     assert [boundary_sends("interleaved_1f1b", 2, 2, r) for r in range(2)] == [3, 3]
     assert bubble("interleaved_1f1b", 4, 8, 2) == 3 / 19 and bubble("gpipe", 1, 8) == 0.0
+    # With TP=2 in each stage: half the data-parallel ranks, twice the micro-batches, and each hidden state sent is a
+    # rank's half of the sequence (the GPT's plan is sequence parallel): the same bytes as above.
+    tp = cli_here(
+        tmp_path, "plan", "model=gpt_tiny", "strategy=fsdp", "strategy.pp_size=2", "strategy.tp_size=2", "gpus=8"
+    )
+    assert tp.returncode == 0, tp.stderr
+    section = tp.stdout[tp.stdout.index("pipeline parallel (") :]
+    assert "strategy.tp_size=2;" in section and "(data = G/(P x T)" in section
+    split = {tuple(line.split()[:2]): line.split() for line in section.splitlines() if line.startswith("  ")}
+    assert split[("2", "1f1b")][2:4] == ["2", "4"] and rows[("2", "1f1b")][2:4] == ["4", "2"]
+    assert split[("2", "1f1b")][-1] == rows[("2", "1f1b")][-1] and ("8", "gpipe") not in split  # 8 x 2 > 8 ranks
 
 
 def test_a_non_finite_loss_on_the_last_stage_is_not_committed(tmp_path: Path) -> None:

@@ -3,8 +3,10 @@
 activations it keeps, the bubble, and the activations (and their gradients) it sends to other stages.
 
 The formulas (docs/planning.md):
-- P pipeline ranks read the same micro-batches, so the data-parallel ranks are D = G/P and the schedule's
-  micro-batches are the accumulation's, M = global / (micro x D). FSDP shards each rank's stages over its D ranks.
+- P pipeline ranks (P x T with tensor parallel in each stage, strategy.tp_size=T) read the same micro-batches, so the
+  data-parallel ranks are D = G/(P x T) and the schedule's micro-batches are the accumulation's, M = global / (micro x
+  D). FSDP shards each rank's stages over its D ranks; the parameters the tensor-parallel plan splits count 1/T, and
+  the activations and the hidden states sent are those of a rank's part under a sequence-parallel plan.
 - The split is the one the run makes (`strategies.pipeline_layout.plan_split`, by `strategy.pp_balance`); a stage
   holds its layers, the first also the modules before the layer list (embeddings), the last those after it (final
   norm, head), a parameter tied across stages on each stage that uses it.
@@ -22,6 +24,7 @@ The formulas (docs/planning.md):
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from launcher.plan.costs import GB, MIXED_PRECISIONS, activation_bytes, bytes_per_param
@@ -72,9 +75,9 @@ def width(model: Any, cfg: Any) -> int | None:
     return int(found) if isinstance(found, int) else None
 
 
-def _stage_params(model: Any, split: Any) -> list[int]:
+def _stage_params(model: Any, split: Any, divided: Collection[int] = (), T: int = 1) -> list[float]:
     """Each stage's parameters: its layers, and the modules outside the list on the first and the last stage (a tied
-    parameter counted on each stage that holds it, once there)."""
+    parameter counted on each stage that holds it, once there); those in `divided` (a tensor-parallel plan's) 1/T."""
     layers = model.get_submodule(split.path)
     found = []
     for index, (lo, hi) in enumerate(split.ranges):
@@ -82,7 +85,7 @@ def _stage_params(model: Any, split: Any) -> list[int]:
         for name, role in split.roles.items():
             if (role == "pre" and index == 0) or (role == "post" and index == len(split.ranges) - 1):
                 held |= {id(p): p for p in model.get_submodule(name).parameters(recurse=False)}
-        found.append(sum(p.numel() for p in held.values()))
+        found.append(sum(p.numel() / (T if key in divided else 1) for key, p in held.items()))
     return found
 
 
@@ -101,15 +104,17 @@ def pipeline_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
         return []
     d = plan.derived
     world, per_rank = d.world_size, 2
+    T, divided, sequence = _tensor_parallel(model, cfg)
     balance = str(cfg.strategy.get("pp_balance", "layers")) if "strategy" in cfg else "layers"
     bpp = bytes_per_param(plan.precision, plan.moments, False, False, plan.ema).total
     elem = 2 if plan.precision in MIXED_PRECISIONS else 4
     hidden = width(model, cfg)
-    hidden_bytes = plan.micro * plan.seq_len * hidden * elem if hidden else None
+    # Under a sequence-parallel plan a stage sends the next its rank's part of the sequence.
+    hidden_bytes = plan.micro * plan.seq_len * hidden * elem / (T if sequence else 1) if hidden else None
     gpt = cfg.model if plan.gpt else None
     rows = []
-    for P in (p for p in SIZES if world % p == 0):
-        data = world // P
+    for P in (p for p in SIZES if world % (p * T) == 0):
+        data = world // (P * T)
         M, rest = divmod(plan.global_size, plan.micro * data)
         if rest or not M:
             continue
@@ -124,7 +129,7 @@ def pipeline_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
             if P > 1 and (why := microbatch_problem(schedule, P, M)):
                 rows.append(f"  {P:>2}  {name:<24} {data:>5} {M:>4}  refused: {why}")
                 continue
-            params = _stage_params(model, split)
+            params = _stage_params(model, split, divided, T)
             ranks = [held_stages(schedule, P, per_rank, r) if P > 1 else [0] for r in range(P)]
             state = max(sum(params[i] for i in mine) for mine in ranks) * bpp / data
             acts = 0.0
@@ -132,7 +137,7 @@ def pipeline_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
                 layers = max(sum(split.ranges[i][1] - split.ranges[i][0] for i in mine) for mine in ranks)
                 in_flight = M if schedule == "gpipe" else min(M, P)
                 shape = (plan.seq_len, plan.micro, gpt.n_embd, gpt.n_head, layers, gpt.vocab_size, elem)
-                acts = in_flight * activation_bytes(*shape)
+                acts = in_flight * activation_bytes(*shape, tensor=T, sequence=sequence)
             peak = state + acts
             sent = (
                 "?" if hidden_bytes is None else f"{stage_bytes_sent(schedule, P, per_rank, M, hidden_bytes) / 1e6:.2f}"
@@ -142,13 +147,31 @@ def pipeline_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
                 f"{'yes' if peak <= plan.device.usable else 'no':>4} {bubble(schedule, P, M, per_rank):>7.1%} "
                 f"{sent:>9}"
             )
+    tensor = f" strategy.tp_size={T}" if T > 1 else ""
+    ranks = "P x T ranks" if T > 1 else "P ranks"
     return [
         "",
-        "pipeline parallel (strategy=fsdp strategy.pp_size=P strategy.pp_schedule=S; looped schedules at 2 stages "
-        "per rank)",
+        f"pipeline parallel (strategy=fsdp strategy.pp_size=P strategy.pp_schedule=S{tensor}; looped schedules at 2 "
+        "stages per rank)",
         "   P  schedule                  data    M  state GB  acts GB  peak GB  fits  bubble   sent MB",
         *rows,
-        "per pipeline rank, per optimizer step, its largest: P ranks hold the stages and read the same micro-batches "
-        "(data = G/P, M = the accumulation); bubble: the share of the step it waits; sent MB: the hidden states and "
-        "their gradients it sends to other stages' ranks (docs/planning.md)",
+        f"per pipeline rank, per optimizer step, its largest: {ranks} hold the stages and read the same micro-batches "
+        f"(data = G/{'(P x T)' if T > 1 else 'P'}, M = the accumulation); bubble: the share of the step it waits; "
+        "sent MB: the hidden states and their gradients it sends to other stages' ranks (docs/planning.md)",
     ]
+
+
+def _tensor_parallel(model: Any, cfg: Any) -> tuple[int, set[int], bool]:
+    """The run's tensor parallel within each stage: (T, the ids of the parameters its plan splits, whether the plan
+    splits the sequence); (1, none, False) without it."""
+    from omegaconf import OmegaConf
+
+    from strategies.tp_plans import SEQUENCE, chosen_plan, resolve, split_tensors
+
+    T = int(OmegaConf.select(cfg, "strategy.tp_size", default=1) or 1)
+    if T == 1:
+        return 1, set(), False
+    explicit = OmegaConf.select(cfg, "strategy.tp_plan", default=None)
+    plan, _ = chosen_plan(model, OmegaConf.to_container(explicit) if explicit is not None else None)
+    resolved = resolve(model, plan)
+    return T, split_tensors(model, resolved), any(style in SEQUENCE for style in resolved.values())
