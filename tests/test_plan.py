@@ -499,6 +499,19 @@ def test_auto_picks_the_least_communication_that_fits_and_runs_it(tmp_path: Path
     assert len(run.losses()) == 2
 
 
+def test_an_auto_pick_of_tensor_parallel_keeps_the_global_batch(tmp_path: Path) -> None:
+    """A tensor-parallel group reads one micro-batch: auto's pick of fsdp_tp on 2 ranks runs 1 data-parallel rank at
+    accumulation 4 (16 = 4 x 4 x 1), as strategy=fsdp_tp does, not auto's own 2 data-parallel ranks at 2 (a global
+    batch of 8, each rank of the group fed its own samples)."""
+    run = _auto(tmp_path, "strategy.candidates=[fsdp_tp]").check()
+    assert (
+        "auto: picked fsdp_tp" in run.stdout and "micro 4 x accumulation 4 x data-parallel 1 = global 16" in run.stdout
+    )
+    derived = OmegaConf.load(run.run_dir / "resolved.yaml").derived
+    assert (derived.tensor_size, derived.accumulation) == (2, 4)
+    assert {m["accumulation"] for m in run.metrics} == {4}
+
+
 def test_auto_runs_ddp_when_everything_fits(tmp_path: Path) -> None:
     run = _auto(tmp_path).check()
     assert "auto: picked ddp" in run.stdout

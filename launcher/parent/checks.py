@@ -123,7 +123,8 @@ def check_job(cfg: DictConfig) -> None:
     from launcher.plan.commands import choose, choose_micro, is_auto
 
     frozen = shaped(freeze(cfg), os.environ, [])
-    derived = derive(frozen, visible_cuda_devices())
+    cuda = visible_cuda_devices()
+    derived = derive(frozen, cuda)
     if derived.micro_auto:
         frozen.batch.micro_size = 1
     single_threaded_before_fork(frozen, derived)  # a sweep's checks run in the process its jobs fork from
@@ -133,7 +134,7 @@ def check_job(cfg: DictConfig) -> None:
     sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None
     with contextlib.redirect_stdout(io.StringIO()):  # the plan's choices: for the job itself to print
         if is_auto(frozen):
-            _, frozen = choose(frozen, derived, model, sizes)
+            _, frozen, derived = choose(frozen, derived, model, sizes, cuda)
         strategy = check_protocol(frozen)
         if derived.micro_auto:
             frozen, derived = choose_micro(frozen, derived, sizes, strategy, None)

@@ -71,7 +71,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     no_grad = check_built(frozen, model, vocab)
     sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None  # the planner's, measured once
     if is_auto(frozen):  # strategy=auto: the planner's pick replaces it before anything else reads the config
-        name, frozen = choose(frozen, derived, model, sizes)
+        name, frozen, derived = choose(frozen, derived, model, sizes, cuda)
         if job and "choices" in job:
             job = {**job, "choices": {**job["choices"], "strategy": name}}  # record what runs, for reports and names
     strategy = check_protocol(frozen)  # before the planner reads it (a user's, written to an older protocol)

@@ -182,20 +182,25 @@ def plan_command(overrides: Sequence[str], measured: Callable[[DictConfig, Any],
     return 0
 
 
-def choose(frozen: DictConfig, derived: Derived, model: Any, size: ModelSize) -> tuple[str, DictConfig]:
-    """strategy=auto, inside the Hydra app: the name and frozen config of the strategy with the least communication
-    whose per-rank memory fits the device and whose own checks pass. Prints why (one line per candidate);
-    raises ConfigError (exit 2) saying what would fit when nothing does. `model` is built on the meta device, `size`
-    its sizes (`launcher.models.meta.measure`)."""
+def choose(
+    frozen: DictConfig, derived: Derived, model: Any, size: ModelSize, cuda: int
+) -> tuple[str, DictConfig, Derived]:
+    """strategy=auto, inside the Hydra app: the name, frozen config and derived values of the strategy with the least
+    communication whose per-rank memory fits the device and whose own checks pass. Prints why (one line per
+    candidate); raises ConfigError (exit 2) saying what would fit when nothing does. `model` is built on the meta
+    device, `size` its sizes (`launcher.models.meta.measure`), `cuda` the GPUs visible (`derive`'s)."""
     from launcher.plan.tensor import with_tensor
 
     configs = _candidates(frozen)
     plan = with_tensor(make_plan(frozen, derived, size, _strategies(configs)), model, frozen)
     blocked: dict[str, str] = {}
+    own = derived
     while (pick := plan.pick(blocked)) is not None:  # the best that fits, unless its own checks refuse it here
-        candidate = OmegaConf.merge(configs[pick.name], {"derived": derived.as_dict()})
         try:
-            check_strategy(candidate, model)
+            # The pick's own derived values, not auto's: a tensor-parallel group reads one micro-batch, so its
+            # data-parallel ranks and its accumulation are its own (the batch contract: the same global batch).
+            own = dataclasses.replace(derive(configs[pick.name], cuda), micro_auto=derived.micro_auto)
+            check_strategy(OmegaConf.merge(configs[pick.name], {"derived": own.as_dict()}), model)
             break
         except ConfigError as e:
             blocked[pick.name] = str(e)
@@ -205,7 +210,7 @@ def choose(frozen: DictConfig, derived: Derived, model: Any, size: ModelSize) ->
     if pick is None:
         raise ConfigError(f"strategy=auto: {describe_pick(plan, blocked)}")
     print(f"auto: picked {describe_pick(plan, blocked)}", flush=True)
-    return pick.name, configs[pick.name]
+    return pick.name, configs[pick.name], own
 
 
 def memory_advice(resolved: DictConfig, available: float) -> str:
