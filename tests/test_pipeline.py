@@ -113,6 +113,10 @@ def test_pp2_tp2_dp2_follows_one_process(conformance_dir: Path, one_process: Run
     assert loss <= TOLERANCE and val <= TOLERANCE and norm <= NORM
     _sent_as_planned(pp, "1f1b", sequence_parts=2)
     assert all(m["tp_comm_bytes"] > 0 for m in pp.metrics)
+    # Its step-6 checkpoint (DCP, each stage's shards over two mesh dimensions, the whole model's names) resumed in
+    # one process goes on with its losses.
+    resumed = launch(tmp_path, *JOB, "strategy=ddp", "gpus=1", f"resume={_ckpt(pp, 6)}", name="one").check()
+    assert _max_diff(pp, resumed, range(7, 13)) <= 2 * TOLERANCE
 
 
 BF16_BOUND = 0.05
