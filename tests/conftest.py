@@ -275,19 +275,6 @@ for builder in (ShareMemCommBuilder(), CPUAdamBuilder(), AsyncIOBuilder()):
 """
 
 
-@pytest.fixture(scope="session", autouse=True)
-def deepspeed_ops(request: pytest.FixtureRequest) -> None:
-    """DeepSpeed's CPU ops (its shared-memory collectives, CPU Adam, and async I/O where libaio is installed) compiled
-    once, before any test starts a run that loads them, as `.ci/run` does: a first compile inside a run would count
-    against that run's timeout, and a compile killed there leaves torch's lock file for every later run to wait on.
-    Each test process asks; torch's own lock lets one compile while the others wait, and a compiled op just loads.
-    A session of unit tests only (`-m unit`) starts no run, and so compiles nothing."""
-    if all(item.get_closest_marker("unit") is not None for item in request.session.items):
-        return
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    subprocess.run([sys.executable, "-c", BUILD_OPS], env=env, capture_output=True, timeout=1500)
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """The session's start-up (pytest's, torch's and every test module's imports, the collected tests) is not
     scanned by the cycle collector as it grows (`launcher.base.process.hold_collector`, as the launcher's is)..."""
@@ -304,6 +291,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from launcher.base.process import release_collector
 
     release_collector()
+    _deepspeed_ops(session.items)
+
+
+def _deepspeed_ops(items: list[pytest.Item]) -> None:
+    """DeepSpeed's CPU ops (its shared-memory collectives, CPU Adam, and async I/O where libaio is installed) compiled
+    once, before any test starts a run that loads them, as `.ci/run` does: a first compile inside a run would count
+    against that run's timeout, and a compile killed there leaves torch's lock file for every later run to wait on.
+    Compiled here, once collected and before the first test, not in a fixture: a fixture's setup counts against its
+    test's own timeout (a short one cannot hold minutes of compile). Each test process asks; torch's own lock lets one
+    compile while the others wait, and a compiled op just loads. A session of unit tests only (`-m unit`) starts no
+    run, and so compiles nothing."""
+    if all(item.get_closest_marker("unit") is not None for item in items):
+        return
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    subprocess.run([sys.executable, "-c", BUILD_OPS], env=env, capture_output=True, timeout=1500)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
