@@ -340,3 +340,43 @@ def test_the_main_tables_tensor_parallel_row_holds_its_activations_and_traffic(t
         == plan["activations"]["bytes"]
         > 1.8 * by_name["fsdp_tp"]["activation_bytes"]
     )
+
+
+@pytest.mark.unit
+def test_launch_plan_figures_the_runs_own_tp_plan_not_the_models(tmp_path: Path) -> None:
+    """With strategy.tp_plan set (here the MLPs alone), `launch plan`'s tensor section and the main table's fsdp_tp
+    row count what that plan splits and sends, not what the model's own plan would."""
+    import json
+
+    import yaml
+
+    from strategies.comm import ring_sent_elements
+    from strategies.declarations import WIRE_BYTES
+    from strategies.tp_plans import split_params
+
+    mlp = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+    given = "strategy.tp_plan={" + ", ".join(f"{k}: {v}" for k, v in mlp.items()) + "}"
+    job = ["plan", "model=gpt_7b", "gpus=8", "precision=bf16", "strategy=fsdp_tp"]
+    own, mine = cli_here(tmp_path, *job), cli_here(tmp_path, *job, given)
+    assert own.returncode == mine.returncode == 0, mine.stderr
+    plan = json.loads(cli_here(tmp_path, *job, given, "plan.format=json").stdout)
+    cfg = yaml.safe_load(cli_here(tmp_path, *job[1:], "--cfg", "job", "--resolve").stdout)
+    m = {k: cfg["model"][k] for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")}
+    with torch.device("meta"):
+        model = GPT(**m)
+    params = sum(p.numel() for p in model.parameters())
+    share = f"{2 * m['n_layer']} modules planned, {split_params(model, resolve(model, mlp)) / params:.2%} of"
+    assert share in mine.stdout and share not in own.stdout, mine.stdout
+
+    def row(out: str) -> list[str]:
+        return next(x.split() for x in out.split("tensor parallel (")[1].splitlines() if x.startswith("   2 "))
+
+    seq, micro, accumulation = cfg["data"]["seq_len"], plan["batch"]["micro"], int(row(mine.stdout)[2])
+    sent = sum(
+        c.times * ring_sent_elements(c.elements, 2, c.kind) * WIRE_BYTES[c.dtype]
+        for c in tp_collectives(model, mlp, micro * seq, accumulation, "bf16")
+    )
+    assert float(row(mine.stdout)[10]) == pytest.approx(sent / 1e9, abs=0.006)
+    assert abs(float(row(own.stdout)[10]) - sent / 1e9) > 0.05
+    fsdp_tp = next(s for s in plan["strategies"] if s["name"] == "fsdp_tp")
+    assert fsdp_tp["comm_bytes"] / 1e9 == pytest.approx(float(row(mine.stdout)[9]) + sent / 1e9, abs=0.011)

@@ -149,7 +149,8 @@ def _pretrained_as_config(model_cfg: DictConfig) -> Any:
     return build
 
 
-def measure(model: Any) -> ModelSize:
+def measure(model: Any, tp_plan: dict[str, str] | None = None) -> ModelSize:
+    """The model's sizes; `tensor_split` under `tp_plan`, the run's tensor-parallel plan (None: the model's own)."""
     from strategies.tp_plans import model_plan, resolve, split_params
 
     params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied parameter once
@@ -160,7 +161,7 @@ def measure(model: Any) -> ModelSize:
     # parameter is counted here once per module that holds it.
     held = sum(p.numel() for m in model.modules() for p in m.parameters(recurse=False))
     rule = label_rule(model)
-    split = split_params(model, resolve(model, model_plan(model)))
+    split = split_params(model, resolve(model, model_plan(model) if tp_plan is None else tp_plan))
     return ModelSize(
         params,
         largest,

@@ -125,8 +125,9 @@ def measure(frozen: DictConfig, model: Any) -> ModelSize:
     from launcher.models.meta import measure as sizes
     from launcher.optim.build import rules_for
     from launcher.optim.groups import HIDDEN, assign
+    from launcher.plan.tensor import run_plan
 
-    size = sizes(model)
+    size = sizes(model, run_plan(model, frozen))
     try:
         rules = rules_for(frozen.optim, locate(str(frozen.optim._target_)))
     except Exception:  # an optimizer that does not import, a bad rule: `check_optimizer` says which (launch plan: none)

@@ -166,12 +166,11 @@ def _tensor_parallel(model: Any, cfg: Any) -> tuple[int, set[int], bool]:
     splits the sequence); (1, none, False) without it."""
     from omegaconf import OmegaConf
 
-    from strategies.tp_plans import SEQUENCE, chosen_plan, resolve, split_tensors
+    from launcher.plan.tensor import run_plan
+    from strategies.tp_plans import SEQUENCE, resolve, split_tensors
 
     T = int(OmegaConf.select(cfg, "strategy.tp_size", default=1) or 1)
     if T == 1:
         return 1, set(), False
-    explicit = OmegaConf.select(cfg, "strategy.tp_plan", default=None)
-    plan, _ = chosen_plan(model, OmegaConf.to_container(explicit) if explicit is not None else None)
-    resolved = resolve(model, plan)
+    resolved = resolve(model, run_plan(model, cfg))
     return T, split_tensors(model, resolved), any(style in SEQUENCE for style in resolved.values())

@@ -29,11 +29,23 @@ from strategies.declarations import WIRE_BYTES
 SIZES = (1, 2, 4, 8)
 
 
+def run_plan(model: Any, cfg: Any) -> dict[str, str]:
+    """The tensor-parallel plan the run would use: `strategy.tp_plan` where set, else the model's own."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from strategies.tp_plans import chosen_plan
+
+    explicit = OmegaConf.select(cfg, "strategy.tp_plan", default=None)
+    given = OmegaConf.to_container(explicit) if isinstance(explicit, DictConfig) else None
+    return chosen_plan(model, given)[0]
+
+
 def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
     """The section's lines; none for a model without a tensor-parallel plan."""
-    from strategies.tp_plans import SEQUENCE, model_plan, resolve
+    from strategies.tp_plans import SEQUENCE, resolve
 
-    resolved = resolve(model, model_plan(model))
+    planned = run_plan(model, cfg)
+    resolved = resolve(model, planned)
     if not any(style != "replicate" for style in resolved.values()):
         return []
     d, P = plan.derived, plan.model.params
@@ -52,7 +64,7 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
         held = tensor_rank_params(P, split, t) / data  # parameters per rank
         unit = (plan.model.largest_unit or P) / t
         acts, kept = tensor_activations(plan, cfg, t, sequence, plan.micro)
-        tp = tensor_traffic(plan, model, t, accumulation, plan.micro)
+        tp = tensor_traffic(plan, model, planned, t, accumulation, plan.micro)
         gathers = 2 * accumulation * (data - 1) / data * held * data * WIRE_BYTES[dtype]  # all-gathered, resharded
         fsdp = gathers + (data - 1) / data * held * data * 4  # + the fp32 reduce-scatter
         accumulating = held * data * 4 * (1 - 1 / data) if accumulation > 1 else 0.0  # FSDP's whole gradients, K > 1
@@ -93,12 +105,12 @@ def tensor_activations(plan: Plan, cfg: Any, t: int, sequence: bool, micro: int)
     )
 
 
-def tensor_traffic(plan: Plan, model: Any, t: int, accumulation: int, micro: int) -> float:
-    """Bytes a rank sends per optimizer step for the activations' collectives of the model's plan over `t` ranks."""
-    from strategies.tp_plans import model_plan, tp_collectives
+def tensor_traffic(plan: Plan, model: Any, planned: dict[str, str], t: int, accumulation: int, micro: int) -> float:
+    """Bytes a rank sends per optimizer step for the activations' collectives of the run's plan over `t` ranks."""
+    from strategies.tp_plans import tp_collectives
 
     dtype = plan.precision if plan.precision in MIXED_PRECISIONS else "fp32"
-    collectives = tp_collectives(model, model_plan(model), micro * plan.seq_len, accumulation, dtype)
+    collectives = tp_collectives(model, planned, micro * plan.seq_len, accumulation, dtype)
     return sum(c.times * ring_sent_elements(c.elements, t, c.kind) * WIRE_BYTES[c.dtype] for c in collectives)
 
 
@@ -109,9 +121,10 @@ def with_tensor(plan: Plan, model: Any, cfg: Any) -> Plan:
     from dataclasses import replace
 
     from launcher.plan.costs import split_comm_seconds
-    from strategies.tp_plans import SEQUENCE, model_plan, resolve
+    from strategies.tp_plans import SEQUENCE, resolve
 
-    resolved = resolve(model, model_plan(model))
+    planned = run_plan(model, cfg)
+    resolved = resolve(model, planned)
     sequence = any(style in SEQUENCE for style in resolved.values())
     found = []
     for sp in plan.strategies:
@@ -121,7 +134,7 @@ def with_tensor(plan: Plan, model: Any, cfg: Any) -> Plan:
             continue
         accumulation = max(plan.global_size // (plan.micro * plan.derived.world_size // t), 1)
         acts, _ = tensor_activations(plan, cfg, t, sequence, plan.micro)
-        tp = tensor_traffic(plan, model, t, accumulation, plan.micro)
+        tp = tensor_traffic(plan, model, planned, t, accumulation, plan.micro)
         across = sp.internode_bytes + (tp if t > plan.derived.gpus else 0.0)
         within = sp.comm_bytes - sp.internode_bytes + (0.0 if t > plan.derived.gpus else tp)
         seconds = split_comm_seconds(within, across, plan.link_gbps, plan.internode_gbps)
