@@ -34,7 +34,7 @@ from strategies.moe import (
     units_inside,
     use_every_parameter,
 )
-from strategies.parallelize import apply_ac, apply_compile, apply_fsdp, apply_tp
+from strategies.parallelize import apply_ac, apply_compile, apply_fsdp, apply_tp, device_meshes
 from strategies.state import load_torch_state_dict, torch_state_dict
 from strategies.stepping import autocast_dtype, optimizer_step, scaler_scale, step_figures
 from strategies.tensor_parallel import TensorParallel
@@ -253,7 +253,7 @@ class FSDP:
         model = build_model(meta=True)
         held = held_tensors(model)  # a scheduler's noise schedule, a lookup table: neither parameters nor buffers
         units = unit_modules(model, unit_classes(model, self.shard_units))
-        mesh, tp_mesh = self.tp.meshes(ctx.device_type, replicate, shard)
+        mesh, tp_mesh, *_ = device_meshes(ctx.device_type, replicate, shard, self.tp.size)
         # torchtitan's order, one step after another (`strategies.parallelize`): tensor parallel, then activation
         # checkpointing and compile of what it split, then data-parallel sharding around them.
         apply_tp(model, self.tp, tp_mesh)

@@ -7,17 +7,43 @@
    sharding (FSDP's all-gathers and reduce-scatters stay outside the graph, where they overlap with compute);
 4. `apply_fsdp`: data-parallel sharding (FSDP2's `fully_shard`), innermost unit first.
 
-`strategies.fsdp.FSDP.setup` calls them in that order on the model built on the meta device.
+`strategies.fsdp.FSDP.setup` calls them in that order on the model built on the meta device (the pipeline's, on
+each stage), over the meshes `device_meshes` makes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from strategies.units import compile_units
+
+
+class Meshes(NamedTuple):
+    """The run's device meshes: FSDP's (1-D, or HSDP's replicate x shard), tensor parallel's and the pipeline's (None:
+    that dimension is 1), and the whole one they are dimensions of."""
+
+    dp: Any
+    tp: Any
+    pp: Any
+    whole: Any
+
+
+def device_meshes(device_type: str, replicate: int, shard: int, tp: int = 1, pp: int = 1) -> Meshes:
+    """One device mesh of (pp x) (replicate x) shard (x tp), torchtitan's order: the `tp` consecutive ranks of a node
+    one tensor-parallel group, a stage's data-parallel ranks next (FSDP's gathers on the fastest links left), a
+    pipeline across them; each dimension of size 1 left out."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = ("replicate", "shard") if replicate > 1 else ("shard",)  # HSDP: dim 0 replicates, dim 1 shards
+    dims = {"pp": pp, "replicate": replicate, "shard": shard, "tp": tp}
+    names = tuple(n for n in ("pp", *dp, "tp") if n in dp or dims[n] > 1)
+    mesh = init_device_mesh(device_type, tuple(dims[n] for n in names), mesh_dim_names=names)
+    if names == dp:
+        return Meshes(mesh, None, None, mesh)
+    return Meshes(mesh[dp], mesh["tp"] if tp > 1 else None, mesh["pp"] if pp > 1 else None, mesh)
 
 
 def apply_tp(model: nn.Module, tp: Any, tp_mesh: Any) -> None:

@@ -33,7 +33,7 @@ from strategies.base import ModelFactory, OptimizerFactory, RunContext
 from strategies.declarations import Conformance
 from strategies.ema import EMA, ema_of
 from strategies.fsdp import DTYPES, FSDP, _counting_collectives
-from strategies.parallelize import apply_tp
+from strategies.parallelize import apply_tp, device_meshes
 from strategies.pipeline_layout import (
     BALANCE,
     LOOPED,
@@ -148,7 +148,6 @@ class PipelineFSDP(FSDP):
 
     def setup(self, ctx: RunContext, build_model: ModelFactory, build_optimizer: OptimizerFactory) -> None:
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         self.ctx = ctx
@@ -156,17 +155,10 @@ class PipelineFSDP(FSDP):
         stage_world = ctx.world_size // P  # a stage's ranks: consecutive, a node's where they fill one
         gpus = None if ctx.local_world_size is None else min(ctx.local_world_size, stage_world)
         replicate, shard = self.mesh.groups(stage_world, gpus)  # its data-parallel ranks (of T each): hsdp's nodes
-        dp_names = ("shard",) if replicate == 1 else ("replicate", "shard")
-        dp_dims = (shard,) if replicate == 1 else (replicate, shard)
-        # (pp, data parallel, tp), torchtitan's order: the T consecutive ranks of a node one tensor-parallel group,
-        # the data-parallel ranks of a stage next (FSDP's gathers on the fastest links left), a pipeline across them.
-        tp_dims, tp_names = ((T,), ("tp",)) if T > 1 else ((), ())
-        mesh = init_device_mesh(ctx.device_type, (P, *dp_dims, *tp_dims), mesh_dim_names=("pp", *dp_names, *tp_names))
+        dp_mesh, tp_mesh, pp_mesh, mesh = device_meshes(ctx.device_type, replicate, shard, T, P)  # (pp, dp, tp)
         self._counter.world_size = shard
-        dp_mesh = mesh[dp_names] if replicate > 1 else mesh["shard"]
-        tp_mesh = mesh["tp"] if T > 1 else None
-        self.pp_group = mesh["pp"].get_group()
-        pp_rank = mesh.get_local_rank("pp")
+        self.pp_group = pp_mesh.get_group()
+        pp_rank = pp_mesh.get_local_rank()
         whole = build_model() if ctx.rank == 0 else None
         meta = build_model(meta=True)
         split = self._split(meta)

@@ -89,19 +89,6 @@ class TensorParallel:
             flush=True,
         )
 
-    def meshes(self, device_type: str, replicate: int, shard: int) -> tuple[Any, Any]:
-        """(FSDP's mesh, the tensor-parallel mesh or None): one device mesh of (replicate x) shard x T, its last
-        dimension the T consecutive ranks of a node."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        dims, names = (shard,), ("shard",)
-        if replicate > 1:  # HSDP: dim 0 replicates, dim 1 shards (fully_shard's 2-D mesh)
-            dims, names = (replicate, shard), ("replicate", "shard")
-        if self.size == 1:
-            return init_device_mesh(device_type, dims, mesh_dim_names=names), None
-        mesh = init_device_mesh(device_type, (*dims, self.size), mesh_dim_names=(*names, "tp"))
-        return mesh[names], mesh["tp"]
-
     def apply(self, model: nn.Module, mesh: Any) -> None:
         """Split the planned modules over `mesh` (torch's parallelize_module), replicate every other parameter over
         it, and tie again what was tied."""
