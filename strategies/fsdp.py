@@ -123,6 +123,7 @@ class FSDP:
         pp_stages_per_rank: int | None,
         pp_split: list[int] | None,
         pp_balance: str,
+        pp_across_nodes: bool,
     ) -> None:
         if pp_size > 1 and not self.stages_model:
             raise ValueError(
@@ -132,6 +133,7 @@ class FSDP:
         self.mesh = Mesh(shard_size, replicate_size, tp_size)
         self.pp_size, self.pp_schedule, self.pp_stages_per_rank = pp_size, pp_schedule, pp_stages_per_rank
         self.pp_split, self.pp_balance = None if pp_split is None else [int(i) for i in pp_split], pp_balance
+        self.pp_across_nodes = pp_across_nodes  # weighed by the parent (`launcher.plan.pipeline.check_pipeline_nodes`)
         self.tp = TensorParallel(tp_size, tp_plan, tp_across_nodes)
         self.shard_units = None if shard_units is None else [str(name) for name in shard_units]
         self.reshard_after_forward = reshard_after_forward

@@ -5,6 +5,7 @@ checkpoint resumes in one process, and what cannot run is refused before any wor
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -442,3 +443,65 @@ def test_a_non_finite_loss_on_the_last_stage_is_not_committed(tmp_path: Path) ->
     folder = run.run_dir / "checkpoints"
     before, skipped = (_flat(_state(folder / f"step_{s:08d}", tmp_path / f"{s}.pt")) for s in (step - 1, step))
     assert _equal(before, skipped)
+
+
+ACROSS = [  # a 7B GPT of 4096-token rows, two nodes of 8, each stage a node, 2 micro-batches per step
+    "model=gpt_7b",
+    "strategy=fsdp",
+    "strategy.pp_size=2",
+    "precision=bf16",
+    "data.seq_len=4096",
+    "batch.global_size=16",
+    "batch.micro_size=1",
+    "nodes=2",
+    "gpus=8",
+    "trainer.peak_tflops=989",
+]
+
+
+def _weighed(*overrides: str) -> tuple[Any, Any, Any]:
+    from hydra import compose, initialize_config_module
+
+    from launcher.config import derive, freeze
+    from launcher.models.meta import build_on_meta
+
+    with initialize_config_module("launcher.conf", version_base="1.3"):
+        cfg = freeze(compose("config", overrides=[*ACROSS, *overrides]))
+    return cfg, derive(cfg, 0), build_on_meta(cfg.model)
+
+
+@pytest.mark.unit
+def test_a_pipeline_across_nodes_is_weighed_against_fsdp_over_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    """Where its stages are on different nodes, the plan weighs the pipeline (its bubble, (P-1)/(M+P-1) of the step,
+    and the hidden states it sends between nodes) against FSDP over every rank (its gathers on the network): at
+    50 GB/s between nodes the pipeline saves more than it costs and runs, said in one line; at 400 GB/s FSDP's
+    gathers cost less than the bubble, and the pipeline is refused unless strategy.pp_across_nodes accepts it."""
+    from launcher.config import ConfigError
+    from launcher.plan.pipeline import check_pipeline_nodes, stage_bytes_sent, step_seconds
+
+    cfg, derived, model = _weighed("plan.internode_gbps=50")
+    pipelined, flat, bubble, sent = step_seconds(model, cfg, 16, 8, 989e12)
+    M = 16 // (1 * 8)  # the global batch over a stage's 8 data-parallel ranks, a micro-batch of 1
+    assert bubble == pytest.approx(1 / (M + 1)) and sent == stage_bytes_sent("1f1b", 2, 2, M, 4096 * 4096 * 2)
+    assert pipelined < flat
+    check_pipeline_nodes(cfg, derived, model)
+    said = capsys.readouterr().out
+    assert said.startswith("launch: pipeline across 2 nodes: the plan puts a step at ") and "a 33% bubble" in said
+
+    cfg, derived, model = _weighed("plan.internode_gbps=400")
+    pipelined, faster, _, _ = step_seconds(model, cfg, 16, 8, 989e12)
+    assert faster < flat and pipelined > faster  # the network's speed is FSDP's gain alone: the stages' is in a node
+    with pytest.raises(ConfigError, match=r"^strategy.pp_size=2 across 2 nodes costs more than it saves: the plan"):
+        check_pipeline_nodes(cfg, derived, model)
+    check_pipeline_nodes(*_weighed("plan.internode_gbps=400", "strategy.pp_across_nodes=true"))
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.unit
+def test_a_pipeline_across_nodes_that_costs_more_than_it_saves_is_refused_before_start(tmp_path: Path) -> None:
+    """The same refusal from `launch`, one line naming the key that accepts it, before anything is written."""
+    rdzv = ["rdzv.endpoint=127.0.0.1:29999", "rdzv.id=pp"]
+    said = launch_here(tmp_path, *ACROSS, "plan.internode_gbps=400", *rdzv, name="pp").refused()
+    assert said.startswith("launch: error: strategy.pp_size=2 across 2 nodes costs more than it saves: "), said
+    assert said.endswith("or strategy.pp_across_nodes=true to run it anyway"), said
+    assert not (tmp_path / "pp" / "resolved.yaml").exists()

@@ -155,7 +155,7 @@ ELSEWHERE = {
     for key in ("tp_size", "tp_plan", "tp_across_nodes")
 } | {
     f"strategy.{key}": "pipeline parallel runs under FSDP2 alone: use strategy.pp_size=P on strategy=fsdp or hsdp"
-    for key in ("pp_size", "pp_schedule", "pp_stages_per_rank", "pp_split", "pp_balance")
+    for key in ("pp_size", "pp_schedule", "pp_stages_per_rank", "pp_split", "pp_balance", "pp_across_nodes")
 }
 """Keys of one strategy's that another does not take, with where they belong."""
 

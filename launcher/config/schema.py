@@ -164,6 +164,9 @@ class FSDPStrategyConfig:
     pp_balance: str = "layers"
     """How the automatic split balances the stages: layers (as many per stage) | params (the fewest parameters on
     the largest stage, the embeddings counted on the first and the head on the last)."""
+    pp_across_nodes: bool = False
+    """Run a pipeline across nodes that the plan says costs more a step (its bubble, the hidden states it sends)
+    than it saves (FSDP's gathers over every rank on the network); unset: such a pipeline is refused before start."""
 
 
 class ZeroOffload(Enum):

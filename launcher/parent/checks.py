@@ -121,6 +121,7 @@ def check_job(cfg: DictConfig) -> None:
     from launcher.models.meta import build_on_meta
     from launcher.models.meta import measure as model_size
     from launcher.plan.commands import choose, choose_micro, is_auto
+    from launcher.plan.pipeline import check_pipeline_nodes
 
     frozen = shaped(freeze(cfg), os.environ, [])
     cuda = visible_cuda_devices()
@@ -139,3 +140,4 @@ def check_job(cfg: DictConfig) -> None:
         if derived.micro_auto:
             frozen, derived = choose_micro(frozen, derived, sizes, strategy, None)
     check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), model)
+    check_pipeline_nodes(frozen, derived, model)

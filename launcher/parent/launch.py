@@ -57,6 +57,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     from launcher.models.meta import measure as model_size
     from launcher.optim.checks import measure
     from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak, planned_state
+    from launcher.plan.pipeline import check_pipeline_nodes
     from launcher.recovery.adapt import oom_restarts, read_adapted
 
     frozen = shaped(freeze(cfg), os.environ, (job or {}).get("overrides", []))  # a cluster's nodes and gpus
@@ -103,6 +104,7 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     _name_logger_run(resolved)
     frozen = OmegaConf.create(resolved)
     requirements = check_strategy(frozen, model)
+    check_pipeline_nodes(frozen, derived, model)  # a pipeline whose stages are on different nodes: worth it?
     found = check_resume(frozen, run_dir, model)
     ownership = claim_run(frozen, run_dir, found, rdzv.run_id if derived.nodes > 1 else None)  # and its run id
     path = run_dir / "resolved.yaml"

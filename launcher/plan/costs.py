@@ -178,6 +178,13 @@ def comm_bytes(collectives: Iterable[Collective], world_size: int, mesh: Mesh, g
     return sum(comm_split(collectives, world_size, mesh, gpus))
 
 
+def fsdp_step_bytes(params: float, ranks: int, micro_steps: int, wire_bytes: int) -> float:
+    """Bytes a rank sends in a step of FSDP over `ranks` sharding `params`: each micro-step's parameters all-gathered
+    twice (forward, backward) at the wire's width, the gradients reduce-scattered once in fp32, each a ring's
+    (ranks - 1)/ranks of the whole."""
+    return (ranks - 1) / ranks * params * (2 * micro_steps * wire_bytes + 4)
+
+
 def tensor_rank_params(params: float, split: float, tensor_size: int) -> float:
     """The parameters one rank of a tensor-parallel group of `tensor_size` holds: 1/T of the `split` ones its plan
     splits (`ModelSize.tensor_split`), every other one whole (replicated over the group); `params` where T = 1."""

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from launcher.plan.costs import GB, MIXED_PRECISIONS, activation_bytes, bytes_per_param
 from launcher.plan.fit import Plan
 
@@ -164,8 +166,6 @@ def pipeline_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
 def _tensor_parallel(model: Any, cfg: Any) -> tuple[int, set[int], bool]:
     """The run's tensor parallel within each stage: (T, the ids of the parameters its plan splits, whether the plan
     splits the sequence); (1, none, False) without it."""
-    from omegaconf import OmegaConf
-
     from launcher.plan.tensor import run_plan
     from strategies.tp_plans import SEQUENCE, resolve, split_tensors
 
@@ -174,3 +174,81 @@ def _tensor_parallel(model: Any, cfg: Any) -> tuple[int, set[int], bool]:
         return 1, set(), False
     resolved = resolve(model, run_plan(model, cfg))
     return T, split_tensors(model, resolved), any(style in SEQUENCE for style in resolved.values())
+
+
+def step_seconds(model: Any, cfg: Any, world: int, gpus: int, peak_flops: float) -> tuple[float, float, float, float]:
+    """(a step's seconds under the run's pipeline, under FSDP over every rank at the same tensor parallel, the
+    pipeline's bubble, the bytes a pipeline rank sends to other stages) by the plan's figures, for a pipeline whose
+    stages are on different nodes. Each is compute at the device's peak (6 FLOPs per parameter and token of a
+    rank's share), stretched by the bubble under the pipeline, plus FSDP's gathers and reduce-scatters
+    (`fsdp_step_bytes`: over a stage's D ranks, within a node where D x T fits one; over all G/T ranks across nodes
+    without the pipeline) and the hidden states sent between stages across nodes, one after another (no overlap).
+    Compute at the peak is the least it can take: the bubble's cost is a lower bound, the pipeline's case its best."""
+    from launcher.plan.costs import comm_seconds, fsdp_step_bytes
+    from strategies.declarations import WIRE_BYTES
+    from strategies.pipeline_layout import held_stages, plan_split, stage_count
+
+    s, precision = cfg.strategy, str(cfg.precision)
+    P, schedule, per_rank = int(s.pp_size), str(s.pp_schedule), int(s.get("pp_stages_per_rank") or 2)
+    T, divided, sequence = _tensor_parallel(model, cfg)
+    micro, global_size = int(cfg.batch.micro_size), int(cfg.batch.global_size)
+    seq = int(OmegaConf.select(cfg, "data.seq_len", default=None) or OmegaConf.select(cfg, "model.block_size"))
+    elem = 2 if precision in MIXED_PRECISIONS else 4
+    wire = WIRE_BYTES[precision if precision in MIXED_PRECISIONS else "fp32"]
+    link, across = float(cfg.plan.link_gbps), min(float(cfg.plan.link_gbps), float(cfg.plan.internode_gbps))
+    D, R = world // (P * T), world // T  # a stage's data-parallel ranks; FSDP's over every rank without the pipeline
+    M, K = global_size // (micro * D), global_size // (micro * R)
+    split = plan_split(model, stage_count(schedule, P, per_rank), s.get("pp_split"), str(s.pp_balance), P, schedule)
+    params = _stage_params(model, split, divided, T)
+    stage = max(sum(params[i] for i in held_stages(schedule, P, per_rank, r)) for r in range(P))
+    whole = sum(p.numel() / (T if id(p) in divided else 1) for p in model.parameters())
+    hidden = width(model, cfg)
+    sent = stage_bytes_sent(
+        schedule, P, per_rank, M, micro * seq * hidden * elem / (T if sequence else 1) if hidden else 0
+    )
+    b = bubble(schedule, P, M, per_rank)
+    gathers = fsdp_step_bytes(stage, D, M, wire)
+    pipelined = (
+        6 * stage * M * micro * seq / peak_flops / (1 - b)
+        + comm_seconds(gathers, link if D * T <= gpus else across)
+        + comm_seconds(sent, across)
+    )
+    flat = 6 * whole * K * micro * seq / peak_flops + comm_seconds(fsdp_step_bytes(whole, R, K, wire), across)
+    return pipelined, flat, b, sent
+
+
+def check_pipeline_nodes(cfg: Any, derived: Any, model: Any) -> None:
+    """A pipeline whose stages are on different nodes, weighed by the plan against FSDP over every rank (what it
+    saves: FSDP's gathers on the network; what it costs: its bubble and the hidden states it sends): ConfigError (one
+    line) where it costs more, unless strategy.pp_across_nodes says the user accepts it; one line where it is run."""
+    from launcher.config import ConfigError
+    from launcher.plan.costs import peak_tflops
+
+    P = int(OmegaConf.select(cfg, "strategy.pp_size", default=1) or 1)
+    if P == 1 or derived.nodes == 1 or OmegaConf.select(cfg, "strategy.pp_across_nodes", default=False):
+        return
+    tflops = OmegaConf.select(cfg, "trainer.peak_tflops", default=None)
+    if tflops is None and derived.device == "cuda":
+        import torch
+
+        tflops = peak_tflops(torch.cuda.get_device_name(0))
+    if tflops is None:
+        print(
+            f"launch: pipeline across {derived.nodes} nodes: not weighed against FSDP over every rank (the plan needs "
+            "the device's peak: set trainer.peak_tflops)",
+            flush=True,
+        )
+        return
+    pipelined, flat, b, sent = step_seconds(model, cfg, derived.world_size, derived.gpus, float(tflops) * 1e12)
+    said = (
+        f"the plan puts a step at {pipelined * 1e3:.3g} ms (a {b:.0%} bubble, {sent / 1e6:.3g} MB of hidden states "
+        f"sent between nodes), FSDP over all {derived.world_size} ranks at {flat * 1e3:.3g} ms"
+    )
+    if pipelined > flat:
+        raise ConfigError(
+            f"strategy.pp_size={P} across {derived.nodes} nodes costs more than it saves: {said} (at "
+            f"{float(tflops):g} TFLOPS, plan.internode_gbps={cfg.plan.internode_gbps:g}); use strategy.pp_size=1, "
+            "more micro-batches (a larger batch.global_size or a smaller batch.micro_size), or "
+            "strategy.pp_across_nodes=true to run it anyway"
+        )
+    print(f"launch: pipeline across {derived.nodes} nodes: {said}", flush=True)

@@ -20,6 +20,7 @@ from launcher.plan.costs import (
     activation_bytes,
     bytes_per_param,
     comm_seconds,
+    fsdp_step_bytes,
     tensor_rank_params,
 )
 from launcher.plan.fit import Plan
@@ -65,8 +66,7 @@ def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
         unit = (plan.model.largest_unit or P) / t
         acts, kept = tensor_activations(plan, cfg, t, sequence, plan.micro)
         tp = tensor_traffic(plan, model, planned, t, accumulation, plan.micro)
-        gathers = 2 * accumulation * (data - 1) / data * held * data * WIRE_BYTES[dtype]  # all-gathered, resharded
-        fsdp = gathers + (data - 1) / data * held * data * 4  # + the fp32 reduce-scatter
+        fsdp = fsdp_step_bytes(held * data, data, accumulation, WIRE_BYTES[dtype])  # gathered, resharded, reduced
         accumulating = held * data * 4 * (1 - 1 / data) if accumulation > 1 else 0.0  # FSDP's whole gradients, K > 1
         peak = held * bpp + 2 * unit * elem + 2 * unit * 4 + accumulating + acts
         recomputed = peak - acts + kept
