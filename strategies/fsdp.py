@@ -118,6 +118,7 @@ class FSDP:
         tp_size: int,
         tp_plan: dict[str, str] | None,
         tp_across_nodes: bool,
+        loss_parallel: bool,
         pp_size: int,
         pp_schedule: str,
         pp_stages_per_rank: int | None,
@@ -134,7 +135,7 @@ class FSDP:
         self.pp_size, self.pp_schedule, self.pp_stages_per_rank = pp_size, pp_schedule, pp_stages_per_rank
         self.pp_split, self.pp_balance = None if pp_split is None else [int(i) for i in pp_split], pp_balance
         self.pp_across_nodes = pp_across_nodes  # weighed by the parent (`launcher.plan.pipeline.check_pipeline_nodes`)
-        self.tp = TensorParallel(tp_size, tp_plan, tp_across_nodes)
+        self.tp = TensorParallel(tp_size, tp_plan, tp_across_nodes, loss_parallel)
         self.shard_units = None if shard_units is None else [str(name) for name in shard_units]
         self.reshard_after_forward = reshard_after_forward
         self.sync_batchnorm = sync_batchnorm

@@ -74,6 +74,7 @@ class PipelineFSDP(FSDP):
             (self.sync_batchnorm, "strategy.sync_batchnorm=true", "synchronised BatchNorm"),
             (ctx.compile, "trainer.compile=true", "compiled units"),
             (ctx.precision == "fp16", "precision=fp16", "fp16's loss scaling (use precision=bf16)"),
+            (self.tp.loss_parallel, "strategy.loss_parallel=true", "the loss on split logits"),
             (
                 bool(self.pp_split) and self.pp_balance != "layers",
                 f"strategy.pp_balance={self.pp_balance}",

@@ -10,13 +10,19 @@ FSDP.
 The activations' collectives (a rowwise layer's all-reduce in the forward, a colwise layer's in the backward) are
 DTensor's functional collectives; a dispatch mode around the forward and the backward counts them
 (`tp_comm_*` figures), beside FSDP's own counter.
+
+With `loss_parallel` (strategy.loss_parallel) the output layer's logits stay split by vocabulary over the group and
+the forward and the backward run inside torch's `loss_parallel()`, whose cross-entropy works on each rank's part
+(torchtitan's default): no rank holds the whole logits. The model's outputs that every rank holds whole (its loss)
+leave as plain tensors; the split logits leave as a DTensor, gathered whole only in evaluation (the metrics read
+them) or by what reads them in training.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -35,8 +41,11 @@ class TensorParallel:
     """The tensor-parallel dimension of an FSDP2 mesh: `size` ranks per group (1: none), the user's `plan` (None: the
     model's own), and whether a group may span nodes (`across_nodes`)."""
 
-    def __init__(self, size: int, plan: Mapping[str, str] | None, across_nodes: bool) -> None:
+    def __init__(
+        self, size: int, plan: Mapping[str, str] | None, across_nodes: bool, loss_parallel: bool = False
+    ) -> None:
         self.size = int(size)
+        self.loss_parallel = loss_parallel
         self.given = plan
         mapping = isinstance(plan, Mapping) and plan
         self.plan = {str(k): str(v) for k, v in plan.items()} if mapping else None  # None: the model's own
@@ -57,6 +66,11 @@ class TensorParallel:
         if self.size == 1:
             if self.plan:
                 raise ValueError("strategy.tp_plan is set but strategy.tp_size=1 splits nothing; set strategy.tp_size")
+            if self.loss_parallel:
+                raise ValueError(
+                    "strategy.loss_parallel=true but strategy.tp_size=1 splits no logits; set strategy.tp_size, or "
+                    "leave strategy.loss_parallel unset"
+                )
             return
         if world_size % self.size:
             sizes = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
@@ -73,6 +87,12 @@ class TensorParallel:
             )
         resolved = check_plan(model, self.plan, self.size)
         _, where = chosen_plan(model, self.plan)
+        if self.loss_parallel and output_layer(resolved) is None:
+            raise ValueError(
+                f"strategy.loss_parallel=true: {where} gathers no layer's output whole (colwise_rep or "
+                "colwise_gather_output: the output layer whose logits loss_parallel keeps split); name the output "
+                "layer so in strategy.tp_plan, or leave strategy.loss_parallel unset"
+            )
         if seq_len and seq_len % self.size and any(style in SEQUENCE for style in resolved.values()):
             raise ValueError(
                 f"data.seq_len={seq_len} does not split over strategy.tp_size={self.size}: {where} runs sequence "
@@ -83,6 +103,8 @@ class TensorParallel:
         split = sum(weight_dim(style, modules[name]) is not None for name, style in resolved.items())
         sequence = sum(style in SEQUENCE and not style.startswith("rowwise") for style in resolved.values())
         also = f" and runs {sequence} on each rank's part of the sequence" if sequence else ""
+        if self.loss_parallel:
+            also += f"; the loss on {output_layer(resolved)}'s logits split by vocabulary (loss_parallel)"
         print(
             f"launch: tensor parallel over {self.size} ranks: {where} splits {split} modules of {type(model).__name__}"
             f"{also}; the rest is replicated over each group",
@@ -101,6 +123,9 @@ class TensorParallel:
         # that makes zeros, Identity) are no module the style splits: kept as they are (`check_plan` refused the
         # style for the whole model's own modules before start).
         resolved = {name: style for name, style in resolve(model, plan).items() if fits(style, modules[name])}
+        if self.loss_parallel:  # the whole model's (a pipeline's stages refuse it before start)
+            resolved[str(output_layer(resolved))] = "colwise_loss"
+            model.register_forward_hook(_local_outputs)
         tied: dict[int, list[tuple[nn.Module, str]]] = {}
         for module in model.modules():
             for pname, p in module.named_parameters(recurse=False):
@@ -127,7 +152,9 @@ class TensorParallel:
         if self.size == 1:
             yield
             return
-        with _Counting(self.counter):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with _Counting(self.counter), loss_parallel() if self.loss_parallel else nullcontext():
             yield
 
     def figures(self) -> dict[str, float]:
@@ -135,6 +162,35 @@ class TensorParallel:
         if self.size == 1:
             return {}
         return {f"tp_{k}": v for k, v in self.counter.take().items()}
+
+
+def output_layer(resolved: Mapping[str, str]) -> str | None:
+    """The output layer of a resolved plan: the last module whose output it gathers whole after a colwise split (the
+    GPT's head, a transformers model's lm_head), whose logits loss_parallel keeps split; None where there is none."""
+    gathered = [name for name, style in resolved.items() if style in ("colwise_rep", "colwise_gather_output")]
+    return gathered[-1] if gathered else None
+
+
+def _local_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """A model's outputs under loss_parallel: what every rank holds whole (the loss and its sum, DTensors of the
+    cross-entropy over split logits) as plain tensors, its gradient kept; the split logits as they are, a DTensor,
+    but in evaluation (no gradient), where they are gathered whole for the metrics that read them."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def local(value: Any) -> Any:
+        if not isinstance(value, DTensor):
+            return value
+        if all(isinstance(p, Replicate) for p in value.placements):
+            return value.to_local()
+        return value if torch.is_grad_enabled() else value.full_tensor()
+
+    if isinstance(output, Mapping):  # a dict, a transformers ModelOutput (its items are its attributes)
+        for key in list(output.keys()):
+            output[key] = local(output[key])
+        return output
+    if isinstance(output, tuple):
+        return tuple(local(v) for v in output)
+    return local(output)
 
 
 def _style(name: str) -> Any:
@@ -152,6 +208,8 @@ def _style(name: str) -> Any:
         return RowwiseParallel(output_layouts=Shard(1))
     if name in ("colwise", "embedding_colwise"):
         return ColwiseParallel() if name == "colwise" else ColwiseParallel(output_layouts=Replicate())
+    if name == "colwise_loss":  # the output layer under loss_parallel: its logits split by vocabulary, a DTensor
+        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if name in ("colwise_rep", "colwise_gather_output"):
         return ColwiseParallel(output_layouts=Replicate())
     if name in ("rowwise_rep", "rowwise_split_input", "embedding_rowwise"):

@@ -380,3 +380,57 @@ def test_launch_plan_figures_the_runs_own_tp_plan_not_the_models(tmp_path: Path)
     assert abs(float(row(own.stdout)[10]) - sent / 1e9) > 0.05
     fsdp_tp = next(s for s in plan["strategies"] if s["name"] == "fsdp_tp")
     assert fsdp_tp["comm_bytes"] / 1e9 == pytest.approx(float(row(mine.stdout)[9]) + sent / 1e9, abs=0.011)
+
+
+@pytest.mark.long  # 2 ranks and one process of the suite's job (shared), ~30 s on 2 cores
+def test_loss_parallel_keeps_the_logits_split_and_logs_one_process_losses(conformance_dir: Path) -> None:
+    """strategy.loss_parallel=true under TP=2: the head's logits stay split by vocabulary and the cross-entropy runs
+    on each rank's part (torch's loss_parallel), in training and in evaluation; the losses, the validation loss and
+    the gradient norms are one process's, and torchmetrics' Perplexity, which reads the logits whole, is exp of the
+    validation loss. The logits the head sends are not gathered: the step's TP traffic is the plan's less the head's
+    all-gather in the forward (the cross-entropy's own all-reduces are over one value per token)."""
+    import math
+
+    from runs import reference, run_of
+
+    ppl = ["+trainer.metrics.ppl._target_=torchmetrics.text.Perplexity", "+trainer.metrics.ppl.ignore_index=-100"]
+    run = run_of(conformance_dir, "fsdp_tp", 2, "strategy.loss_parallel=true", *ppl)
+    one = reference(conformance_dir)
+    assert "the loss on head's logits split by vocabulary (loss_parallel)" in run.stdout
+    diff = max(abs(a - b) for a, b in zip(run.losses(), one.losses(), strict=True))
+    assert diff <= PARITY_TOLERANCE["fsdp_tp"], (run.losses(), one.losses())
+    val = [(m["val_loss"], r["val_loss"]) for m, r in zip(run.metrics, one.metrics, strict=True) if "val_loss" in r]
+    assert val and max(abs(a - b) for a, b in val) <= PARITY_TOLERANCE["fsdp_tp"], val
+    norms = [(m["grad_norm"], r["grad_norm"]) for m, r in zip(run.metrics, one.metrics, strict=True)]
+    assert max(abs(a - b) / b for a, b in norms) <= NORM_TOLERANCE["fsdp_tp"], norms
+    logged = next(m for m in run.metrics if "val/ppl" in m)
+    assert logged["val/ppl"] == pytest.approx(math.exp(logged["val_loss"]), rel=1e-6), logged
+    planned = sum(c.payload_bytes for c in tp_collectives(_gpt(), GPT._tp_plan, 4 * 32, 4, "fp32"))  # K = 16 / 4
+    gathered = 4 * (4 * 32 * SUITE_GPT["vocab_size"]) * 4  # the head's logits gathered whole, each micro-step, fp32
+    assert run.metrics[-1]["tp_comm_bytes"] < planned - gathered / 2, (run.metrics[-1]["tp_comm_bytes"], planned)
+    norm = max(abs(a - b) / b for a, b in norms)
+    print(f"loss_parallel tp=2: loss {diff:.2e}, val_loss {max(abs(a - b) for a, b in val):.2e}, grad norm {norm:.2e}")
+    print(f"tp_comm_bytes {run.metrics[-1]['tp_comm_bytes']:.0f} against {planned:.0f} with the logits gathered")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["strategy=fsdp"], "strategy.loss_parallel=true but strategy.tp_size=1 splits no logits; set"),
+        (
+            ["strategy=fsdp_tp", "strategy.tp_plan={blocks.*.mlp.0: colwise, blocks.*.mlp.2: rowwise}", "gpus=2"],
+            "strategy.loss_parallel=true: strategy.tp_plan gathers no layer's output whole (colwise_rep or",
+        ),
+        (["strategy=ddp"], "unknown key 'strategy.loss_parallel' for this strategy; tensor parallel runs under FSDP2"),
+        (
+            ["strategy=fsdp_tp", "strategy.pp_size=2", "gpus=4", "batch.global_size=16", "batch.micro_size=2"],
+            "strategy.loss_parallel=true with strategy.pp_size=2: the loss on split logits does not compose",
+        ),
+    ],
+)
+def test_loss_parallel_is_refused_where_it_splits_nothing(overrides: list[str], expected: str, tmp_path: Path) -> None:
+    from conftest import launch_here
+
+    said = launch_here(tmp_path, *TINY, "gpus=2", *overrides, "strategy.loss_parallel=true").refused()
+    assert expected in said, said

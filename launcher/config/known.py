@@ -152,7 +152,7 @@ def _schema_of(target: str, group: str) -> type | None:
 ELSEWHERE = {
     f"strategy.{key}": "tensor parallel runs under FSDP2 alone (DDP and DeepSpeed keep every layer whole): use "
     "strategy=fsdp_tp, or strategy.tp_size=T on strategy=fsdp or hsdp"
-    for key in ("tp_size", "tp_plan", "tp_across_nodes")
+    for key in ("tp_size", "tp_plan", "tp_across_nodes", "loss_parallel")
 } | {
     f"strategy.{key}": "pipeline parallel runs under FSDP2 alone: use strategy.pp_size=P on strategy=fsdp or hsdp"
     for key in ("pp_size", "pp_schedule", "pp_stages_per_rank", "pp_split", "pp_balance", "pp_across_nodes")

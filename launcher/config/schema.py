@@ -150,6 +150,10 @@ class FSDPStrategyConfig:
     tp_across_nodes: bool = False
     """Let a tensor-parallel group span nodes (tp_size above gpus): its activations' all-reduces then cross the
     network, several per layer per micro-step, much slower than a node's links."""
+    loss_parallel: bool = False
+    """Under tensor parallel, the output layer's logits stay split over the group by vocabulary and the cross-entropy
+    is computed on each rank's part (torch's `loss_parallel`): no rank holds the whole logits, in the forward or the
+    backward; what reads the logits (metrics) gathers them."""
     pp_size: int = ranged(1, SIZE)
     """Pipeline parallel: stages of the model's layers, each held by world size / pp_size consecutive ranks
     (`strategies.pipeline`); a pipeline, one rank of each stage, sees the same micro-batches, so data parallel is the

@@ -104,6 +104,8 @@ class SourceLosses:
             if isinstance(rows_loss, torch.Tensor) and rows_loss.shape == labels.shape[:1]:
                 per_row = rows_loss.double().cpu()
             elif isinstance(logits, torch.Tensor) and logits.dim() == 3:
+                if hasattr(logits, "full_tensor"):  # split by vocabulary (strategy.loss_parallel): whole, for this
+                    logits = logits.full_tensor()
                 logits, labels = logits[:, : logits.size(1) - shift].float(), labels[:, shift:]
                 token = F.cross_entropy(
                     logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
