@@ -236,14 +236,28 @@ def _batch(kind: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids[:, :-1], "labels": labels}
 
 
+def _gpt2() -> torch.nn.Module:
+    """transformers' GPT-2: its layers in `transformer.h`, its head tied to the token embedding (first and last
+    stage), a learned position embedding beside it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0)
+    config.embd_pdrop = config.attn_pdrop = 0.0  # dropout draws differ between one forward and the stages
+    return GPT2LMHeadModel(config)
+
+
 @pytest.mark.unit
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "gpt2"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_stages_run_in_turn_give_the_whole_models_loss_and_gradients_under_its_names(kind: str, stages: int) -> None:
+    """Each model split into stages run one after another: the whole model's loss, each parameter's gradient (a tied
+    one's summed over the stages that hold a copy: the GPT's and GPT-2's head on the last, their embedding on the
+    first) and its state dict's names."""
     from strategies.pipeline_layout import plan_split
     from strategies.pipeline_stages import Stage, prune
 
-    whole = _gpt() if kind == "gpt" else _llama()
+    whole = {"gpt": _gpt, "llama": _llama, "gpt2": _gpt2}[kind]()
     batch = _batch(kind)
     split = plan_split(whole, stages, None, "layers", stages, "1f1b")
     parts = [Stage(prune(whole, split, i), split, i) for i in range(stages)]
