@@ -71,6 +71,13 @@ def count(names: Sequence[str]) -> str:
 UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
 
 
+def no_grad_line(names: Sequence[str], model: nn.Module, clause: str | None) -> str:
+    """The launcher's line naming the parameters that got no gradient from the first micro-batch, with what the
+    strategy says it does about them (`clause`)."""
+    line = f"launch: {count(names)} got no gradient from the first micro-batch: {grouped(names, model)}"
+    return f"{line}; {clause}" if clause else line
+
+
 def ddp_unused(message: str, module: nn.Module, ignored: Sequence[str]) -> tuple[int, list[str]] | None:
     """The rank and the names of the parameters DDP's "Expected to have finished reduction" error lists by index (its
     reducer's order: the module's trainable parameters less those it was told to ignore); None if it lists none."""

@@ -151,22 +151,18 @@ def check_protocol(frozen: DictConfig) -> Strategy:
 
 
 def check_strategy(frozen: DictConfig, model: Any) -> Requirements:
-    """The strategy's own checks, from rank 0's view of a frozen config that carries `derived`; what it requires."""
+    """The strategy's own checks, from rank 0's view of a frozen config that carries `derived`; what it requires.
+    Where parameters got no gradient from the first micro-batch (`derived.no_grad`), one line names them, with what
+    the strategy says it does about them."""
+    from strategies.no_grad import no_grad_line
+
     strategy = make_strategy(frozen.strategy)
+    ctx = run_context(frozen, 0, 0, frozen.derived.world_size)
     try:
-        clause = strategy.check(run_context(frozen, 0, 0, frozen.derived.world_size), model)
+        clause = strategy.check(ctx, model)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if frozen.derived.get("no_grad"):
-        print(no_grad_line(frozen, model, clause if isinstance(clause, str) else None), flush=True)
+        said = clause if isinstance(clause, str) else None
+        print(no_grad_line(list(frozen.derived.no_grad), model, said), flush=True)
     return strategy.requirements()
-
-
-def no_grad_line(frozen: DictConfig, model: Any, clause: str | None) -> str:
-    """The launcher's line naming the parameters that got no gradient (`derived.no_grad`), with what the strategy
-    says it does about them."""
-    from strategies.no_grad import count, grouped
-
-    names = list(frozen.derived.no_grad)
-    line = f"launch: {count(names)} got no gradient from the first micro-batch: {grouped(names, model)}"
-    return f"{line}; {clause}" if clause else line

@@ -50,6 +50,7 @@ def check_harness(frozen: Any, model: Any) -> None:
             f"harness.tasks needs lm-evaluation-harness (lm-eval 0.4), not installed: {INSTALL}"
         ) from None
     _check_exportable(model)
+    include = _include(frozen.harness.include_path)
     from omegaconf import OmegaConf
 
     from launcher.export.transformers_folder import run_tokenizer
@@ -57,7 +58,6 @@ def check_harness(frozen: Any, model: Any) -> None:
     tokenizer, said = run_tokenizer({"data": OmegaConf.to_container(frozen.data)})
     if tokenizer is None:
         raise ConfigError(f"harness.tasks: lm-eval reads text through the run's tokenizer, and there is {said}")
-    include = _include(frozen.harness.include_path)
     manager = task_manager(include, tuple(tasks))
     for name in tasks:
         if name.endswith((".yaml", ".yml")):

@@ -10,6 +10,7 @@ They take the model already built on the meta device (`launcher.models.meta`), s
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,38 +77,77 @@ def _check_steps_left(checkpoint: Location, max_steps: int) -> None:
         )
 
 
-def check_built(frozen: DictConfig, model: Any, vocab: int | None) -> list[str] | None:
-    """Build in the parent what the workers will build, and refuse in one line what fails: the model's own sanity
-    first (a parameter to train: what comes after groups and steps them), the optimizer over the model's (meta)
-    parameters, the loggers' settings, the evaluation's metrics, the data's own preparation (data=text
-    tokenizes here), both datasets and their first samples, a forward and backward of one micro-batch on the meta
-    device, the token ids against the model's vocabulary (`vocab` ids: `launcher.models.checks.vocabulary`).
-    Nothing here allocates a model's memory. Returns the trainable parameters that got no gradient in that backward
-    (none of a mixture-of-experts block's: every strategy gives those one), or None when it could not run."""
+@dataclass
+class Checked:
+    """What the checks leave for the launch: the config as it will run (a cluster's shape, strategy=auto's pick and
+    batch.micro_size=auto's choice in it), what is derived of it, the model built once on the meta device, its
+    vocabulary, the trainable parameters that got no gradient (None where the forward could not run), the strategy
+    the config names and, under strategy=auto, the name picked."""
+
+    frozen: DictConfig
+    derived: Derived
+    model: Any
+    vocab: int | None
+    no_grad: list[str] | None
+    strategy: Any
+    picked: str | None
+
+
+def check_config(cfg: DictConfig, overrides: list[str], run_dir: Path | None, quiet: bool = False) -> Checked:
+    """Check the composed config, in the order the checks run, and build in the parent what the workers will build:
+    refuse in one line (ConfigError) what fails. The model's own sanity first (a parameter to train: what the rest
+    groups and steps), the optimizer over the model's (meta) parameters, the loggers' settings, the evaluation's
+    metrics, the data's own preparation (data=text tokenizes here), both datasets and their first samples, the token
+    ids against the model's vocabulary, a forward and backward of one micro-batch on the meta device; then the plan's
+    choices, printed unless `quiet` (a sweep's jobs print their own as they start). Nothing here allocates a model's
+    memory. `run_dir`'s record of an out-of-memory restart is read (a damaged one refused) where there is one."""
+    import contextlib
+    import io
+
+    from launcher.mixture.checks import check_mixture
+    from launcher.mixture.mix import MIX_TARGET
+    from launcher.models.meta import build_on_meta
+    from launcher.models.meta import measure as model_size
+    from launcher.plan.commands import choose, choose_micro, is_auto
+    from launcher.recovery.adapt import read_adapted
+
+    frozen = shaped(freeze(cfg), os.environ, overrides)  # a cluster's nodes and gpus
+    cuda = visible_cuda_devices()
+    derived = derive(frozen, cuda)
+    if derived.micro_auto:  # checked and planned (strategy=auto) at one sample; chosen once the strategy is
+        frozen.batch.micro_size = 1
+    if derived.forks_workers(frozen.trainer):
+        # Not one OpenMP thread in this process before the workers fork from it: GNU OpenMP's pool does not survive
+        # a fork (a forked worker would wait forever in its first parallel region, after a check below ran a
+        # multi-threaded op on a user's data); the workers size their own (`after_fork`).
+        import torch
+
+        torch.set_num_threads(1)
+    check_keys(frozen)
+    model = build_on_meta(frozen.model)  # once: every check below reads this one
     check_trainable(model, frozen.model.get("_target_"))
+    vocab = vocabulary(model)
     print(check_optimizer(frozen, model), flush=True)  # its param groups, named with their sizes
     check_loggers(frozen)  # the cheap ones first: data=text may tokenize for minutes
     check_evaluation(frozen)  # the metrics build, the early stop's figure is logged
     check_harness(frozen, model)  # lm-eval's tasks (launch eval): installed, found, the model exportable
     prepare_data(frozen)
-    from launcher.mixture.checks import check_mixture
-    from launcher.mixture.mix import MIX_TARGET
-
-    mixture = check_mixture if str(frozen.data._target_) == MIX_TARGET else None
-    sample = check_datasets(frozen, mixture)
+    sample = check_datasets(frozen, check_mixture if str(frozen.data._target_) == MIX_TARGET else None)
+    check_vocabulary(frozen, vocab)  # the data's token ids, before the model reads them
     no_grad = check_forward(frozen, model, sample) if sample is not None else None
-    check_vocabulary(frozen, vocab)
-    return None if no_grad is None else outside_moe_blocks(model, no_grad, frozen.strategy.get("moe_blocks"))
-
-
-def single_threaded_before_fork(frozen: DictConfig, derived: Derived) -> None:
-    """Where workers are forked from this process: not one OpenMP thread in it before the fork. GNU OpenMP's pool
-    does not survive a fork (a forked worker would wait forever in its first parallel region, after a check here ran
-    a multi-threaded op on a user's data); the workers size their own (`after_fork`)."""
-    if derived.forks_workers(frozen.trainer):
-        import torch
-
-        torch.set_num_threads(1)
+    if no_grad is not None:  # none of a mixture-of-experts block's: every strategy gives those one
+        no_grad = outside_moe_blocks(model, no_grad, frozen.strategy.get("moe_blocks"))
+    sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None  # the planner's, measured once
+    picked = None
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        if is_auto(frozen):  # strategy=auto: the planner's pick replaces it before anything else reads the config
+            picked, frozen, derived = choose(frozen, derived, model, sizes, cuda)
+        strategy = check_protocol(frozen)  # before the planner reads it (a user's, written to an older protocol)
+        # The run directory's record is data: a damaged one is refused, whatever the micro-batch.
+        adapted = read_adapted(run_dir) if run_dir is not None else None
+        if derived.micro_auto:  # the largest micro-batch that fits, at most what an out-of-memory error left
+            frozen, derived = choose_micro(frozen, derived, sizes, strategy, adapted, run_dir)
+    return Checked(frozen, derived, model, vocab, no_grad, strategy, picked)
 
 
 def check_job(cfg: DictConfig) -> None:
@@ -115,29 +155,9 @@ def check_job(cfg: DictConfig) -> None:
     first one starts. ConfigError (one line) for the first that fails; nothing is written. What the checks print is
     what a single run prints at start (the caller shows it once for the sweep), but the plan's choices (strategy=auto's
     table, batch.micro_size=auto's line), which the job prints as it starts."""
-    import contextlib
-    import io
-
-    from launcher.models.meta import build_on_meta
-    from launcher.models.meta import measure as model_size
-    from launcher.plan.commands import choose, choose_micro, is_auto
     from launcher.plan.pipeline import check_pipeline_nodes
 
-    frozen = shaped(freeze(cfg), os.environ, [])
-    cuda = visible_cuda_devices()
-    derived = derive(frozen, cuda)
-    if derived.micro_auto:
-        frozen.batch.micro_size = 1
-    single_threaded_before_fork(frozen, derived)  # a sweep's checks run in the process its jobs fork from
-    check_keys(frozen)
-    model = build_on_meta(frozen.model)
-    check_built(frozen, model, vocabulary(model))
-    sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None
-    with contextlib.redirect_stdout(io.StringIO()):  # the plan's choices: for the job itself to print
-        if is_auto(frozen):
-            _, frozen, derived = choose(frozen, derived, model, sizes, cuda)
-        strategy = check_protocol(frozen)
-        if derived.micro_auto:
-            frozen, derived = choose_micro(frozen, derived, sizes, strategy, None)
-    check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), model)
-    check_pipeline_nodes(frozen, derived, model)
+    checked = check_config(cfg, [], None, quiet=True)
+    frozen, derived = checked.frozen, checked.derived
+    check_strategy(OmegaConf.merge(frozen, {"derived": derived.as_dict()}), checked.model)
+    check_pipeline_nodes(frozen, derived, checked.model)

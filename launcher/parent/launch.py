@@ -17,26 +17,18 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.base.durable import disk_error
-from launcher.base.machine import visible_cuda_devices
 from launcher.base.process import release_collector
-from launcher.clusters import shaped
 from launcher.config import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     ConfigError,
     Derived,
-    derive,
-    freeze,
-    valid_micro_sizes,
-    world_sizes,
 )
-from launcher.config.context import check_protocol, check_strategy
+from launcher.config.context import check_strategy
 from launcher.config.identity import identity_hash
-from launcher.config.known import check_keys
 from launcher.elastic.rendezvous import Rendezvous, rendezvous
 from launcher.export.harness import requested
-from launcher.models.checks import vocabulary
-from launcher.parent.checks import check_built, check_resume, single_threaded_before_fork
+from launcher.parent.checks import check_config, check_resume
 from launcher.parent.run_id import claim_run
 from launcher.parent.rundir import remove_made
 from launcher.parent.workers import Outcome, Prepared, start_workers
@@ -53,34 +45,15 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
     it is recorded in the frozen config and names the job's wandb group and run.
     """
     from launcher.export.transformers_folder import tokenizer_record
-    from launcher.models.meta import build_on_meta
-    from launcher.models.meta import measure as model_size
     from launcher.optim.checks import measure
-    from launcher.plan.commands import choose, choose_micro, is_auto, planned_peak, planned_state
+    from launcher.plan.commands import planned_peak, planned_state
     from launcher.plan.pipeline import check_pipeline_nodes
-    from launcher.recovery.adapt import oom_restarts, read_adapted
+    from launcher.recovery.adapt import oom_restarts
 
-    frozen = shaped(freeze(cfg), os.environ, (job or {}).get("overrides", []))  # a cluster's nodes and gpus
-    cuda = visible_cuda_devices()
-    derived = derive(frozen, cuda)
-    if derived.micro_auto:  # checked and planned (strategy=auto) at one sample; chosen once the strategy is
-        frozen.batch.micro_size = 1
-    single_threaded_before_fork(frozen, derived)
-    check_keys(frozen)
-    model = build_on_meta(frozen.model)  # once: every check below reads this one
-    vocab = vocabulary(model)
-    no_grad = check_built(frozen, model, vocab)
-    sizes = model_size(model) if is_auto(frozen) or derived.micro_auto else None  # the planner's, measured once
-    if is_auto(frozen):  # strategy=auto: the planner's pick replaces it before anything else reads the config
-        name, frozen, derived = choose(frozen, derived, model, sizes, cuda)
-        if job and "choices" in job:
-            job = {**job, "choices": {**job["choices"], "strategy": name}}  # record what runs, for reports and names
-    strategy = check_protocol(frozen)  # before the planner reads it (a user's, written to an older protocol)
-    read_adapted(run_dir)  # the run directory's record is data: a damaged one is refused, whatever the micro-batch
-    if derived.micro_auto:  # batch.micro_size=auto: the largest that fits, or what an out-of-memory error left
-        worlds = world_sizes(f"{derived.min_nodes}:{derived.nodes}", derived.gpus)
-        valid = valid_micro_sizes(int(frozen.batch.global_size), worlds)
-        frozen, derived = choose_micro(frozen, derived, sizes, strategy, read_adapted(run_dir, valid))
+    checked = check_config(cfg, (job or {}).get("overrides", []), run_dir)
+    frozen, derived, model, strategy = checked.frozen, checked.derived, checked.model, checked.strategy
+    if checked.picked and job and "choices" in job:  # strategy=auto: record what runs, for reports and names
+        job = {**job, "choices": {**job["choices"], "strategy": checked.picked}}
     rdzv = rendezvous(frozen, derived, os.environ)
     resolved: dict[str, Any] = OmegaConf.to_container(frozen)  # type: ignore[assignment]
     size = measure(frozen, model)  # with what its optimizer gathers whole
@@ -94,8 +67,8 @@ def prepare(cfg: DictConfig, run_dir: Path, job: dict[str, Any] | None = None) -
         **derived.as_dict(),
         "model": size.as_dict(),
         "plan_peak_bytes": peak,
-        "vocab_size": vocab,  # the workers check user data's token ids against it
-        "no_grad": no_grad,  # parameters without a gradient from the first micro-batch: the strategies' RunContext
+        "vocab_size": checked.vocab,  # the workers check user data's token ids against it
+        "no_grad": checked.no_grad,  # no gradient from the first micro-batch: the strategies' RunContext
         "cluster": rdzv.job.cluster,
         "shared_run_dir": rdzv.job.shared_run_dir,  # the nodes' ranks check that they see one run directory
         "tokenizer_hash": tokenizer_record(frozen.data),  # an export checks the tokenizer it copies is this one

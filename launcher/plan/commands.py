@@ -290,7 +290,12 @@ def tier_line(plan: Any, trainer: DictConfig) -> str:
 
 
 def choose_micro(
-    frozen: DictConfig, derived: Derived, size: ModelSize, strategy: Strategy, adapted: int | None
+    frozen: DictConfig,
+    derived: Derived,
+    size: ModelSize,
+    strategy: Strategy,
+    adapted: int | None,
+    run_dir: Path | None = None,
 ) -> tuple[DictConfig, Derived]:
     """batch.micro_size=auto: the largest micro-batch that divides the global batch over every world size the job
     may run at and whose planned peak fits the device with plan.headroom there; at most `adapted`, the size an
@@ -299,10 +304,18 @@ def choose_micro(
     run's, made (`launcher.config.context.check_protocol`)."""
     from launcher.config import valid_micro_sizes, world_sizes
     from launcher.plan.render import _size
+    from launcher.recovery.adapt import ADAPTED
 
     worlds = world_sizes(f"{derived.min_nodes}:{derived.nodes}", derived.gpus)
     data = [w // derived.tensor_size for w in worlds]  # a tensor-parallel group reads one micro-batch
-    valid = [m for m in valid_micro_sizes(int(frozen.batch.global_size), data) if adapted is None or m <= adapted]
+    sizes = valid_micro_sizes(int(frozen.batch.global_size), data)
+    if adapted is not None and adapted not in sizes:  # `run_dir`'s record (`launcher.recovery.adapt`) is data
+        raise ConfigError(
+            f"{Path(run_dir or '.') / ADAPTED} holds micro_size {adapted}, which this job never runs at (the sizes "
+            f"that divide its global batch over each world size: {', '.join(map(str, sorted(sizes)))}); remove it "
+            "to plan the micro-batch afresh"
+        )
+    valid = [m for m in sizes if adapted is None or m <= adapted]
     with read_write(frozen):
         frozen.batch.micro_size = 1  # planned as one sample; activations scale linearly with the micro-batch
     plan = make_plan(frozen, derived, size, {"run": strategy})

@@ -31,9 +31,10 @@ def smaller(micro: int, valid: list[int]) -> int | None:
     return next((m for m in below if m <= micro // 2), below[0] if below else None)
 
 
-def read_adapted(run_dir: Path, valid: list[int] | None = None) -> int | None:
-    """The micro-batch this run adapted to, or None. The file is data: anything but its one positive integer (one of
-    the `valid` sizes, when given: `adapt.smaller` never writes another) is refused, in one line naming it."""
+def read_adapted(run_dir: Path) -> int | None:
+    """The micro-batch this run adapted to, or None. The file is data: anything but its one positive integer is
+    refused, in one line naming it (and one the job never runs at by the planner, `launcher.plan.commands.choose_micro`:
+    `smaller` never writes another)."""
     path = run_dir / ADAPTED
     try:
         record = json.loads(path.read_text())
@@ -44,11 +45,6 @@ def read_adapted(run_dir: Path, valid: list[int] | None = None) -> int | None:
     micro = record.get("micro_size") if isinstance(record, dict) else None
     if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
         raise ConfigError(f"{path} holds no positive micro_size; remove it to plan the micro-batch afresh")
-    if valid is not None and micro not in valid:
-        raise ConfigError(
-            f"{path} holds micro_size {micro}, which this job never runs at (the sizes that divide its global batch "
-            f"over each world size: {', '.join(map(str, sorted(valid)))}); remove it to plan the micro-batch afresh"
-        )
     return micro
 
 
