@@ -89,12 +89,12 @@ def test_unpacked_pysource_pads_the_last_chunk_of_each_document() -> None:
 def test_the_loader_reads_the_same_batches_in_the_same_order_with_workers() -> None:
     from launcher.checkpoint.format import Position
     from launcher.data.collate import default_collate
-    from launcher.data.sources import RandomAccess
+    from launcher.data.sources import RandomAccess, Reading
 
     source = RandomAccess(preset_dataset("synthetic", "train", seq_len=16, num_samples=256), 32, 3, default_collate)
 
     def read(start: int, steps: int, workers: int) -> list[torch.Tensor]:
-        fed = source.feed(Position(start // 32, start), steps, 1, 2, 2, workers, torch.device("cpu"))
+        fed = source.feed(Position(start // 32, start), steps, Reading(1, 2, 2, workers))
         return [x for step in fed for x, _ in step.micro]
 
     inline, ahead = read(0, 12, 0), read(0, 12, 2)

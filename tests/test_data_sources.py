@@ -19,12 +19,12 @@ from text_corpus import documents, train_tokenizer
 
 from launcher.checkpoint.format import Position
 from launcher.data.collate import DataError, default_collate
-from launcher.data.sources import RandomAccess, Stream, resumes_by_state, source_of
+from launcher.data.sources import RandomAccess, Reading, Stream, resumes_by_state, source_of
 
 
 def _steps(source, position: Position, steps: int, world: int, accumulation: int) -> list[list[list[torch.Tensor]]]:
     """Every rank's micro-batches of each step, rank by rank: [step][rank] -> its K micro-batches."""
-    fed = [list(source.feed(position, steps, r, world, accumulation, 0, torch.device("cpu"))) for r in range(world)]
+    fed = [list(source.feed(position, steps, Reading(r, world, accumulation))) for r in range(world)]
     return [[fed[r][s].micro for r in range(world)] for s in range(len(fed[0]))]
 
 
@@ -64,7 +64,7 @@ def test_a_streamed_dataset_resumes_from_its_state_at_another_world_size(tmp_pat
     stream = _jsonl_stream(tmp_path)
     assert resumes_by_state(stream) == (True, "")
     source = Stream(stream, 16, default_collate)
-    fed = list(source.feed(Position(0, 0), 8, 0, 2, 2, 0, torch.device("cpu")))
+    fed = list(source.feed(Position(0, 0), 8, Reading(0, 2, 2)))
     whole = [_inputs(s) for s in _steps(source, Position(0, 0), 8, 2, 2)]
     at_3 = Position(3, 48, fed[2].state)
     json.dumps(at_3.stream)  # plain data, as a checkpoint's manifest records it
@@ -89,7 +89,7 @@ def test_a_stream_asked_for_two_loader_processes_is_read_by_one_and_says_so(caps
     """data.workers=2 on a stream: one process reads it ahead of the loop (a stream has one order), the same samples
     as in the loop, and rank 0 says so in one line."""
     source = Stream(Tokens(64), 16, default_collate, "the train split")
-    ahead = [_inputs([s.micro]) for s in source.feed(Position(0, 0), 3, 0, 1, 1, 2, torch.device("cpu"))]
+    ahead = [_inputs([s.micro]) for s in source.feed(Position(0, 0), 3, Reading(0, 1, 1, workers=2))]
     assert (
         "launch: data: data.workers=2: the train split is a stream, read in its one order by one process ahead of "
         "the loop, not 2" in capsys.readouterr().out

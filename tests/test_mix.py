@@ -21,7 +21,7 @@ from text_corpus import documents, train_tokenizer, write_jsonl
 
 from launcher.checkpoint.format import Position
 from launcher.data.collate import default_collate
-from launcher.data.sources import source_of
+from launcher.data.sources import Reading, source_of
 from launcher.mixture.mix import Mix, mix_figures
 from launcher.mixture.weights import Ended, Weights, plan
 
@@ -96,7 +96,7 @@ def _read(sources: dict, position: Position, steps: int, world: int, K: int, **m
     from omegaconf import OmegaConf
 
     source = source_of(Mix("train", sources=OmegaConf.create(sources), **mix), B, 0, default_collate, "train")
-    fed = [list(source.feed(position, steps, r, world, K, 0, torch.device("cpu"))) for r in range(world)]
+    fed = [list(source.feed(position, steps, Reading(r, world, K))) for r in range(world)]
     inputs = [torch.cat([m["input_ids"] for r in range(world) for m in fed[r][s].micro]) for s in range(len(fed[0]))]
     return inputs, [d.state["mix"] for d in fed[0]]
 
@@ -436,7 +436,7 @@ def test_a_stream_that_ends_stops_the_mixture_or_leaves_it_alike_at_any_world_si
 
         mix = Mix("train", sources=OmegaConf.create(_ending(on_end)), on_end=on_end)
         source = source_of(mix, B, 0, default_collate, "train")
-        fed = [list(source.feed(Position(0, 0), 10, r, world, K, 0, torch.device("cpu"))) for r in range(world)]
+        fed = [list(source.feed(Position(0, 0), 10, Reading(r, world, K))) for r in range(world)]
         steps = [torch.cat([m[0] for r in range(world) for m in fed[r][s].micro]) for s in range(len(fed[0]))]
         return steps, [d.state["mix"] for d in fed[0]], source.end
 

@@ -96,6 +96,49 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
+@dataclass(frozen=True)
+class Reading:
+    """Who reads a source's training batches, and how (every source's `feed`): this rank among the data-parallel
+    ranks, its micro-steps per optimizer step, the DataLoader processes reading ahead of the loop (0: in the loop),
+    the device the batches go to, and `check(batch, n)`, which sees each host batch and its index (step x
+    accumulation + k) before it is copied."""
+
+    rank: int
+    world_size: int
+    accumulation: int
+    workers: int = 0
+    device: torch.device = torch.device("cpu")
+    check: Callable[[Any, int], None] | None = None
+
+    def on_device(self, batches: list[Any], step: int) -> list[Any]:
+        """One step's host micro-batches, checked, on the device (pinned ones copied without blocking on CUDA)."""
+        if self.check is not None:
+            for k, batch in enumerate(batches):
+                self.check(batch, step * self.accumulation + k)
+        return [to_device(batch, self.device) for batch in batches]
+
+
+def one_reader(reader: torch.utils.data.IterableDataset, reading: Reading, order: str) -> Iterator[Any]:
+    """A source with one order (a stream, a mixture's draw) read by one DataLoader process ahead of the loop where
+    `reading.workers` > 0, else in the loop; rank 0 says so where more were asked (`order`: what reads in one)."""
+    from torch.utils.data import DataLoader
+
+    workers = reading.workers
+    if workers > 1 and reading.rank == 0:
+        print(
+            f"launch: data: data.workers={workers}: {order} by one process ahead of the loop, not {workers}", flush=True
+        )
+    loader = DataLoader(
+        reader,
+        batch_size=None,
+        collate_fn=_as_is,
+        num_workers=min(workers, 1),
+        pin_memory=reading.device.type == "cuda",
+        prefetch_factor=4 if workers > 0 else None,
+    )
+    return iter(loader)
+
+
 class _StepBatches:
     """The micro-batch index lists one rank reads, step after step from a given position: a batch sampler."""
 
@@ -124,29 +167,20 @@ class RandomAccess:
         # Its permutation is data: held from the start. A dataset may give its own (a token store's, for locality).
         self.batches = GlobalBatches(len(dataset), global_size, seed, getattr(dataset, "epoch_order", None))
 
-    def feed(
-        self,
-        position: Any,
-        steps: int,
-        rank: int,
-        world_size: int,
-        accumulation: int,
-        workers: int,
-        device: torch.device,
-        check: Callable[[Any, int], None] | None = None,
-    ) -> Iterator[StepData]:
-        """This rank's micro-batches from `position` on, K per step, read by `workers` DataLoader processes ahead of
-        the loop (0: in the loop), collated, pinned and copied without blocking on CUDA. The order is the sampler's
-        whatever `workers` is. `check(batch, n)` sees each host batch and its index before it is copied."""
+    def feed(self, position: Any, steps: int, reading: Reading) -> Iterator[StepData]:
+        """This rank's micro-batches from `position` on, K per step, read by `reading.workers` DataLoader processes
+        ahead of the loop (0: in the loop), collated, pinned and copied without blocking on CUDA. The order is the
+        sampler's whatever the workers are."""
         from torch.utils.data import DataLoader
 
-        sampler = _StepBatches(self.batches, position.samples, steps, rank, world_size, accumulation)
+        K, workers = reading.accumulation, reading.workers
+        sampler = _StepBatches(self.batches, position.samples, steps, reading.rank, reading.world_size, K)
         loader = DataLoader(
             self.dataset,
             batch_sampler=sampler,
             collate_fn=self.collate,
             num_workers=workers,
-            pin_memory=device.type == "cuda",
+            pin_memory=reading.device.type == "cuda",
             persistent_workers=workers > 0,
             prefetch_factor=4 if workers > 0 else None,
             # Its own generator: starting to iterate draws the workers' base seed, which from the global generator
@@ -155,13 +189,7 @@ class RandomAccess:
         )
         batches = iter(loader)
         for step in range(steps):
-            micro = []
-            for k in range(accumulation):
-                batch = next(batches)
-                if check is not None:
-                    check(batch, step * accumulation + k)
-                micro.append(to_device(batch, device))
-            yield StepData(micro)
+            yield StepData(reading.on_device([next(batches) for _ in range(K)], step))
 
     def evaluation(
         self, batches: int | None, rank: int, world_size: int, accumulation: int, device: torch.device
@@ -236,42 +264,14 @@ class Stream:
             )
         self.dataset, self.global_size, self.collate, self.name = dataset, global_size, collate, name
 
-    def feed(
-        self,
-        position: Any,
-        steps: int,
-        rank: int,
-        world_size: int,
-        accumulation: int,
-        workers: int,
-        device: torch.device,
-        check: Callable[[Any, int], None] | None = None,
-    ) -> Iterator[StepData]:
+    def feed(self, position: Any, steps: int, reading: Reading) -> Iterator[StepData]:
         """This rank's micro-batches from `position` on, each step's with the stream's state after it; read in one
-        DataLoader process ahead of the loop when `workers` > 0 (a stream has one order: one reader), else in the
-        loop. Ends early if the stream does."""
-        from torch.utils.data import DataLoader
-
-        if workers > 1 and rank == 0:
-            print(
-                f"launch: data: data.workers={workers}: {self.name} is a stream, read in its one order by one process "
-                f"ahead of the loop, not {workers}",
-                flush=True,
-            )
-        reader = _StepReader(self, position, steps, rank, world_size, accumulation)
-        loader = DataLoader(
-            reader,
-            batch_size=None,
-            collate_fn=_as_is,
-            num_workers=min(workers, 1),
-            pin_memory=device.type == "cuda",
-            prefetch_factor=4 if workers > 0 else None,
-        )
-        for step, (micro, state) in enumerate(loader):
-            if check is not None:
-                for k, batch in enumerate(micro):
-                    check(batch, step * accumulation + k)
-            yield StepData([to_device(batch, device) for batch in micro], state)
+        DataLoader process ahead of the loop when `reading.workers` > 0 (a stream has one order: one reader), else
+        in the loop. Ends early if the stream does."""
+        reader = _StepReader(self, position, steps, reading.rank, reading.world_size, reading.accumulation)
+        order = f"{self.name} is a stream, read in its one order"
+        for step, (micro, state) in enumerate(one_reader(reader, reading, order)):
+            yield StepData(reading.on_device(micro, step), state)
 
     def first(self, count: int) -> list[Any]:
         """The stream's first `count` samples (fewer if it has fewer)."""

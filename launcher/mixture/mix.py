@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -37,7 +37,16 @@ import torch
 from launcher.base.device import to_device
 from launcher.data.builtin import GlobalBatches, build_dataset, rank_micro_batches
 from launcher.data.collate import Collate
-from launcher.data.sources import EvalMicro, StepData, Stream, _json_state, is_stream, resumes_by_state
+from launcher.data.sources import (
+    EvalMicro,
+    Reading,
+    StepData,
+    Stream,
+    _json_state,
+    is_stream,
+    one_reader,
+    resumes_by_state,
+)
 from launcher.mixture.weights import SOURCE_KEYS, Ended, MixError, Weights, check_sources, plan
 
 MIX_TARGET = "launcher.mixture.mix.Mix"
@@ -133,48 +142,18 @@ class MixSource:
         self.end: str | None = None
         """Why the mixture ended, once `feed` has (the run's last line names the source: `Trainer.ended`)."""
 
-    def feed(
-        self,
-        position: Any,
-        steps: int,
-        rank: int,
-        world_size: int,
-        accumulation: int,
-        workers: int,
-        device: torch.device,
-        check: Callable[[Any, int], None] | None = None,
-    ) -> Iterator[StepData]:
+    def feed(self, position: Any, steps: int, reading: Reading) -> Iterator[StepData]:
         """This rank's micro-batches from `position` on, K per step, each step's with the mixture's state after it;
-        read in one DataLoader process ahead of the loop when `workers` > 0, else in the loop."""
-        from torch.utils.data import DataLoader
-
-        from launcher.data.sources import _as_is
-
-        state = self.resumed(position, rank)
-        if workers > 1 and rank == 0:
-            print(
-                f"launch: data: data.workers={workers}: the mixture is read in its one order (each step's draw goes "
-                f"on from the state the step before left) by one process ahead of the loop, not {workers}",
-                flush=True,
-            )
-        reader = _MixReader(self, state, position.step, steps, rank, world_size, accumulation)
-        loader = DataLoader(
-            reader,
-            batch_size=None,
-            collate_fn=_as_is,
-            num_workers=min(workers, 1),
-            pin_memory=device.type == "cuda",
-            prefetch_factor=4 if workers > 0 else None,
-        )
+        read in one DataLoader process ahead of the loop when `reading.workers` > 0, else in the loop."""
+        state = self.resumed(position, reading.rank)
+        reader = _MixReader(self, state, position.step, steps, reading.rank, reading.world_size, reading.accumulation)
+        order = "the mixture is read in its one order (each step's draw goes on from the state the step before left)"
         self.end = None
-        for step, (micro, state, which) in enumerate(loader):
+        for step, (micro, state, which) in enumerate(one_reader(reader, reading, order)):
             if micro is None:  # the reader's last word: why the mixture ends here
                 self.end = state
                 return
-            if check is not None:
-                for k, batch in enumerate(micro):
-                    check(batch, step * accumulation + k)
-            yield StepData([to_device(batch, device) for batch in micro], {"mix": state}, which)
+            yield StepData(reading.on_device(micro, step), {"mix": state}, which)
 
     def evaluation(
         self, batches: int | None, rank: int, world_size: int, accumulation: int, device: torch.device

@@ -15,7 +15,7 @@ from launcher.base.collectives import all_reduce
 from launcher.checkpoint.format import Position
 from launcher.data.builtin import BUILT_IN_DATA, build_dataset, check_token_ids
 from launcher.data.collate import build_collate
-from launcher.data.sources import StepData, source_of
+from launcher.data.sources import Reading, StepData, source_of
 from strategies import RunContext
 
 
@@ -41,7 +41,7 @@ def feed(
 
     steps = max_steps - position.step
     workers = int(cfg.data.get("workers", 0))
-    return source.feed(position, steps, ctx.data_rank, ctx.data_world, K, workers, device, check)
+    return source.feed(position, steps, Reading(ctx.data_rank, ctx.data_world, K, workers, device, check))
 
 
 def next_step(steps: Iterator[StepData], source: Any, device: torch.device) -> StepData | None:
