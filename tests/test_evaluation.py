@@ -285,7 +285,7 @@ def test_301_points_are_one_plain_process_s_at_1_to_4_ranks_under_ddp_fsdp_and_z
     ]
     sweep = conformance_dir / "eval-301"
     # Workers forked (the default): the sweep's checks build the 301 images in the launcher, single-threaded where
-    # its jobs fork (`single_threaded_before_fork`), so a forked worker's own multi-threaded op has its own threads.
+    # its jobs fork (`check_config`), so a forked worker's own multi-threaded op has its own threads.
     shapes = ["strategy=ddp,fsdp,zero3", "gpus=1,2,3,4", f"hydra.sweep.dir={sweep}"]
     run = launch_once(conformance_dir, "-m", "+sweep=smoke", *wide, *shapes, name="eval-301", timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -2,9 +2,10 @@
 ConfigError (one line). Each concern's checks live beside it: the data's in `launcher.data.checks` (and a mixture's
 in `launcher.mixture.checks`), the model's in `launcher.models.checks`, the optimizer's in `launcher.optim.checks`,
 the evaluation's in `launcher.evaluation.checks`, the loggers' in `launcher.loggers.checks`, the keys' in
-`launcher.config.known`, a strategy's in its own `check`; the resume's is here.
+`launcher.config.known`, a strategy's in its own `check`; the resume's is here. `check_config` calls them in their
+one order, for a launch and for each job of a sweep.
 
-They take the model already built on the meta device (`launcher.models.meta`), so nothing here builds it again.
+They take the model built once on the meta device (`launcher.models.meta`), so nothing here builds it again.
 """
 
 from __future__ import annotations
