@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -10,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -68,6 +70,8 @@ REQUIRES = {
     "(tests/test_slurm.py)",
     "LAUNCH_TEST_REQUIRE_POSTGRES": "a PostgreSQL server started for the tests in a temporary folder: Debian's "
     "postgresql package (initdb, pg_ctl) and the psycopg driver (launch[postgres])",
+    "LAUNCH_TEST_REQUIRE_ETCD": "an etcd server started for the tests in a temporary folder, its v2 API on: Debian's "
+    "etcd-server package and the python-etcd client (launch[etcd])",
     "LAUNCH_TEST_REQUIRE_ROOT": "root's powers: a tmpfs mounted (a disk that fills), a memory cgroup made (a worker "
     "killed for memory), a read-only folder (an NVMe path that cannot be written)",
 }
@@ -138,7 +142,6 @@ def cli_here(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`launch ARGS` in this test process, in `cwd`, through the entry point the console script calls
     (`launcher.parent.cli.main`): its exit status and what it printed, as `launch` would give them, for what ends before
     any worker starts (a refusal, `launch plan`, `--cfg`)."""
-    import contextlib
     import io
 
     from hydra.core.global_hydra import GlobalHydra
@@ -482,3 +485,72 @@ def postgres() -> Any:
             server.kill()
             server.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def etcd_server(v2: bool = True) -> Iterator[str]:
+    """Debian's etcd server, its data in a temporary folder, on free loopback ports, with its v2 API on (the one
+    torch's etcd rendezvous speaks) unless `v2` is False; its client address (HOST:PORT). The server is this process's
+    child, started with a parent-death signal: a session killed before its teardown takes its server with it."""
+    import shutil
+    import socket
+    import tempfile
+    import time
+    import urllib.request
+
+    try:
+        import etcd as _client  # noqa: F401
+    except ImportError:
+        unavailable("LAUNCH_TEST_REQUIRE_ETCD", "the python-etcd client is not installed (pip install 'launch[etcd]')")
+    server_binary = shutil.which("etcd")
+    if server_binary is None:
+        unavailable("LAUNCH_TEST_REQUIRE_ETCD", "etcd's server is not installed (apt-get install etcd-server)")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    client, peer = (f"http://127.0.0.1:{p}" for p in ports)
+    folder = Path(tempfile.mkdtemp(prefix="launch-etcd-"))
+    argv = [
+        "setpriv",
+        "--pdeathsig=KILL",
+        server_binary,
+        "--name=tests",
+        f"--data-dir={folder / 'data'}",
+        f"--enable-v2={str(v2).lower()}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=tests={peer}",
+    ]
+    with open(folder / "log", "w") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        for _ in range(600):  # ready within a minute, or its log says why not
+            try:
+                direct.open(f"{client}/version", timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None:
+                    raise RuntimeError(f"etcd did not start: {(folder / 'log').read_text()[-500:]}") from None
+                time.sleep(0.1)
+        else:
+            raise RuntimeError(f"etcd not ready after a minute: {(folder / 'log').read_text()[-500:]}")
+        yield f"127.0.0.1:{ports[0]}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def etcd() -> Iterator[str]:
+    """An etcd server of the test session, its v2 API on (`etcd_server`): its client address."""
+    with etcd_server() as endpoint:
+        yield endpoint

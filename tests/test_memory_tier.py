@@ -7,34 +7,27 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, TINY, clean_env, launch, launch_here
-from processes import listening, until
+from conftest import TINY, launch, launch_here
+from nodes import (
+    ELASTIC,
+    RESUMED,
+    job_nodes,
+    kill_nodes,
+    left_in_shm,
+    node_launcher,
+    outputs,
+    rows_of,
+    worst_loss,
+)
+from processes import until
 
 from launcher.recovery import shm as memory
-
-RESUMED = re.compile(r"launch: resumed from step (\d+) \((memory|disk) tier[^)]*\): (\d+) step\(s\) replayed")
-
-
-def _rows(run_dir: Path) -> list[dict[str, float]]:
-    metrics = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-
-
-def _left_in_shm(run_dir: Path) -> list[str]:
-    run_id = (run_dir / "run_id").read_text().strip()
-    return sorted(p.name for p in memory.SHM.glob(f"{memory.PREFIX}{run_id}-*"))
-
-
-def _exact(rows: list[dict[str, float]], reference: dict[int, float]) -> float:
-    return max(abs(r["loss"] - reference[int(r["step"])]) for r in rows)
 
 
 def test_a_rank_killed_alone_resumes_from_its_own_node_s_memory_exactly(tmp_path: Path) -> None:
@@ -58,11 +51,11 @@ def test_a_rank_killed_alone_resumes_from_its_own_node_s_memory_exactly(tmp_path
     assert reference.returncode == 0, reference.stderr
     said = RESUMED.search(run.stdout)
     assert said and said.group(2) == "memory" and said.group(3) == "0", run.stdout
-    rows, expected = _rows(tmp_path / "killed"), {int(r["step"]): r["loss"] for r in _rows(tmp_path / "reference")}
+    rows, expected = rows_of(tmp_path / "killed"), {int(r["step"]): r["loss"] for r in rows_of(tmp_path / "reference")}
     steps = [int(r["step"]) for r in rows]
     assert steps == list(range(1, 11)) and int(said.group(1)) == 5, steps  # killed in step 6: none replayed
-    assert _exact(rows, expected) <= 1e-6
-    assert _left_in_shm(tmp_path / "killed") == []
+    assert worst_loss(rows, expected) <= 1e-6
+    assert left_in_shm(tmp_path / "killed") == []
 
 
 def test_zero2_s_state_is_copied_when_nothing_read_it_before_the_first_step(tmp_path: Path) -> None:
@@ -73,81 +66,7 @@ def test_zero2_s_state_is_copied_when_nothing_read_it_before_the_first_step(tmp_
     run = launch(tmp_path, *TINY, *shape, "trainer.save_at_end=false", "trainer.memory_checkpoint_every=1")
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert [int(r["step"]) for r in run.metrics] == [1, 2]
-    assert _left_in_shm(run.run_dir) == []
-
-
-ELASTIC = [
-    *TINY,
-    "model._target_=faulty.KilledOnceGPT",
-    "batch.global_size=12",
-    "batch.micro_size=1",
-    "trainer.max_steps=8",
-    "trainer.collective_timeout=60",
-]
-"""lcm(3, 4) samples a step: the same global batch at world size 4 (accumulation 3) and 3 (accumulation 4)."""
-
-
-def _job(
-    tmp_path: Path, name: str, nodes: str, extra: list[str], count: int = 4
-) -> tuple[list[subprocess.Popen[bytes]], Path]:
-    """`count` one-rank nodes of one elastic job on loopback, each in a session of its own (to be killed whole); the
-    first hosts the rendezvous store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run_dir = tmp_path / name
-    argv = [
-        LAUNCH,
-        *ELASTIC,
-        "+model.sleep_s=0.2",
-        f"+model.while_there={tmp_path / 'kill'}",
-        f"nodes={nodes}",
-        "gpus=1",
-        f"rdzv.endpoint=127.0.0.1:{port}",
-        f"rdzv.id={name}",
-        "rdzv.last_call_timeout=5",
-        "trainer.max_restarts=3",
-        "trainer.memory_checkpoint_every=1",
-        f"hydra.run.dir={run_dir}",
-        *extra,
-    ]
-    nodes_ = []
-    for n in range(count):
-        nodes_.append(_node(tmp_path, f"{name}{n}", argv))
-        if n == 0:  # it binds the rendezvous store
-            until(lambda: listening(port), nodes_[0], what="the rendezvous store")
-    return nodes_, run_dir
-
-
-def _node(tmp_path: Path, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-    """One node's launcher, its output in tmp_path/<name>.out."""
-    with open(tmp_path / f"{name}.out", "w") as out:
-        env = clean_env(tmp_path)
-        return subprocess.Popen(
-            argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def _kill(tmp_path: Path, run_dir: Path, nodes: list[subprocess.Popen[bytes]], ranks: list[int]) -> None:
-    """The nodes that run `ranks` killed whole (launcher and worker), and their shared memory gone with them, as a
-    lost machine's is."""
-    records = [json.loads((run_dir / "logs" / "ranks" / f"rank{r}.json").read_text()) for r in ranks]
-    pids = {int(record["launcher"].split(":")[1]) for record in records}
-    for node in nodes:
-        if node.pid in pids:
-            try:
-                os.killpg(node.pid, signal.SIGKILL)
-            except ProcessLookupError:  # it killed itself
-                pass
-            node.wait()
-    run_id = (run_dir / "run_id").read_text().strip()
-    for pid in pids:
-        for folder in memory.SHM.glob(f"{memory.PREFIX}{run_id}-*-{pid}"):
-            shutil.rmtree(folder)
-
-
-def _output(tmp_path: Path, name: str, count: int = 4) -> str:
-    return "".join((tmp_path / f"{name}{n}.out").read_text() for n in range(count))
+    assert left_in_shm(run.run_dir) == []
 
 
 def test_a_lost_node_replaced_costs_no_step_and_every_loss_is_one_process_s(tmp_path: Path) -> None:
@@ -160,11 +79,11 @@ def test_a_lost_node_replaced_costs_no_step_and_every_loss_is_one_process_s(tmp_
     shape = ["batch.global_size=4", "trainer.max_steps=4"]  # accumulation 2
     (tmp_path / "kill").touch()  # rank 1 kills its node mid-step 3 (its second forward), once
     killer = ["+model.bad_rank=1", "+model.at_call=6", "+model.whole_node=true"]
-    nodes, run_dir = _job(tmp_path, "lost", "2", [*shape, *killer], count=2)
+    nodes, run_dir = job_nodes(tmp_path, "lost", "2", [*shape, *killer], count=2)
     try:
         until(lambda: not (tmp_path / "kill").exists(), *nodes[:1], what="the node's loss")
-        _kill(tmp_path, run_dir, nodes, [1])
-        nodes.append(_node(tmp_path, "lost2", nodes[0].args))  # the node that takes its place
+        kill_nodes(run_dir, nodes, [1])
+        nodes.append(node_launcher(tmp_path, "lost2", nodes[0].args))  # the node that takes its place
         with ThreadPoolExecutor(1) as pool:  # one process's run while torch waits to drop the lost node (~15 s)
             reference = pool.submit(launch, tmp_path, *ELASTIC, *shape, "batch.micro_size=4", "gpus=1", name="one")
             codes = [n.wait(timeout=300) for n in nodes if n.returncode is None]
@@ -173,17 +92,17 @@ def test_a_lost_node_replaced_costs_no_step_and_every_loss_is_one_process_s(tmp_
         for n in nodes:
             if n.poll() is None:
                 os.killpg(n.pid, signal.SIGKILL)
-    out = _output(tmp_path, "lost", count=3)
+    out = outputs(tmp_path, "lost", count=3)
     assert codes == [0, 0], out[-4000:]
     said = RESUMED.search(out)
     assert said and said.groups() == ("2", "memory", "0"), out[-4000:]
     # ddp: the survivor's own state was the copy, written once when the step in flight failed (no per-step copy)
     assert "launch: memory tier: rank 0: step 2 written" in out, out[-4000:]
-    rows = _rows(run_dir)
+    rows = rows_of(run_dir)
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4], rows  # no step trained twice
     assert one.returncode == 0, one.stderr
-    assert _exact(rows, {int(r["step"]): r["loss"] for r in one.metrics}) <= 1e-6
-    assert _left_in_shm(run_dir) == []
+    assert worst_loss(rows, {int(r["step"]): r["loss"] for r in one.metrics}) <= 1e-6
+    assert left_in_shm(run_dir) == []
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +111,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     tmp = tmp_path_factory.mktemp("reference")
     run = launch(tmp, *ELASTIC, "batch.micro_size=4", "gpus=1", name="one")
     assert run.returncode == 0, run.stderr
-    return {int(r["step"]): r["loss"] for r in _rows(tmp / "one")}
+    return {int(r["step"]): r["loss"] for r in rows_of(tmp / "one")}
 
 
 IN_PLACE = re.compile(r"launch: recovery in place: rank\(s\) 3 lost; 3 rank\(s\) go on in their processes")
@@ -212,25 +131,25 @@ def test_a_lost_node_costs_no_step_and_the_job_goes_on_exactly_at_3_nodes(
     name = f"tier-{strategy}"
     (tmp_path / "kill").touch()  # rank 3 kills its node (launcher and worker) mid-step, once: after 2 forwards of 3
     killer = ["+model.bad_rank=3", "+model.at_call=11", "+model.whole_node=true"]
-    nodes, run_dir = _job(tmp_path, name, "3:4", [f"strategy={strategy}", f"trainer.recovery={recovery}", *killer])
+    nodes, run_dir = job_nodes(tmp_path, name, "3:4", [f"strategy={strategy}", f"trainer.recovery={recovery}", *killer])
     try:
         until(lambda: not (tmp_path / "kill").exists(), *nodes[:1], what="the node's loss")
-        _kill(tmp_path, run_dir, nodes, [3])  # its shared memory gone with it, as a lost machine's is
+        kill_nodes(run_dir, nodes, [3])  # its shared memory gone with it, as a lost machine's is
         codes = [n.wait(timeout=600) for n in nodes if n.returncode is None]
     finally:
         for n in nodes:
             if n.poll() is None:
                 os.killpg(n.pid, signal.SIGKILL)
-    out = _output(tmp_path, name)
+    out = outputs(tmp_path, name)
     assert codes == [0, 0, 0], out[-4000:]
     said = RESUMED.search(out)
     assert said and said.group(2) == "memory" and said.group(3) == "0", out[-4000:]
-    rows = _rows(run_dir)
+    rows = rows_of(run_dir)
     steps = [int(r["step"]) for r in rows]
     assert steps == list(range(1, 9)), steps  # no step trained twice
     assert {int(r["world_size"]) for r in rows} == {3, 4} and rows[-1]["world_size"] == 3
-    assert _exact(rows, uninterrupted) <= 1e-6
-    assert _left_in_shm(run_dir) == []
+    assert worst_loss(rows, uninterrupted) <= 1e-6
+    assert left_in_shm(run_dir) == []
     assert bool(IN_PLACE.search(out)) == (recovery == "in_place"), out[-4000:]
     if recovery == "in_place":  # no worker group was started again at 3 (rank 0 says its batch when one starts)
         assert {int(r["restart"]) for r in rows} == {0} and "x world size 3 = global" not in out, out[-4000:]
@@ -259,9 +178,9 @@ def test_a_rank_that_stops_answering_is_left_out_in_place_and_its_node_rejoins(
     trained once, every loss is one process's."""
     (tmp_path / "kill").touch()
     extra = ["strategy=ddp", "trainer.recovery=in_place", "trainer.collective_timeout=20", "+model.bad_rank=9"]
-    nodes, run_dir = _job(tmp_path, "stopped", "3:4", extra)
+    nodes, run_dir = job_nodes(tmp_path, "stopped", "3:4", extra)
     try:
-        until(lambda: len(_rows(run_dir)) >= 3, *nodes, what="three steps at 4 nodes")
+        until(lambda: len(rows_of(run_dir)) >= 3, *nodes, what="three steps at 4 nodes")
         node = next(n for n in nodes if n.pid == _launcher_of(run_dir, 3))
         os.kill(_worker(node, 3), signal.SIGSTOP)
         codes = [n.wait(timeout=600) for n in nodes]
@@ -269,15 +188,15 @@ def test_a_rank_that_stops_answering_is_left_out_in_place_and_its_node_rejoins(
         for n in nodes:
             if n.poll() is None:
                 os.killpg(n.pid, signal.SIGKILL)
-    out = _output(tmp_path, "stopped")
+    out = outputs(tmp_path, "stopped")
     assert codes == [0, 0, 0, 0], out[-4000:]
     assert IN_PLACE.search(out), out[-4000:]
     assert "launch: rank 3 was left out of the job's recovery in place" in out, out[-4000:]
-    rows = _rows(run_dir)
+    rows = rows_of(run_dir)
     assert [int(r["step"]) for r in rows] == list(range(1, 9))
     assert 3 in {int(r["world_size"]) for r in rows}
-    assert _exact(rows, uninterrupted) <= 1e-6
-    assert _left_in_shm(run_dir) == []
+    assert worst_loss(rows, uninterrupted) <= 1e-6
+    assert left_in_shm(run_dir) == []
 
 
 def _launcher_of(run_dir: Path, rank: int) -> int:
@@ -294,22 +213,22 @@ def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(
     lived on its node and on rank 3's, both lost. The two nodes left say which rank's state no node holds, resume
     from the disk tier, and go on exactly."""
     (tmp_path / "kill").touch()  # slow steps until the test kills
-    nodes, run_dir = _job(
+    nodes, run_dir = job_nodes(
         tmp_path,
         "adjacent",
         "2:4",
         ["trainer.checkpoint_every=2", "trainer.memory_replicas=1", "+model.bad_rank=9", "strategy=fsdp"],
     )
     try:
-        until(lambda: sum(r["world_size"] == 4 for r in _rows(run_dir)) >= 3, *nodes, what="three steps at 4 nodes")
-        _kill(tmp_path, run_dir, nodes, [2, 3])
+        until(lambda: sum(r["world_size"] == 4 for r in rows_of(run_dir)) >= 3, *nodes, what="three steps at 4 nodes")
+        kill_nodes(run_dir, nodes, [2, 3])
         (tmp_path / "kill").unlink()
         codes = [n.wait(timeout=600) for n in nodes if n.returncode is None]
     finally:
         for n in nodes:
             if n.poll() is None:
                 os.killpg(n.pid, signal.SIGKILL)
-    out = _output(tmp_path, "adjacent")
+    out = outputs(tmp_path, "adjacent")
     assert codes == [0, 0], out[-4000:]
     # rank 2's state, and rank 3's too where its copy of the newest step had not reached node 0 before the kill
     assert re.search(
@@ -319,10 +238,10 @@ def test_two_adjacent_nodes_lost_with_one_replica_fall_back_to_disk_saying_so(
     ), out[-4000:]
     said = RESUMED.search(out)
     assert said and said.group(2) == "disk", out[-4000:]
-    rows = _rows(run_dir)
+    rows = rows_of(run_dir)
     assert rows[-1]["world_size"] == 2 and int(rows[-1]["step"]) == 8
-    assert _exact(rows, uninterrupted) <= 1e-6
-    assert _left_in_shm(run_dir) == []
+    assert worst_loss(rows, uninterrupted) <= 1e-6
+    assert left_in_shm(run_dir) == []
 
 
 def _view(steps: dict[int, dict[int, str]], last: list[float] | None = None) -> dict[str, object]:
@@ -392,7 +311,7 @@ def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Pa
 
 
 @pytest.mark.unit
-def test_launch_plan_shows_the_host_memory_the_tier_takes_per_node(tmp_path: Path) -> None:
+def test_launch_plan_shows_the_host_memory_the_tier_takes_pernode_launcher(tmp_path: Path) -> None:
     from conftest import cli_here
 
     from launcher.plan.render import _size

@@ -256,7 +256,9 @@ class RdzvConfig:
     id: str | None = None
     """Run id shared by the nodes of one job; unset: derived from the SLURM job id, or random on one node."""
     backend: str = "c10d"
-    """torch elastic rendezvous backend: c10d, or static (node ranks from rdzv.node_rank / SLURM_NODEID)."""
+    """torch elastic rendezvous backend: c10d (its store on the node at rdzv.endpoint), static (node ranks from
+    rdzv.node_rank / SLURM_NODEID), or etcd-v2 (its store in an etcd server at rdzv.endpoint, which outlives any node
+    of the job; pip install 'launch[etcd]')."""
     port: int | None = ranged(None, PORT)
     """Port on the first host when the endpoint is derived from a SLURM allocation; unset: from the job id and
     rdzv.secret, below the kernel's ephemeral port range, so that concurrent jobs on one first host do not meet."""

@@ -14,6 +14,8 @@ from launcher.clusters import Job, detect, unresolved
 from launcher.config import ConfigError, Derived
 
 LOOPBACK = "127.0.0.1"
+ETCD = "etcd-v2"
+"""torch's etcd rendezvous: its state and its store in an etcd server, which outlives any node of the job."""
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,8 @@ class Rendezvous:
 def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Rendezvous:
     """Resolve the rendezvous of this job; raise ConfigError on settings that could only stall."""
     r = cfg.rdzv
-    if r.backend not in ("c10d", "static"):
-        raise ConfigError(f"rdzv.backend={r.backend} is not supported; use c10d or static")
+    if r.backend not in ("c10d", "static", ETCD):
+        raise ConfigError(f"rdzv.backend={r.backend} is not supported; use c10d, static or {ETCD}")
     configs: dict[str, Any] = {"join_timeout": int(r.join_timeout)}
     job = detect(env).job(r, derived, env)
     backend = job.backend or r.backend
@@ -46,15 +48,17 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
         )
     if derived.nodes > 1 and r.endpoint and (why := unresolved(r.endpoint)):  # torch's store would retry it a minute
         raise ConfigError(f"rdzv.endpoint={r.endpoint}: {why}; give the first node's address or a name that resolves")
+    if backend == ETCD:
+        check_etcd(endpoint)
     if derived.min_nodes < derived.nodes:
         if job.cluster != "local":
             raise ConfigError(
                 f"nodes={derived.min_nodes}:{derived.nodes} is an elastic range, but a {job.cluster} job has a fixed "
                 f"number of nodes; give nodes=N (elastic jobs run on nodes you start by hand)"
             )
-        if backend != "c10d":
+        if backend not in ("c10d", ETCD):
             raise ConfigError(
-                f"nodes={derived.min_nodes}:{derived.nodes} (elastic) needs the c10d rendezvous, not "
+                f"nodes={derived.min_nodes}:{derived.nodes} (elastic) needs the c10d or {ETCD} rendezvous, not "
                 f"rdzv.backend={backend}; use rdzv.backend=c10d with rdzv.endpoint and rdzv.id"
             )
         configs["last_call_timeout"] = int(r.last_call_timeout)
@@ -70,6 +74,48 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
         endpoint, run_id = endpoint or f"{LOOPBACK}:{port}", run_id or uuid.uuid4().hex[:12]
         return Rendezvous(endpoint, run_id, backend, configs, local, job)
     return Rendezvous(endpoint, run_id, backend, configs, job=job)
+
+
+def check_etcd(endpoint: str | None) -> None:
+    """rdzv.backend=etcd-v2 before start: an etcd server that answers the v2 API (the one torch's etcd rendezvous
+    speaks) at `endpoint`, and the client torch's backend imports; ConfigError (one line) naming what is missing."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    if not endpoint:
+        raise ConfigError(
+            f"rdzv.backend={ETCD} needs rdzv.endpoint=HOST:PORT, the client address of an etcd server with its v2 API "
+            "on (etcd --enable-v2=true)"
+        )
+    try:
+        import etcd  # noqa: F401  (python-etcd: the client torch's etcd rendezvous imports)
+    except ImportError:
+        raise ConfigError(
+            f"rdzv.backend={ETCD} needs python-etcd, the client torch's etcd rendezvous takes: pip install "
+            "'launch[etcd]'"
+        ) from None
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy between the nodes and etcd
+    try:
+        with direct.open(f"http://{endpoint}/v2/keys/", timeout=5) as answer:
+            body = json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            raise ConfigError(
+                f"rdzv.endpoint={endpoint}: the etcd there has no v2 API, which torch's etcd rendezvous speaks; "
+                "start it with --enable-v2=true (etcd 3.4 or 3.5: 3.6 has none)"
+            ) from None
+        raise ConfigError(
+            f"rdzv.endpoint={endpoint}: etcd answered HTTP {e.code} ({e.reason}); check the server"
+        ) from None
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise ConfigError(
+            f"rdzv.endpoint={endpoint}: no etcd answers there ({reason}); start etcd (--enable-v2=true) there, or "
+            "give its client address"
+        ) from None
+    if not (isinstance(body, dict) and "node" in body):
+        raise ConfigError(f"rdzv.endpoint={endpoint}: what answers there is not etcd's v2 API; give etcd's address")
 
 
 def _free_port() -> int:

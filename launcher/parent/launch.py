@@ -26,7 +26,7 @@ from launcher.config import (
 )
 from launcher.config.context import check_strategy
 from launcher.config.identity import identity_hash
-from launcher.elastic.rendezvous import Rendezvous, rendezvous
+from launcher.elastic.rendezvous import ETCD, Rendezvous, rendezvous
 from launcher.export.harness import requested
 from launcher.parent.checks import check_config, check_resume
 from launcher.parent.run_id import claim_run
@@ -119,7 +119,9 @@ def describe(cfg: DictConfig, derived: Derived, rdzv: Rendezvous, run_dir: Path)
         f"x {f'world {data}' if data == derived.world_size else f'data-parallel {data}'} = global {b.global_size}; "
         f"run dir {run_dir}"
     )
-    if derived.min_nodes < derived.nodes:  # the one node an elastic job cannot lose
+    if derived.min_nodes < derived.nodes and rdzv.backend == ETCD:
+        line += f"; it outlives any of its nodes (the rendezvous store is etcd's, at rdzv.endpoint={rdzv.endpoint})"
+    elif derived.min_nodes < derived.nodes:  # the one node an elastic job cannot lose
         line += f"; it outlives any node but the one hosting rdzv.endpoint={rdzv.endpoint} (the rendezvous store)"
     return line
 

@@ -1,0 +1,75 @@
+"""rdzv.backend=etcd-v2: torch's etcd rendezvous, its store in a real etcd server (Debian's, started on loopback by
+the tests), so that no node of a job is the one it cannot lose; and its settings refused before start where they
+could only stall."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import TINY, etcd_server, launch, launch_here
+from nodes import ELASTIC, RESUMED, job_nodes, kill_nodes, left_in_shm, outputs, rows_of, worst_loss
+from processes import until
+
+
+@pytest.mark.long  # three launchers and one process on loopback
+@pytest.mark.timeout(600)
+def test_the_node_of_rank_0_lost_the_job_goes_on_exactly_with_its_rendezvous_in_etcd(tmp_path: Path, etcd: str) -> None:
+    """Three one-rank ddp nodes (nodes=2:3) meet in etcd. The node of rank 0 is SIGKILLed whole mid-step 3: under
+    c10d the node a job cannot lose is the one hosting the store (tests/test_faults.py), here no node hosts it. The
+    two left meet again in etcd, resume from step 2 promoted from their memory (ddp: their own state is the copy),
+    none replayed, and finish at world size 2; every loss is one process's; nothing is left in /dev/shm."""
+    shape = ["batch.global_size=12", "trainer.max_steps=6"]  # accumulation 4 at 3 ranks, 6 at 2
+    (tmp_path / "kill").touch()  # rank 0 kills its node mid-step 3 (its second forward of 4), once
+    killer = ["+model.bad_rank=0", "+model.at_call=10", "+model.whole_node=true"]
+    nodes, run_dir = job_nodes(tmp_path, "etcd", "2:3", [*shape, *killer], count=3, etcd=etcd)
+    try:
+        until(lambda: not (tmp_path / "kill").exists(), *nodes[1:], what="the node's loss")
+        kill_nodes(run_dir, nodes, [0])
+        with ThreadPoolExecutor(1) as pool:  # one process's run while the two left meet again
+            reference = pool.submit(launch, tmp_path, *ELASTIC, *shape, "batch.micro_size=4", "gpus=1", name="one")
+            codes = [n.wait(timeout=400) for n in nodes if n.returncode is None]
+            one = reference.result()
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    out = outputs(tmp_path, "etcd", count=3)
+    assert codes == [0, 0], out[-4000:]
+    assert f"it outlives any of its nodes (the rendezvous store is etcd's, at rdzv.endpoint={etcd})" in out, out[:3000]
+    said = RESUMED.search(out)
+    assert said and said.groups() == ("2", "memory", "0"), out[-4000:]
+    rows = rows_of(run_dir)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6], rows  # no step trained twice
+    assert [r["world_size"] for r in rows] == [3, 3, 2, 2, 2, 2], rows
+    assert one.returncode == 0, one.stderr
+    assert worst_loss(rows, {int(r["step"]): r["loss"] for r in one.metrics}) <= 1e-6
+    assert left_in_shm(run_dir) == []
+
+
+def test_an_etcd_rendezvous_that_cannot_answer_is_one_line_before_any_worker(tmp_path: Path) -> None:
+    """Nothing at the endpoint, an etcd without its v2 API (etcd's default: torch's etcd rendezvous speaks only v2),
+    no endpoint at all: each refused in one line naming it, before anything is written."""
+    job = [
+        *TINY,
+        "nodes=2:3",
+        "gpus=1",
+        "batch.global_size=24",
+        "trainer.max_restarts=3",
+        "rdzv.backend=etcd-v2",
+        "rdzv.id=job",
+    ]
+    with etcd_server(v2=False) as v3_only:
+        line = launch_here(tmp_path, *job, f"rdzv.endpoint={v3_only}").refused()
+        assert line == (
+            f"launch: error: rdzv.endpoint={v3_only}: the etcd there has no v2 API, which torch's etcd rendezvous "
+            "speaks; start it with --enable-v2=true (etcd 3.4 or 3.5: 3.6 has none)"
+        ), line
+    # The same address once its server has stopped: nothing listens there now.
+    line = launch_here(tmp_path, *job, f"rdzv.endpoint={v3_only}").refused()
+    assert line.startswith(f"launch: error: rdzv.endpoint={v3_only}: no etcd answers there ("), line
+    line = launch_here(tmp_path, *TINY, "rdzv.backend=etcd-v2").refused()
+    assert "rdzv.backend=etcd-v2 needs rdzv.endpoint=HOST:PORT, the client address of an etcd server" in line, line
