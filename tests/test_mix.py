@@ -455,6 +455,40 @@ def test_a_stream_that_ends_stops_the_mixture_or_leaves_it_alike_at_any_world_si
         assert end is None, end
 
 
+LLAMA = [
+    "model=custom",
+    "model._target_=transformers.AutoModelForCausalLM.from_config",
+    "+model.config._target_=transformers.LlamaConfig",
+    "+model.config.vocab_size=320",
+    "+model.config.hidden_size=32",
+    "+model.config.intermediate_size=64",
+    "+model.config.num_hidden_layers=1",
+    "+model.config.num_attention_heads=4",
+    "+model.config.num_key_value_heads=2",
+    "+model.config.max_position_embeddings=64",
+]
+"""A transformers Llama: a tensor-parallel plan of its own, and no per-row loss (each source's loss is read from its
+logits)."""
+
+
+@pytest.mark.long  # 2 ranks of a Llama and one process
+def test_each_source_s_loss_from_logits_split_by_vocabulary_is_one_process_s(parts, tmp_path: Path) -> None:
+    """The three-kind mixture into a Llama at TP=2 with strategy.loss_parallel=true: the head's logits stay split by
+    vocabulary, the model's own loss runs on each rank's part, and each source's loss gathers them where it reads
+    them; the step's loss and every source's are one process's within fsdp_tp's declared tolerance."""
+    from runs import PARITY_TOLERANCE
+
+    base = [o for o in RUN if not o.startswith(("model", "+model"))]
+    job = [*base, *LLAMA, *_mix_args(parts), "trainer.max_steps=4"]
+    tp = launch(tmp_path, *job, "strategy=fsdp_tp", "gpus=2", "strategy.loss_parallel=true", name="tp").check()
+    one = launch(tmp_path, *job, "gpus=1", name="one").check()
+    assert "(loss_parallel)" in tp.stdout, tp.stdout
+    for figure in ("loss", "loss/maps", "loss/stream", "loss/store"):
+        worst = _worst(tp.metrics, one.metrics, range(1, 5), figure)
+        print(f"loss_parallel, data=mix: {figure} {worst:.2e} from one process")  # shown with pytest -s
+        assert worst <= PARITY_TOLERANCE["fsdp_tp"], figure
+
+
 STOPPING = (
     "data.sources={stream:{weight:0.5,_target_:data_sources.token_stream,count:40},synthetic:{weight:0.5,"
     "_target_:launcher.data.builtin.Synthetic,seq_len:16,num_samples:512}}"
