@@ -271,7 +271,7 @@ def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Pa
     from omegaconf import OmegaConf
 
     from launcher.config import ConfigError
-    from launcher.recovery.shm import check_memory_tier
+    from launcher.recovery.shm import check_memory_tier, replicas
 
     on = [*TINY, "trainer.memory_checkpoint_every=1"]
     two = ["nodes=2", "gpus=1", "rdzv.endpoint=127.0.0.1:29999", "rdzv.id=x"]
@@ -291,6 +291,9 @@ def test_a_memory_tier_the_job_cannot_hold_is_one_line_before_start(tmp_path: Pa
         ).refused()
     )
     trainer = OmegaConf.create({"memory_checkpoint_every": 1, "memory_replicas": None})
+    # The default asks for nothing the job lacks: a replica where there is another node, none on one.
+    assert [replicas(trainer, k) for k in (1, 2, 3)] == [0, 1, 1]
+    check_memory_tier(trainer, 2, 1, 10**6)  # nodes=1:2: not refused for a replica the user never asked for
     with pytest.raises(ConfigError) as e:
         check_memory_tier(trainer, 2, 2, 2 * 10**15)  # 2 PB of state: no /dev/shm holds its half
     line = str(e.value)

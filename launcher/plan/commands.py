@@ -274,18 +274,19 @@ def tier_line(plan: Any, trainer: DictConfig) -> str:
     """What `launch plan` says of the memory tier: the host memory (shared memory) it takes on each node."""
     from launcher.plan.render import _size
     from launcher.recovery.replicas import holds_whole_state
-    from launcher.recovery.shm import replicas, tier_bytes
+    from launcher.recovery.shm import tier_need
 
-    count, nodes = replicas(trainer, plan.derived.nodes), plan.derived.min_nodes
-    each = ", ".join(
-        f"{sp.name} {_size(tier_bytes(job_state(plan, sp), count, nodes, whole := holds_whole_state(sp.layout)))}"
-        + (" (the whole state, once, on a failure)" if whole else "")
-        for sp in plan.strategies
-    )
+    least, most = plan.derived.min_nodes, plan.derived.nodes
+    _, at, count = tier_need(trainer, 10**12, least, most)  # the number of nodes where a shard needs the most room
+    each = []
+    for sp in plan.strategies:
+        whole = holds_whole_state(sp.layout)
+        need, _, _ = tier_need(trainer, job_state(plan, sp), least, most, whole)
+        each.append(f"{sp.name} {_size(need)}" + (" (the whole state, once, on a failure)" if whole else ""))
     return (
         f"memory tier (trainer.memory_checkpoint_every={trainer.memory_checkpoint_every}): host memory per node, in "
-        f"/dev/shm (2 steps x the job's state / {nodes} node(s) x (1 + {count} replica(s)), where ranks shard it): "
-        f"{each}"
+        f"/dev/shm (2 steps x the job's state / {at} node(s) x (1 + {count} replica(s)), where ranks shard it): "
+        f"{', '.join(each)}"
     )
 
 

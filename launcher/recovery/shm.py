@@ -166,25 +166,38 @@ def tier_bytes(job_bytes: int, replicas: int, nodes: int, whole: bool = False) -
     return job_bytes if whole else 2 * -(-job_bytes // nodes) * (1 + replicas)
 
 
+def tier_need(trainer: Any, job_bytes: int, min_nodes: int, nodes: int, whole: bool = False) -> tuple[int, int, int]:
+    """The host memory a node's folder takes at its fullest over the numbers of nodes the job may run at (`tier_bytes`
+    with that number's replicas): its bytes, at how many nodes (the fewest, of those that need the most), with how
+    many replicas."""
+    sizes = {k: tier_bytes(job_bytes, replicas(trainer, k), k, whole) for k in range(min_nodes, nodes + 1)}
+    at = max(sizes, key=lambda k: (sizes[k], -k))
+    return sizes[at], at, replicas(trainer, at)
+
+
 def tier_on(trainer: Any) -> bool:
     """Whether the run keeps a memory tier (trainer.memory_checkpoint_every above 0): the one place that says it."""
     return bool(int(trainer.get("memory_checkpoint_every", 0) or 0))
 
 
 def replicas(trainer: DictConfig, nodes: int) -> int:
-    """trainer.memory_replicas, or its default: 1 on a multi-node job, 0 on one node."""
+    """How many other nodes keep a copy of each node's files in a group of `nodes` nodes: trainer.memory_replicas, or
+    by default 1; never more than the other nodes there are (none on one node; fewer where an elastic job runs at
+    fewer nodes than it asks)."""
     wanted = trainer.get("memory_replicas")
-    return int(wanted) if wanted is not None else (1 if nodes > 1 else 0)
+    return min(max(nodes - 1, 0), 1 if wanted is None else int(wanted))
 
 
 def check_memory_tier(
     trainer: DictConfig, nodes: int, min_nodes: int, job_bytes: int | None, whole: bool = False
 ) -> None:
-    """The memory tier's settings against the job: replicas it has nodes for, and room in shared memory for two
-    steps of a node's share of the job's state (`job_bytes`, if known) and its replicas', both at its fewest nodes."""
+    """The memory tier's settings against the job: the replicas asked for (the default takes what the nodes allow),
+    and room in shared memory for two steps of a node's share of the job's state (`job_bytes`, if known) and its
+    replicas', at whichever number of nodes the job may run at needs the most."""
     if not tier_on(trainer):
         return
-    count = replicas(trainer, nodes)
+    asked = trainer.get("memory_replicas")
+    count = 0 if asked is None else int(asked)
     if count and nodes == 1:
         raise ConfigError(
             f"trainer.memory_replicas={count} on a single-node job: replicas go to other nodes; set "
@@ -199,7 +212,8 @@ def check_memory_tier(
     if job_bytes is None or not SHM.is_dir():
         return
     stat = os.statvfs(SHM)
-    free, need = stat.f_bavail * stat.f_frsize, tier_bytes(job_bytes, count, min_nodes, whole)
+    free = stat.f_bavail * stat.f_frsize
+    need, at, count = tier_need(trainer, job_bytes, min_nodes, nodes, whole)
     if need > free and whole:
         raise ConfigError(
             f"the memory tier needs {need / 1e6:.1f} MB of shared memory on each node (the whole state, which every "
@@ -209,7 +223,7 @@ def check_memory_tier(
     if need > free:
         raise ConfigError(
             f"the memory tier needs {need / 1e6:.1f} MB of shared memory on each node (2 steps x "
-            f"{job_bytes / 1e6:.1f} MB of state / {min_nodes} node(s) x (1 + {count} replica(s))), but {SHM} has "
+            f"{job_bytes / 1e6:.1f} MB of state / {at} node(s) x (1 + {count} replica(s))), but {SHM} has "
             f"{free / 1e6:.1f} MB free; enlarge {SHM}, lower trainer.memory_replicas, or set "
             "trainer.memory_checkpoint_every=0"
         )

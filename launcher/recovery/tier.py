@@ -57,8 +57,7 @@ class MemoryTier:
         self.ctx, self.rank, self.world = ctx, ctx.rank, ctx.world_size
         self.per_node = int(ctx.local_world_size or ctx.world_size)
         nodes = max(1, self.world // self.per_node)
-        wanted = cfg.trainer.get("memory_replicas")
-        self.replicas = min(nodes - 1, int(1 if wanted is None else wanted))  # elastic: fewer nodes than it asks
+        self.replicas = memory.replicas(cfg.trainer, nodes)  # elastic: fewer nodes than it asks
         self.folder = Path(folder) if folder else Path()
         self.manifest = manifest_of(cfg, ctx.world_size, ctx.precision)
         self.resumed: dict[str, Any] | None = None
