@@ -50,26 +50,36 @@ def test_the_node_of_rank_0_lost_the_job_goes_on_exactly_with_its_rendezvous_in_
     assert left_in_shm(run_dir) == []
 
 
-def test_an_etcd_rendezvous_that_cannot_answer_is_one_line_before_any_worker(tmp_path: Path) -> None:
-    """Nothing at the endpoint, an etcd without its v2 API (etcd's default: torch's etcd rendezvous speaks only v2),
-    no endpoint at all: each refused in one line naming it, before anything is written."""
-    job = [
-        *TINY,
-        "nodes=2:3",
-        "gpus=1",
-        "batch.global_size=24",
-        "trainer.max_restarts=3",
-        "rdzv.backend=etcd-v2",
-        "rdzv.id=job",
-    ]
-    with etcd_server(v2=False) as v3_only:
-        line = launch_here(tmp_path, *job, f"rdzv.endpoint={v3_only}").refused()
-        assert line == (
-            f"launch: error: rdzv.endpoint={v3_only}: the etcd there has no v2 API, which torch's etcd rendezvous "
-            "speaks; start it with --enable-v2=true (etcd 3.4 or 3.5: 3.6 has none)"
-        ), line
-    # The same address once its server has stopped: nothing listens there now.
-    line = launch_here(tmp_path, *job, f"rdzv.endpoint={v3_only}").refused()
-    assert line.startswith(f"launch: error: rdzv.endpoint={v3_only}: no etcd answers there ("), line
+JOB = [
+    *TINY,
+    "nodes=2:3",
+    "gpus=1",
+    "batch.global_size=24",
+    "trainer.max_restarts=3",
+    "rdzv.backend=etcd-v2",
+    "rdzv.id=job",
+]
+
+
+def test_an_etcd_rendezvous_nothing_answers_is_one_line_before_any_worker(tmp_path: Path) -> None:
+    """No endpoint, nothing listening at it: each refused in one line naming it, before anything is written."""
+    import socket
+
     line = launch_here(tmp_path, *TINY, "rdzv.backend=etcd-v2").refused()
     assert "rdzv.backend=etcd-v2 needs rdzv.endpoint=HOST:PORT, the client address of an etcd server" in line, line
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    line = launch_here(tmp_path, *JOB, f"rdzv.endpoint={closed}").refused()
+    assert line.startswith(f"launch: error: rdzv.endpoint={closed}: no etcd answers there ("), line
+
+
+def test_an_etcd_without_its_v2_api_is_one_line_before_any_worker(tmp_path: Path) -> None:
+    """etcd's default since 3.4 (its v2 API off), which torch's etcd rendezvous cannot speak to: refused in one line
+    saying how to start it, before anything is written."""
+    with etcd_server(v2=False) as v3_only:
+        line = launch_here(tmp_path, *JOB, f"rdzv.endpoint={v3_only}").refused()
+    assert line == (
+        f"launch: error: rdzv.endpoint={v3_only}: the etcd there has no v2 API, which torch's etcd rendezvous "
+        "speaks; start it with --enable-v2=true (etcd 3.4 or 3.5: 3.6 has none)"
+    ), line
