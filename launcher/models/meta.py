@@ -149,6 +149,17 @@ def _pretrained_as_config(model_cfg: DictConfig) -> Any:
     return build
 
 
+def run_plan(model: Any, cfg: Any) -> dict[str, str]:
+    """The tensor-parallel plan the run would use: `strategy.tp_plan` where set, else the model's own."""
+    from omegaconf import OmegaConf
+
+    from strategies.tp_plans import chosen_plan
+
+    explicit = OmegaConf.select(cfg, "strategy.tp_plan", default=None)
+    given = OmegaConf.to_container(explicit) if isinstance(explicit, DictConfig) else None
+    return chosen_plan(model, given)[0]
+
+
 def measure(model: Any, tp_plan: dict[str, str] | None = None) -> ModelSize:
     """The model's sizes; `tensor_split` under `tp_plan`, the run's tensor-parallel plan (None: the model's own)."""
     from strategies.tp_plans import model_plan, resolve, split_params

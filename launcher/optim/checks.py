@@ -123,9 +123,9 @@ def measure(frozen: DictConfig, model: Any) -> ModelSize:
     trainable parameters of optim=muon's hidden matrices (the group `rules_for` puts first), none for others."""
     from launcher.base.targets import locate
     from launcher.models.meta import measure as sizes
+    from launcher.models.meta import run_plan
     from launcher.optim.build import rules_for
     from launcher.optim.groups import HIDDEN, assign
-    from launcher.plan.tensor import run_plan
 
     size = sizes(model, run_plan(model, frozen))
     try:

@@ -166,7 +166,7 @@ def pipeline_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
 def _tensor_parallel(model: Any, cfg: Any) -> tuple[int, set[int], bool]:
     """The run's tensor parallel within each stage: (T, the ids of the parameters its plan splits, whether the plan
     splits the sequence); (1, none, False) without it."""
-    from launcher.plan.tensor import run_plan
+    from launcher.models.meta import run_plan
     from strategies.tp_plans import SEQUENCE, resolve, split_tensors
 
     T = int(OmegaConf.select(cfg, "strategy.tp_size", default=1) or 1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from launcher.models.meta import run_plan
 from launcher.plan.costs import (
     GB,
     MIXED_PRECISIONS,
@@ -28,17 +29,6 @@ from strategies.comm import ring_sent_elements
 from strategies.declarations import WIRE_BYTES
 
 SIZES = (1, 2, 4, 8)
-
-
-def run_plan(model: Any, cfg: Any) -> dict[str, str]:
-    """The tensor-parallel plan the run would use: `strategy.tp_plan` where set, else the model's own."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from strategies.tp_plans import chosen_plan
-
-    explicit = OmegaConf.select(cfg, "strategy.tp_plan", default=None)
-    given = OmegaConf.to_container(explicit) if isinstance(explicit, DictConfig) else None
-    return chosen_plan(model, given)[0]
 
 
 def tensor_lines(plan: Plan, model: Any, cfg: Any) -> list[str]:
