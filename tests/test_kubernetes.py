@@ -61,6 +61,18 @@ def test_a_pytorchjob_pod_takes_its_shape_and_rendezvous_from_the_operator() -> 
 
 
 @pytest.mark.unit
+def test_an_etcd_rendezvous_asked_of_a_pytorchjob_is_one_line() -> None:
+    """The operator's pods meet by its static rendezvous: rdzv.backend=etcd-v2 is refused, not replaced in silence."""
+    cfg = shaped(_frozen("batch.global_size=64", "rdzv.backend=etcd-v2"), _pod(1, 23456), given=[])
+    with pytest.raises(ConfigError) as e:
+        rendezvous(cfg, derive(cfg, cuda_devices=8), _pod(1, 23456))
+    assert str(e.value) == (
+        "rdzv.backend=etcd-v2: a kubernetes job's nodes meet by its own static rendezvous, ranks as it numbers them; "
+        "leave rdzv.backend out"
+    )
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "given,env,message",
     [

@@ -38,6 +38,11 @@ def rendezvous(cfg: DictConfig, derived: Derived, env: Mapping[str, str]) -> Ren
         raise ConfigError(f"rdzv.backend={r.backend} is not supported; use c10d, static or {ETCD}")
     configs: dict[str, Any] = {"join_timeout": int(r.join_timeout)}
     job = detect(env).job(r, derived, env)
+    if job.backend and r.backend == ETCD:  # not replaced in silence by the environment's own
+        raise ConfigError(
+            f"rdzv.backend={ETCD}: a {job.cluster} job's nodes meet by its own {job.backend} rendezvous, ranks as it "
+            "numbers them; leave rdzv.backend out"
+        )
     backend = job.backend or r.backend
     endpoint, run_id = r.endpoint or job.endpoint, r.id or job.run_id  # the user's settings win
     node_rank = r.node_rank if r.node_rank is not None else job.node_rank
