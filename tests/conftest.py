@@ -18,6 +18,8 @@ from typing import Any, NoReturn
 
 import pytest
 
+pytest.register_assert_rewrite("nodes")  # its checks fail as a test's own asserts do, with the values compared
+
 LAUNCH = str(Path(sys.executable).parent / "launch")
 
 # Small and fast: the tiny GPT on short sequences, every step logged.

@@ -10,9 +10,12 @@ import shutil
 import signal
 import socket
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
-from conftest import LAUNCH, TINY, clean_env
+from conftest import LAUNCH, TINY, Run, clean_env, launch
 from processes import listening, until
 
 from launcher.recovery import shm as memory
@@ -109,3 +112,38 @@ def kill_nodes(run_dir: Path, nodes: list[subprocess.Popen[bytes]], ranks: list[
 
 def outputs(tmp_path: Path, name: str, count: int = 4) -> str:
     return "".join((tmp_path / f"{name}{n}.out").read_text() for n in range(count))
+
+
+@contextmanager
+def ended_on_exit(nodes: list[subprocess.Popen[bytes]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """The job's nodes, each still running on the way out (a test that failed) killed whole."""
+    try:
+        yield nodes
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+
+
+def beside_one(
+    tmp_path: Path, nodes: list[subprocess.Popen[bytes]], reference: list[str], timeout: float
+) -> tuple[list[int], Run]:
+    """Wait for the nodes still running while one process trains `reference` (its overrides) beside them, in
+    tmp_path/one: the nodes' exit codes, and the one process's run."""
+    with ThreadPoolExecutor(1) as pool:
+        one = pool.submit(launch, tmp_path, *reference, name="one")
+        codes = [n.wait(timeout=timeout) for n in nodes if n.returncode is None]
+        return codes, one.result()
+
+
+def went_on_exactly(out: str, run_dir: Path, one: Run, resumed: int, steps: int) -> list[dict[str, float]]:
+    """Check that the job resumed from step `resumed` out of memory, none replayed, trained steps 1 to `steps` once
+    each, every loss one process's (`one`) within 1e-6, and left nothing in /dev/shm; its metrics' rows."""
+    said = RESUMED.search(out)
+    assert said and said.groups() == (str(resumed), "memory", "0"), out[-4000:]
+    rows = rows_of(run_dir)
+    assert [int(r["step"]) for r in rows] == list(range(1, steps + 1)), rows  # no step trained twice
+    assert one.returncode == 0, one.stderr
+    assert worst_loss(rows, {int(r["step"]): r["loss"] for r in one.metrics}) <= 1e-6
+    assert left_in_shm(run_dir) == []
+    return rows

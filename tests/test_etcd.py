@@ -4,14 +4,11 @@ could only stall."""
 
 from __future__ import annotations
 
-import os
-import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import TINY, etcd_server, launch, launch_here
-from nodes import ELASTIC, RESUMED, job_nodes, kill_nodes, left_in_shm, outputs, rows_of, worst_loss
+from conftest import TINY, etcd_server, launch_here
+from nodes import ELASTIC, beside_one, ended_on_exit, job_nodes, kill_nodes, outputs, went_on_exactly
 from processes import until
 
 
@@ -26,28 +23,16 @@ def test_the_node_of_rank_0_lost_the_job_goes_on_exactly_with_its_rendezvous_in_
     (tmp_path / "kill").touch()  # rank 0 kills its node mid-step 3 (its second forward of 6), once
     killer = ["+model.bad_rank=0", "+model.at_call=14", "+model.whole_node=true"]
     nodes, run_dir = job_nodes(tmp_path, "etcd", "1:2", [*shape, *killer], count=2, etcd=etcd)
-    try:
+    with ended_on_exit(nodes):
         until(lambda: not (tmp_path / "kill").exists(), *nodes[1:], what="the node's loss")
         kill_nodes(run_dir, nodes, [0])
-        with ThreadPoolExecutor(1) as pool:  # one process's run while the two left meet again
-            reference = pool.submit(launch, tmp_path, *ELASTIC, *shape, "batch.micro_size=4", "gpus=1", name="one")
-            codes = [n.wait(timeout=400) for n in nodes if n.returncode is None]
-            one = reference.result()
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
+        # One process's run while the node left meets etcd again.
+        codes, one = beside_one(tmp_path, nodes, [*ELASTIC, *shape, "batch.micro_size=4", "gpus=1"], timeout=400)
     out = outputs(tmp_path, "etcd", count=2)
     assert codes == [0], out[-4000:]
     assert f"it outlives any of its nodes (the rendezvous store is etcd's, at rdzv.endpoint={etcd})" in out, out[:3000]
-    said = RESUMED.search(out)
-    assert said and said.groups() == ("2", "memory", "0"), out[-4000:]
-    rows = rows_of(run_dir)
-    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6], rows  # no step trained twice
+    rows = went_on_exactly(out, run_dir, one, resumed=2, steps=6)
     assert [r["world_size"] for r in rows] == [2, 2, 1, 1, 1, 1], rows
-    assert one.returncode == 0, one.stderr
-    assert worst_loss(rows, {int(r["step"]): r["loss"] for r in one.metrics}) <= 1e-6
-    assert left_in_shm(run_dir) == []
 
 
 JOB = [

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,15 @@ from conftest import TINY, launch, launch_here
 from nodes import (
     ELASTIC,
     RESUMED,
+    beside_one,
+    ended_on_exit,
     job_nodes,
     kill_nodes,
     left_in_shm,
     node_launcher,
     outputs,
     rows_of,
+    went_on_exactly,
     worst_loss,
 )
 from processes import until
@@ -80,29 +82,17 @@ def test_a_lost_node_replaced_costs_no_step_and_every_loss_is_one_process_s(tmp_
     (tmp_path / "kill").touch()  # rank 1 kills its node mid-step 3 (its second forward), once
     killer = ["+model.bad_rank=1", "+model.at_call=6", "+model.whole_node=true"]
     nodes, run_dir = job_nodes(tmp_path, "lost", "2", [*shape, *killer], count=2)
-    try:
+    with ended_on_exit(nodes):
         until(lambda: not (tmp_path / "kill").exists(), *nodes[:1], what="the node's loss")
         kill_nodes(run_dir, nodes, [1])
         nodes.append(node_launcher(tmp_path, "lost2", nodes[0].args))  # the node that takes its place
-        with ThreadPoolExecutor(1) as pool:  # one process's run while torch waits to drop the lost node (~15 s)
-            reference = pool.submit(launch, tmp_path, *ELASTIC, *shape, "batch.micro_size=4", "gpus=1", name="one")
-            codes = [n.wait(timeout=300) for n in nodes if n.returncode is None]
-            one = reference.result()
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
+        # One process's run while torch waits to drop the lost node (~15 s).
+        codes, one = beside_one(tmp_path, nodes, [*ELASTIC, *shape, "batch.micro_size=4", "gpus=1"], timeout=300)
     out = outputs(tmp_path, "lost", count=3)
     assert codes == [0, 0], out[-4000:]
-    said = RESUMED.search(out)
-    assert said and said.groups() == ("2", "memory", "0"), out[-4000:]
+    went_on_exactly(out, run_dir, one, resumed=2, steps=4)
     # ddp: the survivor's own state was the copy, written once when the step in flight failed (no per-step copy)
     assert "launch: memory tier: rank 0: step 2 written" in out, out[-4000:]
-    rows = rows_of(run_dir)
-    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4], rows  # no step trained twice
-    assert one.returncode == 0, one.stderr
-    assert worst_loss(rows, {int(r["step"]): r["loss"] for r in one.metrics}) <= 1e-6
-    assert left_in_shm(run_dir) == []
 
 
 @pytest.fixture(scope="module")
